@@ -1,0 +1,1 @@
+"""deltarl env_server (see the repository README)."""

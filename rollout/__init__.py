@@ -1,0 +1,1 @@
+"""deltarl rollout (see the repository README)."""

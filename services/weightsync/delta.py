@@ -1,0 +1,264 @@
+"""The in-memory delta: which elements of which tensors changed, and their new bit patterns.
+
+A :class:`Delta` takes a state dict from ``base_version`` to ``version`` bit-exactly. It is
+independent of any file format (see ``compact.py``, ``trl_format.py``) and of the device: indices
+and values are CPU numpy arrays, and :func:`apply_delta` scatters them in place into CPU or GPU
+tensors without copying the model.
+
+Guarantees:
+
+* Every tensor of the state is listed, changed or not, with the digest of its base and result, so
+  a tensor added, removed, reshaped or cast between versions is refused (:class:`StateMismatchError`).
+* :func:`apply_delta` checks every base digest *before* writing any byte; values are absolute new
+  bit patterns, so even a retried apply cannot double-count, and the base check refuses it anyway
+  (the state is then at ``version``, whose digest differs from the base's).
+* After writing, the result digests are verified (:class:`VerificationError` if not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .bits import bits_view, dtype_name, float_format
+from .digest import combine_digests, tensor_digest
+from .errors import BaseMismatchError, DeltaError, StateMismatchError, VerificationError
+
+
+@dataclass(slots=True)
+class TensorPatch:
+    """Changes to one tensor.
+
+    Example::
+
+        TensorPatch(name="lm_head.weight", dtype="bfloat16", shape=(8, 4),
+                    index=np.array([3, 17]), value=np.array([16256, -16512], np.int16),
+                    base_digest="...", result_digest="...")
+    """
+
+    name: str
+    dtype: str  # "bfloat16" | "float16" | "float32"
+    shape: tuple[int, ...]
+    index: np.ndarray  # int64 [k], strictly increasing flat (C-order) indices of changed elements
+    value: np.ndarray  # int16/int32 [k], new bit patterns at those indices
+    base_digest: str  # tensor_digest of the tensor at base_version
+    result_digest: str  # tensor_digest of the tensor at version
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def changed(self) -> int:
+        return int(self.index.size)
+
+
+@dataclass(slots=True)
+class Delta:
+    """All patches that take a state from ``base_version`` to ``version``.
+
+    ``base_version`` is ``None`` only for deltas computed outside any versioned chain (the CLI on
+    two loose files).
+    """
+
+    base_version: int | None
+    version: int | None
+    patches: dict[str, TensorPatch]
+
+    @property
+    def base_digest(self) -> str:
+        return combine_digests({n: p.base_digest for n, p in self.patches.items()})
+
+    @property
+    def result_digest(self) -> str:
+        return combine_digests({n: p.result_digest for n, p in self.patches.items()})
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.patches.values())
+
+    @property
+    def changed(self) -> int:
+        return sum(p.changed for p in self.patches.values())
+
+    @property
+    def density(self) -> float:
+        n = self.numel
+        return self.changed / n if n else 0.0
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of a full checkpoint of the result state (what a full sync would ship)."""
+        return sum(p.numel * float_format(p.dtype).width // 8 for p in self.patches.values())
+
+
+def check_compatible(state: Mapping[str, torch.Tensor], patches: Mapping[str, TensorPatch]) -> None:
+    """Refuse, with the first few differences named, a state whose tensors differ from the delta's."""
+    problems: list[str] = []
+    missing = sorted(set(patches) - set(state))
+    extra = sorted(set(state) - set(patches))
+    if missing:
+        problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        problems.append(f"unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    for name in sorted(set(state) & set(patches)):
+        t, p = state[name], patches[name]
+        if dtype_name(t.dtype) != p.dtype or tuple(t.shape) != p.shape:
+            problems.append(
+                f"{name}: state has {dtype_name(t.dtype)}{list(t.shape)}, delta expects {p.dtype}{list(p.shape)}"
+            )
+        if len(problems) >= 8:
+            break
+    if problems:
+        raise StateMismatchError("state does not match the delta: " + "; ".join(problems))
+
+
+def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
+    idx = torch.nonzero(ob != nb).view(-1)
+    return idx.cpu().numpy().astype(np.int64, copy=False), nb[idx].cpu().numpy()
+
+
+def compute_delta(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    base_version: int | None = None,
+    version: int | None = None,
+    old_digests: Mapping[str, str] | None = None,
+) -> Delta:
+    """Delta from ``old`` to ``new`` (same names, dtypes and shapes; CPU or GPU tensors).
+
+    ``old_digests`` (tensor digests of ``old``, e.g. remembered from the previous publish) saves
+    hashing ``old`` again.
+    """
+    if set(old) != set(new):
+        added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        raise StateMismatchError(f"tensors differ between versions: added {added[:5]}, removed {removed[:5]}")
+    patches: dict[str, TensorPatch] = {}
+    for name in sorted(new):
+        o, n = old[name], new[name]
+        if o.dtype != n.dtype or o.shape != n.shape:
+            raise StateMismatchError(
+                f"{name}: {dtype_name(o.dtype)}{list(o.shape)} became {dtype_name(n.dtype)}{list(n.shape)}"
+            )
+        fmt = float_format(n.dtype)
+        index, value = _changed(o, n)
+        patches[name] = TensorPatch(
+            name=name,
+            dtype=fmt.name,
+            shape=tuple(n.shape),
+            index=index,
+            value=value.astype(fmt.bits_dtype, copy=False),
+            base_digest=old_digests[name] if old_digests is not None else tensor_digest(o),
+            result_digest=tensor_digest(n),
+        )
+    return Delta(base_version=base_version, version=version, patches=patches)
+
+
+def verify_base(
+    state: Mapping[str, torch.Tensor], delta: Delta, state_digests: Mapping[str, str] | None = None
+) -> None:
+    """Raise :class:`BaseMismatchError` unless ``state`` is exactly the delta's base."""
+    check_compatible(state, delta.patches)
+    wrong = []
+    for name, p in delta.patches.items():
+        have = state_digests[name] if state_digests is not None else tensor_digest(state[name])
+        if have != p.base_digest:
+            wrong.append(name)
+    if wrong:
+        already = all(tensor_digest(state[n]) == delta.patches[n].result_digest for n in wrong[:3])
+        hint = " (it already holds the delta's result: was the delta applied twice?)" if already else ""
+        raise BaseMismatchError(
+            f"state is not the base of this delta (version {delta.base_version} -> {delta.version}): "
+            f"{len(wrong)} tensor(s) differ, e.g. {wrong[:3]}{hint}; nothing was written"
+        )
+
+
+def scatter_patch(t: torch.Tensor, patch: TensorPatch) -> None:
+    """Write ``patch`` into ``t`` in place (one indexed copy; ``t`` may live on any device)."""
+    if patch.index.size == 0:
+        return
+    flat = bits_view(t)
+    idx = torch.from_numpy(patch.index).to(flat.device, non_blocking=True)
+    val = torch.from_numpy(patch.value).to(flat.device, non_blocking=True)
+    flat.index_copy_(0, idx, val)
+
+
+def apply_delta(
+    state: MutableMapping[str, torch.Tensor],
+    delta: Delta,
+    *,
+    check_base: bool = True,
+    verify: bool = True,
+    state_digests: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Apply ``delta`` to ``state`` in place and return the new tensor digests.
+
+    Order: compatibility and base digests are checked for every tensor first (nothing is written
+    if any fails), then every patch is scattered, then every result digest is verified. A
+    :class:`VerificationError` after writing means ``state`` is poisoned.
+    ``state_digests`` are trusted digests of ``state`` (skips hashing it for the base check).
+    """
+    if check_base:
+        verify_base(state, delta, state_digests)
+    else:
+        check_compatible(state, delta.patches)
+    for name, patch in delta.patches.items():
+        t = state[name]
+        if not t.is_contiguous():
+            raise StateMismatchError(f"{name}: tensor is not contiguous; cannot patch it in place")
+        scatter_patch(t, patch)
+    result = {name: p.result_digest for name, p in delta.patches.items()}
+    if verify:
+        bad = [n for n, p in delta.patches.items() if tensor_digest(state[n]) != p.result_digest]
+        if bad:
+            raise VerificationError(
+                f"after applying version {delta.version}, {len(bad)} tensor(s) do not match the trainer's "
+                f"digest, e.g. {bad[:3]}; the weights are poisoned, reload an anchor"
+            )
+    return result
+
+
+def compose(deltas: Sequence[Delta]) -> Delta:
+    """Squash consecutive deltas v->v+1->...->v+k into one v->v+k delta (last write wins).
+
+    Needs no weights: patches hold absolute new values. Elements that changed and changed back are
+    kept (harmless; the result digest still holds).
+    """
+    if not deltas:
+        raise DeltaError("compose needs at least one delta")
+    for a, b in zip(deltas, deltas[1:], strict=False):
+        if a.result_digest != b.base_digest:
+            raise BaseMismatchError(
+                f"deltas do not chain: {a.base_version}->{a.version} ends in a different state than "
+                f"{b.base_version}->{b.version} starts from"
+            )
+    first = deltas[0]
+    out: dict[str, TensorPatch] = {}
+    for name, p0 in first.patches.items():
+        parts = [d.patches[name] for d in deltas]
+        index = np.concatenate([p.index for p in parts])
+        value = np.concatenate([p.value for p in parts])
+        # stable sort by index, then keep the last occurrence of each index
+        order = np.argsort(index, kind="stable")
+        index, value = index[order], value[order]
+        keep = np.ones(index.size, dtype=bool)
+        if index.size:
+            keep[:-1] = index[1:] != index[:-1]
+        out[name] = TensorPatch(
+            name=name,
+            dtype=p0.dtype,
+            shape=p0.shape,
+            index=index[keep],
+            value=value[keep],
+            base_digest=p0.base_digest,
+            result_digest=parts[-1].result_digest,
+        )
+    return Delta(base_version=first.base_version, version=deltas[-1].version, patches=out)
+
+
+def iter_changed_tensors(delta: Delta) -> Iterable[TensorPatch]:
+    return (p for p in delta.patches.values() if p.changed)

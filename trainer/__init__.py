@@ -1,0 +1,1 @@
+"""deltarl trainer (see the repository README)."""
