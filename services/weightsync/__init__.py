@@ -1,36 +1,40 @@
 """Lossless sparse weight sync: compute, encode, publish and apply bf16 deltas bit-exactly.
 
-Public surface (import from here):
+Public surface (import from here; submodules load lazily so that torch-free parts such as the
+manifest and the planner can be imported without torch):
 
 * :class:`Delta`, :class:`TensorPatch`, :func:`compute_delta`, :func:`apply_delta`, :func:`compose`
 * digests: :func:`tensor_digest`, :func:`state_digest`
 * errors: :class:`DeltaError` and its subclasses
 """
 
-from .delta import Delta, TensorPatch, apply_delta, compose, compute_delta, verify_base
-from .digest import combine_digests, state_digest, state_digests, tensor_digest
-from .errors import (
-    BaseMismatchError,
-    CorruptDeltaError,
-    DeltaError,
-    StateMismatchError,
-    VerificationError,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BaseMismatchError",
-    "CorruptDeltaError",
-    "Delta",
-    "DeltaError",
-    "StateMismatchError",
-    "TensorPatch",
-    "VerificationError",
-    "apply_delta",
-    "combine_digests",
-    "compose",
-    "compute_delta",
-    "state_digest",
-    "state_digests",
-    "tensor_digest",
-    "verify_base",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Delta": "delta",
+    "TensorPatch": "delta",
+    "apply_delta": "delta",
+    "compose": "delta",
+    "compute_delta": "delta",
+    "verify_base": "delta",
+    "combine_digests": "digest",
+    "state_digest": "digest",
+    "state_digests": "digest",
+    "tensor_digest": "digest",
+    "BaseMismatchError": "errors",
+    "CorruptDeltaError": "errors",
+    "DeltaError": "errors",
+    "StateMismatchError": "errors",
+    "VerificationError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
