@@ -13,6 +13,9 @@ Guarantees:
   bit patterns, so even a retried apply cannot double-count, and the base check refuses it anyway
   (the state is then at ``version``, whose digest differs from the base's).
 * After writing, the result digests are verified (:class:`VerificationError` if not).
+* A delta read from a file that carries no digests (a plain TRL delta) holds
+  :data:`UNKNOWN_DIGEST`; :func:`apply_delta` refuses it unless both checks are switched off
+  explicitly (``check_base=False, verify=False``), so "unchecked" is always the caller's choice.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ import torch
 from .bits import bits_view, dtype_name, float_format
 from .digest import combine_digests, tensor_digest
 from .errors import BaseMismatchError, DeltaError, StateMismatchError, VerificationError
+
+UNKNOWN_DIGEST = "unknown"
+"""Digest placeholder for patches read from a file that records none (e.g. a plain TRL delta).
+
+Never a valid digest (those are lowercase hex), so it can never match a state by accident.
+"""
 
 
 @dataclass(slots=True)
@@ -75,6 +84,13 @@ class Delta:
     @property
     def result_digest(self) -> str:
         return combine_digests({n: p.result_digest for n, p in self.patches.items()})
+
+    @property
+    def digests_known(self) -> bool:
+        """False if any patch lacks its base or result digest (:data:`UNKNOWN_DIGEST`)."""
+        return all(
+            UNKNOWN_DIGEST not in (p.base_digest, p.result_digest) for p in self.patches.values()
+        )
 
     @property
     def numel(self) -> int:
@@ -162,6 +178,7 @@ def verify_base(
     state: Mapping[str, torch.Tensor], delta: Delta, state_digests: Mapping[str, str] | None = None
 ) -> None:
     """Raise :class:`BaseMismatchError` unless ``state`` is exactly the delta's base."""
+    _refuse_unknown_digests(delta)
     check_compatible(state, delta.patches)
     wrong = []
     for name, p in delta.patches.items():
@@ -174,6 +191,16 @@ def verify_base(
         raise BaseMismatchError(
             f"state is not the base of this delta (version {delta.base_version} -> {delta.version}): "
             f"{len(wrong)} tensor(s) differ, e.g. {wrong[:3]}{hint}; nothing was written"
+        )
+
+
+def _refuse_unknown_digests(delta: Delta) -> None:
+    if not delta.digests_known:
+        raise DeltaError(
+            f"delta {delta.base_version} -> {delta.version} carries no digests (e.g. a plain TRL "
+            "file), so its base cannot be checked nor its result verified; apply it unchecked with "
+            "check_base=False, verify=False, or attach digests computed from the local base first "
+            "(trl_format.with_local_digests); nothing was written"
         )
 
 
@@ -201,7 +228,11 @@ def apply_delta(
     if any fails), then every patch is scattered, then every result digest is verified. A
     :class:`VerificationError` after writing means ``state`` is poisoned.
     ``state_digests`` are trusted digests of ``state`` (skips hashing it for the base check).
+    A delta without digests (:attr:`Delta.digests_known` false) is refused before anything is
+    written unless ``check_base`` and ``verify`` are both false.
     """
+    if check_base or verify:
+        _refuse_unknown_digests(delta)
     if check_base:
         verify_base(state, delta, state_digests)
     else:
