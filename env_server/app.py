@@ -1,0 +1,358 @@
+"""FastAPI app of the Wordle environment server: OpenEnv routes, stateful HTTP sessions, WS.
+
+Routes (see docs/env_server.md for the protocol and the errors table):
+
+* ``POST /reset`` opens a session (or resets ``session_id``) and returns its first observation
+  with ``session_id``; ``POST /step``, ``GET /state`` and ``POST /close`` take that id.
+* ``WS /ws``: OpenEnv's session protocol, one session per connection.
+* ``GET /health`` (no token), ``/metadata``, ``/schema``, ``/metrics`` (Prometheus).
+
+Every failure is answered with an :class:`~.models.ErrorCode`: HTTP as ``{"code", "detail"}``
+with the status of ``HTTP_STATUS``, WS as ``{"type": "error", "data": {"code", "message"}}``.
+Handlers never await while they hold a session, so a step is atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Header, Query, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.websockets import WebSocketDisconnect
+
+from deltarl import __version__
+
+from .environment import WordleEnvironment
+from .guard import GuardMiddleware, error_body
+from .metrics import EnvMetrics
+from .models import (
+    CloseRequest,
+    CloseResponse,
+    EnvError,
+    EnvMetadata,
+    ErrorCode,
+    ErrorResponse,
+    HealthResponse,
+    ResetRequest,
+    SchemaResponse,
+    StepRequest,
+    StepResult,
+    WordleAction,
+    WordleObservation,
+    WordleState,
+)
+from .sessions import Session, SessionStore
+from .settings import EnvSettings
+from .wordle import WordLists
+
+logger = logging.getLogger(__name__)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 422, 503)
+}
+_HTTP_CODES = {
+    400: ErrorCode.INVALID_JSON,  # FastAPI: "There was an error parsing the body"
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+}
+WS_CLOSE_TIMEOUT = 4408  # app-defined close code: the session timed out
+SessionHeader = Annotated[str | None, Header(alias="X-Deltarl-Session", max_length=64)]
+
+
+def _validation_text(errors: list[Any], limit: int = 5) -> str:
+    """``loc: msg`` of the first errors, never the (possibly huge) input itself."""
+    parts = []
+    for err in errors[:limit]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = f" (+{len(errors) - limit} more)" if len(errors) > limit else ""
+    return "; ".join(parts) + more
+
+
+def create_app(settings: EnvSettings | None = None, words: WordLists | None = None) -> FastAPI:
+    """Build the app; ``settings`` default to the ``DELTARL_ENV_*`` environment variables."""
+    settings = settings if settings is not None else EnvSettings()
+    words = words if words is not None else WordLists.load()
+    rules = settings.rules()
+    reveal = settings.debug_reveal_answer
+    store = SessionStore(
+        lambda: WordleEnvironment(rules, words, reveal_answer=reveal),
+        max_sessions=settings.max_sessions,
+        timeout_s=settings.session_timeout_s,
+    )
+    metrics = EnvMetrics(store)
+    max_chars = settings.max_message_chars
+    closing: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(store.run_reaper())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+
+    app = FastAPI(
+        title="deltarl Wordle environment",
+        version=__version__,
+        description="OpenEnv-compatible Wordle server with stateful HTTP sessions.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.metrics = metrics
+    token = settings.token.get_secret_value() if settings.token is not None else None
+    app.add_middleware(
+        GuardMiddleware,
+        token=token,
+        max_body_bytes=settings.max_body_bytes,
+        on_error=lambda code: metrics.errors.labels(code.value).inc(),
+    )
+
+    def error_response(code: ErrorCode, detail: str) -> Response:
+        metrics.errors.labels(code.value).inc()
+        status, body = error_body(code, detail)
+        return Response(body, status_code=status, media_type="application/json")
+
+    @app.exception_handler(EnvError)
+    async def _env_error(_: Request, exc: EnvError) -> Response:
+        return error_response(exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        errors = list(exc.errors())
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(ErrorCode.INVALID_JSON, "the body is not valid JSON")
+        return error_response(ErrorCode.VALIDATION_ERROR, _validation_text(errors))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        code = _HTTP_CODES.get(exc.status_code, ErrorCode.INTERNAL_ERROR)
+        return error_response(code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+
+    def check_message(action: WordleAction) -> str:
+        if len(action.message) > max_chars:
+            raise EnvError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"action.message has {len(action.message)} characters; the limit is {max_chars}",
+            )
+        return action.message
+
+    def finish(session: Session, result: StepResult, transport: str) -> None:
+        if result.done:
+            game = session.env.game
+            assert game is not None
+            metrics.game_over(game.won, game.forfeited)
+        metrics.step[transport].inc()
+
+    # --- OpenEnv info routes ------------------------------------------------------------------
+
+    @app.get("/health", response_model=HealthResponse, tags=["info"])
+    async def health() -> HealthResponse:
+        """Liveness: ``{"status": "healthy"}`` (never needs the token)."""
+        return HealthResponse()
+
+    @app.get("/metadata", response_model=EnvMetadata, tags=["info"])
+    async def metadata() -> EnvMetadata:
+        """OpenEnv ``EnvironmentMetadata``."""
+        return EnvMetadata(
+            name="wordle",
+            description=f"Wordle: {rules.max_guesses} guesses, feedback G/Y/X; answer list of "
+            f"{len(words.answers)} words, {len(words.allowed)} allowed guesses (SCOWL).",
+            version=__version__,
+            author="deltarl",
+            documentation_url="docs/env_server.md",
+        )
+
+    @app.get("/schema", response_model=SchemaResponse, tags=["info"])
+    async def schema() -> SchemaResponse:
+        """JSON schemas of the action, the observation and the state."""
+        return SchemaResponse(
+            action=WordleAction.model_json_schema(),
+            observation=WordleObservation.model_json_schema(),
+            state=WordleState.model_json_schema(),
+        )
+
+    @app.get("/metrics", tags=["info"], response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text format."""
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- HTTP sessions ------------------------------------------------------------------------
+
+    @app.post("/reset", response_model=StepResult, responses=ERROR_RESPONSES, tags=["env"])
+    async def reset(
+        req: Annotated[ResetRequest, Body(default_factory=ResetRequest)],
+    ) -> Response:
+        """Open a session (or reset ``session_id``) and return the first observation."""
+        session = store.get(req.session_id) if req.session_id else store.open("http")
+        with session.claim():
+            result = session.env.reset(seed=req.seed, episode_id=req.episode_id)
+            session.last_request_id = session.last_response = None
+        store.touch(session)
+        result.session_id = session.id
+        metrics.reset["http"].inc()
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @app.post("/step", response_model=StepResult, responses=ERROR_RESPONSES, tags=["env"])
+    async def step(req: StepRequest, x_session: SessionHeader = None) -> Response:
+        """Play ``action.message`` in the session; replays the cached answer for a repeated
+        ``request_id``."""
+        started = time.perf_counter()
+        session = store.get(req.session_id or x_session)
+        message = check_message(req.action)
+        with session.claim():
+            if req.request_id is not None and req.request_id == session.last_request_id:
+                assert session.last_response is not None
+                body = session.last_response
+            else:
+                result = session.env.step(message)
+                result.session_id = session.id
+                body = result.model_dump_json()
+                finish(session, result, "http")
+                session.last_request_id = req.request_id
+                session.last_response = body if req.request_id is not None else None
+        store.touch(session)
+        metrics.step_seconds.observe(time.perf_counter() - started)
+        return Response(body, media_type="application/json")
+
+    @app.get("/state", response_model=WordleState, responses=ERROR_RESPONSES, tags=["env"])
+    async def state(
+        session_id: Annotated[str | None, Query(max_length=64)] = None,
+        x_session: SessionHeader = None,
+    ) -> Response:
+        """State of the session; without a session id, the empty state (as OpenEnv's stateless
+        server answers)."""
+        sid = session_id or x_session
+        if not sid:
+            fresh = WordleState(max_guesses=rules.max_guesses, guesses_left=rules.max_guesses)
+            return Response(fresh.model_dump_json(), media_type="application/json")
+        session = store.get(sid)
+        store.touch(session)
+        return Response(session.env.state().model_dump_json(), media_type="application/json")
+
+    @app.post("/close", response_model=CloseResponse, responses=ERROR_RESPONSES, tags=["env"])
+    async def close(
+        req: Annotated[CloseRequest, Body(default_factory=CloseRequest)],
+        x_session: SessionHeader = None,
+    ) -> CloseResponse:
+        """Free the session now. Idempotent: closing an unknown session answers ``closed: false``."""
+        sid = req.session_id or x_session
+        if not sid:
+            raise EnvError(ErrorCode.SESSION_REQUIRED, "pass the session_id to close")
+        return CloseResponse(closed=store.close(sid, "http"))
+
+    # --- WebSocket sessions (OpenEnv) ----------------------------------------------------------
+
+    def ws_error(code: ErrorCode, message: str, **extra: Any) -> str:
+        metrics.errors.labels(code.value).inc()
+        return json.dumps(
+            {"type": "error", "data": {"code": code.value, "message": message, **extra}}
+        )
+
+    def ws_handle(session: Session, text: str) -> str | None:
+        """Answer one WS message; ``None`` means close the connection."""
+        if len(text) > settings.max_body_bytes:
+            return ws_error(
+                ErrorCode.PAYLOAD_TOO_LARGE, f"message over {settings.max_body_bytes} bytes"
+            )
+        try:
+            msg = json.loads(text)
+        except ValueError as exc:
+            return ws_error(ErrorCode.INVALID_JSON, f"Invalid JSON: {exc}")
+        if not isinstance(msg, dict):
+            return ws_error(
+                ErrorCode.VALIDATION_ERROR, 'expected an object {"type": ..., "data": ...}'
+            )
+        kind = msg.get("type")
+        data = msg.get("data")
+        env = session.env
+        try:
+            if kind == "reset":
+                req = ResetRequest.model_validate(data if data is not None else {})
+                result = env.reset(seed=req.seed, episode_id=req.episode_id)
+                metrics.reset["ws"].inc()
+                return '{"type":"observation","data":' + result.model_dump_json() + "}"
+            if kind == "step":
+                started = time.perf_counter()
+                message = check_message(WordleAction.model_validate(data))
+                with session.claim():
+                    result = env.step(message)
+                finish(session, result, "ws")
+                body = '{"type":"observation","data":' + result.model_dump_json() + "}"
+                metrics.step_seconds.observe(time.perf_counter() - started)
+                return body
+            if kind == "state":
+                return '{"type":"state","data":' + env.state().model_dump_json() + "}"
+            if kind == "close":
+                return None
+        except ValidationError as exc:
+            return ws_error(ErrorCode.VALIDATION_ERROR, _validation_text(exc.errors()))
+        except EnvError as exc:
+            return ws_error(exc.code, exc.message)
+        return ws_error(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {str(kind)[:64]!r}")
+
+    def close_later(ws: WebSocket) -> None:
+        task = asyncio.get_running_loop().create_task(
+            ws.close(code=WS_CLOSE_TIMEOUT, reason="session timed out")
+        )
+        closing.add(task)
+        task.add_done_callback(closing.discard)
+
+    @app.websocket("/ws")
+    async def ws_endpoint(ws: WebSocket) -> None:
+        """OpenEnv session protocol: reset/step/state/close messages, one session per socket."""
+        await ws.accept()
+        try:
+            session = store.open("ws", on_expire=lambda: close_later(ws))
+        except EnvError as exc:
+            extra = {"active_sessions": len(store), "max_sessions": store.max_sessions}
+            await ws.send_text(ws_error(exc.code, exc.message, **extra))
+            await ws.close(code=1013, reason="capacity reached")
+            return
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                text = msg.get("text")
+                if text is None:
+                    try:
+                        text = (msg.get("bytes") or b"").decode("utf-8")
+                    except UnicodeDecodeError:
+                        await ws.send_text(
+                            ws_error(ErrorCode.INVALID_JSON, "binary frame not UTF-8")
+                        )
+                        continue
+                store.touch(session)
+                reply = ws_handle(session, text)
+                if reply is None:
+                    break
+                await ws.send_text(reply)
+        except (WebSocketDisconnect, OSError):
+            pass  # the client went away (OSError: uvicorn's ClientDisconnected)
+        except RuntimeError:
+            pass  # Starlette refuses send/receive once the reaper has closed the socket
+        finally:
+            store.close(session.id, "ws")
+            with contextlib.suppress(RuntimeError, OSError):
+                await ws.close()
+
+    return app

@@ -1,0 +1,74 @@
+"""Deployment settings of the environment server: ``DELTARL_ENV_*`` environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.settings import ServiceSettings
+
+from .wordle import WordleRules
+
+
+class EnvSettings(ServiceSettings):
+    """Single source of truth for ``deltarl env`` (listed by ``deltarl env --help``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DELTARL_ENV_", extra="ignore", case_sensitive=False
+    )
+
+    host: str = Field(
+        default="127.0.0.1", description="Interface to bind (0.0.0.0 in a container)."
+    )
+    port: int = Field(default=8001, ge=0, le=65535, description="TCP port (7860 on a Space).")
+    token: SecretStr | None = Field(
+        default=None,
+        description="Shared secret; when set, every route but /health needs the header "
+        "X-Deltarl-Token. Unset: open server (local use only).",
+    )
+    max_sessions: int = Field(
+        default=4096, ge=1, description="Open sessions (HTTP + WS) before CAPACITY_REACHED."
+    )
+    session_timeout_s: float = Field(
+        default=600.0, gt=0, description="Seconds of inactivity after which a session is freed."
+    )
+    max_body_bytes: int = Field(
+        default=262_144, ge=1024, description="Largest HTTP body / WS message accepted, in bytes."
+    )
+    max_message_chars: int = Field(
+        default=32_768, ge=16, description="Longest action message accepted, in characters."
+    )
+    max_guesses: int = Field(default=6, ge=1, le=100, description="Guesses per episode.")
+    max_invalid_moves: int = Field(
+        default=1, ge=0, description="Invalid moves tolerated per episode; one more forfeits."
+    )
+    invalid_costs_guess: bool = Field(
+        default=False, description="A tolerated invalid move also uses up a guess."
+    )
+    allow_non_words: bool = Field(
+        default=False, description="Accept any 5 letters as a guess (no dictionary check)."
+    )
+    allow_repeats: bool = Field(
+        default=False, description="Score repeated guesses instead of treating them as invalid."
+    )
+    partial_credit: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Weight of (greens + 0.5 yellows)/5 of the last guess in the final reward on "
+        "a loss; 0 gives a 0/1 reward.",
+    )
+    debug_reveal_answer: bool = Field(
+        default=False, description="Put the answer in every observation and state (debug only)."
+    )
+
+    def rules(self) -> WordleRules:
+        """The game rules these settings select."""
+        return WordleRules(
+            max_guesses=self.max_guesses,
+            max_invalid_moves=self.max_invalid_moves,
+            invalid_costs_guess=self.invalid_costs_guess,
+            allow_non_words=self.allow_non_words,
+            allow_repeats=self.allow_repeats,
+            partial_credit=self.partial_credit,
+        )

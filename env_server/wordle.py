@@ -1,0 +1,216 @@
+"""Wordle game logic: pure, synchronous, no I/O besides loading the word lists once.
+
+* :func:`score_guess` computes the G/Y/X pattern in two passes exactly like the real game.
+* :func:`extract_guess` finds the first ``[word]`` in free model text.
+* :class:`WordleGame` is one episode: it applies moves under :class:`WordleRules`, keeps the
+  structured history and computes rewards. It never exposes the answer itself; the server decides
+  what to reveal (see ``models.py``).
+
+Example::
+
+    game = WordleGame(WordleRules(), WordLists.load(), seed=7)
+    move = game.play("I think [crane]")
+    move.pattern  # e.g. "XYGXX"
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cache
+from importlib import resources
+
+WORD_LENGTH = 5
+
+# First bracketed run of ASCII letters, spaces allowed inside the brackets. Possessive quantifiers
+# keep the scan linear on adversarial input ("[[[[", "[aaaa...").
+_BRACKETED = re.compile(r"\[[ \t]*+([A-Za-z]++)[ \t]*+\]")
+
+
+class InvalidReason(StrEnum):
+    """Why a move was not accepted as a guess (``last_move.invalid_reason`` on the wire)."""
+
+    NO_GUESS = "no_guess"  # no [word] of ASCII letters in the message
+    WRONG_LENGTH = "wrong_length"  # a bracketed word, but not 5 letters
+    NOT_A_WORD = "not_a_word"  # 5 letters, not in the allowed-guess list
+    REPEATED_GUESS = "repeated_guess"  # a word already guessed in this episode
+
+
+def score_guess(guess: str, answer: str) -> str:
+    """G/Y/X pattern of ``guess`` against ``answer`` (both lowercase, same length).
+
+    Pass 1 marks exact matches G and removes them from the pool of answer letters; pass 2 walks
+    the guess left to right and marks a letter Y only while the pool still holds that letter, so a
+    letter guessed twice but present once gets one mark (G wins over Y).
+    """
+    assert len(guess) == len(answer), (guess, answer)
+    pattern = ["X"] * len(guess)
+    pool: Counter[str] = Counter()
+    for i, (g, a) in enumerate(zip(guess, answer, strict=True)):
+        if g == a:
+            pattern[i] = "G"
+        else:
+            pool[a] += 1
+    for i, g in enumerate(guess):
+        if pattern[i] != "G" and pool[g] > 0:
+            pattern[i] = "Y"
+            pool[g] -= 1
+    return "".join(pattern)
+
+
+def extract_guess(message: str) -> str | None:
+    """The first bracketed run of ASCII letters in ``message``, lowercased, or ``None``.
+
+    ``"I'll try [CRANE] then [slate]"`` -> ``"crane"``; ``"[ crane ]"`` -> ``"crane"``;
+    ``"[cr4ne] [toast]"`` -> ``"toast"`` (a bracket holding anything but letters is skipped);
+    ``"crane"`` -> ``None``. The length is checked by the game, not here.
+    """
+    match = _BRACKETED.search(message)
+    return match.group(1).lower() if match else None
+
+
+@dataclass(frozen=True, slots=True)
+class WordLists:
+    """The answer list (secrets are drawn from it) and the allowed-guess list (a superset)."""
+
+    answers: tuple[str, ...]
+    allowed: frozenset[str]
+
+    @staticmethod
+    @cache
+    def load() -> WordLists:
+        """The lists shipped in ``env_server/data`` (see ``data/WORDLISTS.md``), loaded once."""
+        data = resources.files(__package__).joinpath("data")
+        answers = _read_words(data.joinpath("answers.txt").read_text("ascii"))
+        allowed = frozenset(_read_words(data.joinpath("allowed.txt").read_text("ascii")))
+        assert answers and allowed.issuperset(answers), (
+            "answers.txt must be a subset of allowed.txt"
+        )
+        return WordLists(answers=answers, allowed=allowed)
+
+
+def _read_words(text: str) -> tuple[str, ...]:
+    return tuple(w for w in (line.strip() for line in text.splitlines()) if w and w[0] != "#")
+
+
+@dataclass(frozen=True, slots=True)
+class WordleRules:
+    """How a game is played and scored; the server builds it from ``EnvSettings``.
+
+    * ``max_guesses``: valid guesses per episode (6 in the real game).
+    * ``max_invalid_moves``: invalid moves tolerated per episode; the next one forfeits the game
+      (final reward 0). ``0`` means the first invalid move forfeits.
+    * ``invalid_costs_guess``: a tolerated invalid move also uses up one of the guesses.
+    * ``allow_non_words``: accept any 5 ASCII letters as a guess (no dictionary check).
+    * ``allow_repeats``: score a repeated guess normally instead of treating it as invalid.
+    * ``partial_credit``: weight of the partial credit on a loss (see :meth:`final_reward`);
+      ``0`` gives a pure 0/1 reward.
+    """
+
+    max_guesses: int = 6
+    max_invalid_moves: int = 1
+    invalid_costs_guess: bool = False
+    allow_non_words: bool = False
+    allow_repeats: bool = False
+    partial_credit: float = 1.0
+
+
+@dataclass(slots=True)
+class Move:
+    """The outcome of one :meth:`WordleGame.play` call."""
+
+    guess: str | None  # extracted word (lowercase) or None when no [word] was found
+    pattern: str | None  # G/Y/X pattern if the move was a valid guess
+    invalid_reason: InvalidReason | None
+    repeated: bool  # the extracted word had already been guessed this episode
+    reward: float  # final reward if this move ended the game, else 0.0
+
+    @property
+    def valid(self) -> bool:
+        return self.invalid_reason is None
+
+
+@dataclass(slots=True)
+class WordleGame:
+    """One episode. The answer comes from ``seed`` (reproducible) or from a fresh random seed."""
+
+    rules: WordleRules
+    words: WordLists
+    seed: int | None = None
+    answer: str = field(init=False)
+    guesses: list[tuple[str, str]] = field(default_factory=list, init=False)  # (word, pattern)
+    invalid_moves: int = field(default=0, init=False)
+    moves: int = field(default=0, init=False)  # every play() call, valid or not
+    won: bool = field(default=False, init=False)
+    forfeited: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.answer = answer_for_seed(self.words, self.seed)
+
+    @property
+    def done(self) -> bool:
+        return self.won or self.forfeited or self.guesses_left == 0
+
+    @property
+    def guesses_left(self) -> int:
+        used = len(self.guesses) + (self.invalid_moves if self.rules.invalid_costs_guess else 0)
+        return max(self.rules.max_guesses - used, 0)
+
+    @property
+    def invalid_moves_left(self) -> int:
+        return max(self.rules.max_invalid_moves - self.invalid_moves, 0)
+
+    def play(self, message: str) -> Move:
+        """Apply one move. The caller must not call this once :attr:`done` is true."""
+        assert not self.done, "play() after the game ended"
+        self.moves += 1
+        guess = extract_guess(message)
+        repeated = guess is not None and any(guess == g for g, _ in self.guesses)
+        reason = self._invalid_reason(guess, repeated)
+        if reason is not None:
+            self.invalid_moves += 1
+            if self.invalid_moves > self.rules.max_invalid_moves:
+                self.forfeited = True
+            reward = self.final_reward() if self.done else 0.0
+            return Move(guess, None, reason, repeated, reward)
+        assert guess is not None
+        pattern = score_guess(guess, self.answer)
+        self.guesses.append((guess, pattern))
+        self.won = guess == self.answer
+        reward = self.final_reward() if self.done else 0.0
+        return Move(guess, pattern, None, repeated, reward)
+
+    def _invalid_reason(self, guess: str | None, repeated: bool) -> InvalidReason | None:
+        if guess is None:
+            return InvalidReason.NO_GUESS
+        if len(guess) != WORD_LENGTH:
+            return InvalidReason.WRONG_LENGTH
+        if not self.rules.allow_non_words and guess not in self.words.allowed:
+            return InvalidReason.NOT_A_WORD
+        if repeated and not self.rules.allow_repeats:
+            return InvalidReason.REPEATED_GUESS
+        return None
+
+    def final_reward(self) -> float:
+        """1.0 on a win; 0.0 on a forfeit (too many invalid moves); otherwise, once the guesses
+        are used up, ``partial_credit * (greens + 0.5 * yellows) / 5`` of the last valid guess
+        (OpenEnv TextArena's convention), or 0.0 if there was no valid guess."""
+        if self.won:
+            return 1.0
+        if self.forfeited or not self.guesses:
+            return 0.0
+        pattern = self.guesses[-1][1]
+        credit = (pattern.count("G") + 0.5 * pattern.count("Y")) / WORD_LENGTH
+        return self.rules.partial_credit * credit
+
+
+def answer_for_seed(words: WordLists, seed: int | None) -> str:
+    """The answer an episode with this seed gets: ``random.Random(seed)`` picks from the answer
+    list (stable across Python versions for integer seeds). ``None`` draws a secret seed."""
+    if seed is None:
+        seed = secrets.randbits(64)
+    return words.answers[random.Random(seed).randrange(len(words.answers))]
