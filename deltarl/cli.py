@@ -18,7 +18,7 @@ from deltarl import __version__
 # (sub-command name, module, attribute): the attribute is a ``typer.Typer`` (a group of commands)
 # or a plain function (a single command).
 SUBCOMMANDS: list[tuple[str, str, str]] = [
-
+    ("env", "deltarl.env_server.cli", "serve"),
 ]
 
 app = typer.Typer(

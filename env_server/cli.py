@@ -1,0 +1,52 @@
+"""``deltarl env``: run the Wordle environment server (uvicorn, one process).
+
+Only typer and the settings class are imported here; FastAPI and uvicorn load inside
+:func:`serve`, after the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+from pydantic import ValidationError
+
+from deltarl.services.settings import settings_help
+
+from .settings import EnvSettings
+
+logger = logging.getLogger(__name__)
+
+
+def serve(
+    host: str | None = typer.Option(None, "--host", help="Overrides DELTARL_ENV_HOST."),
+    port: int | None = typer.Option(None, "--port", help="Overrides DELTARL_ENV_PORT."),
+) -> None:
+    try:
+        settings = EnvSettings()
+        overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        settings = EnvSettings.model_validate(settings.model_dump() | overrides)
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(settings)
+    private = "token required" if settings.token is not None else "no token (open server)"
+    logger.info("Wordle env server on http://%s:%d (%s)", settings.host, settings.port, private)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        ws_max_size=settings.max_body_bytes,
+        access_log=False,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+    )
+
+
+serve.__doc__ = (
+    "Run the Wordle environment server (OpenEnv protocol: HTTP /reset /step /state, WS /ws).\n\n"
+    + settings_help(EnvSettings)
+)
