@@ -64,7 +64,9 @@ def float_format(dtype: torch.dtype | str) -> FloatFormat:
         return FLOAT_FORMATS[name]
     except KeyError:
         supported = ", ".join(FLOAT_FORMATS)
-        raise ValueError(f"dtype {name!r} is not supported by the delta codec (supported: {supported})") from None
+        raise ValueError(
+            f"dtype {name!r} is not supported by the delta codec (supported: {supported})"
+        ) from None
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:

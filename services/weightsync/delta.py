@@ -20,6 +20,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
@@ -133,9 +134,14 @@ def check_compatible(state: Mapping[str, torch.Tensor], patches: Mapping[str, Te
 
 
 def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices and new bit patterns of the elements whose bits differ."""
     ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
-    idx = torch.nonzero(ob != nb).view(-1)
-    return idx.cpu().numpy().astype(np.int64, copy=False), nb[idx].cpu().numpy()
+    if ob.device.type == "cpu" and nb.device.type == "cpu":
+        o, n = ob.numpy(), nb.numpy()
+        idx = np.flatnonzero(o != n).astype(np.int64, copy=False)
+        return idx, n[idx]
+    tidx = torch.nonzero(ob != nb).view(-1)
+    return tidx.cpu().numpy().astype(np.int64, copy=False), nb[tidx].cpu().numpy()
 
 
 def compute_delta(
@@ -152,7 +158,9 @@ def compute_delta(
     """
     if set(old) != set(new):
         added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-        raise StateMismatchError(f"tensors differ between versions: added {added[:5]}, removed {removed[:5]}")
+        raise StateMismatchError(
+            f"tensors differ between versions: added {added[:5]}, removed {removed[:5]}"
+        )
     patches: dict[str, TensorPatch] = {}
     for name in sorted(new):
         o, n = old[name], new[name]
@@ -187,7 +195,11 @@ def verify_base(
             wrong.append(name)
     if wrong:
         already = all(tensor_digest(state[n]) == delta.patches[n].result_digest for n in wrong[:3])
-        hint = " (it already holds the delta's result: was the delta applied twice?)" if already else ""
+        hint = (
+            " (it already holds the delta's result: was the delta applied twice?)"
+            if already
+            else ""
+        )
         raise BaseMismatchError(
             f"state is not the base of this delta (version {delta.base_version} -> {delta.version}): "
             f"{len(wrong)} tensor(s) differ, e.g. {wrong[:3]}{hint}; nothing was written"
@@ -261,7 +273,7 @@ def compose(deltas: Sequence[Delta]) -> Delta:
     """
     if not deltas:
         raise DeltaError("compose needs at least one delta")
-    for a, b in zip(deltas, deltas[1:], strict=False):
+    for a, b in itertools.pairwise(deltas):
         if a.result_digest != b.base_digest:
             raise BaseMismatchError(
                 f"deltas do not chain: {a.base_version}->{a.version} ends in a different state than "

@@ -26,7 +26,7 @@ def tensor_digest(t: torch.Tensor) -> str:
         data = data.cpu()
     data = data.contiguous().reshape(-1)
     if data.numel():
-        h.update(memoryview(data.view(torch.uint8).numpy()))
+        h.update(data.view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

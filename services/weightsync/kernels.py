@@ -1,0 +1,220 @@
+"""Compiled inner loops of the compact codec (numba, ``nogil`` so chunks run on all cores).
+
+Every kernel is a single pass over its input with no allocation inside the loop. The Python side
+(``compact.py``) prepares arrays, sizes output buffers exactly and checks every length it reads
+back, so a kernel can trust its arguments; kernels that read untrusted bytes (the decoders) bound
+every read and report overruns through their return value instead of reading past the buffer.
+
+Conventions:
+
+* bit streams are MSB-first inside each byte; a Rice code is ``q`` zero bits, a one bit, then the
+  ``k`` low bits of the value (MSB first);
+* the rANS coder is the classic byte-wise 32-bit variant (state in ``[L, 256 L)``, ``L = 2**23``)
+  with ``PROB_BITS``-bit frequencies, encoded back to front and decoded front to back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+RANS_L = 1 << 23
+PROB_BITS = 14
+PROB_SCALE = 1 << PROB_BITS
+
+
+@njit(nogil=True, cache=True)
+def scan_contexts(old, index, shift, emask, hist, ctx_out, rank_out):  # pragma: no cover - jit
+    """Context histogram of ``old`` and, for each changed element, its context and its rank
+    among the elements of the same context that precede it.
+
+    ``index`` must be strictly increasing and within ``old``; ``hist`` is zeroed by the caller.
+    """
+    j = 0
+    k = index.size
+    nxt = index[0] if k > 0 else -1
+    for i in range(old.size):
+        c = (np.int64(old[i]) >> shift) & emask
+        if i == nxt:
+            ctx_out[j] = c
+            rank_out[j] = hist[c]
+            j += 1
+            nxt = index[j] if j < k else -1
+        hist[c] += 1
+
+
+@njit(nogil=True, cache=True)
+def context_histogram(old, shift, emask, hist):  # pragma: no cover - jit
+    for i in range(old.size):
+        hist[(np.int64(old[i]) >> shift) & emask] += 1
+
+
+@njit(nogil=True, cache=True)
+def select_changed(
+    old, shift, emask, ranks, starts, ends, complement, out_index, out_ctx
+):  # pragma: no cover
+    """Inverse of :func:`scan_contexts`: turn per-context ranks back into flat indices.
+
+    ``ranks[starts[c]:ends[c]]`` are the strictly increasing coded ranks of context ``c``; where
+    ``complement[c]`` they name the *unchanged* elements. Returns the number of changed elements
+    written, or -1 if the ranks do not fit the tensor (corrupt input).
+    """
+    nctx = starts.size
+    ptr = starts.copy()
+    cnt = np.zeros(nctx, np.int64)
+    m = 0
+    cap = out_index.size
+    for i in range(old.size):
+        c = (np.int64(old[i]) >> shift) & emask
+        r = cnt[c]
+        cnt[c] = r + 1
+        p = ptr[c]
+        hit = False
+        if p < ends[c] and ranks[p] == r:
+            hit = True
+            ptr[c] = p + 1
+        if hit != complement[c]:
+            if m >= cap:
+                return -1
+            out_index[m] = i
+            out_ctx[m] = c
+            m += 1
+    for c in range(nctx):
+        if ptr[c] != ends[c]:
+            return -1
+    return m
+
+
+@njit(nogil=True, cache=True)
+def rice_bits(values, kparams):  # pragma: no cover - jit
+    total = 0
+    for j in range(values.size):
+        total += (values[j] >> kparams[j]) + 1 + kparams[j]
+    return total
+
+
+@njit(nogil=True, cache=True)
+def rice_encode(values, kparams, out):  # pragma: no cover - jit
+    """Rice-code ``values[j]`` with parameter ``kparams[j]`` into ``out`` (zeroed, sized by
+    :func:`rice_bits`)."""
+    pos = 0
+    for j in range(values.size):
+        v = values[j]
+        k = kparams[j]
+        pos += v >> k  # q zero bits (out is zeroed)
+        out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+        pos += 1
+        for b in range(k - 1, -1, -1):
+            if (v >> b) & 1:
+                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+            pos += 1
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def rice_decode(buf, kparams, out):  # pragma: no cover - jit
+    """Decode ``out.size`` Rice codes. Returns bits consumed, or -1 on overrun (corrupt input)."""
+    nbits = buf.size * 8
+    pos = 0
+    for j in range(out.size):
+        q = 0
+        while True:
+            if pos >= nbits:
+                return -1
+            bit = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+            pos += 1
+            if bit:
+                break
+            q += 1
+        k = kparams[j]
+        if pos + k > nbits:
+            return -1
+        v = q
+        for _ in range(k):
+            v = (v << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+            pos += 1
+        out[j] = v
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def raw_bits_encode(values, widths, out):  # pragma: no cover - jit
+    """Write the low ``widths[j]`` bits of ``values[j]``, MSB first, into zeroed ``out``."""
+    pos = 0
+    for j in range(values.size):
+        v = values[j]
+        for b in range(widths[j] - 1, -1, -1):
+            if (v >> b) & 1:
+                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
+            pos += 1
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def raw_bits_decode(buf, widths, out):  # pragma: no cover - jit
+    nbits = buf.size * 8
+    pos = 0
+    for j in range(out.size):
+        w = widths[j]
+        if pos + w > nbits:
+            return -1
+        v = 0
+        for _ in range(w):
+            v = (v << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+            pos += 1
+        out[j] = v
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def rans_encode(symbols, tables, freq, cum, out):  # pragma: no cover - jit
+    """rANS-encode ``symbols[j]`` under table ``tables[j]``; returns the start of the output in
+    ``out`` (bytes are written at ``out[start:]``)."""
+    x = np.int64(RANS_L)
+    pos = out.size
+    for j in range(symbols.size - 1, -1, -1):
+        s = symbols[j]
+        t = tables[j]
+        f = np.int64(freq[t, s])
+        xmax = ((RANS_L >> PROB_BITS) << 8) * f
+        while x >= xmax:
+            pos -= 1
+            out[pos] = np.uint8(x & 0xFF)
+            x >>= 8
+        x = ((x // f) << PROB_BITS) + (x % f) + np.int64(cum[t, s])
+    pos -= 4
+    out[pos] = np.uint8(x & 0xFF)
+    out[pos + 1] = np.uint8((x >> 8) & 0xFF)
+    out[pos + 2] = np.uint8((x >> 16) & 0xFF)
+    out[pos + 3] = np.uint8((x >> 24) & 0xFF)
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def rans_decode(buf, tables, freq, cum, lookup, out):  # pragma: no cover - jit
+    """Decode ``out.size`` symbols. Returns bytes consumed, or -1 if the stream is corrupt."""
+    n = buf.size
+    if n < 4:
+        return -1
+    x = (
+        np.int64(buf[0])
+        | (np.int64(buf[1]) << 8)
+        | (np.int64(buf[2]) << 16)
+        | (np.int64(buf[3]) << 24)
+    )
+    p = 4
+    mask = PROB_SCALE - 1
+    for j in range(out.size):
+        t = tables[j]
+        slot = x & mask
+        s = lookup[t, slot]
+        out[j] = s
+        x = np.int64(freq[t, s]) * (x >> PROB_BITS) + slot - np.int64(cum[t, s])
+        while x < RANS_L:
+            if p >= n:
+                return -1
+            x = (x << 8) | np.int64(buf[p])
+            p += 1
+    if x != RANS_L:
+        return -1
+    return p
