@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.services.settings import ServiceSettings
+from ..settings import ServiceSettings
 
 
 class BucketSettings(ServiceSettings):

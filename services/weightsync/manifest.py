@@ -1,0 +1,243 @@
+"""Wire records of versioned publication: per-version manifests and the ``latest`` pointer.
+
+Torch-free (pydantic + xxhash only): the trainer, the rollout workers, the coordinator and the
+planner all read these. Bucket layout (all keys relative to the bucket's root/prefix)::
+
+    objects/v000000000123/<uuid32>.<ext>   immutable payloads (anchors, deltas), unique names
+    manifests/v000000000123.json           one VersionManifest per version, written once
+    latest.json                            LatestPointer, moved forward only
+
+A version's *state* is the full set of model weights after trainer step ``step``; its
+``state_digest`` is the codec's combined digest of that state (``digest.state_digest``, xxh3-128
+hex). An object either rebuilds the state from nothing (``anchor``) or turns the state of
+``base_version`` into it (``delta``); a delta whose base is older than the previous version is a
+"squashed" one that lets lagging replicas skip versions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Literal
+
+import xxhash
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..buckets.base import validate_key
+
+MANIFEST_SCHEMA_VERSION = 1
+LATEST_KEY = "latest.json"
+MANIFESTS_PREFIX = "manifests/"
+OBJECTS_PREFIX = "objects/"
+VERSION_DIGITS = 12
+
+ObjectKind = Literal["anchor", "delta"]
+
+_HEX_DIGEST = r"^[0-9a-f]{16,128}$"
+_FORMAT = r"^[a-z0-9][a-z0-9.+_-]{0,63}$"
+_MANIFEST_KEY = re.compile(rf"^manifests/v(\d{{{VERSION_DIGITS}}})\.json$")
+
+#: Known formats -> file extension of their objects (unknown formats get ``.bin``).
+FORMAT_EXTENSIONS: dict[str, str] = {
+    "deltarl-compact-v1": "dlt",
+    "trl-sparse": "safetensors",
+    "safetensors": "safetensors",
+    "safetensors+zstd": "safetensors.zst",
+}
+
+
+def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
+    """xxh3-128 of ``data`` as 32 lowercase hex characters (the ``ObjectRef.xxh3_128`` form)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def version_tag(version: int) -> str:
+    """``123 -> "v000000000123"`` (zero-padded so that keys sort by version)."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version must be a non-negative int, got {version!r}")
+    if version >= 10**VERSION_DIGITS:
+        raise ValueError(f"version {version} has more than {VERSION_DIGITS} digits")
+    return f"v{version:0{VERSION_DIGITS}d}"
+
+
+def manifest_key(version: int) -> str:
+    """Key of the manifest of ``version``: ``manifests/v000000000123.json``."""
+    return f"{MANIFESTS_PREFIX}{version_tag(version)}.json"
+
+
+def parse_manifest_key(key: str) -> int | None:
+    """Version of a manifest key, or None if ``key`` is not one."""
+    m = _MANIFEST_KEY.match(key)
+    return int(m.group(1)) if m else None
+
+
+def objects_prefix(version: int) -> str:
+    """Prefix under which the objects of ``version`` are stored: ``objects/v000000000123/``."""
+    return f"{OBJECTS_PREFIX}{version_tag(version)}/"
+
+
+class ObjectRef(BaseModel):
+    """One immutable object of a version, with what a reader needs to verify and plan with it.
+
+    Example::
+
+        ObjectRef(key="objects/v000000000012/3f2a...e1.dlt", kind="delta",
+                  format="deltarl-compact-v1", size=1_830_112, xxh3_128="9c1f...", version=12,
+                  base_version=11, base_digest="aa01...", result_digest="5b7e...", changed=161_802)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(description="Object key in the bucket (validated; unique per publish).")
+    kind: ObjectKind = Field(
+        description="'anchor': the full state, loadable from nothing; 'delta': base -> version."
+    )
+    format: str = Field(
+        pattern=_FORMAT,
+        description="Encoding of the bytes, e.g. 'deltarl-compact-v1', 'trl-sparse', "
+        "'safetensors', 'safetensors+zstd'; the codec picks the decoder by it.",
+    )
+    size: int = Field(ge=0, description="Exact size of the object in bytes.")
+    xxh3_128: str = Field(
+        pattern=r"^[0-9a-f]{32}$", description="xxh3-128 of the object's bytes, lowercase hex."
+    )
+    version: int = Field(ge=0, description="The version whose state this object produces.")
+    base_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delta: the version it applies to (< version; < version-1 for a squashed "
+        "delta). Anchor: None.",
+    )
+    base_digest: str | None = Field(
+        default=None,
+        pattern=_HEX_DIGEST,
+        description="Delta: state digest of base_version, checked before apply. Anchor: None.",
+    )
+    result_digest: str = Field(
+        pattern=_HEX_DIGEST,
+        description="State digest after loading/applying this object (= the version's).",
+    )
+    changed: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delta: number of elements whose bits differ from base. Anchor: None.",
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        validate_key(key)
+        if not key.startswith(OBJECTS_PREFIX):
+            raise ValueError(f"object key {key!r} must live under {OBJECTS_PREFIX!r}")
+        return key
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ObjectRef:
+        if self.kind == "delta":
+            if self.base_version is None or self.base_digest is None:
+                raise ValueError(f"delta {self.key}: base_version and base_digest are required")
+            if self.base_version >= self.version:
+                raise ValueError(
+                    f"delta {self.key}: base_version {self.base_version} must be older than "
+                    f"version {self.version}"
+                )
+        elif self.base_version is not None or self.base_digest is not None:
+            raise ValueError(f"anchor {self.key}: base_version and base_digest must be None")
+        return self
+
+
+class VersionManifest(BaseModel):
+    """Everything published for one version; written once, after all of its objects.
+
+    A version has at least one object: any number of anchors (e.g. one per format) and any number
+    of incoming deltas (normally from the previous version, optionally squashed ones from older
+    versions). All objects produce the same state, so they share ``state_digest``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = Field(default=1, description="Layout version of this record.")
+    version: int = Field(ge=0, description="Policy version (strictly increasing, gaps allowed).")
+    step: int | None = Field(
+        default=None, ge=0, description="Trainer optimizer step of this state; None if unknown."
+    )
+    created_at: AwareDatetime = Field(
+        default_factory=lambda: datetime.now(UTC),
+        description="When the publisher wrote the manifest (UTC).",
+    )
+    state_digest: str = Field(
+        pattern=_HEX_DIGEST, description="Digest of the full state at this version (codec's)."
+    )
+    numel: int = Field(ge=0, description="Number of elements in the whole state.")
+    full_bytes: int = Field(
+        ge=0, description="Raw size of the whole state in bytes (e.g. 2 * numel for bf16)."
+    )
+    objects: tuple[ObjectRef, ...] = Field(
+        min_length=1, description="Anchors and incoming deltas, in publication order."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> VersionManifest:
+        keys = [o.key for o in self.objects]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"version {self.version}: duplicate object keys")
+        prefix = objects_prefix(self.version)
+        for o in self.objects:
+            if o.version != self.version:
+                raise ValueError(f"object {o.key} is for version {o.version}, not {self.version}")
+            if o.result_digest != self.state_digest:
+                raise ValueError(f"object {o.key}: result_digest differs from the state_digest")
+            if not o.key.startswith(prefix):
+                raise ValueError(f"object {o.key} must live under {prefix!r}")
+        return self
+
+    @property
+    def key(self) -> str:
+        return manifest_key(self.version)
+
+    @property
+    def anchors(self) -> tuple[ObjectRef, ...]:
+        return tuple(o for o in self.objects if o.kind == "anchor")
+
+    @property
+    def deltas(self) -> tuple[ObjectRef, ...]:
+        return tuple(o for o in self.objects if o.kind == "delta")
+
+    @property
+    def has_anchor(self) -> bool:
+        return any(o.kind == "anchor" for o in self.objects)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+
+class LatestPointer(BaseModel):
+    """Content of ``latest.json``: the newest fully published version. Moves forward only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: Literal[1] = Field(default=1, description="Layout version of this record.")
+    version: int = Field(ge=0, description="Newest published version.")
+    manifest_key: str = Field(description="Key of that version's manifest.")
+    state_digest: str = Field(pattern=_HEX_DIGEST, description="Its state digest.")
+    updated_at: AwareDatetime = Field(
+        default_factory=lambda: datetime.now(UTC), description="When the pointer was written."
+    )
+
+    @model_validator(mode="after")
+    def _key_matches(self) -> LatestPointer:
+        if parse_manifest_key(self.manifest_key) != self.version:
+            raise ValueError(f"manifest_key {self.manifest_key!r} is not version {self.version}'s")
+        return self
+
+
+def index_manifests(manifests: Iterable[VersionManifest]) -> dict[int, VersionManifest]:
+    """``{version: manifest}``; ValueError if a version appears twice."""
+    out: dict[int, VersionManifest] = {}
+    for m in manifests:
+        if m.version in out:
+            raise ValueError(f"two manifests for version {m.version}")
+        out[m.version] = m
+    return out

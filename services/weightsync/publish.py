@@ -1,0 +1,428 @@
+"""Versioned publication through a bucket: :class:`Publisher` (trainer) and :class:`BucketReader`.
+
+Torch-free: objects arrive already encoded (bytes or a local file) from the codec.
+
+Publication protocol for version ``v`` (:meth:`Publisher.publish`), in this order:
+
+1. Check: ``v`` is newer than ``latest.json``; each delta's base version is published and its
+   ``base_digest`` equals that version's ``state_digest``; the first version has an anchor.
+2. Upload every object under a fresh unique key ``objects/v.../<uuid>.<ext>`` (never overwritten).
+3. Write the manifest ``manifests/v....json`` (size + xxh3-128 of each object). It may only
+   replace a leftover manifest of the same version from a crashed attempt that never reached
+   step 5 (``v`` > latest, so no reader ever used it).
+4. Delete leftover manifests of crashed attempts between the old latest and ``v``.
+5. Overwrite ``latest.json`` with ``v``: this single atomic put is the commit point.
+
+What a reader (:class:`BucketReader`) can observe: the published versions are exactly the
+manifests whose version is <= ``latest.json``'s. A manifest is written after all of its objects
+and before the pointer moves past it, so every published manifest refers to complete objects; a
+crash at any step leaves ``latest.json`` and every published version untouched (the partial
+version's objects and manifest are invisible; retention removes the orphans after a grace
+period). ``latest.json`` never moves backwards as long as there is one publisher per bucket (the
+trainer); a second, concurrent publisher of the same version is refused at step 3 on the local
+and S3 backends (create-if-absent), best effort on HF.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import xxhash
+from pydantic import ValidationError
+
+from ..buckets.base import Bucket, ObjectExistsError, ObjectNotFoundError
+from .errors import BaseMismatchError, CorruptDeltaError
+from .manifest import (
+    FORMAT_EXTENSIONS,
+    LATEST_KEY,
+    MANIFESTS_PREFIX,
+    LatestPointer,
+    ObjectKind,
+    ObjectRef,
+    VersionManifest,
+    manifest_key,
+    objects_prefix,
+    parse_manifest_key,
+    xxh3_hex,
+)
+from .planner import CatchUpPlan, plan_catch_up
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 1 << 22
+
+
+class VersionNotFoundError(ValueError):
+    """The version is not published (newer than latest) or no longer kept (garbage-collected)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewObject:
+    """One encoded object handed to :meth:`Publisher.publish` by the codec.
+
+    Example: ``NewObject("delta", "deltarl-compact-v1", blob, base_version=11,
+    base_digest=delta.base_digest, changed=delta.changed)``.
+    """
+
+    kind: ObjectKind  # "anchor" or "delta"
+    format: str  # e.g. "deltarl-compact-v1", "trl-sparse", "safetensors", "safetensors+zstd"
+    source: bytes | Path  # the encoded bytes, or a local file holding them
+    base_version: int | None = None  # delta: version it applies to; anchor: None
+    base_digest: str | None = None  # delta: state digest of base_version; anchor: None
+    changed: int | None = None  # delta: changed elements; anchor: None
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    h = xxhash.xxh3_128()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+class BucketReader:
+    """Read side: the latest pointer, published manifests, verified object fetches, plans.
+
+    Manifests are immutable once published, so they are cached; :meth:`manifests` re-lists the
+    bucket on every call (new versions appear, garbage-collected ones disappear).
+    """
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self._cache: dict[int, VersionManifest] = {}
+
+    def latest(self) -> LatestPointer | None:
+        """The ``latest.json`` pointer, or None before the first publish."""
+        try:
+            raw = self.bucket.get_bytes(LATEST_KEY)
+        except ObjectNotFoundError:
+            return None
+        try:
+            return LatestPointer.model_validate_json(raw)
+        except ValidationError as err:
+            raise CorruptDeltaError(
+                f"{LATEST_KEY} in {self.bucket.uri} is invalid: {err}"
+            ) from None
+
+    def latest_version(self) -> int | None:
+        ptr = self.latest()
+        return None if ptr is None else ptr.version
+
+    def load_manifest(self, version: int) -> VersionManifest:
+        """Read and validate the manifest of ``version``, published or not (no cache)."""
+        key = manifest_key(version)
+        raw = self.bucket.get_bytes(key)
+        try:
+            m = VersionManifest.model_validate_json(raw)
+        except ValidationError as err:
+            raise CorruptDeltaError(
+                f"manifest {key} in {self.bucket.uri} is invalid: {err}"
+            ) from None
+        if m.version != version:
+            raise CorruptDeltaError(f"manifest {key} describes version {m.version}")
+        return m
+
+    def manifest(self, version: int, *, latest: int | None = None) -> VersionManifest:
+        """The published manifest of ``version`` (VersionNotFoundError if unpublished or gone)."""
+        if version in self._cache:
+            return self._cache[version]
+        latest = self.latest_version() if latest is None else latest
+        if latest is None or version > latest:
+            raise VersionNotFoundError(f"version {version} is not published (latest: {latest})")
+        try:
+            m = self.load_manifest(version)
+        except ObjectNotFoundError:
+            raise VersionNotFoundError(
+                f"version {version} is no longer in {self.bucket.uri} (garbage-collected)"
+            ) from None
+        self._cache[version] = m
+        return m
+
+    def manifests(self, *, latest: int | None = None) -> dict[int, VersionManifest]:
+        """Every published manifest (version <= latest), by version."""
+        latest = self.latest_version() if latest is None else latest
+        if latest is None:
+            return {}
+        listed = {
+            v
+            for o in self.bucket.list(MANIFESTS_PREFIX)
+            if (v := parse_manifest_key(o.key)) is not None and v <= latest
+        }
+        for v in list(self._cache):
+            if v not in listed:
+                del self._cache[v]
+        out: dict[int, VersionManifest] = {}
+        for v in sorted(listed):
+            try:
+                out[v] = self.manifest(v, latest=latest)
+            except VersionNotFoundError:  # deleted between the listing and the read
+                continue
+        return out
+
+    def plan(
+        self,
+        current: int | None,
+        target: int | None = None,
+        *,
+        formats: Collection[str] | None = None,
+    ) -> CatchUpPlan:
+        """Cheapest plan from ``current`` to ``target`` (default: latest); see :mod:`.planner`."""
+        latest = self.latest_version()
+        if latest is None:
+            raise VersionNotFoundError(f"nothing is published in {self.bucket.uri} yet")
+        target = latest if target is None else target
+        return plan_catch_up(self.manifests(latest=latest), current, target, formats=formats)
+
+    def fetch(self, ref: ObjectRef) -> bytes:
+        """The object's bytes, verified: CorruptDeltaError if missing, truncated or tampered."""
+        try:
+            data = self.bucket.get_bytes(ref.key)
+        except ObjectNotFoundError:
+            raise CorruptDeltaError(
+                f"{ref.kind} {ref.key} of version {ref.version} is missing from {self.bucket.uri} "
+                "(garbage-collected or never uploaded): plan again"
+            ) from None
+        self._verify(ref, len(data), xxh3_hex(data))
+        return data
+
+    def fetch_to_file(self, ref: ObjectRef, path: str | Path) -> Path:
+        """Download to ``path`` and verify; on any mismatch no file is left at ``path``."""
+        dest = Path(path)
+        tmp = dest.with_name(f".{dest.name}.fetch-{uuid.uuid4().hex}")
+        try:
+            try:
+                self.bucket.download_file(ref.key, tmp)
+            except ObjectNotFoundError:
+                raise CorruptDeltaError(
+                    f"{ref.kind} {ref.key} of version {ref.version} is missing from "
+                    f"{self.bucket.uri} (garbage-collected or never uploaded): plan again"
+                ) from None
+            size, digest = _file_digest(tmp)
+            self._verify(ref, size, digest)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dest
+
+    @staticmethod
+    def _verify(ref: ObjectRef, size: int, digest: str) -> None:
+        if size != ref.size:
+            raise CorruptDeltaError(
+                f"{ref.key}: got {size} bytes, the manifest says {ref.size} (truncated or replaced)"
+            )
+        if digest != ref.xxh3_128:
+            raise CorruptDeltaError(
+                f"{ref.key}: xxh3-128 {digest} does not match the manifest's {ref.xxh3_128} "
+                "(corrupted or tampered)"
+            )
+
+
+class Publisher:
+    """Write side, used by the trainer (one publisher per bucket). See the module docstring.
+
+    ``anchor_every``: :meth:`should_anchor` asks for an anchor when at least this many versions
+    passed since the last one (0: only the first version and on demand).
+    """
+
+    def __init__(self, bucket: Bucket, *, anchor_every: int = 10) -> None:
+        if not isinstance(anchor_every, int) or anchor_every < 0:
+            raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
+        self.bucket = bucket
+        self.reader = BucketReader(bucket)
+        self.anchor_every = anchor_every
+        self._anchor_requested = False
+        self._last_anchor: int | None = None
+        self._last_anchor_known = False
+
+    def request_anchor(self) -> None:
+        """Make :meth:`should_anchor` say yes until a version with an anchor is published."""
+        self._anchor_requested = True
+
+    def last_anchor_version(self) -> int | None:
+        """Newest published version that has an anchor (read from the bucket once, then tracked)."""
+        if not self._last_anchor_known:
+            anchored = [v for v, m in self.reader.manifests().items() if m.has_anchor]
+            self._last_anchor = max(anchored) if anchored else None
+            self._last_anchor_known = True
+        return self._last_anchor
+
+    def should_anchor(self, version: int, *, force: bool = False) -> bool:
+        """Whether ``version`` should be published with an anchor (the trainer then encodes one).
+
+        Yes when forced, when :meth:`request_anchor` was called, when nothing is anchored yet, or
+        when ``anchor_every > 0`` and ``version - last_anchor >= anchor_every``.
+        """
+        if force or self._anchor_requested:
+            return True
+        last = self.last_anchor_version()
+        if last is None:
+            return True
+        return self.anchor_every > 0 and version - last >= self.anchor_every
+
+    def _check(
+        self, version: int, objects: Sequence[NewObject], latest: int | None
+    ) -> dict[int, VersionManifest]:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if not objects:
+            raise ValueError(f"version {version}: publish at least one anchor or delta")
+        if latest is not None and version <= latest:
+            what = "already published" if version == latest else "older than the latest"
+            raise ValueError(
+                f"refusing to publish version {version}: {what} ({LATEST_KEY} is at {latest}); "
+                "versions must strictly increase"
+            )
+        if latest is None and not any(o.kind == "anchor" for o in objects):
+            raise ValueError(
+                f"version {version} is the first in {self.bucket.uri}: it must include an anchor"
+            )
+        bases: dict[int, VersionManifest] = {}
+        for o in objects:
+            if o.kind not in ("anchor", "delta"):
+                raise ValueError(f"object kind must be 'anchor' or 'delta', got {o.kind!r}")
+            if not isinstance(o.source, bytes | Path):
+                raise ValueError(f"source must be bytes or a pathlib.Path, got {type(o.source)}")
+            if o.kind == "anchor":
+                continue
+            if o.base_version is None or o.base_digest is None:
+                raise ValueError(f"version {version}: a delta needs base_version and base_digest")
+            if o.base_version >= version:
+                raise ValueError(
+                    f"delta base_version {o.base_version} must be older than version {version}"
+                )
+            if o.base_version not in bases:
+                try:
+                    bases[o.base_version] = self.reader.manifest(o.base_version, latest=latest)
+                except VersionNotFoundError as err:
+                    raise ValueError(f"delta to version {version}: base {err}") from None
+            expected = bases[o.base_version].state_digest
+            if o.base_digest != expected:
+                raise BaseMismatchError(
+                    f"delta {o.base_version} -> {version}: base_digest {o.base_digest} is not the "
+                    f"published state digest {expected} of version {o.base_version}"
+                )
+        return bases
+
+    def _upload(self, version: int, state_digest: str, o: NewObject) -> ObjectRef:
+        ext = FORMAT_EXTENSIONS.get(o.format, "bin")
+        key = f"{objects_prefix(version)}{uuid.uuid4().hex}.{ext}"
+        if isinstance(o.source, bytes):
+            size, digest = len(o.source), xxh3_hex(o.source)
+            ref = self._ref(key, version, state_digest, o, size, digest)  # validate before I/O
+            self.bucket.put_bytes(key, o.source, overwrite=False)
+        else:
+            size, digest = _file_digest(o.source)
+            ref = self._ref(key, version, state_digest, o, size, digest)
+            self.bucket.put_file(key, o.source, overwrite=False)
+        return ref
+
+    @staticmethod
+    def _ref(
+        key: str, version: int, state_digest: str, o: NewObject, size: int, digest: str
+    ) -> ObjectRef:
+        return ObjectRef(
+            key=key,
+            kind=o.kind,
+            format=o.format,
+            size=size,
+            xxh3_128=digest,
+            version=version,
+            base_version=o.base_version,
+            base_digest=o.base_digest,
+            result_digest=state_digest,
+            changed=o.changed,
+        )
+
+    def publish(
+        self,
+        version: int,
+        objects: Sequence[NewObject],
+        *,
+        state_digest: str,
+        numel: int,
+        full_bytes: int,
+        step: int | None = None,
+    ) -> VersionManifest:
+        """Publish ``version`` made of ``objects`` (steps 1-5 of the module docstring).
+
+        Returns the manifest once ``latest.json`` points at it. Raises ``ValueError`` (nothing
+        written) for out-of-order or duplicate versions, unknown bases and bad arguments,
+        :class:`BaseMismatchError` when a delta's base digest is not its base version's.
+        """
+        latest = self.reader.latest_version()
+        self._check(version, objects, latest)
+        # Validate every field before uploading anything: bad input leaves no orphans.
+        prefix = objects_prefix(version)
+        preview = [
+            self._ref(f"{prefix}{i:032x}.bin", version, state_digest, o, 0, "0" * 32)
+            for i, o in enumerate(objects)
+        ]
+        VersionManifest(
+            version=version,
+            step=step,
+            state_digest=state_digest,
+            numel=numel,
+            full_bytes=full_bytes,
+            objects=tuple(preview),
+        )
+        # 2. objects
+        refs = [self._upload(version, state_digest, o) for o in objects]
+        manifest = VersionManifest(
+            version=version,
+            step=step,
+            state_digest=state_digest,
+            numel=numel,
+            full_bytes=full_bytes,
+            objects=tuple(refs),
+            created_at=datetime.now(UTC),
+        )
+        # 3. manifest
+        body = manifest.model_dump_json(indent=1).encode()
+        try:
+            self.bucket.put_bytes(manifest.key, body, overwrite=False)
+        except ObjectExistsError:
+            now = self.reader.latest_version()
+            if now is not None and version <= now:
+                raise ValueError(
+                    f"refusing to publish version {version}: another publisher got there first "
+                    f"({LATEST_KEY} is at {now})"
+                ) from None
+            logger.warning(
+                "replacing manifest of version %d left by a crashed publish (never visible)",
+                version,
+            )
+            self.bucket.put_bytes(manifest.key, body, overwrite=True)
+        # 4. leftover manifests of crashed attempts that the new pointer would expose
+        low = -1 if latest is None else latest
+        stale = [
+            o.key
+            for o in self.bucket.list(MANIFESTS_PREFIX)
+            if (v := parse_manifest_key(o.key)) is not None and low < v < version
+        ]
+        if stale:
+            logger.warning("deleting %d manifest(s) of crashed publishes: %s", len(stale), stale)
+            self.bucket.delete_many(stale)
+        # 5. commit
+        pointer = LatestPointer(
+            version=version, manifest_key=manifest.key, state_digest=state_digest
+        )
+        self.bucket.put_bytes(LATEST_KEY, pointer.model_dump_json(indent=1).encode())
+        if manifest.has_anchor:
+            self._last_anchor, self._last_anchor_known = version, True
+            self._anchor_requested = False
+        logger.info(
+            "published version %d to %s: %s (%d bytes)",
+            version,
+            self.bucket.uri,
+            ", ".join(f"{o.kind}:{o.format}" for o in refs),
+            manifest.total_bytes,
+        )
+        return manifest
