@@ -1,0 +1,107 @@
+"""Deployment settings of the coordinator (environment variables ``DELTARL_COORDINATOR_*``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.settings import ServiceSettings
+
+
+class CoordinatorSettings(ServiceSettings):
+    """Single source of truth for the coordinator's deployment settings."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DELTARL_COORDINATOR_", extra="ignore", case_sensitive=False
+    )
+
+    host: str = Field(default="127.0.0.1", description="Interface to listen on.")
+    port: int = Field(default=8700, ge=0, le=65535, description="TCP port to listen on.")
+    store: Literal["sqlite", "redis"] = Field(
+        default="sqlite", description="State backend: 'sqlite' (embedded file) or 'redis'."
+    )
+    sqlite_path: str = Field(
+        default="runs/coordinator.sqlite3", description="SQLite database file (store=sqlite)."
+    )
+    sqlite_synchronous: Literal["NORMAL", "FULL"] = Field(
+        default="NORMAL",
+        description="NORMAL survives a process crash; FULL also survives power loss (slower).",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="Redis URL (store=redis); run with AOF."
+    )
+    redis_prefix: str = Field(default="deltarl", description="Prefix of every Redis key.")
+    trainer_token: str | None = Field(
+        default=None, description="Token of the trainer role (publish versions, lease batches)."
+    )
+    worker_token: str | None = Field(
+        default=None, description="Token of the worker role (register, heartbeat, submit)."
+    )
+    read_token: str | None = Field(
+        default=None,
+        description="Extra token accepted for read-only endpoints when public_reads is false.",
+    )
+    public_reads: bool = Field(
+        default=True,
+        description="Read-only endpoints (status, versions, plans, metrics, page) need no token.",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="Allow running without trainer/worker tokens (local development only).",
+    )
+    max_staleness: int = Field(
+        default=4,
+        ge=0,
+        description="Max versions between a sample's oldest policy version and the latest.",
+    )
+    heartbeat_interval_s: float = Field(
+        default=1.0, gt=0, description="Interval at which workers are asked to heartbeat."
+    )
+    lost_after_s: float = Field(
+        default=10.0, gt=0, description="Silence after which a worker is reported lost."
+    )
+    default_lease_s: float = Field(default=120.0, gt=0, description="Default batch lease (s).")
+    max_lease_s: float = Field(default=3600.0, gt=0, description="Longest lease allowed (s).")
+    max_batch_groups: int = Field(default=1024, ge=1, description="Most groups in one lease.")
+    target_queue_groups: int = Field(
+        default=256,
+        ge=1,
+        description="Admission control: queued + in-flight groups worth having at once.",
+    )
+    max_body_bytes: int = Field(
+        default=64 << 20, ge=1024, description="Largest request body (trajectory payloads)."
+    )
+    max_json_bytes: int = Field(default=1 << 20, ge=1024, description="Largest JSON request body.")
+    status_cache_s: float = Field(
+        default=0.5, ge=0, description="Seconds a computed /v1/status answer is reused."
+    )
+    status_workers: int = Field(
+        default=1000, ge=0, description="Workers listed in /v1/status (laggiest first)."
+    )
+    status_history: int = Field(
+        default=500, ge=1, description="Versions and reward points listed in /v1/status."
+    )
+    event_poll_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="How often the version event stream checks the store for versions "
+        "published through another coordinator process.",
+    )
+    reclaim_interval_s: float = Field(
+        default=1.0, gt=0, description="How often expired leases are returned to the queue."
+    )
+
+    @model_validator(mode="after")
+    def _tokens(self) -> CoordinatorSettings:
+        if not self.insecure and (not self.trainer_token or not self.worker_token):
+            raise ValueError(
+                "set DELTARL_COORDINATOR_TRAINER_TOKEN and DELTARL_COORDINATOR_WORKER_TOKEN "
+                "(or DELTARL_COORDINATOR_INSECURE=1 for local development)"
+            )
+        if self.trainer_token and self.trainer_token == self.worker_token:
+            raise ValueError(
+                "the trainer and worker tokens must differ (they grant different roles)"
+            )
+        return self

@@ -1,0 +1,479 @@
+"""Redis store: for production and for several coordinator processes sharing one state.
+
+Layout (every key starts with ``<prefix>:``):
+
+* ``v`` hash version -> VersionRecord JSON; ``v:latest`` / ``v:anchor`` newest version / anchor.
+* ``w:ids`` set of worker ids; ``w:<id>`` hash of one worker's fields.
+* ``q`` list of queued submission ids (head = oldest); ``s:<id>`` hash ``meta`` JSON + ``payload``;
+  ``idem`` hash idempotency key -> ``"<id>:<sha256>"`` (kept after ack: retries stay duplicates);
+  ``seq`` counter; ``l:<batch>`` list of a lease's ids; ``leases`` zset batch -> expiry;
+  ``lx:<batch>`` outcome of a finished lease (``acked:<n>``, ``expired``, ``nacked``; 1 day TTL).
+* ``c`` hash of counters; ``rw`` hash reward sums by version; ``sh`` staleness histogram.
+
+Every multi-key change is one Lua script, so it is atomic against other coordinators. Scripts build
+key names at run time, so use one Redis (or a primary with replicas), not Redis Cluster. Durability
+is the server's: enable AOF (``appendonly yes``, ``appendfsync everysec`` or ``always``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import Any
+
+import redis
+
+from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
+
+from .base import (
+    CoordinatorStore,
+    IdempotencyConflict,
+    LeaseExpired,
+    LeaseOutcome,
+    NewSubmission,
+    QueuedMeta,
+    StoreCounters,
+    SubmitOutcome,
+    UnknownLease,
+    VersionConflict,
+    WorkerRecord,
+    same_version_content,
+)
+
+_ADD_VERSION = """
+local p = ARGV[1]; local v = tonumber(ARGV[2])
+local existing = redis.call('HGET', p..':v', ARGV[2])
+if existing then return {1, existing} end
+local latest = redis.call('GET', p..':v:latest')
+if latest and v ~= tonumber(latest) + 1 then return {2, latest} end
+redis.call('HSET', p..':v', ARGV[2], ARGV[3])
+redis.call('SET', p..':v:latest', ARGV[2])
+if ARGV[4] == 'anchor' then redis.call('SET', p..':v:anchor', ARGV[2]) end
+return {0}
+"""
+
+_REGISTER = """
+local p = ARGV[1]; local k = p..':w:'..ARGV[2]
+if redis.call('EXISTS', k) == 1 then
+  redis.call('HINCRBY', k, 'rejoins', 1)
+  redis.call('HDEL', k, 'applied_version', 'last_error')
+else
+  redis.call('HSET', k, 'registered_at', ARGV[6], 'rejoins', 0, 'submitted', 0)
+  redis.call('SADD', p..':w:ids', ARGV[2])
+end
+redis.call('HSET', k, 'engine', ARGV[3], 'model', ARGV[4], 'capacity', ARGV[5],
+           'last_seen', ARGV[6], 'in_flight', 0)
+return redis.call('HGETALL', k)
+"""
+
+_HEARTBEAT = """
+local p = ARGV[1]; local k = p..':w:'..ARGV[2]
+local last = redis.call('HGET', k, 'last_seen')
+if not last then return nil end
+if tonumber(ARGV[3]) - tonumber(last) > tonumber(ARGV[4]) then
+  redis.call('HINCRBY', k, 'rejoins', 1)
+end
+redis.call('HSET', k, 'last_seen', ARGV[3], 'in_flight', ARGV[6])
+if ARGV[5] == '' then redis.call('HDEL', k, 'applied_version')
+else redis.call('HSET', k, 'applied_version', ARGV[5]) end
+if ARGV[7] == '' then redis.call('HDEL', k, 'last_error')
+else redis.call('HSET', k, 'last_error', string.sub(ARGV[7], 2)) end
+return redis.call('HGETALL', k)
+"""
+
+_SUBMIT = """
+local p = ARGV[1]; local key = ARGV[2]; local digest = ARGV[3]
+local existing = redis.call('HGET', p..':idem', key)
+if existing then
+  local sep = string.find(existing, ':', 1, true)
+  if string.sub(existing, sep + 1) ~= digest then return {-2, 0, 0} end
+  redis.call('HINCRBY', p..':c', 'duplicates_total', 1)
+  return {1, tonumber(string.sub(existing, 1, sep - 1)), redis.call('LLEN', p..':q')}
+end
+if ARGV[6] ~= '' and tonumber(ARGV[7]) < tonumber(ARGV[6]) then
+  redis.call('HINCRBY', p..':c', 'drop:stale_at_submit', 1)
+  return {2, 0, redis.call('LLEN', p..':q')}
+end
+local seq = redis.call('INCR', p..':seq')
+local meta = string.gsub(ARGV[4], '"submission_id": 0', '"submission_id": '..seq, 1)
+redis.call('HSET', p..':s:'..seq, 'meta', meta, 'payload', ARGV[5], 'vmin', ARGV[7])
+redis.call('HSET', p..':idem', key, seq..':'..digest)
+redis.call('RPUSH', p..':q', seq)
+redis.call('HINCRBY', p..':c', 'submitted_total', 1)
+redis.call('HINCRBY', p..':rw', 'n:'..ARGV[8], 1)
+redis.call('HINCRBYFLOAT', p..':rw', 's:'..ARGV[8], ARGV[9])
+redis.call('HINCRBY', p..':sh', ARGV[10], 1)
+local wk = p..':w:'..ARGV[11]
+if redis.call('EXISTS', wk) == 1 then redis.call('HINCRBY', wk, 'submitted', 1) end
+return {0, seq, redis.call('LLEN', p..':q')}
+"""
+
+# Shared by lease, ack, nack and reclaim: put a lease's ids back at the head of the queue.
+_REQUEUE_FN = """
+local function requeue(p, batch, outcome)
+  local ids = redis.call('LRANGE', p..':l:'..batch, 0, -1)
+  for i = #ids, 1, -1 do redis.call('LPUSH', p..':q', ids[i]) end
+  redis.call('DEL', p..':l:'..batch)
+  redis.call('ZREM', p..':leases', batch)
+  redis.call('HINCRBY', p..':c', 'leased', -#ids)
+  redis.call('SET', p..':lx:'..batch, outcome, 'EX', 86400)
+  return #ids
+end
+local function reclaim(p, now)
+  local expired = redis.call('ZRANGEBYSCORE', p..':leases', '-inf', now)
+  if #expired == 0 then return 0 end
+  -- gather every expired lease's ids and push them back oldest-at-head (numeric order)
+  local ids = {}
+  for _, batch in ipairs(expired) do
+    for _, id in ipairs(redis.call('LRANGE', p..':l:'..batch, 0, -1)) do ids[#ids + 1] = id end
+    redis.call('DEL', p..':l:'..batch)
+    redis.call('ZREM', p..':leases', batch)
+    redis.call('SET', p..':lx:'..batch, 'expired', 'EX', 86400)
+  end
+  table.sort(ids, function(a, b) return tonumber(a) < tonumber(b) end)
+  for i = #ids, 1, -1 do redis.call('LPUSH', p..':q', ids[i]) end
+  redis.call('HINCRBY', p..':c', 'leased', -#ids)
+  return #ids
+end
+"""
+
+_LEASE = (
+    _REQUEUE_FN
+    + """
+local p = ARGV[1]; local now = ARGV[2]; local expires = ARGV[3]
+local max = tonumber(ARGV[4]); local minv = ARGV[5]; local batch = ARGV[6]
+reclaim(p, now)
+local out = {0, 0}
+local dropped = 0; local taken = {}
+while #taken < max do
+  local id = redis.call('LPOP', p..':q')
+  if not id then break end
+  local k = p..':s:'..id
+  if minv ~= '' and tonumber(redis.call('HGET', k, 'vmin')) < tonumber(minv) then
+    redis.call('DEL', k); dropped = dropped + 1
+  else
+    taken[#taken + 1] = id
+    local fields = redis.call('HMGET', k, 'meta', 'payload')
+    out[#out + 1] = fields[1]; out[#out + 1] = fields[2]
+  end
+end
+if dropped > 0 then redis.call('HINCRBY', p..':c', 'drop:stale_at_pull', dropped) end
+if #taken > 0 then
+  redis.call('RPUSH', p..':l:'..batch, unpack(taken))
+  redis.call('ZADD', p..':leases', expires, batch)
+  redis.call('HINCRBY', p..':c', 'leased', #taken)
+end
+out[1] = dropped; out[2] = redis.call('LLEN', p..':q')
+return out
+"""
+)
+
+_ACK = (
+    _REQUEUE_FN
+    + """
+local p = ARGV[1]; local batch = ARGV[2]; local now = tonumber(ARGV[3])
+local expiry = redis.call('ZSCORE', p..':leases', batch)
+if not expiry then
+  local done = redis.call('GET', p..':lx:'..batch)
+  if not done then return {-1, ''} end
+  if string.sub(done, 1, 6) == 'acked:' then return {0, tonumber(string.sub(done, 7))} end
+  return {-2, done}
+end
+if tonumber(expiry) <= now then
+  reclaim(p, ARGV[3])
+  return {-2, 'expired'}
+end
+local ids = redis.call('LRANGE', p..':l:'..batch, 0, -1)
+for i = 1, #ids do redis.call('DEL', p..':s:'..ids[i]) end
+redis.call('DEL', p..':l:'..batch)
+redis.call('ZREM', p..':leases', batch)
+redis.call('HINCRBY', p..':c', 'leased', -#ids)
+redis.call('HINCRBY', p..':c', 'acked_total', #ids)
+redis.call('SET', p..':lx:'..batch, 'acked:'..#ids, 'EX', 86400)
+return {0, #ids}
+"""
+)
+
+_NACK = (
+    _REQUEUE_FN
+    + """
+local p = ARGV[1]; local batch = ARGV[2]
+if not redis.call('ZSCORE', p..':leases', batch) then
+  local done = redis.call('GET', p..':lx:'..batch)
+  if not done then return {-1, ''} end
+  return {-2, done}
+end
+return {0, requeue(p, batch, 'nacked')}
+"""
+)
+
+_RECLAIM = _REQUEUE_FN + "return reclaim(ARGV[1], ARGV[2])"
+
+_INT_FIELDS = ("capacity", "applied_version", "in_flight", "rejoins", "submitted")
+
+
+def _worker(worker_id: str, flat: list[Any] | dict[Any, Any]) -> WorkerRecord:
+    if isinstance(flat, list):
+        d = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+    else:
+        d = {k.decode(): v.decode() for k, v in flat.items()}
+    return WorkerRecord(
+        worker_id=worker_id,
+        engine=d["engine"],
+        model=d["model"],
+        capacity=int(d["capacity"]),
+        registered_at=float(d["registered_at"]),
+        last_seen=float(d["last_seen"]),
+        applied_version=int(d["applied_version"]) if "applied_version" in d else None,
+        in_flight=int(d.get("in_flight", 0)),
+        last_error=d.get("last_error"),
+        rejoins=int(d.get("rejoins", 0)),
+        submitted=int(d.get("submitted", 0)),
+    )
+
+
+class RedisStore(CoordinatorStore):
+    name = "redis"
+
+    def __init__(self, url: str, prefix: str = "deltarl") -> None:
+        if not prefix or ":" in prefix:
+            raise ValueError(f"redis prefix must be non-empty without ':' (got {prefix!r})")
+        self.prefix = prefix
+        self._r = redis.Redis.from_url(url, health_check_interval=30)
+        self._lock = threading.Lock()
+        self._add_version = self._r.register_script(_ADD_VERSION)
+        self._register = self._r.register_script(_REGISTER)
+        self._heartbeat = self._r.register_script(_HEARTBEAT)
+        self._submit = self._r.register_script(_SUBMIT)
+        self._lease = self._r.register_script(_LEASE)
+        self._ack = self._r.register_script(_ACK)
+        self._nack = self._r.register_script(_NACK)
+        self._reclaim = self._r.register_script(_RECLAIM)
+
+    def _k(self, name: str) -> str:
+        return f"{self.prefix}:{name}"
+
+    # -- versions ---------------------------------------------------------------------------
+    def add_version(self, record: VersionRecord) -> tuple[VersionRecord, bool]:
+        res = self._add_version(
+            args=[self.prefix, record.version, record.model_dump_json(), record.kind]
+        )
+        code = int(res[0])
+        if code == 1:
+            old = VersionRecord.model_validate_json(res[1])
+            if same_version_content(old, record):
+                return old, False
+            raise VersionConflict(
+                f"version {record.version} is already published with different content"
+            )
+        if code == 2:
+            latest = int(res[1])
+            raise VersionConflict(
+                f"version {record.version} is out of order: the next version is {latest + 1}"
+            )
+        return record, True
+
+    def get_version(self, version: int) -> VersionRecord | None:
+        raw = self._r.hget(self._k("v"), str(version))
+        return None if raw is None else VersionRecord.model_validate_json(raw)  # type: ignore[arg-type]
+
+    def _range(self, lo: int, hi: int) -> list[VersionRecord]:
+        if hi < lo:
+            return []
+        raws = self._r.hmget(self._k("v"), [str(v) for v in range(lo, hi + 1)])  # type: ignore[misc]
+        return [VersionRecord.model_validate_json(r) for r in raws if r is not None]
+
+    def _latest_number(self, key: str) -> int | None:
+        raw = self._r.get(self._k(key))
+        return None if raw is None else int(raw)  # type: ignore[arg-type]
+
+    def list_versions(self, after: int | None, limit: int) -> list[VersionRecord]:
+        latest = self._latest_number("v:latest")
+        if latest is None:
+            return []
+        if after is None:
+            # versions are consecutive from the first one: find it once via the hash size
+            first = latest - int(self._r.hlen(self._k("v"))) + 1  # type: ignore[arg-type]
+            lo = first
+        else:
+            lo = after + 1
+        return self._range(lo, min(latest, lo + limit - 1))
+
+    def recent_versions(self, limit: int) -> list[VersionRecord]:
+        latest = self._latest_number("v:latest")
+        if latest is None:
+            return []
+        return self._range(max(0, latest - limit + 1), latest)
+
+    def latest_version(self) -> VersionRecord | None:
+        latest = self._latest_number("v:latest")
+        return None if latest is None else self.get_version(latest)
+
+    def latest_anchor(self) -> VersionRecord | None:
+        anchor = self._latest_number("v:anchor")
+        return None if anchor is None else self.get_version(anchor)
+
+    # -- workers ----------------------------------------------------------------------------
+    def register_worker(
+        self, reg: WorkerRegistration, now: float, lost_after_s: float
+    ) -> WorkerRecord:
+        flat = self._register(
+            args=[self.prefix, reg.worker_id, reg.engine, reg.model, reg.capacity, repr(now)]
+        )
+        return _worker(reg.worker_id, flat)
+
+    def heartbeat(
+        self, worker_id: str, hb: WorkerHeartbeat, now: float, lost_after_s: float
+    ) -> WorkerRecord | None:
+        flat = self._heartbeat(
+            args=[
+                self.prefix,
+                worker_id,
+                repr(now),
+                repr(lost_after_s),
+                "" if hb.applied_version is None else hb.applied_version,
+                hb.in_flight,
+                "" if hb.last_error is None else "!" + hb.last_error,
+            ]
+        )
+        return None if flat is None else _worker(worker_id, flat)
+
+    def get_worker(self, worker_id: str) -> WorkerRecord | None:
+        flat = self._r.hgetall(self._k(f"w:{worker_id}"))
+        return _worker(worker_id, flat) if flat else None  # type: ignore[arg-type]
+
+    def list_workers(self) -> list[WorkerRecord]:
+        ids = sorted(i.decode() for i in self._r.smembers(self._k("w:ids")))  # type: ignore[union-attr]
+        pipe = self._r.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(self._k(f"w:{wid}"))
+        return [_worker(wid, flat) for wid, flat in zip(ids, pipe.execute(), strict=True) if flat]
+
+    def remove_worker(self, worker_id: str) -> bool:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.srem(self._k("w:ids"), worker_id)
+        pipe.delete(self._k(f"w:{worker_id}"))
+        removed, _ = pipe.execute()
+        return bool(removed)
+
+    # -- queue ------------------------------------------------------------------------------
+    def submit(
+        self, sub: NewSubmission, now: float, min_version: int | None, staleness: int
+    ) -> SubmitOutcome:
+        meta = {
+            "submission_id": 0,  # replaced by the script with the assigned id
+            "worker_id": sub.worker_id,
+            "group_id": sub.group_id,
+            "version_min": sub.version_min,
+            "version_max": sub.version_max,
+            "submitted_at": now,
+            "num_trajectories": sub.num_trajectories,
+            "num_tokens": sub.num_tokens,
+        }
+        res = self._submit(
+            args=[
+                self.prefix,
+                sub.idempotency_key,
+                sub.payload_digest,
+                json.dumps(meta),
+                sub.payload,
+                "" if min_version is None else min_version,
+                sub.version_min,
+                sub.version_max,
+                repr(float(sub.mean_reward)),
+                staleness,
+                sub.worker_id,
+            ]
+        )
+        code, seq, depth = int(res[0]), int(res[1]), int(res[2])
+        if code == -2:
+            raise IdempotencyConflict(
+                f"idempotency key {sub.idempotency_key!r} was already used for a different "
+                "payload; use a new key for new data"
+            )
+        if code == 2:
+            return SubmitOutcome("stale", None, depth)
+        return SubmitOutcome("duplicate" if code == 1 else "accepted", seq, depth)
+
+    def lease(
+        self, max_groups: int, lease_s: float, now: float, min_version: int | None
+    ) -> LeaseOutcome:
+        batch_id = uuid.uuid4().hex
+        expires = now + lease_s
+        res = self._lease(
+            args=[
+                self.prefix,
+                repr(now),
+                repr(expires),
+                max_groups,
+                "" if min_version is None else min_version,
+                batch_id,
+            ]
+        )
+        dropped, depth = int(res[0]), int(res[1])
+        items = []
+        for i in range(2, len(res), 2):
+            items.append((QueuedMeta(**json.loads(res[i])), bytes(res[i + 1])))
+        return LeaseOutcome(batch_id if items else "", expires, items, dropped, depth)
+
+    def _finish(self, res: list[Any], batch_id: str) -> int:
+        code = int(res[0])
+        if code == -1:
+            raise UnknownLease(f"unknown batch id {batch_id!r}")
+        if code == -2:
+            state = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+            raise LeaseExpired(
+                f"batch {batch_id} is {state}: its groups went back to the queue; lease again "
+                "(and use a longer lease_s if training takes longer)"
+            )
+        return int(res[1])
+
+    def ack(self, batch_id: str, now: float) -> int:
+        return self._finish(self._ack(args=[self.prefix, batch_id, repr(now)]), batch_id)
+
+    def nack(self, batch_id: str, now: float) -> int:
+        return self._finish(self._nack(args=[self.prefix, batch_id]), batch_id)
+
+    def reclaim_expired(self, now: float) -> int:
+        return int(self._reclaim(args=[self.prefix, repr(now)]))
+
+    def count_drop(self, reason: str, n: int = 1) -> None:
+        self._r.hincrby(self._k("c"), f"drop:{reason}", n)
+
+    def counters(self) -> StoreCounters:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hgetall(self._k("c"))
+        pipe.llen(self._k("q"))
+        pipe.lindex(self._k("q"), 0)
+        values_raw, depth, head = pipe.execute()
+        values = {k.decode(): int(v) for k, v in values_raw.items()}
+        oldest = None
+        if head is not None:
+            meta = self._r.hget(self._k(f"s:{head.decode()}"), "meta")
+            if meta is not None:
+                oldest = float(json.loads(meta)["submitted_at"])  # type: ignore[arg-type]
+        return StoreCounters(
+            depth=int(depth),
+            leased=values.get("leased", 0),
+            submitted_total=values.get("submitted_total", 0),
+            acked_total=values.get("acked_total", 0),
+            duplicates_total=values.get("duplicates_total", 0),
+            dropped={k[5:]: v for k, v in values.items() if k.startswith("drop:")},
+            oldest_submitted_at=oldest,
+        )
+
+    def reward_curve(self, limit: int) -> list[tuple[int, int, float]]:
+        raw = {k.decode(): v for k, v in self._r.hgetall(self._k("rw")).items()}  # type: ignore[union-attr]
+        versions = sorted(int(k[2:]) for k in raw if k.startswith("n:"))[-limit:]
+        return [(v, int(raw[f"n:{v}"]), float(raw[f"s:{v}"])) for v in versions]
+
+    def staleness_hist(self) -> dict[int, int]:
+        raw = self._r.hgetall(self._k("sh"))
+        return dict(sorted((int(k), int(v)) for k, v in raw.items()))  # type: ignore[union-attr]
+
+    def ping(self) -> None:
+        self._r.ping()
+
+    def close(self) -> None:
+        self._r.close()

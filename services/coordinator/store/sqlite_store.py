@@ -1,0 +1,416 @@
+"""SQLite store: the embedded default (one file, WAL, durable across restarts).
+
+Concurrency: one connection guarded by a lock serialises this process's operations; each
+operation is one ``BEGIN IMMEDIATE`` transaction, so several processes sharing the file are
+serialised by SQLite's own write lock too. ``synchronous=NORMAL`` (default) survives a crash or
+kill of the process; ``FULL`` also survives power loss (slower: one fsync per commit).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
+
+from .base import (
+    CoordinatorStore,
+    IdempotencyConflict,
+    LeaseExpired,
+    LeaseOutcome,
+    NewSubmission,
+    QueuedMeta,
+    StoreCounters,
+    SubmitOutcome,
+    UnknownLease,
+    VersionConflict,
+    WorkerRecord,
+    same_version_content,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS versions (
+    version INTEGER PRIMARY KEY, kind TEXT NOT NULL, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY, engine TEXT, model TEXT, capacity INTEGER,
+    registered_at REAL, last_seen REAL, applied_version INTEGER, in_flight INTEGER,
+    last_error TEXT, rejoins INTEGER, submitted INTEGER);
+CREATE TABLE IF NOT EXISTS submissions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, idem_key TEXT NOT NULL UNIQUE, digest TEXT NOT NULL,
+    worker_id TEXT, group_id TEXT, version_min INTEGER, version_max INTEGER,
+    num_trajectories INTEGER, num_tokens INTEGER, submitted_at REAL,
+    state TEXT NOT NULL, batch_id TEXT, payload BLOB);
+CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
+CREATE INDEX IF NOT EXISTS submissions_batch ON submissions(batch_id);
+CREATE TABLE IF NOT EXISTS leases (
+    batch_id TEXT PRIMARY KEY, expires_at REAL, state TEXT NOT NULL, n INTEGER);
+CREATE INDEX IF NOT EXISTS leases_active ON leases(state, expires_at);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS rewards (version INTEGER PRIMARY KEY, n INTEGER, total REAL);
+CREATE TABLE IF NOT EXISTS staleness (k INTEGER PRIMARY KEY, n INTEGER);
+"""
+
+_META_COLS = (
+    "seq, worker_id, group_id, version_min, version_max, submitted_at, num_trajectories, num_tokens"
+)
+
+
+def _meta(row: tuple[Any, ...]) -> QueuedMeta:
+    return QueuedMeta(*row[:8])
+
+
+class SQLiteStore(CoordinatorStore):
+    name = "sqlite"
+
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+        if synchronous.upper() not in {"NORMAL", "FULL", "EXTRA"}:
+            raise ValueError(f"sqlite synchronous must be NORMAL, FULL or EXTRA, not {synchronous}")
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self._db.execute("PRAGMA busy_timeout=10000")
+        with self._lock:
+            self._db.executescript(_SCHEMA)
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the process lock (BEGIN IMMEDIATE .. COMMIT/ROLLBACK)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    @staticmethod
+    def _bump(db: sqlite3.Connection, name: str, n: int = 1) -> None:
+        db.execute(
+            "INSERT INTO counters(name, value) VALUES (?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+            (name, n),
+        )
+
+    # -- versions ---------------------------------------------------------------------------
+    def add_version(self, record: VersionRecord) -> tuple[VersionRecord, bool]:
+        with self._tx() as db:
+            row = db.execute("SELECT body FROM versions WHERE version = ?", (record.version,))
+            existing = row.fetchone()
+            if existing is not None:
+                old = VersionRecord.model_validate_json(existing[0])
+                if same_version_content(old, record):
+                    return old, False
+                raise VersionConflict(
+                    f"version {record.version} is already published with different content"
+                )
+            latest = db.execute("SELECT MAX(version) FROM versions").fetchone()[0]
+            if latest is not None and record.version != latest + 1:
+                raise VersionConflict(
+                    f"version {record.version} is out of order: the next version is {latest + 1}"
+                )
+            db.execute(
+                "INSERT INTO versions(version, kind, body) VALUES (?, ?, ?)",
+                (record.version, record.kind, record.model_dump_json()),
+            )
+            return record, True
+
+    def _versions(self, sql: str, args: tuple[Any, ...] = ()) -> list[VersionRecord]:
+        return [VersionRecord.model_validate_json(r[0]) for r in self._read(sql, args)]
+
+    def get_version(self, version: int) -> VersionRecord | None:
+        found = self._versions("SELECT body FROM versions WHERE version = ?", (version,))
+        return found[0] if found else None
+
+    def list_versions(self, after: int | None, limit: int) -> list[VersionRecord]:
+        return self._versions(
+            "SELECT body FROM versions WHERE version > ? ORDER BY version LIMIT ?",
+            (-1 if after is None else after, limit),
+        )
+
+    def recent_versions(self, limit: int) -> list[VersionRecord]:
+        found = self._versions("SELECT body FROM versions ORDER BY version DESC LIMIT ?", (limit,))
+        return found[::-1]
+
+    def latest_version(self) -> VersionRecord | None:
+        found = self._versions("SELECT body FROM versions ORDER BY version DESC LIMIT 1")
+        return found[0] if found else None
+
+    def latest_anchor(self) -> VersionRecord | None:
+        found = self._versions(
+            "SELECT body FROM versions WHERE kind = 'anchor' ORDER BY version DESC LIMIT 1"
+        )
+        return found[0] if found else None
+
+    # -- workers ----------------------------------------------------------------------------
+    _WORKER_COLS = (
+        "worker_id, engine, model, capacity, registered_at, last_seen, applied_version, "
+        "in_flight, last_error, rejoins, submitted"
+    )
+
+    def register_worker(
+        self, reg: WorkerRegistration, now: float, lost_after_s: float
+    ) -> WorkerRecord:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, 0, 0) "
+                "ON CONFLICT(worker_id) DO UPDATE SET engine = excluded.engine, "
+                "model = excluded.model, capacity = excluded.capacity, last_seen = ?, "
+                "applied_version = NULL, in_flight = 0, last_error = NULL, rejoins = rejoins + 1",
+                (reg.worker_id, reg.engine, reg.model, reg.capacity, now, now, now),
+            )
+            row = db.execute(
+                f"SELECT {self._WORKER_COLS} FROM workers WHERE worker_id = ?", (reg.worker_id,)
+            ).fetchone()
+        return WorkerRecord(*row)
+
+    def heartbeat(
+        self, worker_id: str, hb: WorkerHeartbeat, now: float, lost_after_s: float
+    ) -> WorkerRecord | None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE workers SET rejoins = rejoins + (CASE WHEN ? - last_seen > ? THEN 1 ELSE 0 "
+                "END), last_seen = ?, applied_version = ?, in_flight = ?, last_error = ? "
+                "WHERE worker_id = ?",
+                (
+                    now,
+                    lost_after_s,
+                    now,
+                    hb.applied_version,
+                    hb.in_flight,
+                    hb.last_error,
+                    worker_id,
+                ),
+            )
+            row = db.execute(
+                f"SELECT {self._WORKER_COLS} FROM workers WHERE worker_id = ?", (worker_id,)
+            ).fetchone()
+        return None if row is None else WorkerRecord(*row)
+
+    def get_worker(self, worker_id: str) -> WorkerRecord | None:
+        rows = self._read(
+            f"SELECT {self._WORKER_COLS} FROM workers WHERE worker_id = ?", (worker_id,)
+        )
+        return WorkerRecord(*rows[0]) if rows else None
+
+    def list_workers(self) -> list[WorkerRecord]:
+        rows = self._read(f"SELECT {self._WORKER_COLS} FROM workers ORDER BY worker_id")
+        return [WorkerRecord(*r) for r in rows]
+
+    def remove_worker(self, worker_id: str) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM workers WHERE worker_id = ?", (worker_id,)).rowcount > 0
+
+    # -- queue ------------------------------------------------------------------------------
+    def submit(
+        self, sub: NewSubmission, now: float, min_version: int | None, staleness: int
+    ) -> SubmitOutcome:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT seq, digest FROM submissions WHERE idem_key = ?", (sub.idempotency_key,)
+            ).fetchone()
+            if row is not None:
+                if row[1] != sub.payload_digest:
+                    raise IdempotencyConflict(
+                        f"idempotency key {sub.idempotency_key!r} was already used for a "
+                        "different payload; use a new key for new data"
+                    )
+                self._bump(db, "duplicates_total")
+                return SubmitOutcome("duplicate", row[0], self._depth(db))
+            if min_version is not None and sub.version_min < min_version:
+                self._bump(db, "drop:stale_at_submit")
+                return SubmitOutcome("stale", None, self._depth(db))
+            cur = db.execute(
+                "INSERT INTO submissions(idem_key, digest, worker_id, group_id, version_min, "
+                "version_max, num_trajectories, num_tokens, submitted_at, state, payload) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?)",
+                (
+                    sub.idempotency_key,
+                    sub.payload_digest,
+                    sub.worker_id,
+                    sub.group_id,
+                    sub.version_min,
+                    sub.version_max,
+                    sub.num_trajectories,
+                    sub.num_tokens,
+                    now,
+                    sub.payload,
+                ),
+            )
+            self._bump(db, "submitted_total")
+            db.execute(
+                "INSERT INTO rewards VALUES (?, 1, ?) ON CONFLICT(version) DO UPDATE SET "
+                "n = n + 1, total = total + excluded.total",
+                (sub.version_max, sub.mean_reward),
+            )
+            db.execute(
+                "INSERT INTO staleness VALUES (?, 1) ON CONFLICT(k) DO UPDATE SET n = n + 1",
+                (staleness,),
+            )
+            db.execute(
+                "UPDATE workers SET submitted = submitted + 1 WHERE worker_id = ?",
+                (sub.worker_id,),
+            )
+            seq = cur.lastrowid
+            assert seq is not None
+            return SubmitOutcome("accepted", seq, self._depth(db))
+
+    @staticmethod
+    def _depth(db: sqlite3.Connection) -> int:
+        return int(
+            db.execute("SELECT COUNT(*) FROM submissions WHERE state = 'queued'").fetchone()[0]
+        )
+
+    @staticmethod
+    def _reclaim(db: sqlite3.Connection, now: float) -> int:
+        expired = [
+            r[0]
+            for r in db.execute(
+                "SELECT batch_id FROM leases WHERE state = 'active' AND expires_at <= ?", (now,)
+            )
+        ]
+        n = 0
+        for batch_id in expired:
+            n += db.execute(
+                "UPDATE submissions SET state = 'queued', batch_id = NULL "
+                "WHERE batch_id = ? AND state = 'leased'",
+                (batch_id,),
+            ).rowcount
+            db.execute("UPDATE leases SET state = 'expired' WHERE batch_id = ?", (batch_id,))
+        return n
+
+    def lease(
+        self, max_groups: int, lease_s: float, now: float, min_version: int | None
+    ) -> LeaseOutcome:
+        expires = now + lease_s
+        with self._tx() as db:
+            self._reclaim(db, now)
+            dropped = 0
+            if min_version is not None:
+                dropped = db.execute(
+                    "UPDATE submissions SET state = 'dropped', payload = NULL "
+                    "WHERE state = 'queued' AND version_min < ?",
+                    (min_version,),
+                ).rowcount
+                if dropped:
+                    self._bump(db, "drop:stale_at_pull", dropped)
+            rows = db.execute(
+                f"SELECT {_META_COLS}, payload FROM submissions WHERE state = 'queued' "
+                "ORDER BY seq LIMIT ?",
+                (max_groups,),
+            ).fetchall()
+            batch_id = ""
+            if rows:
+                batch_id = uuid.uuid4().hex
+                db.execute(
+                    "INSERT INTO leases VALUES (?, ?, 'active', ?)", (batch_id, expires, len(rows))
+                )
+                db.executemany(
+                    "UPDATE submissions SET state = 'leased', batch_id = ? WHERE seq = ?",
+                    [(batch_id, r[0]) for r in rows],
+                )
+            items = [(_meta(r), bytes(r[8])) for r in rows]
+            return LeaseOutcome(batch_id, expires, items, dropped, self._depth(db))
+
+    def _lease_state(self, db: sqlite3.Connection, batch_id: str) -> tuple[str, float, int]:
+        row = db.execute(
+            "SELECT state, expires_at, n FROM leases WHERE batch_id = ?", (batch_id,)
+        ).fetchone()
+        if row is None:
+            raise UnknownLease(f"unknown batch id {batch_id!r}")
+        return row[0], row[1], row[2]
+
+    def ack(self, batch_id: str, now: float) -> int:
+        with self._tx() as db:
+            state, expires_at, n = self._lease_state(db, batch_id)
+            if state == "active" and expires_at <= now:
+                self._reclaim(db, now)  # committed: the groups are back in the queue
+                state = "expired"
+            if state == "active":
+                n = db.execute(
+                    "UPDATE submissions SET state = 'acked', payload = NULL WHERE batch_id = ? "
+                    "AND state = 'leased'",
+                    (batch_id,),
+                ).rowcount
+                db.execute("UPDATE leases SET state = 'acked' WHERE batch_id = ?", (batch_id,))
+                self._bump(db, "acked_total", n)
+                state = "acked"
+        if state != "acked":
+            raise LeaseExpired(
+                f"batch {batch_id} is {state}: its groups went back to the queue; lease "
+                "again (and use a longer lease_s if training takes longer)"
+            )
+        return n
+
+    def nack(self, batch_id: str, now: float) -> int:
+        with self._tx() as db:
+            state, _, _ = self._lease_state(db, batch_id)
+            if state != "active":
+                raise LeaseExpired(f"batch {batch_id} is {state}, not leased")
+            n = db.execute(
+                "UPDATE submissions SET state = 'queued', batch_id = NULL "
+                "WHERE batch_id = ? AND state = 'leased'",
+                (batch_id,),
+            ).rowcount
+            db.execute("UPDATE leases SET state = 'nacked' WHERE batch_id = ?", (batch_id,))
+            return n
+
+    def reclaim_expired(self, now: float) -> int:
+        with self._tx() as db:
+            return self._reclaim(db, now)
+
+    def count_drop(self, reason: str, n: int = 1) -> None:
+        with self._tx() as db:
+            self._bump(db, f"drop:{reason}", n)
+
+    def counters(self) -> StoreCounters:
+        with self._lock:
+            db = self._db
+            values = dict(db.execute("SELECT name, value FROM counters").fetchall())
+            states = dict(
+                db.execute(
+                    "SELECT state, COUNT(*) FROM submissions WHERE state IN ('queued', 'leased') "
+                    "GROUP BY state"
+                ).fetchall()
+            )
+            oldest = db.execute(
+                "SELECT submitted_at FROM submissions WHERE state = 'queued' ORDER BY seq LIMIT 1"
+            ).fetchone()
+        return StoreCounters(
+            depth=int(states.get("queued", 0)),
+            leased=int(states.get("leased", 0)),
+            submitted_total=int(values.get("submitted_total", 0)),
+            acked_total=int(values.get("acked_total", 0)),
+            duplicates_total=int(values.get("duplicates_total", 0)),
+            dropped={k[5:]: int(v) for k, v in values.items() if k.startswith("drop:")},
+            oldest_submitted_at=None if oldest is None else float(oldest[0]),
+        )
+
+    def reward_curve(self, limit: int) -> list[tuple[int, int, float]]:
+        rows = self._read(
+            "SELECT version, n, total FROM rewards ORDER BY version DESC LIMIT ?", (limit,)
+        )
+        return [(int(v), int(n), float(t)) for v, n, t in reversed(rows)]
+
+    def staleness_hist(self) -> dict[int, int]:
+        return {int(k): int(n) for k, n in self._read("SELECT k, n FROM staleness ORDER BY k")}
+
+    def ping(self) -> None:
+        self._read("SELECT 1")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

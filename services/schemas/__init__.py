@@ -1,0 +1,74 @@
+"""Wire schemas shared by the coordinator, its typed client, rollout workers and the trainer.
+
+Torch-free and numpy-free by design (a test proves that importing this package pulls in neither
+torch, numpy nor vllm): every process, including a bare status reader, can import it.
+
+Modules:
+
+* :mod:`.common` — error body, health.
+* :mod:`.versions` — weight versions (anchors and deltas) and the version event stream.
+* :mod:`.workers` — worker registration, heartbeats, worker state.
+* :mod:`.trajectories` — trajectory groups and their compact binary (msgpack) wire format.
+* :mod:`.batches` — submission results, leased batches, acks, admission control.
+* :mod:`.status` — the ``GET /v1/status`` summary.
+* :mod:`.plans` — catch-up plans (what a worker fetches to reach a target version).
+"""
+
+from .batches import (
+    AckResult,
+    AdmissionRequest,
+    AdmissionResponse,
+    BatchItem,
+    BatchLease,
+    LeasedBatch,
+    SubmitResult,
+    decode_leased_batch,
+    encode_leased_batch,
+)
+from .common import ErrorBody, ErrorResponse, Health
+from .plans import CatchUpPlan, PlanStep
+from .status import QueueStats, RewardPoint, StatusSummary, VersionPoint
+from .trajectories import (
+    TRAJECTORY_FORMAT,
+    Trajectory,
+    TrajectoryGroup,
+    decode_group,
+    encode_group,
+)
+from .versions import ObjectRef, VersionKind, VersionPublish, VersionRecord
+from .workers import HeartbeatAck, WorkerHeartbeat, WorkerInfo, WorkerRegistration, WorkerState
+
+__all__ = [
+    "TRAJECTORY_FORMAT",
+    "AckResult",
+    "AdmissionRequest",
+    "AdmissionResponse",
+    "BatchItem",
+    "BatchLease",
+    "CatchUpPlan",
+    "ErrorBody",
+    "ErrorResponse",
+    "Health",
+    "HeartbeatAck",
+    "LeasedBatch",
+    "ObjectRef",
+    "PlanStep",
+    "QueueStats",
+    "RewardPoint",
+    "StatusSummary",
+    "SubmitResult",
+    "Trajectory",
+    "TrajectoryGroup",
+    "VersionKind",
+    "VersionPoint",
+    "VersionPublish",
+    "VersionRecord",
+    "WorkerHeartbeat",
+    "WorkerInfo",
+    "WorkerRegistration",
+    "WorkerState",
+    "decode_group",
+    "decode_leased_batch",
+    "encode_group",
+    "encode_leased_batch",
+]

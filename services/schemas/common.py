@@ -1,0 +1,45 @@
+"""Schemas used by every route: the error body and the health answer."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Identifiers chosen by clients (worker ids, group ids, idempotency keys): printable, no spaces,
+# short enough to be used as Redis keys and Prometheus label values.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
+
+
+class WireModel(BaseModel):
+    """Base of all wire models: unknown fields are an error (a typo must not pass silently)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ErrorBody(WireModel):
+    code: str = Field(
+        description="Stable machine-readable code, e.g. 'stale_version', 'unknown_worker', "
+        "'version_conflict', 'validation_error', 'body_too_large', 'unauthorized'."
+    )
+    message: str = Field(description="What went wrong and what to do about it, for a person.")
+    detail: Any = Field(
+        default=None,
+        description="Structured context (validation errors, current version, ...); None if none.",
+    )
+
+
+class ErrorResponse(WireModel):
+    """Body of every 4xx/5xx answer of the coordinator."""
+
+    error: ErrorBody
+
+
+class Health(WireModel):
+    """``GET /health``: the process is up and its store answers."""
+
+    status: Literal["healthy", "degraded"] = Field(
+        description="'healthy': the store answered; 'degraded': it did not (see detail)."
+    )
+    store: str = Field(description="Store backend in use: 'sqlite' or 'redis'.")
+    detail: str | None = Field(default=None, description="Why degraded; None when healthy.")

@@ -1,0 +1,83 @@
+"""Rollout workers: registration, heartbeats and what the coordinator knows about each.
+
+Order of calls for a worker: ``register`` (again after a restart or after being marked lost:
+re-registering the same id is a clean rejoin), then ``heartbeat`` every
+``HeartbeatAck.heartbeat_interval_s``. A worker that sends no heartbeat for ``lost_after_s`` is
+reported ``lost``; its next heartbeat (or registration) makes it ``active`` again.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .common import ID_PATTERN, WireModel
+
+WorkerState = Literal["active", "lost"]
+
+
+class WorkerRegistration(WireModel):
+    """``POST /v1/workers`` body (worker role)."""
+
+    worker_id: str = Field(pattern=ID_PATTERN, description="Stable id chosen by the worker.")
+    engine: str = Field(
+        min_length=1, max_length=64, description="Inference engine, e.g. 'vllm', 'hf'."
+    )
+    model: str = Field(min_length=1, max_length=256, description="Model name or path served.")
+    capacity: int = Field(
+        ge=1, le=1_000_000, description="Episodes (trajectory groups) it can run concurrently."
+    )
+
+
+class WorkerHeartbeat(WireModel):
+    """``POST /v1/workers/{worker_id}/heartbeat`` body (worker role)."""
+
+    applied_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="Weight version the engine currently serves; None while it has none loaded.",
+    )
+    in_flight: int = Field(
+        default=0, ge=0, description="Trajectory groups being generated right now."
+    )
+    last_error: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Most recent error (e.g. a failed weight apply); None clears it.",
+    )
+
+
+class WorkerInfo(WireModel):
+    """A worker as the coordinator sees it (``GET /v1/workers``)."""
+
+    worker_id: str
+    engine: str
+    model: str
+    capacity: int
+    state: WorkerState = Field(description="'lost' when no heartbeat for lost_after_s.")
+    applied_version: int | None = Field(description="Last reported version; None if none yet.")
+    in_flight: int = Field(description="Last reported groups in flight.")
+    last_error: str | None = Field(description="Last reported error; None if none.")
+    registered_at: float = Field(description="First registration (Unix s).")
+    last_seen: float = Field(description="Last registration or heartbeat (Unix s).")
+    rejoins: int = Field(description="Times it came back after being lost or re-registered.")
+    lag_versions: int | None = Field(
+        description="latest version - applied_version; None if either is unknown."
+    )
+    lag_seconds: float | None = Field(
+        description="Seconds since the first version newer than applied_version was recorded; "
+        "0 when up to date; None if unknown."
+    )
+    submitted: int = Field(description="Trajectory groups accepted from this worker.")
+
+
+class HeartbeatAck(WireModel):
+    """Answer to a heartbeat or a registration: what the worker should do next."""
+
+    worker: WorkerInfo
+    latest_version: int | None = Field(description="Newest published version; None if none.")
+    latest_anchor: int | None = Field(description="Newest anchor version; None if none.")
+    max_staleness: int = Field(description="Samples older than latest - this are dropped.")
+    heartbeat_interval_s: float = Field(description="Send the next heartbeat within this.")
+    lost_after_s: float = Field(description="Silence after which the worker is marked lost.")

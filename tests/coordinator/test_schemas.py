@@ -1,0 +1,136 @@
+"""Wire schemas: torch-free import, binary round trip, refusal of malformed payloads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import pytest
+from pydantic import ValidationError
+
+from deltarl.services.schemas import (
+    BatchItem,
+    BatchLease,
+    TrajectoryGroup,
+    VersionPublish,
+    decode_group,
+    decode_leased_batch,
+    encode_group,
+    encode_leased_batch,
+)
+
+from .helpers import group, publish_body
+
+
+def test_import_pulls_in_neither_torch_nor_numpy_nor_vllm() -> None:
+    code = (
+        "import sys; import deltarl.services.schemas, deltarl.services.coordinator.client; "
+        "bad = [m for m in ('torch', 'numpy', 'vllm', 'fastapi') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_group_round_trip_is_exact_for_float32_values() -> None:
+    g = group("k1", vmin=3, vmax=4, n=3)
+    data = encode_group(g)
+    assert isinstance(data, bytes) and b"deltarl-traj-v1" in data
+    assert decode_group(data) == g
+    # arrays are raw little-endian bytes, not msgpack numbers
+    body = msgpack.unpackb(data)
+    assert body["trajectories"][0]["tokens"] == (1).to_bytes(4, "little") + (2).to_bytes(
+        4, "little"
+    ) + (3).to_bytes(4, "little") + (40000).to_bytes(4, "little")
+    assert g.version_min == 3 and g.version_max == 4 and g.num_tokens == 12
+
+
+def test_logprobs_round_to_float32() -> None:
+    g = group("k1")
+    g.trajectories[0].logprobs[3] = -0.1
+    back = decode_group(encode_group(g))
+    assert back.trajectories[0].logprobs[3] == pytest.approx(-0.1, abs=1e-7)
+    assert back.trajectories[0].logprobs[3] != -0.1  # float32, documented
+
+
+def _mutate(data: bytes, **changes: object) -> bytes:
+    body = msgpack.unpackb(data)
+    t = body["trajectories"][0]
+    for k, v in changes.items():
+        if k in t:
+            t[k] = v
+        else:
+            body[k] = v
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"format": "v0"}, "format must be"),
+        ({"tokens": b"\x01\x00\x00"}, "not a multiple of 4"),
+        ({"tokens": [1, 2, 3, 4]}, "must be msgpack bin"),
+        ({"mask": b"\x00\x00\x02\x01"}, "only 0 and 1"),
+        ({"logprobs": b"\x00\x00\xc0\x7f" * 4}, "finite"),  # NaN
+        ({"logprobs": b"\x00\x00\x80\x3f" * 4}, "<= 0"),  # +1.0
+        ({"tokens": b"\xff\xff\xff\xff" * 4}, "negative token id"),
+        ({"mask": b"\x00\x01"}, "same length"),
+        ({"version_min": 9}, "version_min 9 > version_max"),
+        ({"reward": float("inf")}, "finite"),
+        ({"idempotency_key": "has space"}, "idempotency_key"),
+        ({"extra": 1}, "unknown fields"),
+    ],
+)
+def test_malformed_payloads_are_refused(changes: dict[str, object], message: str) -> None:
+    data = _mutate(encode_group(group("k1")), **changes)
+    with pytest.raises(ValueError, match=message):
+        decode_group(data)
+
+
+def test_garbage_is_refused() -> None:
+    with pytest.raises(ValueError, match="not valid msgpack"):
+        decode_group(b"\xc1\xc1\xc1")
+    with pytest.raises(ValueError, match="msgpack map"):
+        decode_group(msgpack.packb([1, 2]))
+
+
+def test_leased_batch_round_trip() -> None:
+    groups = [group("a"), group("b", vmin=2)]
+    items = [
+        BatchItem(
+            submission_id=i,
+            worker_id=g.worker_id,
+            group_id=g.group_id,
+            version_min=g.version_min,
+            version_max=g.version_max,
+            submitted_at=1.5,
+            num_trajectories=len(g.trajectories),
+            num_tokens=g.num_tokens,
+        )
+        for i, g in enumerate(groups)
+    ]
+    lease = BatchLease(
+        batch_id="b1",
+        expires_at=2.0,
+        items=items,
+        dropped_stale=1,
+        current_version=3,
+        queue_depth=0,
+    )
+    got = decode_leased_batch(encode_leased_batch(lease, [encode_group(g) for g in groups]))
+    assert got.lease == lease and got.groups == groups
+    with pytest.raises(ValueError, match="payloads"):
+        encode_leased_batch(lease, [])
+
+
+def test_version_publish_rules() -> None:
+    publish_body(0)
+    with pytest.raises(ValidationError, match="anchor has no base_version"):
+        VersionPublish.model_validate({**publish_body(0).model_dump(), "base_version": 0})
+    with pytest.raises(ValidationError, match="needs base_version"):
+        VersionPublish.model_validate({**publish_body(3).model_dump(), "base_version": None})
+    with pytest.raises(ValidationError, match="must be older"):
+        VersionPublish.model_validate({**publish_body(3).model_dump(), "base_version": 3})
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        TrajectoryGroup.model_validate({**group("x").model_dump(), "typo": 1})

@@ -1,0 +1,233 @@
+"""One contract, every store: SQLite and a real redis-server run the same tests."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from deltarl.services.coordinator.store import (
+    CoordinatorStore,
+    IdempotencyConflict,
+    LeaseExpired,
+    UnknownLease,
+    VersionConflict,
+)
+from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
+
+from .conftest import StoreFactory
+from .helpers import record, submission
+
+T0 = 1_000_000.0
+
+
+def test_versions_in_order_and_idempotent(store: CoordinatorStore) -> None:
+    assert store.latest_version() is None
+    for v in range(3):
+        stored, created = store.add_version(record(v))
+        assert created and stored.version == v
+    again, created = store.add_version(record(2))  # a retry of the same publish
+    assert not created and again.version == 2
+    changed = record(2).model_copy(update={"state_digest": "other"})
+    with pytest.raises(VersionConflict, match="different content"):
+        store.add_version(changed)
+    with pytest.raises(VersionConflict, match="out of order: the next version is 3"):
+        store.add_version(record(5))
+    store.add_version(record(3, kind="anchor"))
+    store.add_version(record(4, anchor=3))
+    latest, anchor = store.latest_version(), store.latest_anchor()
+    assert latest is not None and latest.version == 4
+    assert anchor is not None and anchor.version == 3
+    assert [r.version for r in store.list_versions(None, 100)] == [0, 1, 2, 3, 4]
+    assert [r.version for r in store.list_versions(1, 2)] == [2, 3]
+    assert [r.version for r in store.recent_versions(2)] == [3, 4]
+    assert store.get_version(9) is None
+    got = store.get_version(1)
+    assert got is not None and got == store.list_versions(0, 1)[0]
+
+
+def test_versions_first_can_start_anywhere(store: CoordinatorStore) -> None:
+    store.add_version(record(7, kind="anchor"))
+    store.add_version(record(8, anchor=7))
+    assert [r.version for r in store.list_versions(None, 10)] == [7, 8]
+    assert [r.version for r in store.recent_versions(10)] == [7, 8]
+
+
+def test_workers_register_heartbeat_rejoin_remove(store: CoordinatorStore) -> None:
+    reg = WorkerRegistration(worker_id="w1", engine="vllm", model="m", capacity=4)
+    w = store.register_worker(reg, T0, lost_after_s=10)
+    assert (w.worker_id, w.capacity, w.rejoins, w.applied_version) == ("w1", 4, 0, None)
+    hb = WorkerHeartbeat(applied_version=3, in_flight=2, last_error="boom")
+    w2 = store.heartbeat("w1", hb, T0 + 1, lost_after_s=10)
+    assert w2 is not None and (w2.applied_version, w2.in_flight, w2.last_error) == (3, 2, "boom")
+    assert w2.last_seen == T0 + 1 and w2.registered_at == T0 and w2.rejoins == 0
+    w3 = store.heartbeat("w1", WorkerHeartbeat(applied_version=4), T0 + 30, lost_after_s=10)
+    assert w3 is not None and w3.rejoins == 1 and w3.last_error is None  # came back after silence
+    assert store.heartbeat("nobody", hb, T0, lost_after_s=10) is None
+    w4 = store.register_worker(reg.model_copy(update={"capacity": 8}), T0 + 31, lost_after_s=10)
+    assert (w4.capacity, w4.rejoins, w4.applied_version, w4.registered_at) == (8, 2, None, T0)
+    store.register_worker(reg.model_copy(update={"worker_id": "w0"}), T0, lost_after_s=10)
+    assert [w.worker_id for w in store.list_workers()] == ["w0", "w1"]
+    assert store.remove_worker("w0") and not store.remove_worker("w0")
+    assert store.get_worker("w0") is None
+    got = store.get_worker("w1")
+    assert got is not None and got.capacity == 8
+
+
+def test_submit_idempotent_and_stale(store: CoordinatorStore) -> None:
+    store.register_worker(
+        WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0, 10
+    )
+    first = store.submit(submission("k1", vmin=5), T0, min_version=3, staleness=1)
+    assert first.status == "accepted" and first.queue_depth == 1
+    dup = store.submit(submission("k1", vmin=5), T0 + 1, min_version=3, staleness=1)
+    assert dup.status == "duplicate" and dup.submission_id == first.submission_id
+    assert dup.queue_depth == 1
+    with pytest.raises(IdempotencyConflict, match="different payload"):
+        store.submit(submission("k1", vmin=5, payload_extra=b"x"), T0, min_version=3, staleness=1)
+    stale = store.submit(submission("k2", vmin=2), T0, min_version=3, staleness=6)
+    assert stale.status == "stale" and stale.submission_id is None and stale.queue_depth == 1
+    c = store.counters()
+    assert (c.depth, c.submitted_total, c.duplicates_total) == (1, 1, 1)
+    assert c.dropped == {"stale_at_submit": 1}
+    assert c.oldest_submitted_at == T0
+    assert store.staleness_hist() == {1: 1}
+    assert store.reward_curve(10) == [(5, 1, 0.5)]
+    w = store.get_worker("w1")
+    assert w is not None and w.submitted == 1
+
+
+def test_lease_ack_fifo(store: CoordinatorStore) -> None:
+    for i in range(5):
+        store.submit(submission(f"k{i}", vmin=1), T0 + i, None, 0)
+    a = store.lease(2, 60, T0 + 10, None)
+    b = store.lease(2, 60, T0 + 10, None)
+    assert a.batch_id and b.batch_id and a.batch_id != b.batch_id
+    ids_a = [m.submission_id for m, _ in a.items]
+    ids_b = [m.submission_id for m, _ in b.items]
+    assert ids_a < ids_b and len(ids_a) == len(ids_b) == 2 and b.queue_depth == 1
+    meta, payload = a.items[0]
+    assert meta.worker_id == "w1" and meta.group_id == "g-k0" and meta.submitted_at == T0
+    assert payload == submission("k0", vmin=1).payload  # bytes come back unchanged
+    assert store.ack(a.batch_id, T0 + 11) == 2
+    assert store.ack(a.batch_id, T0 + 12) == 2  # repeating a successful ack is harmless
+    c = store.counters()
+    assert (c.depth, c.leased, c.acked_total) == (1, 2, 2)
+    with pytest.raises(UnknownLease):
+        store.ack("nope", T0)
+    empty = store.lease(10, 60, T0 + 12, None)
+    assert len(empty.items) == 1
+    assert store.lease(10, 60, T0 + 12, None).batch_id == ""
+
+
+def test_lease_expiry_returns_items_in_order(store: CoordinatorStore) -> None:
+    for i in range(4):
+        store.submit(submission(f"k{i}"), T0, None, 0)
+    a = store.lease(2, 5, T0, None)
+    b = store.lease(1, 5, T0, None)
+    # both expire: all their groups are back at the head, oldest first, before k3
+    c = store.lease(10, 5, T0 + 6, None)
+    assert [m.group_id for m, _ in c.items] == ["g-k0", "g-k1", "g-k2", "g-k3"]
+    with pytest.raises(LeaseExpired):
+        store.ack(a.batch_id, T0 + 7)
+    with pytest.raises(LeaseExpired):
+        store.ack(b.batch_id, T0 + 7)
+    assert store.ack(c.batch_id, T0 + 7) == 4
+    assert store.counters().leased == 0
+
+
+def test_ack_after_expiry_refused_and_requeued(store: CoordinatorStore) -> None:
+    store.submit(submission("k0"), T0, None, 0)
+    a = store.lease(1, 5, T0, None)
+    with pytest.raises(LeaseExpired, match="went back to the queue"):
+        store.ack(a.batch_id, T0 + 5)
+    assert store.counters().depth == 1
+    assert store.reclaim_expired(T0 + 100) == 0
+
+
+def test_nack_and_reclaim(store: CoordinatorStore) -> None:
+    for i in range(3):
+        store.submit(submission(f"k{i}"), T0, None, 0)
+    a = store.lease(2, 60, T0, None)
+    assert store.nack(a.batch_id, T0 + 1) == 2
+    with pytest.raises(LeaseExpired):
+        store.nack(a.batch_id, T0 + 1)
+    b = store.lease(3, 5, T0 + 1, None)
+    assert [m.group_id for m, _ in b.items] == ["g-k0", "g-k1", "g-k2"]
+    assert store.reclaim_expired(T0 + 3) == 0
+    assert store.reclaim_expired(T0 + 7) == 3
+    assert store.counters().depth == 3
+
+
+def test_stale_dropped_at_pull(store: CoordinatorStore) -> None:
+    for i, v in enumerate([1, 4, 2, 5]):
+        store.submit(submission(f"k{i}", vmin=v), T0, None, 0)
+    got = store.lease(10, 60, T0, min_version=3)
+    assert [m.version_min for m, _ in got.items] == [4, 5]
+    assert got.dropped_stale == 2
+    assert store.counters().dropped == {"stale_at_pull": 2}
+    store.count_drop("stale_at_pull", 3)
+    assert store.counters().dropped == {"stale_at_pull": 5}
+
+
+def test_nothing_lost_on_restart(store_factory: StoreFactory) -> None:
+    s1 = store_factory()
+    s1.add_version(record(0))
+    s1.register_worker(
+        WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0, 10
+    )
+    for i in range(3):
+        s1.submit(submission(f"k{i}"), T0, None, 0)
+    leased = s1.lease(1, 5, T0, None)
+    s1.close()
+    s2 = store_factory()
+    latest = s2.latest_version()
+    assert latest is not None and latest.version == 0
+    assert s2.get_worker("w1") is not None
+    assert s2.submit(submission("k1"), T0, None, 0).status == "duplicate"
+    after = s2.lease(10, 60, T0 + 10, None)  # the expired lease comes back too
+    assert [m.group_id for m, _ in after.items] == ["g-k0", "g-k1", "g-k2"]
+    with pytest.raises(LeaseExpired):
+        s2.ack(leased.batch_id, T0 + 11)
+
+
+def test_concurrent_submit_and_lease_lose_nothing(store: CoordinatorStore) -> None:
+    """Several threads submit (with retries) while others lease and ack: every group is
+    delivered exactly once."""
+    n_threads, per = 4, 25
+    delivered: list[str] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def producer(t: int) -> None:
+        try:
+            for i in range(per):
+                sub = submission(f"t{t}-{i}")
+                store.submit(sub, T0, None, 0)
+                store.submit(sub, T0, None, 0)  # retry: must not duplicate
+        except BaseException as exc:
+            errors.append(exc)
+
+    def consumer() -> None:
+        try:
+            while not done.is_set() or store.counters().depth:
+                got = store.lease(7, 60, T0, None)
+                if got.batch_id:
+                    delivered.extend(m.group_id for m, _ in got.items)
+                    store.ack(got.batch_id, T0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    producers = [threading.Thread(target=producer, args=(t,)) for t in range(n_threads)]
+    consumers = [threading.Thread(target=consumer) for _ in range(2)]
+    for th in producers + consumers:
+        th.start()
+    for th in producers:
+        th.join()
+    done.set()
+    for th in consumers:
+        th.join()
+    assert not errors
+    assert sorted(delivered) == sorted(f"g-t{t}-{i}" for t in range(n_threads) for i in range(per))
+    c = store.counters()
+    assert (c.submitted_total, c.acked_total, c.duplicates_total) == (100, 100, 100)
