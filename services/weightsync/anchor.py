@@ -335,8 +335,7 @@ def write_anchor(
         for n in names:
             out.write(_tensor_bytes(state[n]))
         if writer is not None:
-            writer.flush(zstandard.FLUSH_FRAME)
-            writer.close()
+            writer.close()  # ends the frame (writes its checksum); fh stays open
         nbytes = fh.tell() - start if fh.seekable() else total
     logger.debug(
         "wrote anchor v%d: %d tensors, %d bytes (compress=%s)",
@@ -414,8 +413,7 @@ def read_anchor(
         magic = fh.read(4)
         rest = cast(IO[bytes], _Prepend(magic, fh))
         if magic == ZSTD_MAGIC:
-            dctx = zstandard.ZstdDecompressor()
-            rest = cast(IO[bytes], dctx.stream_reader(rest, read_across_frames=False))
+            rest = cast(IO[bytes], _ZstdReader(rest))
         return _read_stream(rest, verify, require_digests)
     finally:
         if isinstance(src, str | Path):
@@ -447,3 +445,40 @@ class _Prepend(io.RawIOBase):
             self._head = self._head[n:]
             return n
         return self._stream.readinto(view)  # type: ignore[attr-defined]
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses one zstd frame from ``source``; a frame cut short or followed by bytes is corrupt.
+
+    (``zstandard``'s own ``stream_reader`` returns EOF quietly on a truncated frame, and only
+    checks the frame's content checksum if the frame is read to its end.)
+    """
+
+    CHUNK = 1 << 16
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self._source = source
+        self._dobj = zstandard.ZstdDecompressor().decompressobj()
+        self._buf = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        while not self._buf:
+            if self._dobj.eof:
+                if self._dobj.unused_data or self._source.read(1):
+                    raise CorruptDeltaError("anchor has trailing bytes after its zstd frame")
+                return 0
+            chunk = self._source.read(self.CHUNK)
+            if not chunk:
+                raise CorruptDeltaError("input is truncated: the zstd frame ends early")
+            try:
+                self._buf = memoryview(self._dobj.decompress(chunk))
+            except zstandard.ZstdError as e:
+                raise CorruptDeltaError(f"zstd stream is corrupt ({e})") from None
+        n = min(len(view), len(self._buf))
+        view[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
