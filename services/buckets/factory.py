@@ -65,6 +65,11 @@ def open_bucket(
             raise ValueError(f"s3 URI {uri!r} must not have a query or fragment")
         if s3_client is None:
             secret = settings.s3_secret_access_key
+            if (secret is None) != (settings.s3_access_key_id is None):
+                raise ValueError(
+                    "set both DELTARL_S3_ACCESS_KEY_ID and DELTARL_S3_SECRET_ACCESS_KEY, or "
+                    "neither (then boto3's credential chain is used)"
+                )
             s3_client = make_s3_client(
                 endpoint_url=settings.s3_endpoint_url,
                 region=settings.s3_region,
@@ -78,10 +83,12 @@ def open_bucket(
             s3_client,
             endpoint_url=settings.s3_endpoint_url,
         )
-    elif uri.startswith("file://"):
+    elif uri.startswith("file:"):
         from .local import LocalBucket
 
         parsed = urlparse(uri)
+        if not uri.startswith("file://"):
+            raise ValueError(f"file URI {uri!r} must be absolute: file:///absolute/path")
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"file URI {uri!r} names a host: use file:///absolute/path")
         path = unquote(parsed.path)

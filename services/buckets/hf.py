@@ -76,7 +76,7 @@ class HfBucket(Bucket):
         self.prefix = validate_key(prefix) if prefix else ""
         self.api = api
         self.dry_run = dry_run
-        self.uri = f"{HF_URI_PREFIX}{join_key(bucket_id, self.prefix)}"
+        self.uri = f"{HF_URI_PREFIX}{bucket_id}" + (f"/{self.prefix}" if self.prefix else "")
         if dry_run:
             self.uri += " (dry run)"
 

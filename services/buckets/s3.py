@@ -71,7 +71,7 @@ class S3Bucket(Bucket):
         self.prefix = validate_key(prefix) if prefix else ""
         self.client = client
         where = f" at {endpoint_url}" if endpoint_url else ""
-        self.uri = f"s3://{join_key(bucket, self.prefix)}{where}"
+        self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "") + where
 
     def _full(self, key: str) -> str:
         return join_key(self.prefix, validate_key(key))
