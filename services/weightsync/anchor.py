@@ -101,7 +101,7 @@ def _check_little_endian() -> None:
         raise RuntimeError("safetensors is little-endian; big-endian hosts are not supported")
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw little-endian bytes of a CPU copy of ``t`` in C order (no copy if already so)."""
     flat = t.detach().cpu().contiguous().reshape(-1)
     if flat.numel() == 0:
@@ -333,7 +333,7 @@ def write_anchor(
             out = cast(IO[bytes], writer)
         out.write(header)
         for n in names:
-            out.write(_tensor_bytes(state[n]))
+            out.write(tensor_bytes(state[n]))
         if writer is not None:
             writer.close()  # ends the frame (writes its checksum); fh stays open
         nbytes = fh.tell() - start if fh.seekable() else total

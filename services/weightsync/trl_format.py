@@ -68,7 +68,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .anchor import _tensor_bytes, parse_header
+from .anchor import parse_header, tensor_bytes
 from .bits import dtype_name, float_format, from_bits
 from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible, scatter_patch
 from .digest import tensor_digest
@@ -135,7 +135,7 @@ def _checksum(meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> s
     for key in sorted(tensors):
         t = tensors[key]
         h.update(f"\n{key}\0{dtype_name(t.dtype)}{list(t.shape)}\0".encode())
-        h.update(_tensor_bytes(t))
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 
