@@ -109,6 +109,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         version=__version__,
         description="OpenEnv-compatible Wordle server with stateful HTTP sessions.",
         lifespan=lifespan,
+        strict_content_type=False,  # a JSON body without Content-Type is still JSON
     )
     app.state.settings = settings
     app.state.store = store

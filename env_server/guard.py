@@ -33,10 +33,6 @@ def error_body(code: ErrorCode, detail: str) -> tuple[int, bytes]:
     return HTTP_STATUS[code], body
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
     """See the module docstring. ``on_error`` is told each error code it answers with."""
 
@@ -81,30 +77,34 @@ class GuardMiddleware:
         await self._call_counting(scope, receive, send)
 
     async def _call_counting(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Count a streamed body; past the limit, answer 413 ourselves, tell the app that the
+        client left (``http.disconnect``) and drop whatever the app still tries to send."""
         received = 0
         started = False
+        rejected = False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, rejected
+            if rejected:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise _BodyTooLarge
+                if received > self.max_body_bytes and not started:
+                    rejected = True
+                    await self._reject(send, ErrorCode.PAYLOAD_TOO_LARGE, self._too_large(received))
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if rejected:
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if started:
-                raise
-            await self._reject(send, ErrorCode.PAYLOAD_TOO_LARGE, self._too_large(received))
+        await self.app(scope, counting_receive, tracking_send)
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.token is not None
