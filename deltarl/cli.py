@@ -18,6 +18,7 @@ from deltarl import __version__
 # (sub-command name, module, attribute): the attribute is a ``typer.Typer`` (a group of commands)
 # or a plain function (a single command).
 SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("delta", "deltarl.services.weightsync.cli", "app"),
     ("env", "deltarl.env_server.cli", "serve"),
 ]
 
@@ -38,10 +39,16 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-    log_level: str = typer.Option("INFO", "--log-level", envvar="DELTARL_LOG_LEVEL", help="Python logging level."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+    log_level: str = typer.Option(
+        "INFO", "--log-level", envvar="DELTARL_LOG_LEVEL", help="Python logging level."
+    ),
 ) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _register() -> None:

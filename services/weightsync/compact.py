@@ -607,6 +607,23 @@ def decode_compact(
     return delta
 
 
+def check_integrity(data: bytes | memoryview) -> dict[str, Any]:
+    """Verify the trailer, the footer and every chunk checksum (no base needed); return the footer."""
+    footer = read_footer(data)
+    buf = memoryview(data)
+    body_end = len(buf) - TRAILER.size - TRAILER.unpack(buf[len(buf) - TRAILER.size :])[0]
+    for t in footer["tensors"]:
+        for meta in t["chunks"]:
+            off, length = int(meta["offset"]), sum(int(x) for x in meta["streams"])
+            if off < len(MAGIC) or off + length > body_end:
+                raise CorruptDeltaError(f"{t['name']}: chunk at byte {off} lies outside the object")
+            if xxhash.xxh3_64_intdigest(buf[off : off + length]) != meta["xxh3"]:
+                raise CorruptDeltaError(
+                    f"{t['name']}: chunk at byte {off} is damaged (checksum mismatch)"
+                )
+    return footer
+
+
 def footer_summary(data: bytes | memoryview) -> dict[str, Any]:
     """Versions, digests and per-tensor change counts of a compact delta, without decoding it."""
     f = read_footer(data)

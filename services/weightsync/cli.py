@@ -1,0 +1,189 @@
+"""``deltarl delta``: compute, inspect, encode, apply and verify deltas between safetensors files.
+
+Heavy imports (torch, safetensors, numba) happen inside the commands, after argument parsing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+app = typer.Typer(
+    help="Compute, inspect, encode, apply and verify lossless weight deltas.",
+    no_args_is_help=True,
+)
+
+OLD = typer.Argument(..., exists=True, dir_okay=False, help="Old state (.safetensors).")
+NEW = typer.Argument(..., exists=True, dir_okay=False, help="New state (.safetensors).")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return dict(load_file(str(path)))
+    except (SafetensorError, OSError) as e:
+        raise typer.BadParameter(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _sizes(delta: Any, old: dict[str, Any]) -> dict[str, int]:
+    from deltarl.services.weightsync.codec import DELTA_FORMATS, encode_delta
+
+    return {f: len(encode_delta(delta, old, f)) for f in DELTA_FORMATS}
+
+
+@app.command()
+def stats(
+    old: Path = OLD,
+    new: Path = NEW,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Density, bytes per format, bits per changed element and the entropy floors."""
+    from deltarl.services.weightsync import DeltaError, compute_delta
+    from deltarl.services.weightsync.stats import delta_stats
+
+    o, n = _load(old), _load(new)
+    try:
+        delta = compute_delta(o, n)
+    except DeltaError as e:
+        _fail(str(e))
+    s = delta_stats(delta, o)
+    sizes = _sizes(delta, o)
+    out: dict[str, Any] = s.as_dict()
+    out["bytes"] = sizes
+    out["bits_per_changed"] = {
+        f: (b * 8 / s.changed if s.changed else None) for f, b in sizes.items()
+    }
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"{s.changed:,} of {s.numel:,} elements changed (density {s.density:.4%}); "
+        f"full state {s.dense_bytes:,} bytes"
+    )
+    table = Table("format", "bytes", "bits/changed", "vs full")
+    for f, b in sizes.items():
+        bpc = out["bits_per_changed"][f]
+        table.add_row(f, f"{b:,}", f"{bpc:.2f}" if bpc else "-", f"{b / max(s.dense_bytes, 1):.3%}")
+    console.print(table)
+    console.print(
+        f"entropy floors (bits/changed): i.i.d. {s.iid_floor_bits:.2f}; given tensor and old "
+        f"exponent {s.conditional_floor_bits:.2f} (mask {s.mask_conditional_bits:.2f} + values "
+        f"{s.value_conditional_bits:.2f})"
+    )
+
+
+@app.command()
+def encode(
+    old: Path = OLD,
+    new: Path = NEW,
+    output: Path = typer.Option(..., "-o", "--output", help="Delta file to write."),
+    fmt: str = typer.Option("compact", "--format", help="compact | trl-raw | trl-gap"),
+    base_version: int | None = typer.Option(
+        None, help="Version number of OLD, recorded in the delta."
+    ),
+    version: int | None = typer.Option(None, help="Version number of NEW, recorded in the delta."),
+) -> None:
+    """Write the delta that turns OLD into NEW."""
+    from deltarl.services.weightsync import DeltaError, compute_delta
+    from deltarl.services.weightsync.codec import DELTA_FORMATS, encode_delta
+
+    if fmt not in DELTA_FORMATS:
+        raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
+    o, n = _load(old), _load(new)
+    try:
+        delta = compute_delta(o, n, base_version, version)
+        blob = encode_delta(delta, o, fmt)
+    except DeltaError as e:
+        _fail(str(e))
+    output.write_bytes(blob)
+    typer.echo(f"wrote {output} ({len(blob):,} bytes, {delta.changed:,} changed elements, {fmt})")
+
+
+@app.command()
+def apply(
+    base: Path = typer.Argument(
+        ..., exists=True, dir_okay=False, help="Base state (.safetensors)."
+    ),
+    delta_path: Path = typer.Argument(..., exists=True, dir_okay=False, help="Delta file."),
+    output: Path = typer.Option(
+        ..., "-o", "--output", help="Result state (.safetensors) to write."
+    ),
+    unchecked: bool = typer.Option(
+        False, help="Apply a delta that carries no digests (plain TRL)."
+    ),
+) -> None:
+    """Apply a delta to BASE and write the verified result."""
+    from safetensors.torch import save_file
+
+    from deltarl.services.weightsync import DeltaError, apply_delta
+    from deltarl.services.weightsync.codec import decode_delta
+
+    state = _load(base)
+    try:
+        delta = decode_delta(delta_path.read_bytes(), state)
+        apply_delta(state, delta, check_base=not unchecked, verify=not unchecked)
+    except DeltaError as e:
+        _fail(str(e))
+    save_file(state, str(output))
+    typer.echo(
+        f"wrote {output}: version {delta.version}, {delta.changed:,} elements changed, verified"
+    )
+
+
+@app.command()
+def verify(
+    delta_path: Path = typer.Argument(..., exists=True, dir_okay=False, help="Delta file."),
+    base: Path = typer.Option(
+        None, "--base", exists=True, dir_okay=False, help="Check this is the delta's base."
+    ),
+    result: Path = typer.Option(
+        None,
+        "--result",
+        exists=True,
+        dir_okay=False,
+        help="Check this state equals the delta's result.",
+    ),
+) -> None:
+    """Check a delta's integrity, and optionally that BASE is its base and RESULT its result.
+
+    With --base the delta is fully decoded and applied in memory, and the result digest checked.
+    """
+    from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
+    from deltarl.services.weightsync.codec import decode_delta, describe
+
+    data = delta_path.read_bytes()
+    try:
+        info = describe(data)
+        typer.echo(
+            f"{delta_path}: {info['format']}, version {info['base_version']} -> {info['version']}, "
+            "integrity ok"
+        )
+        want = info["result_digest"]
+        if base is not None:
+            state = _load(base)
+            delta = decode_delta(data, state)
+            apply_delta(state, delta)
+            want = delta.result_digest
+            typer.echo(f"base matches; applied in memory, result digest {want} verified")
+        if result is not None:
+            if want is None:
+                _fail("this delta records no result digest; pass --base to verify against a base")
+            if state_digest(_load(result)) != want:
+                _fail(f"{result} is not the delta's result state")
+            typer.echo(f"{result} equals the delta's result")
+    except DeltaError as e:
+        _fail(str(e))

@@ -1,0 +1,113 @@
+"""One entry point for every delta format: encode by name, decode by sniffing the bytes.
+
+=============  =====================================================================  ==========
+name           what it is                                                             needs base
+=============  =====================================================================  ==========
+``compact``    deltarl's entropy-coded format (default; :mod:`.compact`)               yes
+``trl-raw``    TRL sparse safetensors, int32 positions (:mod:`.trl_format`)            no
+``trl-gap``    TRL sparse safetensors, ``gap_delta`` positions (:mod:`.trl_format`)    no
+=============  =====================================================================  ==========
+
+"needs base": the compact format codes values and positions against the old weights, so encoding
+and decoding it need the state at the delta's base version; TRL files carry absolute positions and
+values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+from . import compact, trl_format
+from .delta import Delta
+from .errors import CorruptDeltaError
+
+DeltaFormat = Literal["compact", "trl-raw", "trl-gap"]
+DELTA_FORMATS: tuple[str, ...] = ("compact", "trl-raw", "trl-gap")
+FORMAT_TAGS = {
+    "compact": f"{compact.FORMAT_NAME}-v{compact.FORMAT_VERSION}",
+    "trl-raw": "trl-sparse-raw",
+    "trl-gap": "trl-sparse-gap_delta",
+}
+
+
+def encode_delta(
+    delta: Delta,
+    base: Mapping[str, torch.Tensor] | None,
+    fmt: str = "compact",
+    *,
+    threads: int | None = None,
+) -> bytes:
+    """Serialize ``delta`` in format ``fmt`` (``base`` is required for ``compact``)."""
+    if fmt == "compact":
+        if base is None:
+            raise ValueError("the compact format needs the base state to encode against")
+        return compact.encode_compact(delta, base, threads=threads)
+    if fmt == "trl-raw":
+        return trl_format.encode_trl(delta, "raw")
+    if fmt == "trl-gap":
+        return trl_format.encode_trl(delta, "gap_delta")
+    raise ValueError(f"unknown delta format {fmt!r}; choose one of {', '.join(DELTA_FORMATS)}")
+
+
+def detect_format(data: bytes | memoryview) -> str:
+    """``"compact"`` or ``"trl"`` from the first bytes; :class:`CorruptDeltaError` otherwise."""
+    if compact.is_compact(data):
+        return "compact"
+    head = bytes(data[:9])
+    if len(head) == 9 and head[8:9] == b"{":  # safetensors: u64 header length, then JSON
+        return "trl"
+    raise CorruptDeltaError("not a delta: neither deltarl-compact nor safetensors (TRL) bytes")
+
+
+def decode_delta(
+    data: bytes,
+    base: Mapping[str, torch.Tensor],
+    *,
+    check_base: bool = True,
+    base_digests: Mapping[str, str] | None = None,
+    threads: int | None = None,
+) -> Delta:
+    """Decode a delta of any format against ``base`` (the state it will be applied to).
+
+    With ``check_base`` a compact delta refuses a wrong base before decoding; for TRL files the
+    base is checked by :func:`~.delta.apply_delta`.
+    """
+    kind = detect_format(data)
+    if kind == "compact":
+        return compact.decode_compact(
+            data, base, check_base=check_base, base_digests=base_digests, threads=threads
+        )
+    return trl_format.decode_trl(data, like=base)
+
+
+def describe(data: bytes) -> dict[str, object]:
+    """Check a delta's own integrity (checksums, header) without its base, and describe it.
+
+    Returns ``format``, ``base_version``, ``version``, ``result_digest`` (the state digest the
+    delta produces, ``None`` for a plain TRL file without digests).
+    """
+    kind = detect_format(data)
+    if kind == "compact":
+        from .digest import combine_digests
+
+        footer = compact.check_integrity(data)
+        return {
+            "format": FORMAT_TAGS["compact"],
+            "base_version": footer.get("base_version"),
+            "version": footer.get("version"),
+            "result_digest": combine_digests(
+                {t["name"]: t["result_digest"] for t in footer["tensors"]}
+            ),
+        }
+    meta = trl_format.trl_metadata(data)
+    known = "deltarl.tensors" in meta
+    delta = trl_format.decode_trl(data) if known else None
+    return {
+        "format": "trl-sparse-" + meta.get("encoding", "raw"),
+        "base_version": delta.base_version if delta else None,
+        "version": delta.version if delta else meta.get("model_version"),
+        "result_digest": delta.result_digest if delta else None,
+    }

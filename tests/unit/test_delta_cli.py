@@ -1,0 +1,87 @@
+"""``deltarl delta`` on real files, as a user runs it (in a subprocess: the installed command)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import make_state, perturb
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deltarl", "delta", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def files(tmp_path):
+    old = make_state(seed=4)
+    new = perturb(old, 0.02)
+    a, b = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    save_file(old, str(a))
+    save_file(new, str(b))
+    return tmp_path, a, b, new
+
+
+def test_stats_json(files):
+    _, a, b, _new = files
+    r = run("stats", str(a), str(b), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["changed"] > 0 and set(out["bytes"]) == {"compact", "trl-raw", "trl-gap"}
+    assert out["conditional_floor_bits"] <= out["iid_floor_bits"] + 1e-9
+
+
+@pytest.mark.parametrize("fmt", ["compact", "trl-raw", "trl-gap"])
+def test_encode_apply_verify_round_trip(files, fmt):
+    tmp, a, b, new = files
+    d, out = tmp / f"d.{fmt}", tmp / "out.safetensors"
+    assert (
+        run("encode", str(a), str(b), "-o", str(d), "--format", fmt, "--version", "2").returncode
+        == 0
+    )
+    r = run("apply", str(a), str(d), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    assert all(torch.equal(got[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    r = run("verify", str(d), "--base", str(a), "--result", str(out))
+    assert r.returncode == 0 and "equals the delta's result" in r.stdout
+
+
+def test_apply_to_the_wrong_base_fails_cleanly(files):
+    tmp, a, b, _ = files
+    d = tmp / "d"
+    run("encode", str(a), str(b), "-o", str(d))
+    r = run("apply", str(b), str(d), "-o", str(tmp / "x.safetensors"))
+    assert r.returncode == 2 and "applied twice" in r.stderr
+    assert not (tmp / "x.safetensors").exists()
+
+
+def test_verify_detects_a_wrong_result_and_a_damaged_file(files):
+    tmp, a, b, _ = files
+    d = tmp / "d"
+    run("encode", str(a), str(b), "-o", str(d))
+    r = run("verify", str(d), "--result", str(a))
+    assert r.returncode == 2 and "not the delta's result" in r.stderr
+    data = bytearray(d.read_bytes())
+    data[12] ^= 0xFF
+    d.write_bytes(bytes(data))
+    r = run("verify", str(d))
+    assert r.returncode == 2 and "error:" in r.stderr
+
+
+def test_not_a_safetensors_file(tmp_path, files):
+    _, a, _, _ = files
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"hello")
+    r = run("stats", str(a), str(junk))
+    assert r.returncode == 2 and "not a readable safetensors file" in r.stderr
