@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,10 @@ class NewObject:
     base_version: int | None = None  # delta: version it applies to; anchor: None
     base_digest: str | None = None  # delta: state digest of base_version; anchor: None
     changed: int | None = None  # delta: changed elements; anchor: None
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16,128}", value) is not None
 
 
 def _file_digest(path: Path) -> tuple[int, str]:
@@ -268,10 +273,14 @@ class Publisher:
         return self.anchor_every > 0 and version - last >= self.anchor_every
 
     def _check(
-        self, version: int, objects: Sequence[NewObject], latest: int | None
+        self, version: int, objects: Sequence[NewObject], state_digest: str, latest: int | None
     ) -> dict[int, VersionManifest]:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if not _is_digest(state_digest):
+            raise ValueError(
+                f"state_digest must be the codec's lowercase hex state digest, got {state_digest!r}"
+            )
         if not objects:
             raise ValueError(f"version {version}: publish at least one anchor or delta")
         if latest is not None and version <= latest:
@@ -294,6 +303,10 @@ class Publisher:
                 continue
             if o.base_version is None or o.base_digest is None:
                 raise ValueError(f"version {version}: a delta needs base_version and base_digest")
+            if not _is_digest(o.base_digest):
+                raise ValueError(
+                    f"base_digest must be a lowercase hex digest, got {o.base_digest!r}"
+                )
             if o.base_version >= version:
                 raise ValueError(
                     f"delta base_version {o.base_version} must be older than version {version}"
@@ -358,7 +371,7 @@ class Publisher:
         :class:`BaseMismatchError` when a delta's base digest is not its base version's.
         """
         latest = self.reader.latest_version()
-        self._check(version, objects, latest)
+        self._check(version, objects, state_digest, latest)
         # Validate every field before uploading anything: bad input leaves no orphans.
         prefix = objects_prefix(version)
         preview = [

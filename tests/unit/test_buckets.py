@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from deltarl.services.buckets import (
     Bucket,
@@ -81,7 +82,7 @@ def _s3_settings(endpoint: str) -> BucketSettings:
     return BucketSettings(
         s3_endpoint_url=endpoint,
         s3_access_key_id=S3_CREDS["access_key_id"],
-        s3_secret_access_key=S3_CREDS["secret_access_key"],
+        s3_secret_access_key=SecretStr(S3_CREDS["secret_access_key"]),
         s3_region=S3_CREDS["region"],
     )
 
@@ -114,7 +115,8 @@ class RecordingHfApi(DryRunHfApi):
             from huggingface_hub.errors import BucketNotFoundError
 
             request = httpx.Request("GET", f"https://huggingface.co/api/buckets/{bucket_id}")
-            raise BucketNotFoundError("not found", response=httpx.Response(404, request=request))
+            response = httpx.Response(404, request=request)
+            raise BucketNotFoundError("not found", response=response)  # type: ignore[arg-type]
         return super().bucket_info(bucket_id, **kw)
 
     def create_bucket(self, bucket_id: str, **kw: Any) -> None:
