@@ -65,6 +65,7 @@ _HTTP_CODES = {
     405: ErrorCode.METHOD_NOT_ALLOWED,
     413: ErrorCode.PAYLOAD_TOO_LARGE,
 }
+_WS_EXCLUDE = {"session_id"}  # WS data is exactly OpenEnv's {observation, reward, done}
 WS_CLOSE_TIMEOUT = 4408  # app-defined close code: the session timed out
 SessionHeader = Annotated[str | None, Header(alias="X-Deltarl-Session", max_length=64)]
 
@@ -290,14 +291,22 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
                 req = ResetRequest.model_validate(data if data is not None else {})
                 result = env.reset(seed=req.seed, episode_id=req.episode_id)
                 metrics.reset["ws"].inc()
-                return '{"type":"observation","data":' + result.model_dump_json() + "}"
+                return (
+                    '{"type":"observation","data":'
+                    + result.model_dump_json(exclude=_WS_EXCLUDE)
+                    + "}"
+                )
             if kind == "step":
                 started = time.perf_counter()
                 message = check_message(WordleAction.model_validate(data))
                 with session.claim():
                     result = env.step(message)
                 finish(session, result, "ws")
-                body = '{"type":"observation","data":' + result.model_dump_json() + "}"
+                body = (
+                    '{"type":"observation","data":'
+                    + result.model_dump_json(exclude=_WS_EXCLUDE)
+                    + "}"
+                )
                 metrics.step_seconds.observe(time.perf_counter() - started)
                 return body
             if kind == "state":
