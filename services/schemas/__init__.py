@@ -11,7 +11,8 @@ Modules:
 * :mod:`.trajectories` — trajectory groups and their compact binary (msgpack) wire format.
 * :mod:`.batches` — submission results, leased batches, acks, admission control.
 * :mod:`.status` — the ``GET /v1/status`` summary.
-* :mod:`.plans` — catch-up plans (what a worker fetches to reach a target version).
+* catch-up plans and version manifests are the weight-sync library's own torch-free records
+  (:class:`CatchUpPlan`, :class:`VersionManifest`, :class:`ObjectRef`), re-exported here.
 """
 
 from .batches import (
@@ -26,7 +27,7 @@ from .batches import (
     encode_leased_batch,
 )
 from .common import ErrorBody, ErrorResponse, Health
-from .plans import CatchUpPlan, PlanStep
+from ..weightsync.planner import CatchUpPlan
 from .status import QueueStats, RewardPoint, StatusSummary, VersionPoint
 from .trajectories import (
     TRAJECTORY_FORMAT,
@@ -35,7 +36,7 @@ from .trajectories import (
     decode_group,
     encode_group,
 )
-from .versions import ObjectRef, VersionKind, VersionPublish, VersionRecord
+from .versions import ObjectRef, VersionKind, VersionManifest, VersionPublish, VersionRecord
 from .workers import HeartbeatAck, WorkerHeartbeat, WorkerInfo, WorkerRegistration, WorkerState
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "HeartbeatAck",
     "LeasedBatch",
     "ObjectRef",
-    "PlanStep",
     "QueueStats",
     "RewardPoint",
     "StatusSummary",
@@ -60,6 +60,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryGroup",
     "VersionKind",
+    "VersionManifest",
     "VersionPoint",
     "VersionPublish",
     "VersionRecord",

@@ -25,7 +25,7 @@ class VersionPoint(WireModel):
 
     version: int
     kind: str
-    trainer_step: int
+    trainer_step: int | None = Field(description="Optimizer step; None if unknown.")
     bytes: int = Field(description="Bytes a replica downloads for this version.")
     full_bytes: int = Field(description="Bytes of a full checkpoint.")
     recorded_at: float
@@ -49,6 +49,7 @@ class StatusSummary(WireModel):
     queue: QueueStats
     workers_active: int
     workers_lost: int
+    in_flight: int = Field(description="Groups being generated, summed over active workers.")
     workers: list[WorkerInfo] = Field(description="Up to the requested limit, laggiest first.")
     versions: list[VersionPoint] = Field(description="Most recent versions, oldest first.")
     rewards: list[RewardPoint] = Field(description="Reward curve by version, oldest first.")

@@ -4,45 +4,81 @@ from __future__ import annotations
 
 import hashlib
 import time
+from datetime import UTC, datetime
 
 from deltarl.services.coordinator.store import NewSubmission
+from deltarl.services.coordinator.versions import summarize
 from deltarl.services.schemas import (
     ObjectRef,
     Trajectory,
     TrajectoryGroup,
-    VersionPublish,
+    VersionManifest,
     VersionRecord,
     encode_group,
 )
+from deltarl.services.weightsync.manifest import version_tag
 
 
-def publish_body(version: int, kind: str | None = None, base: int | None = None) -> VersionPublish:
-    kind = kind or ("anchor" if version == 0 else "delta")
-    if kind == "delta" and base is None:
-        base = version - 1
-    return VersionPublish(
+def digest(version: int) -> str:
+    return f"{version + 1:032x}"
+
+
+def manifest(
+    version: int,
+    base: int | None = None,
+    anchor: bool | None = None,
+    delta_size: int = 1000,
+    anchor_size: int = 50_000,
+    bases: tuple[int, ...] = (),
+) -> VersionManifest:
+    """A manifest with a delta from ``base`` (default version-1) and/or an anchor."""
+    tag = version_tag(version)
+    anchor = version == 0 if anchor is None else anchor
+    objects = []
+    if anchor:
+        objects.append(
+            ObjectRef(
+                key=f"objects/{tag}/a.safetensors",
+                kind="anchor",
+                format="safetensors",
+                size=anchor_size,
+                xxh3_128="0" * 32,
+                version=version,
+                result_digest=digest(version),
+            )
+        )
+    delta_bases = list(bases) or (
+        [] if version == 0 or base == -1 else [version - 1 if base is None else base]
+    )
+    for b in delta_bases:
+        objects.append(
+            ObjectRef(
+                key=f"objects/{tag}/d{b}.dlt",
+                kind="delta",
+                format="deltarl-compact-v1",
+                size=delta_size * (version - b),
+                xxh3_128="1" * 32,
+                version=version,
+                base_version=b,
+                base_digest=digest(b),
+                result_digest=digest(version),
+                changed=10,
+            )
+        )
+    return VersionManifest(
         version=version,
-        kind=kind,  # type: ignore[arg-type]
-        base_version=base if kind == "delta" else None,
-        objects=[
-            ObjectRef(key=f"{kind}s/v{version:06d}", size_bytes=1000 if kind == "delta" else 50_000)
-        ],
+        step=version,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        state_digest=digest(version),
+        numel=25_000,
         full_bytes=50_000,
-        state_digest=f"digest{version}",
-        base_digest=f"digest{base}" if kind == "delta" else None,
-        trainer_step=version,
-        published_at=1_700_000_000.0 + version,
+        objects=tuple(objects),
     )
 
 
 def record(version: int, kind: str | None = None, anchor: int = 0) -> VersionRecord:
-    body = publish_body(version, kind)
-    return VersionRecord(
-        **body.model_dump(),
-        recorded_at=time.time(),
-        anchor_version=version if body.kind == "anchor" else anchor,
-        bytes=body.total_bytes,
-    )
+    m = manifest(version, anchor=(kind == "anchor") if kind else None)
+    return summarize(m, None, time.time())
 
 
 def group(

@@ -20,7 +20,7 @@ from deltarl.services.schemas import (
     encode_leased_batch,
 )
 
-from .helpers import group, publish_body
+from .helpers import group, manifest
 
 
 def test_import_pulls_in_neither_torch_nor_numpy_nor_vllm() -> None:
@@ -124,13 +124,9 @@ def test_leased_batch_round_trip() -> None:
         encode_leased_batch(lease, [])
 
 
-def test_version_publish_rules() -> None:
-    publish_body(0)
-    with pytest.raises(ValidationError, match="anchor has no base_version"):
-        VersionPublish.model_validate({**publish_body(0).model_dump(), "base_version": 0})
-    with pytest.raises(ValidationError, match="needs base_version"):
-        VersionPublish.model_validate({**publish_body(3).model_dump(), "base_version": None})
-    with pytest.raises(ValidationError, match="must be older"):
-        VersionPublish.model_validate({**publish_body(3).model_dump(), "base_version": 3})
+def test_version_publish_carries_the_bucket_manifest() -> None:
+    body = VersionPublish(manifest=manifest(3, anchor=True))
+    again = VersionPublish.model_validate_json(body.model_dump_json())
+    assert again == body and again.manifest.has_anchor
     with pytest.raises(ValidationError, match="Extra inputs"):
         TrajectoryGroup.model_validate({**group("x").model_dump(), "typo": 1})

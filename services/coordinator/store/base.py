@@ -126,7 +126,7 @@ class CoordinatorStore(ABC):
     def add_version(self, record: VersionRecord) -> tuple[VersionRecord, bool]:
         """Record a version atomically.
 
-        Accepted only if ``record.version == latest + 1`` (any version when the store is empty).
+        Accepted only if ``record.version > latest`` (gaps allowed; any version when empty).
         Re-adding an existing version with identical content (``recorded_at`` ignored) returns
         ``(stored, False)``: a safe retry. Anything else raises :class:`VersionConflict`.
         Returns ``(stored, True)`` when newly added.

@@ -2,7 +2,8 @@
 
 Layout (every key starts with ``<prefix>:``):
 
-* ``v`` hash version -> VersionRecord JSON; ``v:latest`` / ``v:anchor`` newest version / anchor.
+* ``v`` hash version -> VersionRecord JSON; ``v:idx`` zset of versions; ``v:latest`` /
+  ``v:anchor`` newest version / newest version with an anchor.
 * ``w:ids`` set of worker ids; ``w:<id>`` hash of one worker's fields.
 * ``q`` list of queued submission ids (head = oldest); ``s:<id>`` hash ``meta`` JSON + ``payload``;
   ``idem`` hash idempotency key -> ``"<id>:<sha256>"`` (kept after ack: retries stay duplicates);
@@ -46,8 +47,9 @@ local p = ARGV[1]; local v = tonumber(ARGV[2])
 local existing = redis.call('HGET', p..':v', ARGV[2])
 if existing then return {1, existing} end
 local latest = redis.call('GET', p..':v:latest')
-if latest and v ~= tonumber(latest) + 1 then return {2, latest} end
+if latest and v <= tonumber(latest) then return {2, latest} end
 redis.call('HSET', p..':v', ARGV[2], ARGV[3])
+redis.call('ZADD', p..':v:idx', v, ARGV[2])
 redis.call('SET', p..':v:latest', ARGV[2])
 if ARGV[4] == 'anchor' then redis.call('SET', p..':v:anchor', ARGV[2]) end
 return {0}
@@ -268,9 +270,9 @@ class RedisStore(CoordinatorStore):
                 f"version {record.version} is already published with different content"
             )
         if code == 2:
-            latest = int(res[1])
             raise VersionConflict(
-                f"version {record.version} is out of order: the next version is {latest + 1}"
+                f"version {record.version} is out of order: versions must increase and "
+                f"{int(res[1])} is already recorded"
             )
         return record, True
 
@@ -278,33 +280,24 @@ class RedisStore(CoordinatorStore):
         raw = self._r.hget(self._k("v"), str(version))
         return None if raw is None else VersionRecord.model_validate_json(raw)  # type: ignore[arg-type]
 
-    def _range(self, lo: int, hi: int) -> list[VersionRecord]:
-        if hi < lo:
+    def _records(self, numbers: list[bytes]) -> list[VersionRecord]:
+        if not numbers:
             return []
-        raws = self._r.hmget(self._k("v"), [str(v) for v in range(lo, hi + 1)])  # type: ignore[misc]
-        return [VersionRecord.model_validate_json(r) for r in raws if r is not None]
+        raws = self._r.hmget(self._k("v"), numbers)  # type: ignore[arg-type]
+        return [VersionRecord.model_validate_json(r) for r in raws if r is not None]  # type: ignore[union-attr]
 
     def _latest_number(self, key: str) -> int | None:
         raw = self._r.get(self._k(key))
         return None if raw is None else int(raw)  # type: ignore[arg-type]
 
     def list_versions(self, after: int | None, limit: int) -> list[VersionRecord]:
-        latest = self._latest_number("v:latest")
-        if latest is None:
-            return []
-        if after is None:
-            # versions are consecutive from the first one: find it once via the hash size
-            first = latest - int(self._r.hlen(self._k("v"))) + 1  # type: ignore[arg-type]
-            lo = first
-        else:
-            lo = after + 1
-        return self._range(lo, min(latest, lo + limit - 1))
+        lo = "-inf" if after is None else f"({after}"
+        numbers = self._r.zrangebyscore(self._k("v:idx"), lo, "+inf", start=0, num=limit)
+        return self._records(numbers)  # type: ignore[arg-type]
 
     def recent_versions(self, limit: int) -> list[VersionRecord]:
-        latest = self._latest_number("v:latest")
-        if latest is None:
-            return []
-        return self._range(max(0, latest - limit + 1), latest)
+        numbers = self._r.zrange(self._k("v:idx"), -limit, -1)
+        return self._records(numbers)  # type: ignore[arg-type]
 
     def latest_version(self) -> VersionRecord | None:
         latest = self._latest_number("v:latest")

@@ -118,9 +118,10 @@ class SQLiteStore(CoordinatorStore):
                     f"version {record.version} is already published with different content"
                 )
             latest = db.execute("SELECT MAX(version) FROM versions").fetchone()[0]
-            if latest is not None and record.version != latest + 1:
+            if latest is not None and record.version <= latest:
                 raise VersionConflict(
-                    f"version {record.version} is out of order: the next version is {latest + 1}"
+                    f"version {record.version} is out of order: versions must increase and "
+                    f"{latest} is already recorded"
                 )
             db.execute(
                 "INSERT INTO versions(version, kind, body) VALUES (?, ?, ?)",

@@ -1,0 +1,67 @@
+"""Fan-out of new versions to server-sent-event subscribers.
+
+Order of calls: the app creates one :class:`VersionEvents` bound to its event loop at startup.
+:meth:`VersionEvents.publish` may be called from any thread (routes run in worker threads); it
+hands the record to every subscriber's queue on the loop. A subscriber (:meth:`subscribe`) first
+receives the versions after the one it last saw (``Last-Event-ID``) from the index, then live
+ones, without gaps or duplicates: it registers its queue *before* reading the backlog and skips
+anything not newer than what it already sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from deltarl.services.schemas import VersionRecord
+
+from .versions import VersionIndex
+
+_QUEUE_MAX = 1024
+
+
+class VersionEvents:
+    def __init__(self, loop: asyncio.AbstractEventLoop, index: VersionIndex) -> None:
+        self._loop = loop
+        self._index = index
+        self._queues: set[asyncio.Queue[VersionRecord | None]] = set()
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._queues)
+
+    def publish(self, record: VersionRecord) -> None:
+        """Thread-safe: deliver ``record`` to every subscriber."""
+        self._loop.call_soon_threadsafe(self._deliver, record)
+
+    def _deliver(self, record: VersionRecord | None) -> None:
+        for q in list(self._queues):
+            if q.full():  # a subscriber that does not read: cut it off, it will reconnect
+                self._queues.discard(q)
+                q.get_nowait()
+                q.put_nowait(None)
+            else:
+                q.put_nowait(record)
+
+    def close(self) -> None:
+        """End every stream (shutdown)."""
+        self._loop.call_soon_threadsafe(self._deliver, None)
+
+    async def subscribe(self, after: int | None) -> AsyncIterator[VersionRecord]:
+        q: asyncio.Queue[VersionRecord | None] = asyncio.Queue(_QUEUE_MAX)
+        self._queues.add(q)
+        try:
+            last = after
+            if after is not None:
+                for rec in self._index.after(after, 1_000_000):
+                    last = rec.version
+                    yield rec
+            while True:
+                rec = await q.get()
+                if rec is None:
+                    return
+                if last is None or rec.version > last:
+                    last = rec.version
+                    yield rec
+        finally:
+            self._queues.discard(q)

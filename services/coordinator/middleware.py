@@ -1,0 +1,110 @@
+"""ASGI middleware: request body size limits and per-route latency metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .metrics import CoordinatorMetrics
+
+
+async def _send_error(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message, "detail": None}}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` (``max_json_bytes`` for JSON) with 413, before any route
+    reads them: checked against ``Content-Length`` and again while streaming (chunked bodies)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_json_bytes = max_json_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        ctype = headers.get(b"content-type", b"").decode("latin-1").lower()
+        limit = self.max_json_bytes if "json" in ctype else self.max_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_error(
+                send,
+                413,
+                "body_too_large",
+                f"request body of {int(declared)} bytes exceeds {limit}",
+            )
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await _send_error(
+                    send, 413, "body_too_large", f"request body exceeds {limit} bytes"
+                )
+
+
+class MetricsMiddleware:
+    """Observe each request's latency under its route template (not the raw path)."""
+
+    def __init__(self, app: ASGIApp, metrics: CoordinatorMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status: dict[str, Any] = {"code": 500}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                route = scope.get("route")
+                path = getattr(route, "path", None) or "unmatched"
+                if not path.endswith("/events"):  # streams last forever: not a latency
+                    self.metrics.request_seconds.labels(
+                        scope["method"], path, str(status["code"])
+                    ).observe(time.perf_counter() - start)
+            await send(message)
+
+        await self.app(scope, receive, capture)

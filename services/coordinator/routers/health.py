@@ -1,0 +1,33 @@
+"""``GET /health`` and ``GET /metrics``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from deltarl.services.schemas import Health
+
+from ..deps import CoordinatorDep, ReaderAuth
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", response_model=Health)
+def health(coordinator: CoordinatorDep) -> Health:
+    try:
+        coordinator.store.ping()
+    except Exception as exc:  # report, do not raise: health must answer
+        return Health(status="degraded", store=coordinator.store.name, detail=str(exc))
+    return Health(status="healthy", store=coordinator.store.name)
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    dependencies=[ReaderAuth],
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
+)
+def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

@@ -1,0 +1,30 @@
+"""``GET /v1/plan?from=&to=``: what a replica fetches to reach a version (cheapest by bytes)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from deltarl.services.schemas import CatchUpPlan
+
+from ..deps import CoordinatorDep, ReaderAuth
+from .common import ERRORS
+
+router = APIRouter(prefix="/v1", tags=["plans"], responses=ERRORS)
+
+
+@router.get("/plan", response_model=CatchUpPlan, dependencies=[ReaderAuth])
+def plan(
+    coordinator: CoordinatorDep,
+    from_version: Annotated[
+        int | None, Query(alias="from", ge=0, description="Version held; omit if none.")
+    ] = None,
+    to_version: Annotated[
+        int | None, Query(alias="to", ge=0, description="Target; omit for the latest.")
+    ] = None,
+    formats: Annotated[
+        list[str] | None, Query(alias="format", description="Only objects in these formats.")
+    ] = None,
+) -> CatchUpPlan:
+    return coordinator.plan(from_version, to_version, formats)

@@ -1,0 +1,22 @@
+"""``GET /v1/status``: the run at a glance."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from deltarl.services.schemas import StatusSummary
+
+from ..deps import CoordinatorDep, ReaderAuth
+from .common import ERRORS
+
+router = APIRouter(prefix="/v1", tags=["status"], responses=ERRORS)
+
+
+@router.get("/status", response_model=StatusSummary, dependencies=[ReaderAuth])
+def status(
+    coordinator: CoordinatorDep,
+    workers: Annotated[int | None, Query(ge=0, le=100_000, description="Workers listed.")] = None,
+) -> StatusSummary:
+    return coordinator.status(workers)

@@ -1,0 +1,43 @@
+"""``POST /v1/trajectories``: submit one trajectory group (binary ``deltarl-traj-v1``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from deltarl.services.schemas import SubmitResult
+
+from ..deps import CoordinatorDep, WorkerAuth
+from ..errors import ApiError
+from .common import ERRORS, MSGPACK
+
+router = APIRouter(prefix="/v1", tags=["trajectories"], responses={**ERRORS, 415: ERRORS[422]})
+
+
+@router.post(
+    "/trajectories",
+    response_model=SubmitResult,
+    dependencies=[WorkerAuth],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+            "description": "A TrajectoryGroup encoded by deltarl.services.schemas.encode_group.",
+        }
+    },
+)
+async def submit(request: Request, coordinator: CoordinatorDep) -> SubmitResult:
+    """Queue a group. 200 with ``duplicate=true`` for a retry of an accepted idempotency key;
+    409 ``stale_version`` / ``future_version`` when the group's versions are out of bounds."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != MSGPACK:
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"send the group as {MSGPACK} (encode_group), not {ctype!r}",
+        )
+    payload = await request.body()
+    sid, duplicate, depth, latest = await run_in_threadpool(coordinator.submit, payload)
+    return SubmitResult(
+        submission_id=sid, duplicate=duplicate, queue_depth=depth, current_version=latest
+    )

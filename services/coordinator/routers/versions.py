@@ -1,0 +1,77 @@
+"""``/v1/versions``: record (trainer), list, get, and the live event stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from sse_starlette.sse import EventSourceResponse
+
+from deltarl.services.schemas import VersionPublish, VersionRecord
+
+from ..deps import CoordinatorDep, ReaderAuth, TrainerAuth
+from ..errors import invalid, not_found
+from .common import ERRORS
+
+router = APIRouter(prefix="/v1/versions", tags=["versions"], responses=ERRORS)
+
+
+@router.post("", response_model=VersionRecord, status_code=201, dependencies=[TrainerAuth])
+def publish(body: VersionPublish, coordinator: CoordinatorDep, response: Response) -> VersionRecord:
+    """Record a version after its objects and manifest are in the bucket. 201 when new, 200 for
+    an identical retry; 409 when out of order or conflicting."""
+    record, created = coordinator.publish(body.manifest)
+    if not created:
+        response.status_code = 200
+    return record
+
+
+@router.get("", response_model=list[VersionRecord], dependencies=[ReaderAuth])
+def list_versions(
+    coordinator: CoordinatorDep,
+    after: Annotated[int | None, Query(ge=-1, description="Only versions newer than this.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[VersionRecord]:
+    return coordinator.versions.after(after, limit)
+
+
+@router.get("/latest", response_model=VersionRecord, dependencies=[ReaderAuth])
+def latest(coordinator: CoordinatorDep) -> VersionRecord:
+    record = coordinator.versions.latest()
+    if record is None:
+        raise not_found("no_version", "no version has been recorded yet")
+    return record
+
+
+@router.get(
+    "/events",
+    dependencies=[ReaderAuth],
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "SSE of VersionRecord"}},
+)
+async def events(
+    request: Request,
+    after: Annotated[
+        int | None, Query(ge=-1, description="Replay versions newer than this.")
+    ] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> EventSourceResponse:
+    """Server-sent events: ``event: version``, ``id: <version>``, ``data: <VersionRecord JSON>``.
+    On reconnect the browser/client sends ``Last-Event-ID`` and receives what it missed."""
+    if last_event_id is not None:
+        if not last_event_id.lstrip("-").isdigit():
+            raise invalid("bad_event_id", "Last-Event-ID must be a version number")
+        after = int(last_event_id)
+    stream = request.app.state.events
+
+    async def generate() -> AsyncIterator[dict[str, str]]:
+        async for record in stream.subscribe(after):
+            yield {"event": "version", "id": str(record.version), "data": record.model_dump_json()}
+
+    return EventSourceResponse(generate(), ping=15, send_timeout=30)
+
+
+@router.get("/{version}", response_model=VersionRecord, dependencies=[ReaderAuth])
+def get_version(version: int, coordinator: CoordinatorDep) -> VersionRecord:
+    return coordinator.version(version)

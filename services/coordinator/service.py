@@ -1,0 +1,409 @@
+"""The coordinator's rules, between the thin HTTP routes and the store.
+
+:class:`Coordinator` methods are synchronous and thread-safe (the routes run them in worker
+threads); every state change is one atomic store operation, so concurrent requests and several
+coordinator processes sharing a Redis store stay consistent.
+
+Staleness: with ``V`` the newest recorded version and ``S = max_staleness``, a group whose oldest
+policy version ``version_min < V - S`` is refused at submit (409 ``stale_version``, counted as
+``stale_at_submit``) and dropped at lease time if ``V`` moved on meanwhile (``stale_at_pull``).
+A group citing a version newer than ``V`` is refused (409 ``future_version``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from deltarl.services.schemas import (
+    AckResult,
+    AdmissionRequest,
+    AdmissionResponse,
+    BatchItem,
+    BatchLease,
+    CatchUpPlan,
+    HeartbeatAck,
+    QueueStats,
+    RewardPoint,
+    StatusSummary,
+    VersionManifest,
+    VersionPoint,
+    VersionRecord,
+    WorkerHeartbeat,
+    WorkerInfo,
+    WorkerRegistration,
+    decode_group,
+)
+from deltarl.services.weightsync.planner import UnreachableVersionError, plan_catch_up
+
+from .errors import ApiError, conflict, invalid, not_found
+from .settings import CoordinatorSettings
+from .store import (
+    CoordinatorStore,
+    IdempotencyConflict,
+    LeaseExpired,
+    NewSubmission,
+    UnknownLease,
+    VersionConflict,
+    WorkerRecord,
+)
+from .versions import VersionIndex, summarize
+
+logger = logging.getLogger(__name__)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        store: CoordinatorStore,
+        settings: CoordinatorSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.clock = clock
+        self.versions = VersionIndex(store)
+        self.versions.refresh()
+        self._status_lock = threading.Lock()
+        self._status: tuple[float, int, StatusSummary] | None = None
+        self.on_version: Callable[[VersionRecord], None] | None = None  # set by the app
+
+    # -- versions ---------------------------------------------------------------------------
+    def publish(self, manifest: VersionManifest) -> tuple[VersionRecord, bool]:
+        """Record a version (trainer). Returns ``(record, created)``; a retry of an identical
+        publish returns the stored record with ``created=False``."""
+        known = self.versions.get(manifest.version)
+        if known is not None:
+            if known.manifest == manifest:
+                return known, False
+            raise conflict(
+                "version_conflict",
+                f"version {manifest.version} is already recorded with a different manifest",
+            )
+        previous = self.versions.latest()
+        if previous is not None and manifest.version <= previous.version:
+            raise conflict(
+                "version_out_of_order",
+                f"version {manifest.version} is out of order: versions must increase and "
+                f"{previous.version} is already recorded",
+                {"latest_version": previous.version},
+            )
+        if previous is None and not manifest.has_anchor:
+            raise invalid("anchor_required", "the first version must carry an anchor")
+        for o in manifest.deltas:
+            assert o.base_version is not None
+            base = self.versions.get(o.base_version)
+            if base is None:
+                raise not_found(
+                    "unknown_version",
+                    f"delta {o.key} applies to version {o.base_version}, which was never recorded",
+                )
+            if base.state_digest != o.base_digest:
+                raise conflict(
+                    "base_digest_mismatch",
+                    f"delta {o.key}: base_digest differs from version {o.base_version}'s "
+                    "state_digest; it would not apply",
+                )
+        record = summarize(manifest, previous, self.clock())
+        try:
+            stored, created = self.store.add_version(record)
+        except VersionConflict as exc:  # another coordinator process raced us
+            self.versions.refresh()
+            raise conflict("version_conflict", str(exc)) from exc
+        self.versions.add(stored)
+        if created:
+            logger.info(
+                "version %d recorded (%s, %d bytes)", stored.version, stored.kind, stored.bytes
+            )
+            if self.on_version is not None:
+                self.on_version(stored)
+        return stored, created
+
+    def version(self, version: int) -> VersionRecord:
+        rec = self.versions.get(version)
+        if rec is None:
+            rec = self.store.get_version(version)
+        if rec is None:
+            raise not_found("unknown_version", f"version {version} was never recorded")
+        return rec
+
+    def latest_number(self) -> int | None:
+        latest = self.versions.latest()
+        return None if latest is None else latest.version
+
+    def min_version(self) -> int | None:
+        latest = self.latest_number()
+        return None if latest is None else latest - self.settings.max_staleness
+
+    def plan(
+        self, from_version: int | None, to_version: int | None, formats: list[str] | None
+    ) -> CatchUpPlan:
+        target = self.latest_number() if to_version is None else to_version
+        if target is None:
+            raise not_found("no_version", "no version has been recorded yet")
+        if self.versions.get(target) is None:
+            raise not_found("unknown_version", f"version {target} was never recorded")
+        if from_version is not None and from_version > target:
+            raise invalid(
+                "bad_range", f"from={from_version} is newer than to={target}: cannot go back"
+            )
+        try:
+            return plan_catch_up(self.versions.manifests(), from_version, target, formats=formats)
+        except UnreachableVersionError as exc:
+            raise conflict("unreachable_version", str(exc)) from exc
+
+    # -- workers ----------------------------------------------------------------------------
+    def _info(self, w: WorkerRecord, now: float, latest: int | None) -> WorkerInfo:
+        lag_v = lag_s = None
+        if w.applied_version is not None and latest is not None:
+            lag_v = max(0, latest - w.applied_version)
+            newer = self.versions.first_newer_than(w.applied_version)
+            lag_s = 0.0 if newer is None else max(0.0, now - newer.recorded_at)
+        lost = now - w.last_seen > self.settings.lost_after_s
+        return WorkerInfo(
+            worker_id=w.worker_id,
+            engine=w.engine,
+            model=w.model,
+            capacity=w.capacity,
+            state="lost" if lost else "active",
+            applied_version=w.applied_version,
+            in_flight=w.in_flight,
+            last_error=w.last_error,
+            registered_at=w.registered_at,
+            last_seen=w.last_seen,
+            rejoins=w.rejoins,
+            lag_versions=lag_v,
+            lag_seconds=lag_s,
+            submitted=w.submitted,
+        )
+
+    def _ack(self, w: WorkerRecord, now: float) -> HeartbeatAck:
+        latest = self.versions.latest()
+        return HeartbeatAck(
+            worker=self._info(w, now, None if latest is None else latest.version),
+            latest_version=None if latest is None else latest.version,
+            latest_anchor=None if latest is None else latest.anchor_version,
+            max_staleness=self.settings.max_staleness,
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            lost_after_s=self.settings.lost_after_s,
+        )
+
+    def register(self, reg: WorkerRegistration) -> HeartbeatAck:
+        now = self.clock()
+        w = self.store.register_worker(reg, now, self.settings.lost_after_s)
+        return self._ack(w, now)
+
+    def heartbeat(self, worker_id: str, hb: WorkerHeartbeat) -> HeartbeatAck:
+        if hb.applied_version is not None:
+            latest = self.latest_number()
+            if latest is None or hb.applied_version > latest:
+                raise conflict(
+                    "future_version",
+                    f"applied_version {hb.applied_version} is newer than the latest recorded "
+                    f"version ({latest})",
+                )
+        now = self.clock()
+        w = self.store.heartbeat(worker_id, hb, now, self.settings.lost_after_s)
+        if w is None:
+            raise not_found(
+                "unknown_worker", f"worker {worker_id!r} is not registered: POST /v1/workers first"
+            )
+        return self._ack(w, now)
+
+    def worker(self, worker_id: str) -> WorkerInfo:
+        w = self.store.get_worker(worker_id)
+        if w is None:
+            raise not_found("unknown_worker", f"worker {worker_id!r} is not registered")
+        return self._info(w, self.clock(), self.latest_number())
+
+    def workers(self) -> list[WorkerInfo]:
+        now, latest = self.clock(), self.latest_number()
+        return [self._info(w, now, latest) for w in self.store.list_workers()]
+
+    def remove_worker(self, worker_id: str) -> None:
+        if not self.store.remove_worker(worker_id):
+            raise not_found("unknown_worker", f"worker {worker_id!r} is not registered")
+
+    # -- trajectories -----------------------------------------------------------------------
+    def submit(self, payload: bytes) -> tuple[int, bool, int, int | None]:
+        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``."""
+        try:
+            group = decode_group(payload)
+        except ValueError as exc:
+            raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
+        if self.store.get_worker(group.worker_id) is None:
+            raise not_found(
+                "unknown_worker",
+                f"worker {group.worker_id!r} is not registered: POST /v1/workers first",
+            )
+        latest = self.latest_number()
+        if latest is None or group.version_max > latest:
+            raise conflict(
+                "future_version",
+                f"the group cites policy version {group.version_max}, newer than the latest "
+                f"recorded version ({latest})",
+                {"latest_version": latest},
+            )
+        min_version = latest - self.settings.max_staleness
+        sub = NewSubmission(
+            idempotency_key=group.idempotency_key,
+            worker_id=group.worker_id,
+            group_id=group.group_id,
+            version_min=group.version_min,
+            version_max=group.version_max,
+            num_trajectories=len(group.trajectories),
+            num_tokens=group.num_tokens,
+            mean_reward=group.mean_reward,
+            payload_digest=hashlib.sha256(payload).hexdigest(),
+            payload=payload,
+        )
+        try:
+            out = self.store.submit(sub, self.clock(), min_version, latest - group.version_min)
+        except IdempotencyConflict as exc:
+            raise conflict("idempotency_conflict", str(exc)) from exc
+        if out.status == "stale":
+            raise conflict(
+                "stale_version",
+                f"refused: the group's oldest policy version {group.version_min} is more than "
+                f"max_staleness={self.settings.max_staleness} versions behind the latest "
+                f"({latest}); update the weights before generating",
+                {"latest_version": latest, "min_version": min_version},
+            )
+        assert out.submission_id is not None
+        return out.submission_id, out.status == "duplicate", out.queue_depth, latest
+
+    def lease(self, max_groups: int, lease_s: float | None) -> tuple[BatchLease, list[bytes]]:
+        if max_groups < 1 or max_groups > self.settings.max_batch_groups:
+            raise invalid(
+                "bad_batch_size",
+                f"max_groups must be within 1..{self.settings.max_batch_groups}",
+            )
+        lease_s = self.settings.default_lease_s if lease_s is None else lease_s
+        if not 0 < lease_s <= self.settings.max_lease_s:
+            raise invalid("bad_lease", f"lease_s must be within (0, {self.settings.max_lease_s}]")
+        out = self.store.lease(max_groups, lease_s, self.clock(), self.min_version())
+        items = [
+            BatchItem(
+                submission_id=m.submission_id,
+                worker_id=m.worker_id,
+                group_id=m.group_id,
+                version_min=m.version_min,
+                version_max=m.version_max,
+                submitted_at=m.submitted_at,
+                num_trajectories=m.num_trajectories,
+                num_tokens=m.num_tokens,
+            )
+            for m, _ in out.items
+        ]
+        lease = BatchLease(
+            batch_id=out.batch_id,
+            expires_at=out.expires_at,
+            items=items,
+            dropped_stale=out.dropped_stale,
+            current_version=self.latest_number(),
+            queue_depth=out.queue_depth,
+        )
+        return lease, [p for _, p in out.items]
+
+    def ack(self, batch_id: str, nack: bool = False) -> AckResult:
+        try:
+            n = (self.store.nack if nack else self.store.ack)(batch_id, self.clock())
+        except UnknownLease as exc:
+            raise not_found("unknown_batch", str(exc)) from exc
+        except LeaseExpired as exc:
+            raise conflict("lease_expired", str(exc)) from exc
+        return AckResult(batch_id=batch_id, acked=n)
+
+    def admission(self, req: AdmissionRequest) -> AdmissionResponse:
+        status = self.status()
+        latest = status.latest_version
+        in_flight = status.in_flight
+        room = self.settings.target_queue_groups - status.queue.depth - in_flight
+        grant, reason = min(req.want, max(0, room)), "ok"
+        if latest is None:
+            grant, reason = 0, "no_version"
+        elif (
+            req.applied_version is not None
+            and latest - req.applied_version >= self.settings.max_staleness
+        ):
+            grant, reason = 0, "update_weights"
+        elif grant == 0 and req.want > 0:
+            reason = "queue_full"
+        return AdmissionResponse(
+            grant=grant,
+            reason=reason,
+            current_version=latest,
+            queue_depth=status.queue.depth,
+            in_flight=in_flight,
+            target_queue_groups=self.settings.target_queue_groups,
+        )
+
+    # -- status -----------------------------------------------------------------------------
+    def status(self, workers_limit: int | None = None) -> StatusSummary:
+        """The summary, computed at most once per ``status_cache_s`` (then shared)."""
+        limit = self.settings.status_workers if workers_limit is None else workers_limit
+        now = time.monotonic()
+        with self._status_lock:
+            cached = self._status
+            if (
+                cached is not None
+                and now - cached[0] < self.settings.status_cache_s
+                and cached[1] == limit
+            ):
+                return cached[2]
+            summary = self._compute_status(limit)
+            self._status = (now, limit, summary)
+            return summary
+
+    def _compute_status(self, workers_limit: int) -> StatusSummary:
+        now = self.clock()
+        latest = self.versions.latest()
+        latest_v = None if latest is None else latest.version
+        c = self.store.counters()
+        workers = [self._info(w, now, latest_v) for w in self.store.list_workers()]
+        workers.sort(key=lambda w: (w.state != "lost", -(w.lag_versions or 0), w.worker_id))
+        hist = self.store.staleness_hist()
+        return StatusSummary(
+            now=now,
+            store=self.store.name,
+            trainer_step=None if latest is None else latest.trainer_step,
+            latest_version=latest_v,
+            latest_anchor=None if latest is None else latest.anchor_version,
+            max_staleness=self.settings.max_staleness,
+            queue=QueueStats(
+                depth=c.depth,
+                leased=c.leased,
+                submitted_total=c.submitted_total,
+                acked_total=c.acked_total,
+                duplicates_total=c.duplicates_total,
+                dropped=c.dropped,
+                oldest_age_s=None if c.oldest_submitted_at is None else now - c.oldest_submitted_at,
+            ),
+            workers_active=sum(w.state == "active" for w in workers),
+            workers_lost=sum(w.state == "lost" for w in workers),
+            in_flight=sum(w.in_flight for w in workers if w.state == "active"),
+            workers=workers[:workers_limit],
+            versions=[
+                VersionPoint(
+                    version=r.version,
+                    kind=r.kind,
+                    trainer_step=r.trainer_step,
+                    bytes=r.bytes,
+                    full_bytes=r.full_bytes,
+                    recorded_at=r.recorded_at,
+                )
+                for r in self.versions.recent(self.settings.status_history)
+            ],
+            rewards=[
+                RewardPoint(version=v, groups=n, mean_reward=total / n)
+                for v, n, total in self.store.reward_curve(self.settings.status_history)
+                if n
+            ],
+            staleness_hist={str(k): n for k, n in hist.items()},
+        )
+
+
+__all__ = ["ApiError", "Coordinator"]
