@@ -1,0 +1,32 @@
+"""``deltarl env``: registered, lists every setting in --help, refuses bad settings."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from deltarl.cli import app
+from deltarl.env_server.settings import EnvSettings
+
+
+def test_help_lists_every_setting() -> None:
+    result = CliRunner().invoke(app, ["env", "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for name in EnvSettings.model_fields:
+        assert f"DELTARL_ENV_{name.upper()}" in result.output
+    assert "--host" in result.output and "--port" in result.output
+
+
+def test_bad_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTARL_ENV_MAX_SESSIONS", "0")
+    result = CliRunner().invoke(app, ["env"])
+    assert result.exit_code != 0
+    assert "max_sessions" in result.output
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTARL_ENV_TOKEN", "abc")
+    monkeypatch.setenv("DELTARL_ENV_ALLOW_REPEATS", "true")
+    s = EnvSettings()
+    assert s.token is not None and s.token.get_secret_value() == "abc"
+    assert s.rules().allow_repeats and "abc" not in repr(s)
