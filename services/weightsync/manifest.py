@@ -38,10 +38,12 @@ _HEX_DIGEST = r"^[0-9a-f]{16,128}$"
 _FORMAT = r"^[a-z0-9][a-z0-9.+_-]{0,63}$"
 _MANIFEST_KEY = re.compile(rf"^manifests/v(\d{{{VERSION_DIGITS}}})\.json$")
 
-#: Known formats -> file extension of their objects (unknown formats get ``.bin``).
+#: Known format tags (``codec.FORMAT_TAGS`` for deltas) -> file extension of their objects;
+#: unknown formats get ``.bin``.
 FORMAT_EXTENSIONS: dict[str, str] = {
     "deltarl-compact-v1": "dlt",
-    "trl-sparse": "safetensors",
+    "trl-sparse-raw": "safetensors",
+    "trl-sparse-gap_delta": "safetensors",
     "safetensors": "safetensors",
     "safetensors+zstd": "safetensors.zst",
 }
@@ -95,8 +97,9 @@ class ObjectRef(BaseModel):
     )
     format: str = Field(
         pattern=_FORMAT,
-        description="Encoding of the bytes, e.g. 'deltarl-compact-v1', 'trl-sparse', "
-        "'safetensors', 'safetensors+zstd'; the codec picks the decoder by it.",
+        description="Encoding of the bytes: a delta format tag of the codec ('deltarl-compact-v1', "
+        "'trl-sparse-raw', 'trl-sparse-gap_delta') or an anchor format ('safetensors', "
+        "'safetensors+zstd'); readers filter plans by the formats they decode.",
     )
     size: int = Field(ge=0, description="Exact size of the object in bytes.")
     xxh3_128: str = Field(

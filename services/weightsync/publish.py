@@ -11,7 +11,8 @@ Publication protocol for version ``v`` (:meth:`Publisher.publish`), in this orde
    replace a leftover manifest of the same version from a crashed attempt that never reached
    step 5 (``v`` > latest, so no reader ever used it).
 4. Delete leftover manifests of crashed attempts between the old latest and ``v``.
-5. Overwrite ``latest.json`` with ``v``: this single atomic put is the commit point.
+5. Re-read ``latest.json`` (refuse if it moved to >= ``v`` meanwhile), then overwrite it with
+   ``v``: this single atomic put is the commit point.
 
 What a reader (:class:`BucketReader`) can observe: the published versions are exactly the
 manifests whose version is <= ``latest.json``'s. A manifest is written after all of its objects
@@ -72,7 +73,7 @@ class NewObject:
     """
 
     kind: ObjectKind  # "anchor" or "delta"
-    format: str  # e.g. "deltarl-compact-v1", "trl-sparse", "safetensors", "safetensors+zstd"
+    format: str  # "deltarl-compact-v1", "trl-sparse-gap_delta", "safetensors", "safetensors+zstd"
     source: bytes | Path  # the encoded bytes, or a local file holding them
     base_version: int | None = None  # delta: version it applies to; anchor: None
     base_digest: str | None = None  # delta: state digest of base_version; anchor: None
@@ -423,7 +424,14 @@ class Publisher:
         if stale:
             logger.warning("deleting %d manifest(s) of crashed publishes: %s", len(stale), stale)
             self.bucket.delete_many(stale)
-        # 5. commit
+        # 5. commit (re-read the pointer first: narrows the window for a misconfigured second
+        # publisher; the protocol itself assumes one publisher per bucket)
+        now = self.reader.latest_version()
+        if now is not None and now >= version:
+            raise ValueError(
+                f"refusing to move {LATEST_KEY} from {now} back to {version}: another publisher "
+                "is writing to this bucket"
+            )
         pointer = LatestPointer(
             version=version, manifest_key=manifest.key, state_digest=state_digest
         )

@@ -119,10 +119,10 @@ def test_cheapest_of_several_anchor_formats() -> None:
 
 
 def test_format_filter() -> None:
-    objs = [anchor(0, 1000), delta(0, 1, 10), delta(0, 1, 40, fmt="trl-sparse")]
+    objs = [anchor(0, 1000), delta(0, 1, 10), delta(0, 1, 40, fmt="trl-sparse-gap_delta")]
     assert plan_catch_up(build(objs), 0, 1).steps[0].format == "deltarl-compact-v1"
-    trl = plan_catch_up(build(objs), 0, 1, formats={"trl-sparse", "safetensors"})
-    assert trl.steps[0].format == "trl-sparse" and trl.total_bytes == 40
+    trl = plan_catch_up(build(objs), 0, 1, formats={"trl-sparse-gap_delta", "safetensors"})
+    assert trl.steps[0].format == "trl-sparse-gap_delta" and trl.total_bytes == 40
 
 
 def test_noop_and_errors() -> None:
@@ -137,7 +137,7 @@ def test_noop_and_errors() -> None:
     with pytest.raises(UnreachableVersionError, match="cannot reach version 2 from nothing"):
         plan_catch_up(no_anchor, None, 2)
     with pytest.raises(UnreachableVersionError, match="formats"):
-        plan_catch_up(m, 0, 3, formats={"trl-sparse"})
+        plan_catch_up(m, 0, 3, formats={"trl-sparse-gap_delta"})
 
 
 def test_current_without_a_manifest_still_uses_its_deltas() -> None:
