@@ -3,7 +3,7 @@
 Writes go to a hidden temp file in the destination directory (``.<name>.tmp-<uuid>``, never a
 valid key, so never listed), are fsynced, then renamed into place: ``os.replace`` for an
 overwrite, ``os.link`` for ``overwrite=False`` (atomic create-if-absent, refused if the key
-exists). A reader therefore sees either no object or a whole one. Temp files of a crashed writer
+exists; on filesystems without hard links it falls back to check-then-rename). A reader therefore sees either no object or a whole one. Temp files of a crashed writer
 stay hidden and are harmless.
 """
 
@@ -64,6 +64,10 @@ class LocalBucket(Bucket):
                     os.link(tmp, dest)
                 except FileExistsError:
                     raise ObjectExistsError(f"{key!r} already exists in {self.uri}") from None
+                except OSError:  # no hard links (some FUSE/SMB mounts): check, then rename
+                    if dest.exists():
+                        raise ObjectExistsError(f"{key!r} already exists in {self.uri}") from None
+                    os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
 

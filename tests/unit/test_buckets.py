@@ -423,3 +423,17 @@ def test_keys_and_buckets_are_torch_free() -> None:
     import subprocess
 
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_local_create_if_absent_without_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*_: Any) -> None:
+        raise PermissionError("operation not permitted")
+
+    monkeypatch.setattr("os.link", no_links)
+    bucket = LocalBucket(tmp_path / "b")
+    bucket.put_bytes("m.json", b"1", overwrite=False)
+    with pytest.raises(ObjectExistsError):
+        bucket.put_bytes("m.json", b"2", overwrite=False)
+    assert bucket.get_bytes("m.json") == b"1" and [o.key for o in bucket.list()] == ["m.json"]
