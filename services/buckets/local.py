@@ -3,8 +3,9 @@
 Writes go to a hidden temp file in the destination directory (``.<name>.tmp-<uuid>``, never a
 valid key, so never listed), are fsynced, then renamed into place: ``os.replace`` for an
 overwrite, ``os.link`` for ``overwrite=False`` (atomic create-if-absent, refused if the key
-exists; on filesystems without hard links it falls back to check-then-rename). A reader therefore sees either no object or a whole one. Temp files of a crashed writer
-stay hidden and are harmless.
+exists; on filesystems without hard links it falls back to check-then-rename). A reader
+therefore sees either no object or a whole one. Temp files of a crashed writer stay hidden and
+are harmless.
 """
 
 from __future__ import annotations
