@@ -140,7 +140,9 @@ class HfBucket(Bucket):
 
     @staticmethod
     def _when(item: Any) -> datetime | None:
-        when = getattr(item, "uploaded_at", None) or getattr(item, "mtime", None)
+        # The server's upload time only: ``mtime`` is the uploader's file mtime, which can be far
+        # older than the upload and would make a fresh object look like an old orphan to the GC.
+        when = getattr(item, "uploaded_at", None)
         return when if isinstance(when, datetime) else None
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -244,7 +246,9 @@ class DryRunHfApi:
     def _file(self, bucket_id: str, path: str) -> Any:
         when = self.mtimes[(bucket_id, path)].strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         size = len(self.files[bucket_id][path])
-        return _bucket_file_class()(type="file", path=path, size=size, xetHash="0" * 64, mtime=when)
+        return _bucket_file_class()(
+            type="file", path=path, size=size, xetHash="0" * 64, mtime=when, uploadedAt=when
+        )
 
     def get_bucket_paths_info(self, bucket_id: str, paths: Iterable[str], **_: Any) -> list[Any]:
         store = self.files.get(bucket_id, {})
