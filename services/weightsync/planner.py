@@ -18,7 +18,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,7 +131,9 @@ def _path(tree: Mapping[int, tuple[int, int, int, ObjectRef | None]], node: int)
     return steps
 
 
-def _as_index(manifests: Mapping[int, VersionManifest] | Iterable[VersionManifest]) -> Any:
+def _as_index(
+    manifests: Mapping[int, VersionManifest] | Iterable[VersionManifest],
+) -> Mapping[int, VersionManifest]:
     if isinstance(manifests, Mapping):
         return manifests
     return index_manifests(manifests)
@@ -153,7 +154,7 @@ def plan_catch_up(
     still used. Raises ``ValueError`` if ``target`` has no manifest and
     :class:`UnreachableVersionError` if no path reaches it.
     """
-    index: Mapping[int, VersionManifest] = _as_index(manifests)
+    index = _as_index(manifests)
     if current is not None and (not isinstance(current, int) or current < 0):
         raise ValueError(f"current must be None or a non-negative int, got {current!r}")
     if target not in index:
@@ -205,7 +206,7 @@ def reachable_versions(
     formats: Collection[str] | None = None,
 ) -> set[int]:
     """Every published version some plan from ``current`` (None: nothing) can reach."""
-    index: Mapping[int, VersionManifest] = _as_index(manifests)
+    index = _as_index(manifests)
     g = _graph(index, formats)
     start = _START if current is None else current
     tree = _dijkstra(g, start, use_anchors=True)
