@@ -124,7 +124,7 @@ class RecordingHfApi(DryRunHfApi):
         super().create_bucket(bucket_id, **kw)
 
 
-@pytest.fixture(params=["local", "s3", "hf"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.network), "hf"])
 def bucket(request: pytest.FixtureRequest, tmp_path: Path) -> Bucket:
     if request.param == "local":
         return open_bucket(str(tmp_path / "bucket"))
@@ -280,6 +280,7 @@ def test_local_delete_prunes_empty_dirs(tmp_path: Path) -> None:
     assert list((tmp_path / "b").iterdir()) == []
 
 
+@pytest.mark.network
 def test_s3_layout_and_conditional_put(s3_endpoint: str) -> None:
     client = make_s3_client(endpoint_url=s3_endpoint, **S3_CREDS)
     bucket = S3Bucket(S3_BUCKET, "exp/run7", client)
@@ -380,6 +381,7 @@ def test_open_bucket_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         open_bucket(str(tmp_path / "missing"), create=False)
 
 
+@pytest.mark.network
 def test_open_s3_from_environment(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTARL_S3_ENDPOINT_URL", s3_endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
