@@ -48,7 +48,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict[str
         for e in exc.errors()
     ]
     first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-    where = ".".join(str(p) for p in first["loc"])  # type: ignore[union-attr]
+    where = ".".join(str(p) for p in first["loc"])
     if any(e["type"] == "json_invalid" for e in errors):
         return "request body is not valid JSON", errors
     return f"invalid request: {where}: {first['msg']}", errors

@@ -104,7 +104,7 @@ def _raise_for(response: httpx.Response, ok: tuple[int, ...]) -> None:
 
 
 def _sse_records(lines: Iterator[str]) -> Iterator[VersionRecord]:
-    event, data = "message", []
+    event, data = "message", list[str]()
     for line in lines:
         if line == "":
             if data and event == "version":
@@ -317,7 +317,7 @@ class CoordinatorClient:
         return self._run(_Calls.metrics_text())
 
     def iter_version_events(self, after: int | None = None) -> Iterator[VersionRecord]:
-        """Yield every version newer than ``after`` (all recorded ones are replayed first), then
+        """Yield every version newer than ``after`` (None: starting with the latest one), then
         each new one as it is recorded; reconnects after a dropped connection without gaps."""
         last = after
         while True:

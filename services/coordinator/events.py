@@ -3,8 +3,8 @@
 Order of calls: the app creates one :class:`VersionEvents` bound to its event loop at startup.
 :meth:`VersionEvents.publish` may be called from any thread (routes run in worker threads); it
 hands the record to every subscriber's queue on the loop. A subscriber (:meth:`subscribe`) first
-receives the versions after the one it last saw (``Last-Event-ID``) from the index, then live
-ones, without gaps or duplicates: it registers its queue *before* reading the backlog and skips
+receives the versions after the one it last saw (``Last-Event-ID``) from the index (or, when it
+saw none, just the latest version), then live ones, without gaps or duplicates: it registers its queue *before* reading the backlog and skips
 anything not newer than what it already sent.
 """
 
@@ -53,15 +53,19 @@ class VersionEvents:
         try:
             last = after
             if after is not None:
-                for rec in self._index.after(after, 1_000_000):
-                    last = rec.version
-                    yield rec
+                backlog = self._index.after(after, 1_000_000)
+            else:
+                latest = self._index.latest()
+                backlog = [latest] if latest is not None else []
+            for old in backlog:
+                last = old.version
+                yield old
             while True:
-                rec = await q.get()
-                if rec is None:
+                new = await q.get()
+                if new is None:
                     return
-                if last is None or rec.version > last:
-                    last = rec.version
-                    yield rec
+                if last is None or new.version > last:
+                    last = new.version
+                    yield new
         finally:
             self._queues.discard(q)

@@ -15,6 +15,7 @@ Modules:
   (:class:`CatchUpPlan`, :class:`VersionManifest`, :class:`ObjectRef`), re-exported here.
 """
 
+from ..weightsync.planner import CatchUpPlan
 from .batches import (
     AckResult,
     AdmissionRequest,
@@ -27,7 +28,6 @@ from .batches import (
     encode_leased_batch,
 )
 from .common import ErrorBody, ErrorResponse, Health
-from ..weightsync.planner import CatchUpPlan
 from .status import QueueStats, RewardPoint, StatusSummary, VersionPoint
 from .trajectories import (
     TRAJECTORY_FORMAT,

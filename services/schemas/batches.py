@@ -113,7 +113,7 @@ def encode_leased_batch(lease: BatchLease, payloads: list[bytes]) -> bytes:
         "lease": lease.model_dump(mode="json"),
         "payloads": payloads,
     }
-    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def decode_leased_batch(data: bytes) -> LeasedBatch:

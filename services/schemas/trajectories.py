@@ -154,7 +154,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         "group_id": group.group_id,
         "trajectories": trajs,
     }
-    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def _decode_trajectory(i: int, raw: Any) -> Trajectory:

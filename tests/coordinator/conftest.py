@@ -120,3 +120,72 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
 @pytest.fixture
 def store(store_factory: StoreFactory) -> CoordinatorStore:
     return store_factory()
+
+
+TRAINER_TOKEN = "trainer-secret-token"
+WORKER_TOKEN = "worker-secret-token"
+
+
+class LiveServer:
+    """A coordinator served by uvicorn in a thread on a free port (real HTTP, real SSE)."""
+
+    def __init__(self, settings: object, clock: Callable[[], float] | None = None) -> None:
+        import threading
+
+        import uvicorn
+
+        from deltarl.services.coordinator.app import create_app
+
+        self.app = create_app(settings, clock=clock)  # type: ignore[arg-type]
+        self.port = free_port()
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("coordinator did not start")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def coordinator_settings(tmp_path: Path, **overrides: object) -> object:
+    from deltarl.services.coordinator.settings import CoordinatorSettings
+
+    values: dict[str, object] = {
+        "sqlite_path": str(tmp_path / "coord.sqlite3"),
+        "trainer_token": TRAINER_TOKEN,
+        "worker_token": WORKER_TOKEN,
+        "status_cache_s": 0.0,
+        "event_poll_s": 0.05,
+    }
+    values.update(overrides)
+    return CoordinatorSettings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
+    servers: list[LiveServer] = []
+
+    def make(clock: Callable[[], float] | None = None, **overrides: object) -> LiveServer:
+        servers.append(LiveServer(coordinator_settings(tmp_path, **overrides), clock=clock))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def server(make_server: Callable[..., LiveServer]) -> LiveServer:
+    return make_server()

@@ -58,7 +58,8 @@ async def events(
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> EventSourceResponse:
     """Server-sent events: ``event: version``, ``id: <version>``, ``data: <VersionRecord JSON>``.
-    On reconnect the browser/client sends ``Last-Event-ID`` and receives what it missed."""
+    Without ``after``/``Last-Event-ID`` the stream starts with the latest version; with them it
+    replays every version newer than that first (reconnects lose nothing)."""
     if last_event_id is not None:
         if not last_event_id.lstrip("-").isdigit():
             raise invalid("bad_event_id", "Last-Event-ID must be a version number")

@@ -278,17 +278,17 @@ class RedisStore(CoordinatorStore):
 
     def get_version(self, version: int) -> VersionRecord | None:
         raw = self._r.hget(self._k("v"), str(version))
-        return None if raw is None else VersionRecord.model_validate_json(raw)  # type: ignore[arg-type]
+        return None if raw is None else VersionRecord.model_validate_json(raw)
 
     def _records(self, numbers: list[bytes]) -> list[VersionRecord]:
         if not numbers:
             return []
-        raws = self._r.hmget(self._k("v"), numbers)  # type: ignore[arg-type]
-        return [VersionRecord.model_validate_json(r) for r in raws if r is not None]  # type: ignore[union-attr]
+        raws = self._r.hmget(self._k("v"), numbers)
+        return [VersionRecord.model_validate_json(r) for r in raws if r is not None]
 
     def _latest_number(self, key: str) -> int | None:
         raw = self._r.get(self._k(key))
-        return None if raw is None else int(raw)  # type: ignore[arg-type]
+        return None if raw is None else int(raw)
 
     def list_versions(self, after: int | None, limit: int) -> list[VersionRecord]:
         lo = "-inf" if after is None else f"({after}"
@@ -334,7 +334,7 @@ class RedisStore(CoordinatorStore):
 
     def get_worker(self, worker_id: str) -> WorkerRecord | None:
         flat = self._r.hgetall(self._k(f"w:{worker_id}"))
-        return _worker(worker_id, flat) if flat else None  # type: ignore[arg-type]
+        return _worker(worker_id, flat) if flat else None
 
     def list_workers(self) -> list[WorkerRecord]:
         ids = sorted(i.decode() for i in self._r.smembers(self._k("w:ids")))  # type: ignore[union-attr]
@@ -445,7 +445,7 @@ class RedisStore(CoordinatorStore):
         if head is not None:
             meta = self._r.hget(self._k(f"s:{head.decode()}"), "meta")
             if meta is not None:
-                oldest = float(json.loads(meta)["submitted_at"])  # type: ignore[arg-type]
+                oldest = float(json.loads(meta)["submitted_at"])
         return StoreCounters(
             depth=int(depth),
             leased=values.get("leased", 0),
@@ -463,7 +463,7 @@ class RedisStore(CoordinatorStore):
 
     def staleness_hist(self) -> dict[int, int]:
         raw = self._r.hgetall(self._k("sh"))
-        return dict(sorted((int(k), int(v)) for k, v in raw.items()))  # type: ignore[union-attr]
+        return dict(sorted((int(k), int(v)) for k, v in raw.items()))
 
     def ping(self) -> None:
         self._r.ping()

@@ -1,0 +1,124 @@
+"""Version events (SSE) and restarts of the coordinator with either store."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorClient
+from deltarl.services.schemas import VersionRecord, WorkerRegistration
+
+from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer
+from .helpers import group, manifest
+
+
+def test_sse_delivers_new_versions_within_milliseconds(server: LiveServer) -> None:
+    trainer = CoordinatorClient(server.url, TRAINER_TOKEN)
+    reader = CoordinatorClient(server.url)
+    trainer.publish_version(manifest(0))
+    trainer.publish_version(manifest(1))
+    got: list[tuple[int, float]] = []
+
+    def listen() -> None:
+        for rec in reader.iter_version_events(after=0):  # replays 1, then live ones
+            got.append((rec.version, time.monotonic()))
+            if rec.version == 3:
+                return
+
+    th = threading.Thread(target=listen, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = {}
+    for v in (2, 3):
+        sent[v] = time.monotonic()
+        trainer.publish_version(manifest(v))
+        time.sleep(0.05)
+    th.join(timeout=5)
+    assert [v for v, _ in got] == [1, 2, 3]
+    for v, at in got[1:]:
+        assert at - sent[v] < 0.25, f"version {v} took {at - sent[v]:.3f}s"
+
+
+def test_async_client_events_and_calls(server: LiveServer) -> None:
+    async def main() -> list[VersionRecord]:
+        async with (
+            AsyncCoordinatorClient(server.url, TRAINER_TOKEN) as trainer,
+            AsyncCoordinatorClient(server.url, WORKER_TOKEN) as worker,
+            AsyncCoordinatorClient(server.url) as reader,
+        ):
+            await trainer.publish_version(manifest(0))
+            ack = await worker.register(
+                WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1)
+            )
+            assert ack.latest_version == 0
+            await worker.submit(group("a1"))
+            batch = await trainer.lease(4)
+            assert (await trainer.ack(batch.lease.batch_id)).acked == 1
+            seen: list[VersionRecord] = []
+
+            async def listen() -> None:
+                async for rec in reader.iter_version_events(after=None):
+                    seen.append(rec)
+                    if rec.version == 1:
+                        return
+
+            task = asyncio.create_task(listen())
+            await asyncio.sleep(0.2)
+            await trainer.publish_version(manifest(1))
+            await asyncio.wait_for(task, 5)
+            return seen
+
+    seen = asyncio.run(main())
+    assert [r.version for r in seen] == [0, 1]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_restart_loses_nothing(
+    backend: str,
+    make_server: Callable[..., LiveServer],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> None:
+    overrides: dict[str, object] = {}
+    if backend == "redis":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        overrides = {
+            "store": "redis",
+            "redis_url": redis_server.url,
+            "redis_prefix": f"r{time.time_ns()}",
+        }
+    s1 = make_server(**overrides)
+    trainer, worker = (
+        CoordinatorClient(s1.url, TRAINER_TOKEN),
+        CoordinatorClient(s1.url, WORKER_TOKEN),
+    )
+    trainer.publish_version(manifest(0))
+    trainer.publish_version(manifest(1))
+    worker.register(WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1))
+    for i in range(5):
+        worker.submit(group(f"k{i}", vmin=1))
+    held = trainer.lease(2, lease_s=0.5)  # the trainer dies holding this lease
+    assert len(held.groups) == 2
+    s1.stop()
+    if backend == "redis":  # restart the Redis server too: AOF must bring everything back
+        redis_server.stop()
+        redis_server.start()
+    s2 = make_server(**overrides)
+    trainer, worker = (
+        CoordinatorClient(s2.url, TRAINER_TOKEN),
+        CoordinatorClient(s2.url, WORKER_TOKEN),
+    )
+    assert [v.version for v in trainer.versions()] == [0, 1]
+    assert worker.submit(group("k3", vmin=1)).duplicate  # idempotency survives the restart
+    time.sleep(0.6)
+    batch = trainer.lease(10)
+    assert sorted(g.idempotency_key for g in batch.groups) == [f"k{i}" for i in range(5)]
+    st = trainer.status()
+    assert st.queue.submitted_total == 5 and st.workers[0].worker_id == "w1"
