@@ -331,11 +331,12 @@ class Publisher:
         if isinstance(o.source, bytes):
             size, digest = len(o.source), xxh3_hex(o.source)
             ref = self._ref(key, version, state_digest, o, size, digest)  # validate before I/O
-            self.bucket.put_bytes(key, o.source, overwrite=False)
+            self.bucket.put_bytes(key, o.source)
         else:
             size, digest = _file_digest(o.source)
             ref = self._ref(key, version, state_digest, o, size, digest)
-            self.bucket.put_file(key, o.source, overwrite=False)
+            # Fresh uuid key, so no create-if-absent needed: lets S3 use multipart for big anchors.
+            self.bucket.put_file(key, o.source)
         return ref
 
     @staticmethod
