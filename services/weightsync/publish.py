@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -99,10 +100,15 @@ class BucketReader:
 
     Manifests are immutable once published, so they are cached; :meth:`manifests` re-lists the
     bucket on every call (new versions appear, garbage-collected ones disappear).
+
+    Stores without read-after-write consistency (HF Buckets) may show a new ``latest.json``
+    before its manifest: the latest version's manifest is never garbage-collected, so a "not
+    found" for it is retried ``latest_retries`` times (0.25 s, doubling) before giving up.
     """
 
-    def __init__(self, bucket: Bucket) -> None:
+    def __init__(self, bucket: Bucket, *, latest_retries: int = 4) -> None:
         self.bucket = bucket
+        self.latest_retries = latest_retries
         self._cache: dict[int, VersionManifest] = {}
 
     def latest(self) -> LatestPointer | None:
@@ -143,12 +149,20 @@ class BucketReader:
         latest = self.latest_version() if latest is None else latest
         if latest is None or version > latest:
             raise VersionNotFoundError(f"version {version} is not published (latest: {latest})")
-        try:
-            m = self.load_manifest(version)
-        except ObjectNotFoundError:
-            raise VersionNotFoundError(
-                f"version {version} is no longer in {self.bucket.uri} (garbage-collected)"
-            ) from None
+        delay = 0.25
+        for attempt in range(self.latest_retries + 1):
+            try:
+                m = self.load_manifest(version)
+                break
+            except ObjectNotFoundError:
+                if version != latest or attempt == self.latest_retries:
+                    raise VersionNotFoundError(
+                        f"version {version} is not in {self.bucket.uri} (garbage-collected, or "
+                        "the store is lagging)"
+                    ) from None
+                logger.info("manifest of latest version %d not visible yet; retrying", version)
+                time.sleep(delay)
+                delay *= 2
         self._cache[version] = m
         return m
 

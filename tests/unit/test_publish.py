@@ -337,3 +337,26 @@ def test_end_to_end_with_the_codec(bucket: CrashingBucket) -> None:
                 assert replica is not None
                 apply_delta(replica, decode_delta(data, replica))
         assert replica is not None and state_digest(replica) == plan.steps[-1].result_digest
+
+
+def test_reader_waits_for_a_lagging_latest_manifest(
+    bucket: CrashingBucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store may show latest.json before the manifest it names (no read-after-write)."""
+    publish(Publisher(bucket), 0, anchor_obj(0))
+    real_get, misses = bucket.get_bytes, [2]
+
+    def lagging_get(key: str) -> bytes:
+        if key == manifest_key(0) and misses[0] > 0:
+            misses[0] -= 1
+            from deltarl.services.buckets import ObjectNotFoundError
+
+            raise ObjectNotFoundError(key)
+        return real_get(key)
+
+    monkeypatch.setattr(bucket, "get_bytes", lagging_get)
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    assert BucketReader(bucket).manifest(0).version == 0 and misses == [0]
+    misses[0] = 10
+    with pytest.raises(VersionNotFoundError, match="lagging"):
+        BucketReader(bucket, latest_retries=2).manifest(0)
