@@ -20,6 +20,8 @@ from deltarl import __version__
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("delta", "deltarl.services.weightsync.cli", "app"),
     ("env", "deltarl.env_server.cli", "serve"),
+    ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
+    ("status", "deltarl.services.coordinator.cli", "status"),
 ]
 
 app = typer.Typer(

@@ -1,0 +1,93 @@
+"""``deltarl coordinator`` (run the service) and ``deltarl status URL`` (summary in a terminal).
+
+Only typer and the settings class are imported here; uvicorn, fastapi and the app are imported
+inside the command, after the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import typer
+from pydantic import ValidationError
+
+from deltarl.services.settings import settings_help
+
+from .settings import CoordinatorSettings
+
+logger = logging.getLogger(__name__)
+
+
+def coordinator(
+    host: str | None = typer.Option(None, "--host", help="Interface (overrides the setting)."),
+    port: int | None = typer.Option(None, "--port", help="TCP port (overrides the setting)."),
+) -> None:
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    try:
+        settings = CoordinatorSettings(**overrides)
+    except ValidationError as exc:
+        messages = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise typer.BadParameter(messages) from exc
+
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(settings)
+    logger.info(
+        "coordinator on http://%s:%d (store %s)", settings.host, settings.port, settings.store
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+
+
+coordinator.__doc__ = (
+    "Run the coordinator service (versions, workers, trajectory queue, status page).\n\n"
+    + "\b\n"
+    + settings_help(CoordinatorSettings)
+)
+
+
+def status(
+    url: str = typer.Argument(..., help="Coordinator base URL, e.g. http://127.0.0.1:8700"),
+    token: str | None = typer.Option(
+        None,
+        "--token",
+        envvar="DELTARL_COORDINATOR_TOKEN",
+        help="Token, if reads are not public (env DELTARL_COORDINATOR_TOKEN).",
+    ),
+    workers: int = typer.Option(20, "--workers", help="Workers to list (laggiest first)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON summary."),
+) -> None:
+    """Print where a run stands: versions, queue, staleness, workers."""
+    from rich.console import Console
+
+    from .client import CoordinatorClient, CoordinatorError
+    from .status_view import render_status
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    try:
+        with CoordinatorClient(url, token or os.environ.get("DELTARL_TOKEN")) as client:
+            summary = client.status(workers=workers)
+    except CoordinatorError as exc:
+        raise typer.BadParameter(f"{url}: {exc}") from exc
+    except Exception as exc:  # connection refused, DNS, timeout: say so plainly
+        raise typer.BadParameter(f"cannot reach {url}: {exc}") from exc
+    console = Console()
+    if as_json:
+        console.print_json(summary.model_dump_json())
+    else:
+        console.print(render_status(summary, url))
