@@ -53,10 +53,11 @@ def open_bucket(
 
                 token = settings.hf_token.get_secret_value() if settings.hf_token else None
                 hf_api = HfApi(endpoint=settings.hf_endpoint, token=token)
-        bucket: Bucket = HfBucket(bucket_id, prefix, hf_api, dry_run=dry_run)
+        hf_bucket = HfBucket(bucket_id, prefix, hf_api, dry_run=dry_run)
         want_create = settings.hf_create_bucket if create is None else create
         if want_create or dry_run:
-            bucket.ensure_exists(create=True)  # type: ignore[attr-defined]
+            hf_bucket.ensure_exists(create=True)
+        bucket: Bucket = hf_bucket
     elif uri.startswith("s3://"):
         from .s3 import S3Bucket, make_s3_client
 
