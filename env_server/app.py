@@ -20,13 +20,15 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Body, FastAPI, Header, Query, Request, WebSocket
+from fastapi import FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.websockets import WebSocketDisconnect
 
 from deltarl import __version__
@@ -35,6 +37,7 @@ from .environment import WordleEnvironment
 from .guard import GuardMiddleware, error_body
 from .metrics import EnvMetrics
 from .models import (
+    SESSION_HEADER,
     CloseRequest,
     CloseResponse,
     EnvError,
@@ -67,7 +70,40 @@ _HTTP_CODES = {
 }
 _WS_EXCLUDE = {"session_id"}  # WS data is exactly OpenEnv's {observation, reward, done}
 WS_CLOSE_TIMEOUT = 4408  # app-defined close code: the session timed out
-SessionHeader = Annotated[str | None, Header(alias="X-Deltarl-Session", max_length=64)]
+_SESSION_KEY = SESSION_HEADER.lower()
+M = TypeVar("M", bound=BaseModel)
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI request body of a route that parses its body itself (see :func:`_parse`)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"content": {"application/json": {"schema": ref}}}}
+
+
+def _parse(model: type[M], body: bytes, default: bool = False) -> M:
+    """Validate a JSON body straight from bytes (pydantic-core's parser, no FastAPI body
+    machinery: about half the cost of a step). Empty body: the model's defaults if ``default``."""
+    if not body and default:
+        return model()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_input=False)
+        if any(e["type"] == "json_invalid" for e in errors):
+            raise EnvError(ErrorCode.INVALID_JSON, "the body is not valid JSON (UTF-8)") from None
+        raise EnvError(ErrorCode.VALIDATION_ERROR, _validation_text(errors)) from None
+
+
+async def _body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:  # the client left, or the guard cut an oversized body and answered
+        raise EnvError(ErrorCode.INVALID_JSON, "the body was not received completely") from None
+
+
+def _session_header(request: Request) -> str | None:
+    value = request.headers.get(_SESSION_KEY)
+    return value[:64] if value else None
 
 
 def _validation_text(errors: list[Any], limit: int = 5) -> str:
@@ -199,11 +235,16 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
 
     # --- HTTP sessions ------------------------------------------------------------------------
 
-    @app.post("/reset", response_model=StepResult, responses=ERROR_RESPONSES, tags=["env"])
-    async def reset(
-        req: Annotated[ResetRequest, Body(default_factory=ResetRequest)],
-    ) -> Response:
+    @app.post(
+        "/reset",
+        response_model=StepResult,
+        responses=ERROR_RESPONSES,
+        tags=["env"],
+        openapi_extra=_body_doc(ResetRequest),
+    )
+    async def reset(request: Request) -> Response:
         """Open a session (or reset ``session_id``) and return the first observation."""
+        req = _parse(ResetRequest, await _body(request), default=True)
         session = store.get(req.session_id) if req.session_id else store.open("http")
         with session.claim():
             result = session.env.reset(seed=req.seed, episode_id=req.episode_id)
@@ -213,12 +254,19 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         metrics.reset["http"].inc()
         return Response(result.model_dump_json(), media_type="application/json")
 
-    @app.post("/step", response_model=StepResult, responses=ERROR_RESPONSES, tags=["env"])
-    async def step(req: StepRequest, x_session: SessionHeader = None) -> Response:
+    @app.post(
+        "/step",
+        response_model=StepResult,
+        responses=ERROR_RESPONSES,
+        tags=["env"],
+        openapi_extra=_body_doc(StepRequest),
+    )
+    async def step(request: Request) -> Response:
         """Play ``action.message`` in the session; replays the cached answer for a repeated
         ``request_id``."""
         started = time.perf_counter()
-        session = store.get(req.session_id or x_session)
+        req = _parse(StepRequest, await _body(request))
+        session = store.get(req.session_id or _session_header(request))
         message = check_message(req.action)
         with session.claim():
             if req.request_id is not None and req.request_id == session.last_request_id:
@@ -237,12 +285,11 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
 
     @app.get("/state", response_model=WordleState, responses=ERROR_RESPONSES, tags=["env"])
     async def state(
-        session_id: Annotated[str | None, Query(max_length=64)] = None,
-        x_session: SessionHeader = None,
+        request: Request, session_id: Annotated[str | None, Query(max_length=64)] = None
     ) -> Response:
         """State of the session; without a session id, the empty state (as OpenEnv's stateless
         server answers)."""
-        sid = session_id or x_session
+        sid = session_id or _session_header(request)
         if not sid:
             fresh = WordleState(max_guesses=rules.max_guesses, guesses_left=rules.max_guesses)
             return Response(fresh.model_dump_json(), media_type="application/json")
@@ -250,16 +297,33 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         store.touch(session)
         return Response(session.env.state().model_dump_json(), media_type="application/json")
 
-    @app.post("/close", response_model=CloseResponse, responses=ERROR_RESPONSES, tags=["env"])
-    async def close(
-        req: Annotated[CloseRequest, Body(default_factory=CloseRequest)],
-        x_session: SessionHeader = None,
-    ) -> CloseResponse:
+    @app.post(
+        "/close",
+        response_model=CloseResponse,
+        responses=ERROR_RESPONSES,
+        tags=["env"],
+        openapi_extra=_body_doc(CloseRequest),
+    )
+    async def close(request: Request) -> CloseResponse:
         """Free the session now. Idempotent: closing an unknown session answers ``closed: false``."""
-        sid = req.session_id or x_session
+        req = _parse(CloseRequest, await _body(request), default=True)
+        sid = req.session_id or _session_header(request)
         if not sid:
             raise EnvError(ErrorCode.SESSION_REQUIRED, "pass the session_id to close")
         return CloseResponse(closed=store.close(sid, "http"))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for model in (ResetRequest, StepRequest, CloseRequest):
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     # --- WebSocket sessions (OpenEnv) ----------------------------------------------------------
 

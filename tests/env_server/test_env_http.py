@@ -216,7 +216,7 @@ def test_message_limits_and_odd_characters(make_client: Callable[..., TestClient
 
     r = client.post("/reset", content=chunks())  # chunked body, no Content-Length
     expect_error(r, 413, "PAYLOAD_TOO_LARGE")
-    weird = "\x00\x01\u200b\ud800 日本 🎉 [\tcrane\t] \x7f"
+    weird = "\x00\x01\u200b\u202e 日本 🎉 [\tcrane\t] \x7f"
     r = client.post(
         "/step",
         content=json.dumps({"session_id": sid, "action": {"message": weird}}).encode(),
@@ -225,6 +225,10 @@ def test_message_limits_and_odd_characters(make_client: Callable[..., TestClient
     assert r.status_code == 200 and r.json()["observation"]["last_move"]["guess"] == "crane"
     r = step(client, sid, "\x1b[31m[slate]\x1b[0m")
     assert r["observation"]["last_move"]["guess"] == "slate"
+    # a lone surrogate is not Unicode: refused as invalid JSON, the session is unaffected
+    lone = json.dumps({"session_id": sid, "action": {"message": "[crane]\ud800"}}).encode()
+    expect_error(client.post("/step", content=lone), 400, "INVALID_JSON")
+    assert client.get("/state", params={"session_id": sid}).json()["step_count"] == 2
 
 
 def test_token(make_client: Callable[..., TestClient]) -> None:
