@@ -305,3 +305,11 @@ def test_info_routes(client: TestClient) -> None:
     assert {"/reset", "/step", "/state", "/close", "/health", "/metadata", "/schema"} <= set(
         openapi["paths"]
     )
+
+
+def test_openapi_documents_request_bodies(client: TestClient) -> None:
+    openapi = client.get("/openapi.json").json()
+    body = openapi["paths"]["/step"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/StepRequest"}
+    schemas = set(openapi["components"]["schemas"])
+    assert {"StepRequest", "WordleAction", "ResetRequest", "StepResult", "ErrorResponse"} <= schemas
