@@ -48,7 +48,7 @@ MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"
 TRAILER = struct.Struct("<QQ8s")  # footer length, xxh3-64 of footer, end magic
 DEFAULT_CHUNK_ELEMS = 1 << 24
-ALPHABET = 74  # 16 small-diff symbols + 2 * 29 bit-length classes (up to 32-bit diffs)
+ALPHABET = 248  # 16 small-diff symbols + 2 signs * 29 bit lengths * 4 leading-bit pairs
 SMALL = 8  # |diff| <= SMALL gets a symbol of its own
 MAX_FOOTER = 256 << 20
 
@@ -81,25 +81,33 @@ def wrapped_add(old: np.ndarray, d: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 
 
 def diff_to_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Map non-zero diffs to (symbol, extra-bit value, extra-bit width)."""
+    """Map non-zero diffs to (symbol, extra-bit value, extra-bit width).
+
+    ``|d| <= 8``: symbol ``2 (|d| - 1) + sign``. Larger: the bit length L of ``|d|`` and the two
+    bits after its leading one form the symbol ``16 + 2 (4 (L - 4) + top2) + sign``; the remaining
+    ``L - 3`` low bits are sent raw.
+    """
     a = np.abs(d)
     neg = (d < 0).astype(np.int64)
     small = a <= SMALL
-    length = _bitlen(np.maximum(a, 1))
-    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * (length - 4) + neg)
-    width = np.where(small, 0, length - 1)
-    extra = np.where(small, 0, a - (np.int64(1) << np.maximum(width, 0)))
+    length = np.maximum(_bitlen(np.maximum(a, 1)), 4)
+    width = np.where(small, 0, length - 3)
+    top = (a >> width) & 3
+    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * (4 * (length - 4) + top) + neg)
+    extra = np.where(small, 0, a & ((np.int64(1) << width) - 1))
     return sym.astype(np.int64), extra.astype(np.int64), width.astype(np.int64)
 
 
 def symbol_extra_widths(sym: np.ndarray) -> np.ndarray:
-    return np.where(sym < 16, 0, (sym - 16) // 2 + 3).astype(np.int64)
+    return np.where(sym < 16, 0, (sym - 16) // 8 + 1).astype(np.int64)
 
 
 def symbols_to_diff(sym: np.ndarray, extra: np.ndarray) -> np.ndarray:
     neg = (sym & 1).astype(bool)
     width = symbol_extra_widths(sym)
-    a = np.where(sym < 16, sym // 2 + 1, (np.int64(1) << width) + extra)
+    top = ((sym - 16) >> 1) & 3
+    large = (np.int64(1) << (width + 2)) | (top << width) | extra
+    a = np.where(sym < 16, sym // 2 + 1, large)
     return np.where(neg, -a, a)
 
 
@@ -145,25 +153,94 @@ def quantize_frequencies(counts: np.ndarray) -> np.ndarray:
     return f
 
 
-@dataclass(slots=True)
-class Tables:
-    """rANS frequency tables: one row per table, ``ALPHABET`` columns."""
+def coding_cost_bits(counts: np.ndarray, freq: np.ndarray) -> np.ndarray:
+    """Bits to code ``counts`` (rows) under quantized ``freq`` (rows); inf where impossible."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per = kernels.PROB_BITS - np.log2(freq.astype(np.float64))
+        cost = np.where(counts > 0, counts * per, 0.0)
+    return cost.sum(axis=-1)
 
-    freq: np.ndarray  # int32 [T, ALPHABET]
-    cum: np.ndarray  # int32 [T, ALPHABET]
 
-    @classmethod
-    def from_freq(cls, freq: np.ndarray) -> Tables:
-        cum = np.zeros_like(freq)
-        cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
-        return cls(freq.astype(np.int32), cum.astype(np.int32))
+def entropy_bits(counts: np.ndarray) -> np.ndarray:
+    """Empirical entropy of each row of ``counts``, in total bits."""
+    total = counts.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.where(counts > 0, counts * np.log2(total / np.maximum(counts, 1)), 0.0)
+    return cost.sum(axis=-1)
 
-    def lookup(self) -> np.ndarray:
-        t = self.freq.shape[0]
-        out = np.zeros((t, kernels.PROB_SCALE), np.uint8)
-        for i in range(t):
-            out[i] = np.repeat(np.arange(ALPHABET, dtype=np.uint8), self.freq[i])
-        return out
+
+def _varints(values: list[int]) -> bytes:
+    out = bytearray()
+    for v in values:
+        if v < 0:
+            raise ValueError("varints are unsigned")
+        while True:
+            b = v & 0x7F
+            v >>= 7
+            if v:
+                out.append(b | 0x80)
+            else:
+                out.append(b)
+                break
+    return bytes(out)
+
+
+class _Reader:
+    """Reads varints from untrusted bytes; any overrun is a :class:`CorruptDeltaError`."""
+
+    def __init__(self, data: bytes | memoryview, what: str) -> None:
+        self.data = bytes(data)
+        self.pos = 0
+        self.what = what
+
+    def varint(self) -> int:
+        v = shift = 0
+        while True:
+            if self.pos >= len(self.data) or shift > 63:
+                raise CorruptDeltaError(f"{self.what} ends early or holds a malformed number")
+            b = self.data[self.pos]
+            self.pos += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return v
+
+    def done(self) -> None:
+        if self.pos != len(self.data):
+            raise CorruptDeltaError(f"{self.what} has {len(self.data) - self.pos} unexpected bytes")
+
+
+def _table_bytes(freq: np.ndarray) -> bytes:
+    nz = np.flatnonzero(freq)
+    vals = [int(nz.size)]
+    prev = -1
+    for s in nz.tolist():
+        vals += [s - prev - 1, int(freq[s])]
+        prev = s
+    return _varints(vals)
+
+
+def _read_table(r: _Reader) -> np.ndarray:
+    freq = np.zeros(ALPHABET, np.int64)
+    nnz = r.varint()
+    if not 0 < nnz <= ALPHABET:
+        raise CorruptDeltaError(f"{r.what}: frequency table with {nnz} symbols")
+    s = -1
+    for _ in range(nnz):
+        s += r.varint() + 1
+        f = r.varint()
+        if s >= ALPHABET or not 0 < f <= kernels.PROB_SCALE:
+            raise CorruptDeltaError(f"{r.what}: frequency table entry out of range")
+        freq[s] = f
+    if int(freq.sum()) != kernels.PROB_SCALE:
+        raise CorruptDeltaError(f"{r.what}: frequency table does not sum to 2**{kernels.PROB_BITS}")
+    return freq
+
+
+def _cumulative(freq: np.ndarray) -> np.ndarray:
+    cum = np.zeros_like(freq)
+    cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
+    return cum
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,13 +254,17 @@ class _Analysis:
     tensor: str
     start: int
     count: int
-    ctx_pairs: list[int]  # flat [ctx, k, ctx, k, ...] for contexts with changes
+    ctx_ids: np.ndarray  # int64 [C], contexts with changes, ascending
+    kc: np.ndarray  # int64 [C], changes per context
+    bucket: np.ndarray  # int64 [C], rate bucket per context
+    counts: np.ndarray  # int64 [C, ALPHABET], symbol counts per context
     gaps: np.ndarray  # int64, Rice-coded values in context order
     kparams: np.ndarray  # int64, Rice parameter of each gap
     symbols: np.ndarray  # int64, one per changed element in index order
-    buckets: np.ndarray  # int64, rate bucket of each symbol's context
+    sym_ctx: np.ndarray  # int64, position in ctx_ids of each symbol's context
     extra: np.ndarray  # int64 extra-bit values
     widths: np.ndarray  # int64 extra-bit widths
+    own: np.ndarray | None = None  # bool [C]: context codes its values with its own table
 
 
 def _context_layout(fmt: FloatFormat) -> tuple[int, int]:
@@ -201,16 +282,15 @@ def _analyse(
     ctx = np.empty(k, np.int64)
     rank = np.empty(k, np.int64)
     kernels.scan_contexts(old, index, shift, emask, hist, ctx, rank)
-    kc = np.bincount(ctx, minlength=nctx)
-    present = np.flatnonzero(kc)
-    comp = 2 * kc > hist
+    kc_all = np.bincount(ctx, minlength=nctx)
+    present = np.flatnonzero(kc_all)
+    comp = 2 * kc_all > hist
 
     order = np.argsort(ctx, kind="stable")
     c_sorted, r_sorted = ctx[order], rank[order]
     keep = ~comp[c_sorted]
-    c_sorted, r_sorted = c_sorted[keep], r_sorted[keep]
-    gap_ctx = [c_sorted]
-    gap_rank = [r_sorted]
+    gap_ctx = [c_sorted[keep]]
+    gap_rank = [r_sorted[keep]]
     for c in np.flatnonzero(comp):  # rare: contexts where most elements changed
         unchanged = np.ones(int(hist[c]), bool)
         unchanged[rank[ctx == c]] = False
@@ -226,28 +306,91 @@ def _analyse(
         prev[1:] = gr[:-1]
         prev[np.flatnonzero(np.diff(gc)) + 1] = -1
     gaps = gr - prev - 1
-    coded = np.where(comp, hist - kc, kc)
+    coded = np.where(comp, hist - kc_all, kc_all)
     kparams = rice_parameter(hist, coded)[gc]
 
-    old_vals = old[index]
-    d = wrapped_diff(value, old_vals, fmt.width)
+    d = wrapped_diff(value, old[index], fmt.width)
     symbols, extra, widths = diff_to_symbols(d)
-    buckets = rate_bucket(hist, kc)[ctx]
-    pairs = np.stack([present, kc[present]], axis=1).reshape(-1).tolist()
-    return _Analysis(tensor, start, old.size, pairs, gaps, kparams, symbols, buckets, extra, widths)
+    pos_of_ctx = np.zeros(nctx, np.int64)
+    pos_of_ctx[present] = np.arange(present.size)
+    sym_ctx = pos_of_ctx[ctx]
+    counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=present.size * ALPHABET)
+    return _Analysis(
+        tensor=tensor,
+        start=start,
+        count=old.size,
+        ctx_ids=present,
+        kc=kc_all[present],
+        bucket=rate_bucket(hist, kc_all)[present],
+        counts=counts.reshape(present.size, ALPHABET),
+        gaps=gaps,
+        kparams=kparams,
+        symbols=symbols,
+        sym_ctx=sym_ctx,
+        extra=extra,
+        widths=widths,
+    )
 
 
-def _code(a: _Analysis, table_of_bucket: np.ndarray, tables: Tables) -> tuple[bytes, list[int]]:
+N_BUCKETS = 64
+
+
+def _shared_tables(analyses: list[_Analysis], use_own: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Quantized shared tables per rate bucket from the contexts that use them.
+
+    Returns ``(table_of_bucket [N_BUCKETS], freq [S, ALPHABET])``.
+    """
+    counts = np.zeros((N_BUCKETS, ALPHABET), np.int64)
+    for a in analyses:
+        sel = ~a.own if (use_own and a.own is not None) else np.ones(a.kc.size, bool)
+        np.add.at(counts, a.bucket[sel], a.counts[sel])
+    used = np.flatnonzero(counts.sum(axis=1))
+    table_of_bucket = np.full(N_BUCKETS, -1, np.int64)
+    table_of_bucket[used] = np.arange(used.size)
+    freq = np.zeros((used.size, ALPHABET), np.int64)
+    for i, b in enumerate(used):
+        freq[i] = quantize_frequencies(counts[b])
+    return table_of_bucket, freq
+
+
+def _choose_own_tables(a: _Analysis, table_of_bucket: np.ndarray, shared: np.ndarray) -> None:
+    """Give a context its own table where that costs fewer bits, table included (MDL)."""
+    if a.kc.size == 0:
+        a.own = np.zeros(0, bool)
+        return
+    shared_cost = coding_cost_bits(a.counts, shared[table_of_bucket[a.bucket]])
+    nnz = (a.counts > 0).sum(axis=1)
+    own_cost = entropy_bits(a.counts) + 8 * (1 + 3 * nnz) + 0.002 * a.kc * kernels.PROB_BITS
+    a.own = own_cost < shared_cost
+
+
+def _code(a: _Analysis, table_of_bucket: np.ndarray, shared: np.ndarray) -> tuple[bytes, list[int]]:
+    assert a.own is not None
+    own_pos = np.flatnonzero(a.own)
+    own_freq = (
+        np.stack([quantize_frequencies(a.counts[i]) for i in own_pos])
+        if own_pos.size
+        else np.zeros((0, ALPHABET), np.int64)
+    )
+    header = [int(a.ctx_ids.size)]
+    prev = -1
+    for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), a.own.tolist(), strict=True):
+        header += [c - prev - 1, 2 * kcount + int(own)]
+        prev = c
+    head = _varints(header) + b"".join(_table_bytes(f) for f in own_freq)
+
     rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
     kernels.rice_encode(a.gaps, a.kparams, rice)
-    tid = table_of_bucket[a.buckets]
-    cap = 16 + 4 * a.symbols.size
-    rans = np.empty(cap, np.uint8)
-    pos = kernels.rans_encode(a.symbols, tid, tables.freq, tables.cum, rans)
-    rans_bytes = rans[pos:]
+
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    ctx_table = table_of_bucket[a.bucket]
+    ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
+    tid = ctx_table[a.sym_ctx]
+    rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
+    pos = kernels.rans_encode(a.symbols, tid, freq, _cumulative(freq), rans)
     extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
     kernels.raw_bits_encode(a.extra, a.widths, extra)
-    parts = [rice.tobytes(), rans_bytes.tobytes(), extra.tobytes()]
+    parts = [head, rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]
     return b"".join(parts), [len(p) for p in parts]
 
 
@@ -274,8 +417,15 @@ def encode_compact(
     threads: int | None = None,
 ) -> bytes:
     """Serialize ``delta`` in the compact format, using ``base`` (the state at the delta's base
-    version, CPU tensors) as side information."""
+    version; GPU tensors are copied to CPU one at a time) as side information.
+
+    Phase A analyses every chunk in parallel (contexts, ranks, symbols); then the value tables are
+    chosen for the whole delta (shared per rate bucket, or a context's own where that is cheaper
+    including the table); phase B codes every chunk in parallel.
+    """
     check_compatible(base, delta.patches)
+    if chunk_elems < 1:
+        raise ValueError("chunk_elems must be positive")
     threads = threads or default_threads()
     jobs = _chunks(delta.patches, chunk_elems)
     olds: dict[str, np.ndarray] = {}
@@ -290,47 +440,29 @@ def encode_compact(
         p = delta.patches[name]
         lo, hi = np.searchsorted(p.index, [start, start + count])
         fmt = float_format(p.dtype)
-        return _analyse(
-            name,
-            start,
-            olds[name][start : start + count],
-            p.index[lo:hi] - start,
-            p.value[lo:hi],
-            fmt,
-        )
+        old = olds[name][start : start + count]
+        return _analyse(name, start, old, p.index[lo:hi] - start, p.value[lo:hi], fmt)
 
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))
-
-        nb = 64
-        counts = np.zeros((nb, ALPHABET), np.int64)
+        table_of_bucket, shared = _shared_tables(analyses, use_own=False)
         for a in analyses:
-            counts += np.bincount(
-                a.buckets * ALPHABET + a.symbols, minlength=nb * ALPHABET
-            ).reshape(nb, ALPHABET)
-        used = np.flatnonzero(counts.sum(axis=1))
-        table_of_bucket = np.full(nb, -1, np.int64)
-        table_of_bucket[used] = np.arange(used.size)
-        freq = (
-            np.stack([quantize_frequencies(counts[b]) for b in used])
-            if used.size
-            else np.zeros((0, ALPHABET), np.int64)
-        )
-        tables = Tables.from_freq(freq)
-        coded = list(pool.map(lambda a: _code(a, table_of_bucket, tables), analyses))
+            _choose_own_tables(a, table_of_bucket, shared)
+        table_of_bucket, shared = _shared_tables(analyses, use_own=True)
+        coded = list(pool.map(lambda a: _code(a, table_of_bucket, shared), analyses))
 
+    used = np.flatnonzero(table_of_bucket >= 0)
+    shared_blob = _varints([int(used.size)]) + b"".join(
+        _varints([int(b)]) + _table_bytes(shared[table_of_bucket[b]]) for b in used
+    )
     out = bytearray(MAGIC)
-    chunk_meta: dict[str, list[dict[str, Any]]] = {}
+    shared_meta = [len(out), len(shared_blob), xxhash.xxh3_64_intdigest(shared_blob)]
+    out += shared_blob
+    chunk_meta: dict[str, list[list[int]]] = {}
     for a, (blob, lengths) in zip(analyses, coded, strict=True):
+        # [start, count, offset, header, rice, rans, extra bytes, xxh3-64]
         chunk_meta.setdefault(a.tensor, []).append(
-            {
-                "start": a.start,
-                "count": a.count,
-                "offset": len(out),
-                "streams": lengths,
-                "xxh3": xxhash.xxh3_64_intdigest(blob),
-                "ctx": a.ctx_pairs,
-            }
+            [a.start, a.count, len(out), *lengths, xxhash.xxh3_64_intdigest(blob)]
         )
         out += blob
     footer = {
@@ -339,7 +471,7 @@ def encode_compact(
         "base_version": delta.base_version,
         "version": delta.version,
         "prob_bits": kernels.PROB_BITS,
-        "tables": {str(int(b)): _sparse_table(freq[i]) for i, b in enumerate(used)},
+        "shared_tables": shared_meta,
         "tensors": [
             {
                 "name": p.name,
@@ -358,11 +490,6 @@ def encode_compact(
     out += packed
     out += TRAILER.pack(len(packed), xxhash.xxh3_64_intdigest(packed), TRAILER_MAGIC)
     return bytes(out)
-
-
-def _sparse_table(freq: np.ndarray) -> list[int]:
-    nz = np.flatnonzero(freq)
-    return np.stack([nz, freq[nz]], axis=1).reshape(-1).tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,109 +528,168 @@ def read_footer(data: bytes | memoryview) -> dict[str, Any]:
     return footer
 
 
-def _tables_from_footer(footer: dict[str, Any]) -> tuple[np.ndarray, Tables, np.ndarray]:
+def _shared_from(
+    buf: memoryview, footer: dict[str, Any], body_end: int
+) -> tuple[np.ndarray, np.ndarray]:
     if footer.get("prob_bits") != kernels.PROB_BITS:
         raise CorruptDeltaError(f"unsupported probability precision {footer.get('prob_bits')!r}")
-    items = sorted((int(b), v) for b, v in footer["tables"].items())
-    table_of_bucket = np.full(64, -1, np.int64)
-    freq = np.zeros((len(items), ALPHABET), np.int64)
-    for i, (b, pairs) in enumerate(items):
-        if not 0 <= b < 64 or len(pairs) % 2:
-            raise CorruptDeltaError(f"bad frequency table for bucket {b}")
-        arr = np.asarray(pairs, np.int64).reshape(-1, 2)
-        if arr.size and (
-            arr[:, 0].min() < 0 or arr[:, 0].max() >= ALPHABET or arr[:, 1].min() <= 0
-        ):
-            raise CorruptDeltaError(f"bad frequency table for bucket {b}")
-        freq[i, arr[:, 0]] = arr[:, 1]
-        if int(freq[i].sum()) != kernels.PROB_SCALE:
-            raise CorruptDeltaError(
-                f"frequency table for bucket {b} does not sum to 2**{kernels.PROB_BITS}"
-            )
+    try:
+        off, length, digest = (int(x) for x in footer["shared_tables"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptDeltaError("footer does not locate the shared tables") from None
+    if off < len(MAGIC) or off + length > body_end:
+        raise CorruptDeltaError("shared tables lie outside the object")
+    blob = buf[off : off + length]
+    if xxhash.xxh3_64_intdigest(blob) != digest:
+        raise CorruptDeltaError("shared tables are damaged (checksum mismatch)")
+    r = _Reader(blob, "shared tables")
+    n = r.varint()
+    if n > N_BUCKETS:
+        raise CorruptDeltaError(f"shared tables: {n} tables")
+    table_of_bucket = np.full(N_BUCKETS, -1, np.int64)
+    freq = np.zeros((n, ALPHABET), np.int64)
+    for i in range(n):
+        b = r.varint()
+        if b >= N_BUCKETS or table_of_bucket[b] >= 0:
+            raise CorruptDeltaError("shared tables: bad or repeated bucket")
         table_of_bucket[b] = i
-    tables = Tables.from_freq(freq)
-    return table_of_bucket, tables, tables.lookup()
+        freq[i] = _read_table(r)
+    r.done()
+    return table_of_bucket, freq
+
+
+@dataclass(slots=True)
+class _ChunkRef:
+    tensor: str
+    start: int
+    count: int
+    blob: memoryview
+    streams: tuple[int, int, int, int]  # header, rice, rans, extra bytes
 
 
 def _decode_chunk(
-    blob: memoryview,
-    meta: dict[str, Any],
+    ref: _ChunkRef,
     old: np.ndarray,
     fmt: FloatFormat,
     table_of_bucket: np.ndarray,
-    tables: Tables,
-    lookup: np.ndarray,
+    shared: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     shift, emask = _context_layout(fmt)
     nctx = emask + 1
+    head_len, rice_len, rans_len, _extra_len = ref.streams
+    raw = np.frombuffer(ref.blob, np.uint8)
+    r = _Reader(ref.blob[:head_len], f"{ref.tensor}: chunk header")
+    n_present = r.varint()
+    if n_present > nctx:
+        raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
+    ctx_ids = np.empty(n_present, np.int64)
+    kc_present = np.empty(n_present, np.int64)
+    own = np.zeros(n_present, bool)
+    c = -1
+    for i in range(n_present):
+        c += r.varint() + 1
+        v = r.varint()
+        if c >= nctx or v < 2:
+            raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
+        ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
+    own_freq = (
+        np.stack([_read_table(r) for _ in range(int(own.sum()))])
+        if own.any()
+        else np.zeros((0, ALPHABET), np.int64)
+    )
+    r.done()
+
     hist = np.zeros(nctx, np.int64)
     kernels.context_histogram(old, shift, emask, hist)
-    pairs = np.asarray(meta["ctx"], np.int64).reshape(-1, 2)
     kc = np.zeros(nctx, np.int64)
-    if pairs.size:
-        c = pairs[:, 0]
-        if c.min() < 0 or c.max() >= nctx or np.any(np.diff(c) <= 0) or pairs[:, 1].min() <= 0:
-            raise CorruptDeltaError("chunk context table is malformed")
-        kc[c] = pairs[:, 1]
+    kc[ctx_ids] = kc_present
     if np.any(kc > hist):
         raise CorruptDeltaError(
-            "chunk claims more changes than the base has elements (wrong base?)"
+            f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
         )
     comp = 2 * kc > hist
     coded = np.where(comp, hist - kc, kc)
     coded[kc == 0] = 0
-    kp = rice_parameter(hist, coded)
     gap_ctx = np.repeat(np.arange(nctx), coded)
-    kparams = kp[gap_ctx]
-    rice_len, rans_len, extra_len = (int(x) for x in meta["streams"])
-    if rice_len + rans_len + extra_len != len(blob):
-        raise CorruptDeltaError("chunk stream lengths do not add up")
-    raw = np.frombuffer(blob, np.uint8)
+    kparams = rice_parameter(hist, coded)[gap_ctx]
     gaps = np.empty(gap_ctx.size, np.int64)
-    if kernels.rice_decode(raw[:rice_len], kparams, gaps) < 0:
-        raise CorruptDeltaError("position stream ends early")
+    if kernels.rice_decode(raw[head_len : head_len + rice_len], kparams, gaps) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
     ends = np.cumsum(coded)
     starts = ends - coded
-    steps = gaps + 1
-    csum = np.cumsum(steps)
-    seg_base = np.where(starts > 0, csum[np.maximum(starts - 1, 0)] if csum.size else 0, 0)
+    csum = np.cumsum(gaps + 1)
+    seg_base = np.zeros(nctx, np.int64)
+    if csum.size:
+        nonempty = starts > 0
+        seg_base[nonempty] = csum[starts[nonempty] - 1]
     ranks = csum - 1 - np.repeat(seg_base, coded)
-    if ranks.size:
-        last = ranks[np.maximum(ends - 1, 0)]
-        if np.any((coded > 0) & (last >= hist)):
-            raise CorruptDeltaError(
-                "position stream names elements beyond the tensor (wrong base?)"
-            )
+    if ranks.size and np.any((coded > 0) & (ranks[np.maximum(ends - 1, 0)] >= hist)):
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
+        )
     k = int(kc.sum())
     index = np.empty(k, np.int64)
     ctx = np.empty(k, np.int64)
-    m = kernels.select_changed(
-        old, shift, emask, ranks, starts.astype(np.int64), ends.astype(np.int64), comp, index, ctx
-    )
+    m = kernels.select_changed(old, shift, emask, ranks, starts, ends, comp, index, ctx)
     if m != k:
         raise CorruptDeltaError(
-            "positions do not decode consistently (wrong base or damaged chunk)"
+            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
         )
-    bucket = rate_bucket(hist, kc)[ctx]
-    tid = table_of_bucket[bucket]
+
+    ctx_table = np.full(nctx, -1, np.int64)
+    ctx_table[ctx_ids] = table_of_bucket[rate_bucket(hist, kc)[ctx_ids]]
+    ctx_table[ctx_ids[own]] = shared.shape[0] + np.arange(int(own.sum()))
+    tid = ctx_table[ctx]
     if tid.size and tid.min() < 0:
-        raise CorruptDeltaError("chunk refers to a frequency table the delta does not contain")
-    symbols = np.empty(k, np.int64)
-    if (
-        kernels.rans_decode(
-            raw[rice_len : rice_len + rans_len], tid, tables.freq, tables.cum, lookup, symbols
+        raise CorruptDeltaError(
+            f"{ref.tensor}: chunk refers to a frequency table the delta does not hold"
         )
-        != rans_len
-    ):
-        raise CorruptDeltaError("value stream is damaged")
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    symbols = np.empty(k, np.int64)
+    rans = raw[head_len + rice_len : head_len + rice_len + rans_len]
+    if kernels.rans_decode(rans, tid, freq, _cumulative(freq), symbols) != rans_len:
+        raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
     widths = symbol_extra_widths(symbols)
-    if widths.size and widths.max() >= fmt.width:
-        raise CorruptDeltaError("value stream holds a difference wider than the dtype")
+    if widths.size and int(widths.max()) + 2 >= fmt.width:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: value stream holds a difference wider than the dtype"
+        )
     extra = np.empty(k, np.int64)
-    if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
-        raise CorruptDeltaError("extra-bits stream ends early")
+    if kernels.raw_bits_decode(raw[head_len + rice_len + rans_len :], widths, extra) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
     d = symbols_to_diff(symbols, extra)
     return index, wrapped_add(old[index], d, fmt)
+
+
+def _chunk_refs(buf: memoryview, footer: dict[str, Any], body_end: int) -> list[_ChunkRef]:
+    """Locate and checksum every chunk (no base needed)."""
+    refs = []
+    for t in footer["tensors"]:
+        name = t["name"]
+        numel = int(np.prod(t["shape"], dtype=np.int64))
+        for meta in t["chunks"]:
+            try:
+                start, count, off, h, rl, al, el, digest = (int(x) for x in meta)
+            except (TypeError, ValueError):
+                raise CorruptDeltaError(f"{name}: malformed chunk entry in the footer") from None
+            length = h + rl + al + el
+            if min(h, rl, al, el) < 0 or off < len(MAGIC) or off + length > body_end:
+                raise CorruptDeltaError(f"{name}: chunk at byte {off} lies outside the object")
+            if start < 0 or count <= 0 or start + count > numel:
+                raise CorruptDeltaError(
+                    f"{name}: chunk [{start}, {start + count}) lies outside the tensor"
+                )
+            blob = buf[off : off + length]
+            if xxhash.xxh3_64_intdigest(blob) != digest:
+                raise CorruptDeltaError(
+                    f"{name}: chunk at byte {off} is damaged (checksum mismatch)"
+                )
+            refs.append(_ChunkRef(name, start, count, blob, (h, rl, al, el)))
+    return refs
+
+
+def _body_end(buf: memoryview) -> int:
+    return len(buf) - TRAILER.size - TRAILER.unpack(buf[len(buf) - TRAILER.size :])[0]
 
 
 def decode_compact(
@@ -514,15 +700,16 @@ def decode_compact(
     base_digests: Mapping[str, str] | None = None,
     threads: int | None = None,
 ) -> Delta:
-    """Decode a compact delta against ``base`` (CPU tensors at the delta's base version).
+    """Decode a compact delta against ``base`` (tensors at the delta's base version).
 
-    With ``check_base`` (default) the base digests are verified first, so a wrong base is refused
-    with :class:`BaseMismatchError` instead of decoding garbage; ``base_digests`` are trusted
-    digests of ``base`` that save hashing it.
+    Order: trailer, footer and every checksum are verified first; then (with ``check_base``, the
+    default) the base digests, so a wrong base is refused with :class:`BaseMismatchError` instead
+    of decoding garbage (``base_digests`` are trusted digests of ``base`` that save hashing it);
+    then the chunks are decoded in parallel. Nothing is written anywhere.
     """
     footer = read_footer(data)
     buf = memoryview(data)
-    body_end = len(buf) - TRAILER.size - TRAILER.unpack(buf[len(buf) - TRAILER.size :])[0]
+    body_end = _body_end(buf)
     patches: dict[str, TensorPatch] = {}
     try:
         for t in footer["tensors"]:
@@ -536,91 +723,67 @@ def decode_compact(
                 base_digest=str(t["base_digest"]),
                 result_digest=str(t["result_digest"]),
             )
+        refs = _chunk_refs(buf, footer, body_end)
     except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, CorruptDeltaError):
+            raise
         raise CorruptDeltaError(f"deltarl-compact footer is malformed: {e}") from e
     delta = Delta(
         base_version=footer.get("base_version"), version=footer.get("version"), patches=patches
     )
+    table_of_bucket, shared = _shared_from(buf, footer, body_end)
     if check_base:
         verify_base(base, delta, base_digests)
     else:
         check_compatible(base, patches)
-    table_of_bucket, tables, lookup = _tables_from_footer(footer)
-
-    jobs = []
-    for t in footer["tensors"]:
-        name = t["name"]
-        p = patches[name]
-        pos = len(MAGIC)
-        for meta in t["chunks"]:
-            off, length = int(meta["offset"]), sum(int(x) for x in meta["streams"])
-            start, count = int(meta["start"]), int(meta["count"])
-            if (
-                off < len(MAGIC)
-                or off + length > body_end
-                or start < 0
-                or count <= 0
-                or start + count > p.numel
-            ):
-                raise CorruptDeltaError(
-                    f"{name}: chunk at byte {off} lies outside the object or the tensor"
-                )
-            blob = buf[off : off + length]
-            if xxhash.xxh3_64_intdigest(blob) != meta["xxh3"]:
-                raise CorruptDeltaError(
-                    f"{name}: chunk at byte {off} is damaged (checksum mismatch)"
-                )
-            jobs.append((name, start, count, blob, meta))
-            pos = off + length
-        del pos
 
     olds: dict[str, np.ndarray] = {}
-    for name in {j[0] for j in jobs}:
+    for name in {r.tensor for r in refs}:
         tt = base[name]
         if tt.device.type != "cpu":
             tt = tt.cpu()
         olds[name] = bits_numpy(tt.contiguous())
 
-    def run(job: tuple[str, int, int, memoryview, dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-        name, start, count, blob, meta = job
-        fmt = float_format(patches[name].dtype)
-        idx, val = _decode_chunk(
-            blob, meta, olds[name][start : start + count], fmt, table_of_bucket, tables, lookup
-        )
-        return idx + start, val
+    def run(ref: _ChunkRef) -> tuple[np.ndarray, np.ndarray]:
+        fmt = float_format(patches[ref.tensor].dtype)
+        old = olds[ref.tensor][ref.start : ref.start + ref.count]
+        idx, val = _decode_chunk(ref, old, fmt, table_of_bucket, shared)
+        return idx + ref.start, val
 
     with ThreadPoolExecutor(threads or default_threads()) as pool:
-        results = list(pool.map(run, jobs))
+        results = list(pool.map(run, refs))
     parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for job, res in zip(jobs, results, strict=True):
-        parts.setdefault(job[0], []).append(res)
+    for ref, res in zip(refs, results, strict=True):
+        parts.setdefault(ref.tensor, []).append(res)
     for t in footer["tensors"]:
         name = t["name"]
+        p = patches[name]
         if name in parts:
-            p = patches[name]
-            p.index = np.concatenate([i for i, _ in parts[name]])
-            p.value = np.concatenate([v for _, v in parts[name]])
-        if patches[name].changed != int(t["changed"]):
+            order = sorted(
+                range(len(parts[name])),
+                key=lambda i: int(parts[name][i][0][0]) if parts[name][i][0].size else -1,
+            )
+            p.index = np.concatenate([parts[name][i][0] for i in order])
+            p.value = np.concatenate([parts[name][i][1] for i in order])
+            if p.index.size > 1 and not bool(np.all(np.diff(p.index) > 0)):
+                raise CorruptDeltaError(f"{name}: chunks overlap")
+        if p.changed != int(t["changed"]):
             raise CorruptDeltaError(
-                f"{name}: decoded {patches[name].changed} changes, footer says {t['changed']}"
+                f"{name}: decoded {p.changed} changes, the footer says {t['changed']}"
             )
     return delta
 
 
 def check_integrity(data: bytes | memoryview) -> dict[str, Any]:
-    """Verify the trailer, the footer and every chunk checksum (no base needed); return the footer."""
+    """Verify the trailer, the footer and every checksum (no base needed); return the footer."""
     footer = read_footer(data)
     buf = memoryview(data)
-    body_end = len(buf) - TRAILER.size - TRAILER.unpack(buf[len(buf) - TRAILER.size :])[0]
-    for t in footer["tensors"]:
-        for meta in t["chunks"]:
-            off, length = int(meta["offset"]), sum(int(x) for x in meta["streams"])
-            if off < len(MAGIC) or off + length > body_end:
-                raise CorruptDeltaError(f"{t['name']}: chunk at byte {off} lies outside the object")
-            if xxhash.xxh3_64_intdigest(buf[off : off + length]) != meta["xxh3"]:
-                raise CorruptDeltaError(
-                    f"{t['name']}: chunk at byte {off} is damaged (checksum mismatch)"
-                )
+    body_end = _body_end(buf)
+    try:
+        _chunk_refs(buf, footer, body_end)
+    except (KeyError, TypeError) as e:
+        raise CorruptDeltaError(f"deltarl-compact footer is malformed: {e}") from e
+    _shared_from(buf, footer, body_end)
     return footer
 
 

@@ -191,8 +191,12 @@ def rans_encode(symbols, tables, freq, cum, out):  # pragma: no cover - jit
 
 
 @njit(nogil=True, cache=True)
-def rans_decode(buf, tables, freq, cum, lookup, out):  # pragma: no cover - jit
-    """Decode ``out.size`` symbols. Returns bytes consumed, or -1 if the stream is corrupt."""
+def rans_decode(buf, tables, freq, cum, out):  # pragma: no cover - jit
+    """Decode ``out.size`` symbols. Returns bytes consumed, or -1 if the stream is corrupt.
+
+    The symbol of a slot is found by binary search in the table's cumulative frequencies, so no
+    per-table lookup array is needed however many tables a chunk has.
+    """
     n = buf.size
     if n < 4:
         return -1
@@ -204,12 +208,24 @@ def rans_decode(buf, tables, freq, cum, lookup, out):  # pragma: no cover - jit
     )
     p = 4
     mask = PROB_SCALE - 1
+    nsym = cum.shape[1]
     for j in range(out.size):
         t = tables[j]
         slot = x & mask
-        s = lookup[t, slot]
+        lo = 0
+        hi = nsym - 1
+        while lo < hi:  # last symbol whose cumulative frequency is <= slot
+            mid = (lo + hi + 1) >> 1
+            if cum[t, mid] <= slot:
+                lo = mid
+            else:
+                hi = mid - 1
+        s = lo
+        f = np.int64(freq[t, s])
+        if f == 0:
+            return -1
         out[j] = s
-        x = np.int64(freq[t, s]) * (x >> PROB_BITS) + slot - np.int64(cum[t, s])
+        x = f * (x >> PROB_BITS) + slot - np.int64(cum[t, s])
         while x < RANS_L:
             if p >= n:
                 return -1

@@ -15,6 +15,7 @@ from deltarl.services.weightsync import (
     compute_delta,
 )
 from deltarl.services.weightsync.compact import (
+    ALPHABET,
     decode_compact,
     diff_to_symbols,
     encode_compact,
@@ -165,7 +166,7 @@ def test_symbol_mapping_round_trips_every_difference():
     )
     d = d[d != 0]
     sym, extra, width = diff_to_symbols(d)
-    assert sym.min() >= 0 and sym.max() < 74
+    assert sym.min() >= 0 and sym.max() < ALPHABET
     assert np.all(extra < (np.int64(1) << width) + (width == 0))
     assert np.array_equal(symbols_to_diff(sym, extra), d)
 
