@@ -122,14 +122,6 @@ def rice_parameter(n: np.ndarray, coded: np.ndarray) -> np.ndarray:
     return np.maximum(_bitlen(np.maximum(v, 1)) - 1, 0) * (v > 0)
 
 
-def rate_bucket(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Half-octave bucket of the change rate k/n of a context (0 = densest); integers only."""
-    r = (n.astype(np.int64) * 16) // np.maximum(k.astype(np.int64), 1)
-    length = _bitlen(np.maximum(r, 16))
-    half = (r >> (length - 2)) & 1
-    return 2 * (length - 5) + half
-
-
 def quantize_frequencies(counts: np.ndarray) -> np.ndarray:
     """Integer frequencies summing to ``PROB_SCALE``, non-zero exactly where ``counts`` is."""
     total = int(counts.sum())
@@ -256,7 +248,7 @@ class _Analysis:
     count: int
     ctx_ids: np.ndarray  # int64 [C], contexts with changes, ascending
     kc: np.ndarray  # int64 [C], changes per context
-    bucket: np.ndarray  # int64 [C], rate bucket per context
+    key: np.ndarray  # int64 [C], shared-table key per context (its old exponent)
     counts: np.ndarray  # int64 [C, ALPHABET], symbol counts per context
     gaps: np.ndarray  # int64, Rice-coded values in context order
     kparams: np.ndarray  # int64, Rice parameter of each gap
@@ -321,7 +313,7 @@ def _analyse(
         count=old.size,
         ctx_ids=present,
         kc=kc_all[present],
-        bucket=rate_bucket(hist, kc_all)[present],
+        key=present,
         counts=counts.reshape(present.size, ALPHABET),
         gaps=gaps,
         kparams=kparams,
@@ -332,39 +324,47 @@ def _analyse(
     )
 
 
-N_BUCKETS = 64
+N_KEYS = 256  # shared tables are keyed by the old exponent (8 bits at most)
 
 
 def _shared_tables(analyses: list[_Analysis], use_own: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Quantized shared tables per rate bucket from the contexts that use them.
+    """Quantized shared tables per old exponent, from the contexts of all chunks that use them
+    (the same exponent behaves alike across tensors: its ULP is the same size).
 
-    Returns ``(table_of_bucket [N_BUCKETS], freq [S, ALPHABET])``.
+    Returns ``(table_of_key [N_KEYS], freq [S, ALPHABET])``.
     """
-    counts = np.zeros((N_BUCKETS, ALPHABET), np.int64)
+    counts = np.zeros((N_KEYS, ALPHABET), np.int64)
     for a in analyses:
         sel = ~a.own if (use_own and a.own is not None) else np.ones(a.kc.size, bool)
-        np.add.at(counts, a.bucket[sel], a.counts[sel])
+        np.add.at(counts, a.key[sel], a.counts[sel])
     used = np.flatnonzero(counts.sum(axis=1))
-    table_of_bucket = np.full(N_BUCKETS, -1, np.int64)
-    table_of_bucket[used] = np.arange(used.size)
+    table_of_key = np.full(N_KEYS, -1, np.int64)
+    table_of_key[used] = np.arange(used.size)
     freq = np.zeros((used.size, ALPHABET), np.int64)
     for i, b in enumerate(used):
         freq[i] = quantize_frequencies(counts[b])
-    return table_of_bucket, freq
+    return table_of_key, freq
 
 
-def _choose_own_tables(a: _Analysis, table_of_bucket: np.ndarray, shared: np.ndarray) -> None:
+def _choose_own_tables(a: _Analysis, table_of_key: np.ndarray, shared: np.ndarray) -> None:
     """Give a context its own table where that costs fewer bits, table included (MDL)."""
     if a.kc.size == 0:
         a.own = np.zeros(0, bool)
         return
-    shared_cost = coding_cost_bits(a.counts, shared[table_of_bucket[a.bucket]])
+    shared_cost = coding_cost_bits(a.counts, shared[table_of_key[a.key]])
     nnz = (a.counts > 0).sum(axis=1)
     own_cost = entropy_bits(a.counts) + 8 * (1 + 3 * nnz) + 0.002 * a.kc * kernels.PROB_BITS
     a.own = own_cost < shared_cost
 
 
-def _code(a: _Analysis, table_of_bucket: np.ndarray, shared: np.ndarray) -> tuple[bytes, list[int]]:
+def _code(
+    a: _Analysis, table_of_key: np.ndarray, shared: np.ndarray
+) -> tuple[bytes, bytes, list[int]]:
+    """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
+
+    The header lists the contexts with changes as varints ``(context gap, 2 k + own)`` followed
+    by the chunk's own frequency tables; headers of all chunks are compressed together.
+    """
     assert a.own is not None
     own_pos = np.flatnonzero(a.own)
     own_freq = (
@@ -383,15 +383,15 @@ def _code(a: _Analysis, table_of_bucket: np.ndarray, shared: np.ndarray) -> tupl
     kernels.rice_encode(a.gaps, a.kparams, rice)
 
     freq = np.concatenate([shared, own_freq]).astype(np.int32)
-    ctx_table = table_of_bucket[a.bucket]
+    ctx_table = table_of_key[a.key]
     ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
     tid = ctx_table[a.sym_ctx]
     rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
     pos = kernels.rans_encode(a.symbols, tid, freq, _cumulative(freq), rans)
     extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
     kernels.raw_bits_encode(a.extra, a.widths, extra)
-    parts = [head, rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]
-    return b"".join(parts), [len(p) for p in parts]
+    parts = [rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]
+    return head, b"".join(parts), [len(p) for p in parts]
 
 
 def _chunks(patches: Mapping[str, TensorPatch], chunk_elems: int) -> list[tuple[str, int, int]]:
@@ -420,7 +420,7 @@ def encode_compact(
     version; GPU tensors are copied to CPU one at a time) as side information.
 
     Phase A analyses every chunk in parallel (contexts, ranks, symbols); then the value tables are
-    chosen for the whole delta (shared per rate bucket, or a context's own where that is cheaper
+    chosen for the whole delta (shared per old exponent, or a context's own where that is cheaper
     including the table); phase B codes every chunk in parallel.
     """
     check_compatible(base, delta.patches)
@@ -445,33 +445,44 @@ def encode_compact(
 
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))
-        table_of_bucket, shared = _shared_tables(analyses, use_own=False)
+        table_of_key, shared = _shared_tables(analyses, use_own=False)
         for a in analyses:
-            _choose_own_tables(a, table_of_bucket, shared)
-        table_of_bucket, shared = _shared_tables(analyses, use_own=True)
-        coded = list(pool.map(lambda a: _code(a, table_of_bucket, shared), analyses))
+            _choose_own_tables(a, table_of_key, shared)
+        table_of_key, shared = _shared_tables(analyses, use_own=True)
+        coded = list(pool.map(lambda a: _code(a, table_of_key, shared), analyses))
 
-    used = np.flatnonzero(table_of_bucket >= 0)
-    shared_blob = _varints([int(used.size)]) + b"".join(
-        _varints([int(b)]) + _table_bytes(shared[table_of_bucket[b]]) for b in used
-    )
-    out = bytearray(MAGIC)
-    shared_meta = [len(out), len(shared_blob), xxhash.xxh3_64_intdigest(shared_blob)]
-    out += shared_blob
+    used = np.flatnonzero(table_of_key >= 0)
+    index = bytearray(_varints([int(used.size)]))
+    for b in used:
+        index += _varints([int(b)]) + _table_bytes(shared[table_of_key[b]])
     chunk_meta: dict[str, list[list[int]]] = {}
-    for a, (blob, lengths) in zip(analyses, coded, strict=True):
-        # [start, count, offset, header, rice, rans, extra bytes, xxh3-64]
+    out = bytearray(MAGIC)
+    for a, (head, body, lengths) in zip(analyses, coded, strict=True):
+        # [start, count, body offset, header offset in index, header bytes, rice, rans, extra bytes,
+        #  xxh3-64 of the body]
         chunk_meta.setdefault(a.tensor, []).append(
-            [a.start, a.count, len(out), *lengths, xxhash.xxh3_64_intdigest(blob)]
+            [
+                a.start,
+                a.count,
+                len(out),
+                len(index),
+                len(head),
+                *lengths,
+                xxhash.xxh3_64_intdigest(body),
+            ]
         )
-        out += blob
+        index += head
+        out += body
+    packed_index = zstandard.ZstdCompressor(level=19).compress(bytes(index))
+    index_meta = [len(out), len(packed_index), len(index), xxhash.xxh3_64_intdigest(packed_index)]
+    out += packed_index
     footer = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "base_version": delta.base_version,
         "version": delta.version,
         "prob_bits": kernels.PROB_BITS,
-        "shared_tables": shared_meta,
+        "index": index_meta,
         "tensors": [
             {
                 "name": p.name,
@@ -528,34 +539,43 @@ def read_footer(data: bytes | memoryview) -> dict[str, Any]:
     return footer
 
 
-def _shared_from(
+def _read_index(
     buf: memoryview, footer: dict[str, Any], body_end: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """Check and unpack the index: shared tables, then every chunk's header.
+
+    Returns ``(table_of_key [N_KEYS], shared freq [S, ALPHABET], decompressed index bytes)``.
+    """
     if footer.get("prob_bits") != kernels.PROB_BITS:
         raise CorruptDeltaError(f"unsupported probability precision {footer.get('prob_bits')!r}")
     try:
-        off, length, digest = (int(x) for x in footer["shared_tables"])
+        off, length, raw_len, digest = (int(x) for x in footer["index"])
     except (KeyError, TypeError, ValueError):
-        raise CorruptDeltaError("footer does not locate the shared tables") from None
-    if off < len(MAGIC) or off + length > body_end:
-        raise CorruptDeltaError("shared tables lie outside the object")
-    blob = buf[off : off + length]
-    if xxhash.xxh3_64_intdigest(blob) != digest:
-        raise CorruptDeltaError("shared tables are damaged (checksum mismatch)")
-    r = _Reader(blob, "shared tables")
+        raise CorruptDeltaError("footer does not locate the index") from None
+    if off < len(MAGIC) or off + length > body_end or raw_len > MAX_FOOTER:
+        raise CorruptDeltaError("index lies outside the object")
+    packed = buf[off : off + length]
+    if xxhash.xxh3_64_intdigest(packed) != digest:
+        raise CorruptDeltaError("index is damaged (checksum mismatch)")
+    try:
+        index = zstandard.ZstdDecompressor().decompress(bytes(packed), max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise CorruptDeltaError(f"index unreadable: {e}") from e
+    if len(index) != raw_len:
+        raise CorruptDeltaError("index has the wrong length")
+    r = _Reader(index, "shared tables")
     n = r.varint()
-    if n > N_BUCKETS:
+    if n > N_KEYS:
         raise CorruptDeltaError(f"shared tables: {n} tables")
-    table_of_bucket = np.full(N_BUCKETS, -1, np.int64)
+    table_of_key = np.full(N_KEYS, -1, np.int64)
     freq = np.zeros((n, ALPHABET), np.int64)
     for i in range(n):
-        b = r.varint()
-        if b >= N_BUCKETS or table_of_bucket[b] >= 0:
-            raise CorruptDeltaError("shared tables: bad or repeated bucket")
-        table_of_bucket[b] = i
+        key = r.varint()
+        if key >= N_KEYS or table_of_key[key] >= 0:
+            raise CorruptDeltaError("shared tables: bad or repeated key")
+        table_of_key[key] = i
         freq[i] = _read_table(r)
-    r.done()
-    return table_of_bucket, freq
+    return table_of_key, freq, index
 
 
 @dataclass(slots=True)
@@ -563,22 +583,19 @@ class _ChunkRef:
     tensor: str
     start: int
     count: int
-    blob: memoryview
-    streams: tuple[int, int, int, int]  # header, rice, rans, extra bytes
+    header: bytes
+    body: memoryview
+    streams: tuple[int, int, int]  # rice, rans, extra bytes
 
 
 def _decode_chunk(
-    ref: _ChunkRef,
-    old: np.ndarray,
-    fmt: FloatFormat,
-    table_of_bucket: np.ndarray,
-    shared: np.ndarray,
+    ref: _ChunkRef, old: np.ndarray, fmt: FloatFormat, table_of_key: np.ndarray, shared: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     shift, emask = _context_layout(fmt)
     nctx = emask + 1
-    head_len, rice_len, rans_len, _extra_len = ref.streams
-    raw = np.frombuffer(ref.blob, np.uint8)
-    r = _Reader(ref.blob[:head_len], f"{ref.tensor}: chunk header")
+    rice_len, rans_len, _ = ref.streams
+    raw = np.frombuffer(ref.body, np.uint8)
+    r = _Reader(ref.header, f"{ref.tensor}: chunk header")
     n_present = r.varint()
     if n_present > nctx:
         raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
@@ -592,9 +609,10 @@ def _decode_chunk(
         if c >= nctx or v < 2:
             raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
         ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
+    n_own = int(own.sum())
     own_freq = (
-        np.stack([_read_table(r) for _ in range(int(own.sum()))])
-        if own.any()
+        np.stack([_read_table(r) for _ in range(n_own)])
+        if n_own
         else np.zeros((0, ALPHABET), np.int64)
     )
     r.done()
@@ -613,7 +631,7 @@ def _decode_chunk(
     gap_ctx = np.repeat(np.arange(nctx), coded)
     kparams = rice_parameter(hist, coded)[gap_ctx]
     gaps = np.empty(gap_ctx.size, np.int64)
-    if kernels.rice_decode(raw[head_len : head_len + rice_len], kparams, gaps) < 0:
+    if kernels.rice_decode(raw[:rice_len], kparams, gaps) < 0:
         raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
     ends = np.cumsum(coded)
     starts = ends - coded
@@ -637,8 +655,8 @@ def _decode_chunk(
         )
 
     ctx_table = np.full(nctx, -1, np.int64)
-    ctx_table[ctx_ids] = table_of_bucket[rate_bucket(hist, kc)[ctx_ids]]
-    ctx_table[ctx_ids[own]] = shared.shape[0] + np.arange(int(own.sum()))
+    ctx_table[ctx_ids] = table_of_key[ctx_ids]
+    ctx_table[ctx_ids[own]] = shared.shape[0] + np.arange(n_own)
     tid = ctx_table[ctx]
     if tid.size and tid.min() < 0:
         raise CorruptDeltaError(
@@ -646,7 +664,7 @@ def _decode_chunk(
         )
     freq = np.concatenate([shared, own_freq]).astype(np.int32)
     symbols = np.empty(k, np.int64)
-    rans = raw[head_len + rice_len : head_len + rice_len + rans_len]
+    rans = raw[rice_len : rice_len + rans_len]
     if kernels.rans_decode(rans, tid, freq, _cumulative(freq), symbols) != rans_len:
         raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
     widths = symbol_extra_widths(symbols)
@@ -655,13 +673,15 @@ def _decode_chunk(
             f"{ref.tensor}: value stream holds a difference wider than the dtype"
         )
     extra = np.empty(k, np.int64)
-    if kernels.raw_bits_decode(raw[head_len + rice_len + rans_len :], widths, extra) < 0:
+    if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
         raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
     d = symbols_to_diff(symbols, extra)
     return index, wrapped_add(old[index], d, fmt)
 
 
-def _chunk_refs(buf: memoryview, footer: dict[str, Any], body_end: int) -> list[_ChunkRef]:
+def _chunk_refs(
+    buf: memoryview, footer: dict[str, Any], body_end: int, index: bytes
+) -> list[_ChunkRef]:
     """Locate and checksum every chunk (no base needed)."""
     refs = []
     for t in footer["tensors"]:
@@ -669,22 +689,26 @@ def _chunk_refs(buf: memoryview, footer: dict[str, Any], body_end: int) -> list[
         numel = int(np.prod(t["shape"], dtype=np.int64))
         for meta in t["chunks"]:
             try:
-                start, count, off, h, rl, al, el, digest = (int(x) for x in meta)
+                start, count, off, hoff, hlen, rl, al, el, digest = (int(x) for x in meta)
             except (TypeError, ValueError):
                 raise CorruptDeltaError(f"{name}: malformed chunk entry in the footer") from None
-            length = h + rl + al + el
-            if min(h, rl, al, el) < 0 or off < len(MAGIC) or off + length > body_end:
+            length = rl + al + el
+            if min(hoff, hlen, rl, al, el) < 0 or off < len(MAGIC) or off + length > body_end:
                 raise CorruptDeltaError(f"{name}: chunk at byte {off} lies outside the object")
+            if hoff + hlen > len(index):
+                raise CorruptDeltaError(f"{name}: chunk header lies outside the index")
             if start < 0 or count <= 0 or start + count > numel:
                 raise CorruptDeltaError(
                     f"{name}: chunk [{start}, {start + count}) lies outside the tensor"
                 )
-            blob = buf[off : off + length]
-            if xxhash.xxh3_64_intdigest(blob) != digest:
+            body = buf[off : off + length]
+            if xxhash.xxh3_64_intdigest(body) != digest:
                 raise CorruptDeltaError(
                     f"{name}: chunk at byte {off} is damaged (checksum mismatch)"
                 )
-            refs.append(_ChunkRef(name, start, count, blob, (h, rl, al, el)))
+            refs.append(
+                _ChunkRef(name, start, count, index[hoff : hoff + hlen], body, (rl, al, el))
+            )
     return refs
 
 
@@ -723,7 +747,8 @@ def decode_compact(
                 base_digest=str(t["base_digest"]),
                 result_digest=str(t["result_digest"]),
             )
-        refs = _chunk_refs(buf, footer, body_end)
+        table_of_key, shared, index = _read_index(buf, footer, body_end)
+        refs = _chunk_refs(buf, footer, body_end, index)
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, CorruptDeltaError):
             raise
@@ -731,7 +756,6 @@ def decode_compact(
     delta = Delta(
         base_version=footer.get("base_version"), version=footer.get("version"), patches=patches
     )
-    table_of_bucket, shared = _shared_from(buf, footer, body_end)
     if check_base:
         verify_base(base, delta, base_digests)
     else:
@@ -747,7 +771,7 @@ def decode_compact(
     def run(ref: _ChunkRef) -> tuple[np.ndarray, np.ndarray]:
         fmt = float_format(patches[ref.tensor].dtype)
         old = olds[ref.tensor][ref.start : ref.start + ref.count]
-        idx, val = _decode_chunk(ref, old, fmt, table_of_bucket, shared)
+        idx, val = _decode_chunk(ref, old, fmt, table_of_key, shared)
         return idx + ref.start, val
 
     with ThreadPoolExecutor(threads or default_threads()) as pool:
@@ -780,10 +804,10 @@ def check_integrity(data: bytes | memoryview) -> dict[str, Any]:
     buf = memoryview(data)
     body_end = _body_end(buf)
     try:
-        _chunk_refs(buf, footer, body_end)
+        _, _, index = _read_index(buf, footer, body_end)
+        _chunk_refs(buf, footer, body_end, index)
     except (KeyError, TypeError) as e:
         raise CorruptDeltaError(f"deltarl-compact footer is malformed: {e}") from e
-    _shared_from(buf, footer, body_end)
     return footer
 
 

@@ -254,15 +254,9 @@ def apply_delta(
         if not t.is_contiguous():
             raise StateMismatchError(f"{name}: tensor is not contiguous; cannot patch it in place")
         scatter_patch(t, patch)
-    result = {name: p.result_digest for name, p in delta.patches.items()}
     if verify:
-        bad = [n for n, p in delta.patches.items() if tensor_digest(state[n]) != p.result_digest]
-        if bad:
-            raise VerificationError(
-                f"after applying version {delta.version}, {len(bad)} tensor(s) do not match the trainer's "
-                f"digest, e.g. {bad[:3]}; the weights are poisoned, reload an anchor"
-            )
-    return result
+        return verify_result(state, delta)
+    return {name: p.result_digest for name, p in delta.patches.items()}
 
 
 def compose(deltas: Sequence[Delta]) -> Delta:
@@ -305,3 +299,61 @@ def compose(deltas: Sequence[Delta]) -> Delta:
 
 def iter_changed_tensors(delta: Delta) -> Iterable[TensorPatch]:
     return (p for p in delta.patches.values() if p.changed)
+
+
+@dataclass(slots=True)
+class StagedDelta:
+    """A delta whose indices and values already sit on the target device.
+
+    Staging (host-to-device copies) happens while inference still runs; the paused window is then
+    only :func:`apply_staged`: one ``index_copy_`` per changed tensor, no allocation, no host
+    round trip. Build it with :func:`stage_delta`.
+    """
+
+    delta: Delta
+    device: torch.device
+    parts: list[tuple[str, torch.Tensor, torch.Tensor]]  # (name, int64 index, int16/32 values)
+
+
+def stage_delta(delta: Delta, device: torch.device | str) -> StagedDelta:
+    """Copy every non-empty patch of ``delta`` to ``device`` (pinned, asynchronous on CUDA)."""
+    dev = torch.device(device)
+    parts = []
+    for p in iter_changed_tensors(delta):
+        idx = torch.from_numpy(np.ascontiguousarray(p.index))
+        val = torch.from_numpy(np.ascontiguousarray(p.value))
+        if dev.type == "cuda":
+            idx, val = idx.pin_memory(), val.pin_memory()
+        parts.append((p.name, idx.to(dev, non_blocking=True), val.to(dev, non_blocking=True)))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return StagedDelta(delta=delta, device=dev, parts=parts)
+
+
+def apply_staged(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> None:
+    """Scatter a staged delta into ``state`` in place. The caller has already checked the base
+    (e.g. with :func:`verify_base` against trusted digests) and verifies the result afterwards
+    (:func:`verify_result`); this is the part that runs while inference is paused."""
+    check_compatible(state, staged.delta.patches)
+    for name, idx, val in staged.parts:
+        t = state[name]
+        if t.device != staged.device:
+            raise StateMismatchError(
+                f"{name}: tensor is on {t.device}, the delta is staged on {staged.device}"
+            )
+        bits_view(t).index_copy_(0, idx, val)
+
+
+def verify_result(state: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, str]:
+    """Check every tensor of ``state`` against the delta's result digests; return the digests.
+
+    Raises :class:`VerificationError` (the state is poisoned) on any mismatch.
+    """
+    digests = {n: tensor_digest(state[n]) for n in delta.patches}
+    bad = [n for n, p in delta.patches.items() if digests[n] != p.result_digest]
+    if bad:
+        raise VerificationError(
+            f"after applying version {delta.version}, {len(bad)} tensor(s) do not match the trainer's "
+            f"digest, e.g. {bad[:3]}; the weights are poisoned, reload an anchor"
+        )
+    return digests
