@@ -26,7 +26,9 @@ def _default_text(value: Any) -> str:
     return str(value)
 
 
-def settings_help(cls: type[BaseSettings], secret_words: tuple[str, ...] = ("token", "secret", "password", "key")) -> str:
+def settings_help(
+    cls: type[BaseSettings], secret_words: tuple[str, ...] = ("token", "secret", "password", "key")
+) -> str:
     """Render every field of a settings class as ``DELTARL_NAME (default): description`` lines.
 
     Defaults of secret-looking fields are never printed.

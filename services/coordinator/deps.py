@@ -1,4 +1,8 @@
-"""Typed FastAPI dependencies: the coordinator instance and role checks."""
+"""Typed FastAPI dependencies: the coordinator instance and role checks.
+
+They are ``async`` on purpose: they do no I/O, and FastAPI would run plain ``def`` dependencies
+in the thread pool (one thread hop each, per request).
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,20 @@ from .auth import check_role
 from .service import Coordinator
 
 
-def get_coordinator(request: Request) -> Coordinator:
+async def get_coordinator(request: Request) -> Coordinator:
     coordinator: Coordinator = request.app.state.coordinator
     return coordinator
 
 
-def _trainer(request: Request) -> None:
+async def _trainer(request: Request) -> None:
     check_role(request.app.state.coordinator.settings, "trainer", request)
 
 
-def _worker(request: Request) -> None:
+async def _worker(request: Request) -> None:
     check_role(request.app.state.coordinator.settings, "worker", request)
 
 
-def _reader(request: Request) -> None:
+async def _reader(request: Request) -> None:
     check_role(request.app.state.coordinator.settings, "reader", request)
 
 

@@ -39,8 +39,9 @@ import zstandard
 
 from . import kernels
 from .bits import FloatFormat, bits_numpy, float_format
-from .delta import Delta, TensorPatch, check_compatible, verify_base
-from .errors import CorruptDeltaError, StateMismatchError
+from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
+from .digest import combine_digests, state_digests
+from .errors import BaseMismatchError, CorruptDeltaError, StateMismatchError
 
 FORMAT_NAME = "deltarl-compact"
 FORMAT_VERSION = 1
@@ -353,7 +354,7 @@ def _choose_own_tables(a: _Analysis, table_of_key: np.ndarray, shared: np.ndarra
         return
     shared_cost = coding_cost_bits(a.counts, shared[table_of_key[a.key]])
     nnz = (a.counts > 0).sum(axis=1)
-    own_cost = entropy_bits(a.counts) + 8 * (1 + 3 * nnz) + 0.002 * a.kc * kernels.PROB_BITS
+    own_cost = entropy_bits(a.counts) + 8 * (1 + 2 * nnz) + 0.002 * a.kc * kernels.PROB_BITS
     a.own = own_cost < shared_cost
 
 
@@ -483,13 +484,14 @@ def encode_compact(
         "version": delta.version,
         "prob_bits": kernels.PROB_BITS,
         "index": index_meta,
+        # one digest for the whole base (per-tensor base digests follow from it, see decode)
+        "base_digest": delta.base_digest,
         "tensors": [
             {
                 "name": p.name,
                 "dtype": p.dtype,
                 "shape": list(p.shape),
                 "changed": p.changed,
-                "base_digest": p.base_digest,
                 "result_digest": p.result_digest,
                 "chunks": chunk_meta.get(p.name, []),
             }
@@ -744,9 +746,10 @@ def decode_compact(
                 shape=tuple(int(s) for s in t["shape"]),
                 index=np.empty(0, np.int64),
                 value=np.empty(0, fmt.bits_dtype),
-                base_digest=str(t["base_digest"]),
+                base_digest=UNKNOWN_DIGEST,
                 result_digest=str(t["result_digest"]),
             )
+        base_state_digest = str(footer["base_digest"])
         table_of_key, shared, index = _read_index(buf, footer, body_end)
         refs = _chunk_refs(buf, footer, body_end, index)
     except (KeyError, TypeError, ValueError) as e:
@@ -756,10 +759,23 @@ def decode_compact(
     delta = Delta(
         base_version=footer.get("base_version"), version=footer.get("version"), patches=patches
     )
-    if check_base:
-        verify_base(base, delta, base_digests)
-    else:
-        check_compatible(base, patches)
+    # The footer holds one digest of the whole base. Once the base's tensor digests combine to
+    # it, each tensor's base digest is the base's own (a different tensor would change the
+    # combination), so the patches get full per-tensor base digests without storing them.
+    check_compatible(base, patches)
+    have = dict(base_digests) if base_digests is not None else state_digests(base)
+    is_base = combine_digests(have) == base_state_digest
+    if check_base and not is_base:
+        twice = have == {n: p.result_digest for n, p in patches.items()}
+        hint = (
+            " (it already holds the delta's result: was the delta applied twice?)" if twice else ""
+        )
+        raise BaseMismatchError(
+            f"state is not the base of this delta (version {delta.base_version} -> {delta.version}): "
+            f"its digest differs{hint}; nothing was written"
+        )
+    for name, p in patches.items():
+        p.base_digest = have[name] if is_base else UNKNOWN_DIGEST
 
     olds: dict[str, np.ndarray] = {}
     for name in {r.tensor for r in refs}:
