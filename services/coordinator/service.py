@@ -68,7 +68,10 @@ class Coordinator:
         self.versions = VersionIndex(store)
         self.versions.refresh()
         self._status_lock = threading.Lock()
-        self._status: tuple[float, int, StatusSummary] | None = None
+        # (monotonic time, full summary, {workers limit: (summary, json bytes)})
+        self._status: tuple[float, StatusSummary, dict[int, tuple[StatusSummary, bytes]]] | None = (
+            None
+        )
         self.on_version: Callable[[VersionRecord], None] | None = None  # set by the app
 
     # -- versions ---------------------------------------------------------------------------
@@ -343,22 +346,30 @@ class Coordinator:
 
     # -- status -----------------------------------------------------------------------------
     def status(self, workers_limit: int | None = None) -> StatusSummary:
-        """The summary, computed at most once per ``status_cache_s`` (then shared)."""
+        """The summary, computed from the store at most once per ``status_cache_s`` (then
+        shared by every reader); ``workers_limit`` only trims the worker list."""
+        return self._status_view(workers_limit)[0]
+
+    def status_json(self, workers_limit: int | None = None) -> bytes:
+        """:meth:`status` serialized (cached too: 50 readers cost one serialization)."""
+        return self._status_view(workers_limit)[1]
+
+    def _status_view(self, workers_limit: int | None) -> tuple[StatusSummary, bytes]:
         limit = self.settings.status_workers if workers_limit is None else workers_limit
         now = time.monotonic()
         with self._status_lock:
             cached = self._status
-            if (
-                cached is not None
-                and now - cached[0] < self.settings.status_cache_s
-                and cached[1] == limit
-            ):
-                return cached[2]
-            summary = self._compute_status(limit)
-            self._status = (now, limit, summary)
-            return summary
+            if cached is None or now - cached[0] >= self.settings.status_cache_s:
+                cached = (now, self._compute_status(), {})
+                self._status = cached
+            views = cached[2]
+            if limit not in views:
+                full = cached[1]
+                view = full.model_copy(update={"workers": full.workers[:limit]})
+                views[limit] = (view, view.model_dump_json().encode())
+            return views[limit]
 
-    def _compute_status(self, workers_limit: int) -> StatusSummary:
+    def _compute_status(self) -> StatusSummary:
         now = self.clock()
         latest = self.versions.latest()
         latest_v = None if latest is None else latest.version
@@ -385,7 +396,7 @@ class Coordinator:
             workers_active=sum(w.state == "active" for w in workers),
             workers_lost=sum(w.state == "lost" for w in workers),
             in_flight=sum(w.in_flight for w in workers if w.state == "active"),
-            workers=workers[:workers_limit],
+            workers=workers,
             versions=[
                 VersionPoint(
                     version=r.version,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from deltarl.services.schemas import StatusSummary
 
@@ -18,5 +18,6 @@ router = APIRouter(prefix="/v1", tags=["status"], responses=ERRORS)
 def status(
     coordinator: CoordinatorDep,
     workers: Annotated[int | None, Query(ge=0, le=100_000, description="Workers listed.")] = None,
-) -> StatusSummary:
-    return coordinator.status(workers)
+) -> Response:
+    """Served from a short cache (``status_cache_s``), already serialized."""
+    return Response(coordinator.status_json(workers), media_type="application/json")
