@@ -145,6 +145,35 @@ def apply(
 
 
 @app.command()
+def squash(
+    base: Path = typer.Argument(
+        ..., exists=True, dir_okay=False, help="State at the first delta's base (.safetensors)."
+    ),
+    deltas: list[Path] = typer.Argument(
+        ..., exists=True, dir_okay=False, help="Consecutive delta files, oldest first."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="Squashed delta file to write."),
+    fmt: str = typer.Option("compact", "--format", help="compact | trl-raw | trl-gap"),
+) -> None:
+    """Squash consecutive deltas into one (what a replica lagging several versions fetches)."""
+    from deltarl.services.weightsync import DeltaError
+    from deltarl.services.weightsync.codec import DELTA_FORMATS, squash_chain
+
+    if fmt not in DELTA_FORMATS:
+        raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
+    try:
+        squashed, blob = squash_chain(_load(base), [p.read_bytes() for p in deltas], fmt)
+    except DeltaError as e:
+        _fail(str(e))
+    output.write_bytes(blob)
+    size = sum(p.stat().st_size for p in deltas)
+    typer.echo(
+        f"wrote {output}: version {squashed.base_version} -> {squashed.version}, {len(blob):,} bytes "
+        f"(the {len(deltas)} deltas: {size:,} bytes)"
+    )
+
+
+@app.command()
 def verify(
     delta_path: Path = typer.Argument(..., exists=True, dir_okay=False, help="Delta file."),
     base: Path = typer.Option(

@@ -111,3 +111,32 @@ def describe(data: bytes) -> dict[str, object]:
         "version": delta.version if delta else meta.get("model_version"),
         "result_digest": delta.result_digest if delta else None,
     }
+
+
+def squash_chain(
+    base: Mapping[str, torch.Tensor],
+    blobs: list[bytes],
+    fmt: str = "compact",
+    *,
+    threads: int | None = None,
+) -> tuple[Delta, bytes]:
+    """Squash serialized deltas v -> v+1 -> ... -> v+k into one v -> v+k delta and encode it.
+
+    ``base`` is the state at version v (CPU tensors; left untouched). Each delta is decoded
+    against a working copy of the state it applies to, applied and verified, so a broken chain is
+    refused with the error of the first bad link. Memory: one copy of the model plus the deltas.
+    """
+    if not blobs:
+        raise ValueError("squash needs at least one delta")
+    from .delta import apply_delta, compose
+    from .digest import state_digests
+
+    state = {k: v.detach().cpu().clone() for k, v in base.items()}
+    digests = state_digests(state)
+    deltas = []
+    for blob in blobs:
+        d = decode_delta(blob, state, base_digests=digests, threads=threads)
+        digests = apply_delta(state, d, state_digests=digests)
+        deltas.append(d)
+    squashed = compose(deltas)
+    return squashed, encode_delta(squashed, base, fmt, threads=threads)

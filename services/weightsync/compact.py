@@ -270,6 +270,9 @@ def _analyse(
 ) -> _Analysis:
     shift, emask = _context_layout(fmt)
     nctx = emask + 1
+    real = value != old[index]  # a composed delta may hold elements that changed back
+    if not bool(real.all()):
+        index, value = index[real], value[real]
     k = index.size
     hist = np.zeros(nctx, np.int64)
     ctx = np.empty(k, np.int64)
@@ -457,6 +460,9 @@ def encode_compact(
     for b in used:
         index += _varints([int(b)]) + _table_bytes(shared[table_of_key[b]])
     chunk_meta: dict[str, list[list[int]]] = {}
+    changed: dict[str, int] = {}
+    for a in analyses:
+        changed[a.tensor] = changed.get(a.tensor, 0) + int(a.symbols.size)
     out = bytearray(MAGIC)
     for a, (head, body, lengths) in zip(analyses, coded, strict=True):
         # [start, count, body offset, header offset in index, header bytes, rice, rans, extra bytes,
@@ -491,7 +497,7 @@ def encode_compact(
                 "name": p.name,
                 "dtype": p.dtype,
                 "shape": list(p.shape),
-                "changed": p.changed,
+                "changed": changed.get(p.name, 0),
                 "result_digest": p.result_digest,
                 "chunks": chunk_meta.get(p.name, []),
             }

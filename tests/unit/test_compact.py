@@ -174,3 +174,18 @@ def test_rice_parameter_is_an_integer_function():
     n = np.array([100, 1000, 10, 2, 1 << 24])
     k = np.array([1, 10, 3, 1, 1])
     assert rice_parameter(n, k).tolist() == [6, 6, 1, 0, 23]
+
+
+def test_composed_delta_with_elements_that_changed_back(state):
+    from deltarl.services.weightsync import compose
+
+    mid = perturb(state, 0.2, seed=3)
+    back = {k: v.clone() for k, v in state.items()}  # every change undone, plus a few new ones
+    back["head.bias"] = mid["head.bias"].clone()
+    squashed = compose([compute_delta(state, mid, 0, 1), compute_delta(mid, back, 1, 2)])
+    blob = encode_compact(squashed, state)
+    d = decode_compact(blob, state)
+    s = clone(state)
+    apply_delta(s, d)
+    assert all(torch.equal(s[k].view(torch.int16), back[k].view(torch.int16)) for k in s)
+    assert d.changed < squashed.changed  # the no-op entries were dropped

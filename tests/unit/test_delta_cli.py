@@ -85,3 +85,38 @@ def test_not_a_safetensors_file(tmp_path, files):
     junk.write_bytes(b"hello")
     r = run("stats", str(a), str(junk))
     assert r.returncode == 2 and "not a readable safetensors file" in r.stderr
+
+
+def test_squash_equals_the_chain(tmp_path):
+    states = [make_state(seed=6)]
+    for i in range(3):
+        states.append(perturb(states[-1], 0.03, seed=20 + i))
+    paths = []
+    for i, s in enumerate(states):
+        p = tmp_path / f"s{i}.safetensors"
+        save_file(s, str(p))
+        paths.append(p)
+    deltas = []
+    for i in range(3):
+        d = tmp_path / f"d{i}"
+        r = run(
+            "encode",
+            str(paths[i]),
+            str(paths[i + 1]),
+            "-o",
+            str(d),
+            "--base-version",
+            str(i),
+            "--version",
+            str(i + 1),
+        )
+        assert r.returncode == 0, r.stderr
+        deltas.append(str(d))
+    out = tmp_path / "squashed"
+    r = run("squash", str(paths[0]), *deltas, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "version 0 -> 3" in r.stdout
+    r = run("verify", str(out), "--base", str(paths[0]), "--result", str(paths[3]))
+    assert r.returncode == 0, r.stderr
+    r = run("squash", str(paths[0]), deltas[0], deltas[2], "-o", str(out))  # a gap in the chain
+    assert r.returncode == 2 and "not the base" in r.stderr
