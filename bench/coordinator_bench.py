@@ -406,7 +406,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
     }
 
 
-def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_redis(tmp: Path, cpus: str | None) -> tuple[subprocess.Popen[bytes], str]:
     exe = shutil.which("redis-server")
     if exe is None:
         sys.exit("redis-server not found: apt-get install -y redis-server")
@@ -449,6 +449,8 @@ def main() -> None:
     ap.add_argument("--submit-rate", type=float, default=200.0)
     ap.add_argument("--readers", type=int, default=50)
     ap.add_argument("--connections", type=int, default=100, help="Heartbeat connection pool size.")
+    ap.add_argument("--server-cpus", help="Pin the coordinator (and Redis) to these CPUs, e.g. 0")
+    ap.add_argument("--load-cpus", help="Pin this load generator to these CPUs, e.g. 1")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -465,7 +467,7 @@ def main() -> None:
     }
     redis_proc = None
     if args.store == "redis":
-        redis_proc, url = start_redis(tmp)
+        redis_proc, url = start_redis(tmp, args.server_cpus)
         env["DELTARL_COORDINATOR_REDIS_URL"] = url
     server = subprocess.Popen(
         [sys.executable, "-m", "deltarl.services.coordinator", "--port", str(port)], env=env
@@ -487,6 +489,8 @@ def main() -> None:
             redis_proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
     result["machine"] = f"{os.cpu_count()} cores, {platform_name()}"
+    result["pinning"] = {"server": args.server_cpus, "load": args.load_cpus}
+    result["load_average_after"] = os.getloadavg()
     text = json.dumps(result, indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

@@ -17,6 +17,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+from starlette.concurrency import run_in_threadpool
 
 from deltarl.services.schemas import (
     AckResult,
@@ -53,6 +56,7 @@ from .store import (
 from .versions import VersionIndex, summarize
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Coordinator:
@@ -73,6 +77,13 @@ class Coordinator:
             None
         )
         self.on_version: Callable[[VersionRecord], None] | None = None  # set by the app
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a (short) service call from an async route: on the loop for local stores, in a
+        worker thread for network ones (see ``CoordinatorStore.inline_ok``)."""
+        if self.store.inline_ok:
+            return fn(*args)
+        return await run_in_threadpool(fn, *args)
 
     # -- versions ---------------------------------------------------------------------------
     def publish(self, manifest: VersionManifest) -> tuple[VersionRecord, bool]:

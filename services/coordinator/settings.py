@@ -33,6 +33,11 @@ class CoordinatorSettings(ServiceSettings):
         default="redis://127.0.0.1:6379/0", description="Redis URL (store=redis); run with AOF."
     )
     redis_prefix: str = Field(default="deltarl", description="Prefix of every Redis key.")
+    redis_inline: bool = Field(
+        default=True,
+        description="Call Redis from the event loop (fast for a local Redis, ~0.1 ms per call); "
+        "false: from worker threads (for a Redis with a slow round trip).",
+    )
     trainer_token: str | None = Field(
         default=None, description="Token of the trainer role (publish versions, lease batches)."
     )

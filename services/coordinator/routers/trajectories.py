@@ -36,8 +36,8 @@ async def submit(request: Request, coordinator: CoordinatorDep) -> Response:
             f"send the group as {MSGPACK} (encode_group), not {ctype!r}",
         )
     payload = await request.body()
-    # on the event loop, like heartbeats: decoding ~20 KB and one INSERT take well under 1 ms
-    sid, duplicate, depth, latest = coordinator.submit(payload)
+    # like heartbeats: on the loop with SQLite (decode ~20 KB + one INSERT: well under 1 ms)
+    sid, duplicate, depth, latest = await coordinator.run(coordinator.submit, payload)
     result = SubmitResult(
         submission_id=sid, duplicate=duplicate, queue_depth=depth, current_version=latest
     )

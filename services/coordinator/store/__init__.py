@@ -52,5 +52,7 @@ def open_store(settings: CoordinatorSettings) -> CoordinatorStore:
     if settings.store == "redis":
         from .redis_store import RedisStore
 
-        return RedisStore(settings.redis_url, prefix=settings.redis_prefix)
+        return RedisStore(
+            settings.redis_url, prefix=settings.redis_prefix, inline=settings.redis_inline
+        )
     raise ValueError(f"unknown store {settings.store!r}: use 'sqlite' or 'redis'")

@@ -120,6 +120,10 @@ class CoordinatorStore(ABC):
     """Durable state of the coordinator. See the module docstring for the guarantees."""
 
     name: str
+    #: True when a call is a short local operation (SQLite): routes may then run it on the event
+    #: loop instead of paying a thread hop. False for network stores (Redis): a round trip would
+    #: stall the loop, so routes always call them from worker threads.
+    inline_ok: bool = False
 
     # -- versions ---------------------------------------------------------------------------
     @abstractmethod

@@ -66,6 +66,7 @@ def _meta(row: tuple[Any, ...]) -> QueuedMeta:
 
 class SQLiteStore(CoordinatorStore):
     name = "sqlite"
+    inline_ok = True
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
         if synchronous.upper() not in {"NORMAL", "FULL", "EXTRA"}:
