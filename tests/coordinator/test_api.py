@@ -319,8 +319,23 @@ def test_staleness_at_submit_and_pull(server: LiveServer) -> None:
     assert [g.idempotency_key for g in batch.groups] == ["new-1"]
     assert batch.lease.dropped_stale == 1
     assert anon.status().queue.dropped == {"stale_at_submit": 1, "stale_at_pull": 1}
+    worker.heartbeat("w1", WorkerHeartbeat(applied_version=3))
     metrics = anon.metrics_text()
-    assert 'deltarl_coordinator_dropped_groups_total{reason="stale_at_pull"} 1.0' in metrics
+    for line in (
+        'deltarl_coordinator_dropped_groups_total{reason="stale_at_pull"} 1.0',
+        'deltarl_coordinator_dropped_groups_total{reason="stale_at_submit"} 1.0',
+        "deltarl_coordinator_latest_version 5.0",
+        "deltarl_coordinator_queue_depth 0.0",
+        "deltarl_coordinator_submitted_groups_total 2.0",
+        'deltarl_coordinator_worker_lag_versions{worker="w1"} 2.0',
+        'deltarl_coordinator_workers{state="active"} 1.0',
+        'deltarl_coordinator_latest_version_bytes{kind="delta"} 1000.0',
+        'deltarl_coordinator_version_bytes_count{kind="delta"} 5.0',
+        'deltarl_coordinator_request_seconds_count{method="POST",route="/v1/trajectories",'
+        'status="409"} 1.0',
+        "deltarl_coordinator_queue_wait_seconds_count 1.0",
+    ):
+        assert line in metrics, line
 
 
 def test_workers_lost_and_rejoin(make_server: Callable[..., LiveServer]) -> None:

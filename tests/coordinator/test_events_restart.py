@@ -122,3 +122,51 @@ def test_restart_loses_nothing(
     assert sorted(g.idempotency_key for g in batch.groups) == [f"k{i}" for i in range(5)]
     st = trainer.status()
     assert st.queue.submitted_total == 5 and st.workers[0].worker_id == "w1"
+
+
+def test_sigkill_loses_no_accepted_group(tmp_path: Path) -> None:
+    """kill -9 of a coordinator process (SQLite): every answered submission is still there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import free_port
+
+    env = {
+        **os.environ,
+        "DELTARL_COORDINATOR_TRAINER_TOKEN": TRAINER_TOKEN,
+        "DELTARL_COORDINATOR_WORKER_TOKEN": WORKER_TOKEN,
+        "DELTARL_COORDINATOR_SQLITE_PATH": str(tmp_path / "db.sqlite3"),
+        "DELTARL_LOG_LEVEL": "WARNING",
+    }
+
+    def start() -> tuple[subprocess.Popen[bytes], str]:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltarl.services.coordinator", "--port", str(port)], env=env
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                CoordinatorClient(url, retries=0).health()
+                return proc, url
+            except Exception:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+
+    proc, url = start()
+    trainer, worker = CoordinatorClient(url, TRAINER_TOKEN), CoordinatorClient(url, WORKER_TOKEN)
+    trainer.publish_version(manifest(0))
+    worker.register(WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1))
+    accepted = [worker.submit(group(f"k{i}")).submission_id for i in range(20)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    proc, url = start()
+    try:
+        batch = CoordinatorClient(url, TRAINER_TOKEN).lease(100)
+        assert [i.submission_id for i in batch.lease.items] == accepted
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
