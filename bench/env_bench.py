@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -232,6 +234,7 @@ def rss_bytes(pid: int) -> int:
 
 
 async def idle_memory(host: str, port: int, pid: int, n: int) -> dict[str, Any]:
+    """Server RSS growth per session: right after reset, then after 5 guesses each."""
     conn = RawHttp(host, port)
     await conn.connect()
     for _ in range(200):  # warm allocator and caches first
@@ -240,16 +243,32 @@ async def idle_memory(host: str, port: int, pid: int, n: int) -> dict[str, Any]:
             "/close", json.dumps({"session_id": json.loads(raw)["session_id"]}).encode()
         )
     before = rss_bytes(pid)
+    sids = []
     for i in range(n):
-        await conn.post("/reset", json.dumps({"seed": i}).encode())
-    after = rss_bytes(pid)
+        _, raw = await conn.post("/reset", json.dumps({"seed": i}).encode())
+        sids.append(json.loads(raw)["session_id"])
+    after_reset = rss_bytes(pid)
+    for sid in sids:
+        for word in ("crane", "pious", "dumpy", "fight", "blown"):
+            body = {"session_id": sid, "action": {"message": f"[{word}]"}}
+            await conn.post("/step", json.dumps(body).encode())
+    after_play = rss_bytes(pid)
+    for sid in sids:
+        await conn.post("/close", json.dumps({"session_id": sid}).encode())
     conn.close()
     return {
         "idle_sessions": n,
         "rss_before_mb": round(before / 2**20, 1),
-        "rss_after_mb": round(after / 2**20, 1),
-        "bytes_per_idle_session": round((after - before) / n),
+        "bytes_per_session_after_reset": round((after_reset - before) / n),
+        "bytes_per_session_after_5_guesses": round((after_play - before) / n),
     }
+
+
+def server_stack() -> str:
+    """What uvicorn's "auto" picks in this environment (the server inherits it)."""
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"uvicorn {importlib.metadata.version('uvicorn')} ({http}, {loop}), websockets {websockets.__version__}"
 
 
 def free_port() -> int:
@@ -309,7 +328,12 @@ def main() -> None:
     server = start_server(port, args.pin)
     if args.pin:
         os.sched_setaffinity(0, {1})
-    results: dict[str, Any] = {"machine": machine(), "command": " ".join(sys.argv), "runs": []}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "server": server_stack(),
+        "command": " ".join(sys.argv),
+        "runs": [],
+    }
     try:
         results["memory"] = asyncio.run(
             idle_memory("127.0.0.1", port, server.pid, args.idle_sessions)
