@@ -21,7 +21,6 @@ from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
 from .helpers import group, manifest
 
-ws_connect = pytest.importorskip("websockets.sync.client").connect
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -40,6 +39,9 @@ class HeadlessChromium:
 
     def __init__(self, profile: Path) -> None:
         assert CHROMIUM is not None
+        ws_connect = pytest.importorskip(
+            "websockets.sync.client", reason="the DevTools protocol client needs 'websockets'"
+        ).connect
         self.proc = subprocess.Popen(
             [
                 CHROMIUM,
