@@ -1,0 +1,257 @@
+"""Experiment settings of the trainer: one pydantic model per concern, one root model.
+
+These are *experiment* settings (what is learned and how): they come from a TOML (or JSON) file
+plus dotted command-line overrides (``loss.clip_high=0.28``), and the resolved settings are written
+back into the run directory (:meth:`ExperimentSettings.write_resolved`). *Deployment* settings
+(URLs, tokens, the bucket URI) come from the environment (``DELTARL_*``) and live with each
+service, not here.
+
+Torch-free: the launcher parses these before importing torch. Every field says its unit and what
+``None`` means; unknown keys are an error, so a typo in a config file fails loudly.
+
+Example (``experiment.toml``)::
+
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    [optimizer]
+    lr = 1e-6
+    warmup_steps = 10
+    [loss]
+    importance_sampling = "token_truncate"
+    [publish]
+    format = "compact"
+    anchor_every = 20
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AdvantageScale = Literal["group", "batch", "none"]
+LossAggregation = Literal["token_mean", "sequence_mean", "sum"]
+ImportanceSampling = Literal[
+    "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+]
+PublishFormat = Literal["compact", "trl-raw", "trl-gap"]
+LrSchedule = Literal["constant", "linear", "cosine"]
+
+RESOLVED_NAME = "settings.json"
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerSettings(_Settings):
+    """AdamW on fp32 master weights, learning-rate schedule and gradient clipping."""
+
+    lr: float = Field(default=1e-6, gt=0, description="Peak learning rate (after warm-up).")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2).")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Optimizer steps of linear warm-up from 0 to lr."
+    )
+    schedule: LrSchedule = Field(
+        default="constant",
+        description="After warm-up: 'constant', 'linear' decay to min_lr_ratio*lr at max_steps, "
+        "or 'cosine' decay to it.",
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="Final lr as a fraction of lr ('linear'/'cosine')."
+    )
+    grad_clip: float | None = Field(
+        default=1.0,
+        gt=0,
+        description="Max global L2 norm of the gradient; None: no clipping (the norm is still "
+        "logged).",
+    )
+
+
+class LossSettings(_Settings):
+    """The GRPO objective (see :mod:`deltarl.trainer.loss`)."""
+
+    advantage_scale: AdvantageScale = Field(
+        default="group",
+        description="Advantage = reward - group mean, divided by the std of the 'group' (GRPO), "
+        "of the whole 'batch', or not at all: 'none' (DR-GRPO).",
+    )
+    advantage_eps: float = Field(
+        default=1e-4, gt=0, description="Added to the std before dividing (reward units)."
+    )
+    clip_low: float = Field(
+        default=0.2, ge=0, lt=1, description="PPO clip: the ratio is kept >= 1 - clip_low."
+    )
+    clip_high: float = Field(
+        default=0.2,
+        ge=0,
+        description="PPO clip: the ratio is kept <= 1 + clip_high (DAPO's clip-higher: 0.28).",
+    )
+    aggregation: LossAggregation = Field(
+        default="token_mean",
+        description="How per-token losses become one number: 'token_mean' (sum over every "
+        "trained token of the step / their count), 'sequence_mean' (mean per sequence, then "
+        "over sequences: GRPO paper), 'sum' (sum / sum_normalizer: DR-GRPO).",
+    )
+    sum_normalizer: float = Field(
+        default=1.0,
+        gt=0,
+        description="Constant divisor of aggregation='sum', in tokens (DR-GRPO: e.g. the max "
+        "completion length times the sequences per step).",
+    )
+    importance_sampling: ImportanceSampling = Field(
+        default="token_truncate",
+        description="Correction of the trainer/inference mismatch and staleness, as TRL: "
+        "'token_truncate' (per-token weight min(ratio, cap)), 'token_mask' (0 where the ratio "
+        "> cap), 'sequence_truncate' / 'sequence_mask' (one weight per sequence: the product "
+        "of its token ratios), or 'none'.",
+    )
+    importance_sampling_cap: float = Field(
+        default=3.0, gt=0, description="The cap C of the importance-sampling modes."
+    )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the k3 KL estimate to a reference policy; 0: no reference "
+        "model is needed.",
+    )
+
+
+class BatchSettings(_Settings):
+    """What one optimizer step consumes, independent of how workers batch generation."""
+
+    group_size: int = Field(
+        default=8, ge=1, description="Completions per prompt (a GRPO group); 8-16 is usual."
+    )
+    groups_per_step: int = Field(default=8, ge=1, description="Groups per optimizer step.")
+    micro_batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Sequences per forward/backward pass; gradients are accumulated over "
+        "micro-batches until the step's groups are consumed.",
+    )
+    max_staleness: int | None = Field(
+        default=4,
+        ge=0,
+        description="Drop samples whose oldest policy version is more than this many versions "
+        "behind the trainer's (they are counted); None: keep everything.",
+    )
+    lease_s: float = Field(default=60.0, gt=0, description="Lease of a pulled batch, seconds.")
+
+
+class PublishSettings(_Settings):
+    """How each optimizer step becomes a published version (see :mod:`.publisher`)."""
+
+    format: PublishFormat = Field(
+        default="compact",
+        description="Delta encoding: 'compact' (entropy-coded against the previous weights), "
+        "'trl-raw' or 'trl-gap' (TRL-compatible sparse safetensors).",
+    )
+    anchor_every: int = Field(
+        default=10,
+        ge=0,
+        description="Publish a full anchor when this many versions passed since the last one "
+        "(0: only the first version, on resume and on demand).",
+    )
+    anchor_compress: bool = Field(
+        default=False, description="zstd-compress anchors ('safetensors+zstd')."
+    )
+    anchor_in_memory_max_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        description="Anchors of models up to this size (bytes) are built in memory; larger ones "
+        "are streamed to a temporary file first.",
+    )
+    background: bool = Field(
+        default=True,
+        description="Diff, encode and upload in a background thread, overlapping the next step.",
+    )
+    codec_threads: int | None = Field(
+        default=None, ge=1, description="Threads of the delta encoder; None: its default."
+    )
+
+
+class ExperimentSettings(_Settings):
+    """Root of the experiment settings (one TOML file)."""
+
+    model: str = Field(
+        default="HuggingFaceTB/SmolLM2-135M-Instruct",
+        description="Hugging Face model id or local directory of the policy.",
+    )
+    seed: int = Field(default=0, description="Seed of every random generator of the trainer.")
+    max_steps: int = Field(default=200, ge=1, description="Optimizer steps to run.")
+    run_dir: str = Field(
+        default="runs/train",
+        description="Directory of this run: resolved settings, metrics JSONL, checkpoints.",
+    )
+    precision: Literal["bf16", "fp32"] = Field(
+        default="bf16",
+        description="Forward/backward compute dtype (master weights stay fp32; the published "
+        "weights are always the bf16 cast).",
+    )
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    loss: LossSettings = Field(default_factory=LossSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
+    publish: PublishSettings = Field(default_factory=PublishSettings)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExperimentSettings:
+        if self.optimizer.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) exceeds max_steps "
+                f"({self.max_steps})"
+            )
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> Self:
+        """Settings from a ``.toml`` or ``.json`` file (None: defaults) plus ``key=value``
+        overrides with dotted keys (values parsed as JSON, else taken as strings)."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            raw = p.read_bytes()
+            if p.suffix == ".json":
+                data = json.loads(raw)
+            elif p.suffix == ".toml":
+                data = tomllib.loads(raw.decode())
+            else:
+                raise ValueError(f"settings file {p} must end in .toml or .json")
+        for item in overrides or []:
+            apply_override(data, item)
+        return cls.model_validate(data)
+
+    def write_resolved(self, run_dir: str | Path | None = None) -> Path:
+        """Write every setting, defaults included, to ``<run_dir>/settings.json``."""
+        d = Path(run_dir if run_dir is not None else self.run_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        out = d / RESOLVED_NAME
+        out.write_text(self.model_dump_json(indent=2) + "\n")
+        return out
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override to a nested dict in place.
+
+    ``value`` is parsed as JSON when it is valid JSON (numbers, booleans, null, lists, quoted
+    strings), else kept as a plain string: ``loss.clip_high=0.28``, ``publish.format=trl-gap``.
+    """
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} must look like section.key=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    try:
+        parsed: Any = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    node[parts[-1]] = parsed
