@@ -184,7 +184,7 @@ def test_huge_ratios_stay_finite() -> None:
     lp = torch.tensor([[ln(0.9)] * 200], requires_grad=True)
     behav = torch.full((1, 200), -30.0)  # sequence ratio exp(~6000): inf in float32
     for mode in ("sequence_truncate", "sequence_mask", "token_mask"):
-        s = LossSettings(importance_sampling=mode)  # type: ignore[arg-type]
+        s = LossSettings(importance_sampling=mode)
         out = grpo_loss(lp, behav, torch.tensor([1.0]), torch.ones(1, 200, dtype=torch.bool), s)
         out.loss.backward()
         assert torch.isfinite(out.loss) and lp.grad is not None and torch.isfinite(lp.grad).all()
@@ -257,7 +257,7 @@ def test_micro_batches_with_a_global_normalizer_match_the_full_batch() -> None:
     total = parts[0].loss + parts[1].loss
     total.backward()
     assert total.item() == pytest.approx(full.loss.item(), rel=1e-6)
-    assert torch.allclose(lp.grad, want, atol=1e-7)
+    assert lp.grad is not None and torch.allclose(lp.grad, want, atol=1e-7)
     merged = parts[0].stats.merge(parts[1].stats).summary()
     ref = full.stats.summary()
     for key in ("tokens", "loss", "is/weight/mean", "is/weight/max", "mismatch/kl", "clip/frac"):
@@ -288,7 +288,7 @@ def test_masked_garbage_never_reaches_loss_or_gradient() -> None:
     behav = torch.tensor([[math.inf, math.nan, ln(0.5)]])
     mask = torch.tensor([[0, 0, 1]])
     for mode in ("none", "token_truncate", "sequence_mask"):
-        s = LossSettings(importance_sampling=mode, kl_coef=0.1)  # type: ignore[arg-type]
+        s = LossSettings(importance_sampling=mode, kl_coef=0.1)
         ref = torch.tensor([[math.nan, math.nan, ln(0.5)]])
         out = grpo_loss(lp, behav, torch.tensor([2.0]), mask, s, ref_logprobs=ref)
         out.loss.backward()

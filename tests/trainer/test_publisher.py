@@ -1,0 +1,314 @@
+"""WeightPublisher on a directory bucket: replicas rebuild the trainer's bf16 weights exactly."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltarl.services.buckets import ObjectInfo
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.weightsync.anchor import decode_anchor
+from deltarl.services.weightsync.codec import decode_delta
+from deltarl.services.weightsync.delta import apply_delta
+from deltarl.services.weightsync.digest import state_digest
+from deltarl.services.weightsync.manifest import VersionManifest
+from deltarl.services.weightsync.publish import BucketReader
+from deltarl.trainer.publisher import PublishFailedError, PublishReport, WeightPublisher
+from deltarl.trainer.settings import PublishSettings
+
+
+class FlakyBucket(LocalBucket):
+    """A directory bucket that fails (or slows down) writes whose key matches a pattern."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.fail_pattern: str | None = None
+        self.delay_s = 0.0
+
+    def _check(self, key: str) -> None:
+        time.sleep(self.delay_s)
+        if self.fail_pattern is not None and re.fullmatch(self.fail_pattern, key):
+            raise OSError(f"simulated upload failure for {key}")
+
+    def put_bytes(self, key: str, data: bytes, *, overwrite: bool = True) -> ObjectInfo:
+        self._check(key)
+        return super().put_bytes(key, data, overwrite=overwrite)
+
+    def put_file(self, key: str, path: str | Path, *, overwrite: bool = True) -> ObjectInfo:
+        self._check(key)
+        return super().put_file(key, path, overwrite=overwrite)
+
+
+class FakeCoordinator:
+    """Records manifests like the coordinator does: strictly increasing versions."""
+
+    def __init__(self) -> None:
+        self.manifests: list[VersionManifest] = []
+        self.fail_on: int | None = None
+        self.thread_names: set[str] = set()
+
+    def __call__(self, manifest: VersionManifest) -> None:
+        self.thread_names.add(threading.current_thread().name)
+        if manifest.version == self.fail_on:
+            raise ConnectionError("coordinator unreachable")
+        assert not self.manifests or manifest.version > self.manifests[-1].version
+        self.manifests.append(manifest)
+
+
+class TinyModel:
+    """fp32 master weights of a few tensors, moved like small optimizer steps."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        g = self.gen
+        self.params = {
+            "embed.weight": torch.randn(64, 32, generator=g) * 0.02,
+            "layers.0.mlp.weight": torch.randn(32, 96, generator=g) * 0.02,
+            "layers.0.norm.weight": torch.ones(32),
+            "lm_head.bias": torch.zeros(17),
+        }
+
+    def step(self, lr: float = 2e-4) -> None:
+        for t in self.params.values():
+            t.add_(torch.randn(t.shape, generator=self.gen).sign() * lr)
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in self.params.items()}
+
+
+def rebuild(
+    bucket: LocalBucket, current: dict[str, torch.Tensor] | None = None, at: int | None = None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """What a fresh replica does: plan from ``at`` (None: nothing), fetch, apply, verify."""
+    reader = BucketReader(bucket)
+    plan = reader.plan(at)
+    state = None if current is None else {n: t.clone() for n, t in current.items()}
+    kinds: list[str] = []
+    for ref in plan.steps:
+        data = reader.fetch(ref)
+        kinds.append(ref.kind)
+        if ref.kind == "anchor":
+            state = decode_anchor(data)[0]
+        else:
+            assert state is not None
+            apply_delta(state, decode_delta(data, state))
+    assert state is not None
+    assert state_digest(state) == reader.manifest(plan.target).state_digest
+    return state, kinds
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype == torch.bfloat16
+        assert torch.equal(a[n].view(torch.int16), b[n].view(torch.int16)), n
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> FlakyBucket:
+    return FlakyBucket(tmp_path / "bucket")
+
+
+@pytest.fixture
+def coordinator() -> FakeCoordinator:
+    return FakeCoordinator()
+
+
+@pytest.mark.parametrize("fmt", ["compact", "trl-gap"])
+@pytest.mark.parametrize("background", [True, False])
+def test_publish_versions_and_rebuild_bit_identically(
+    bucket: FlakyBucket, coordinator: FakeCoordinator, fmt: str, background: bool
+) -> None:
+    model = TinyModel()
+    reports: list[PublishReport] = []
+    settings = PublishSettings(format=fmt, anchor_every=3, background=background)  # type: ignore[arg-type]
+    pub = WeightPublisher(bucket, settings, register=coordinator, on_report=reports.append)
+    states = []
+    for step in range(6):
+        pub.publish(model.params, step=step)
+        states.append(model.bf16())
+        model.step()  # mutating the master weights right away must not affect the snapshot
+    pub.close()
+    assert pub.last_version == 5 and [m.version for m in coordinator.manifests] == list(range(6))
+    assert [r.anchor for r in reports] == [True, False, False, True, False, False]
+    assert [r.base_version for r in reports] == [None, 0, 1, 2, 3, 4]
+    for r in reports[1:]:
+        assert r.delta_format is not None and r.delta_bytes and r.changed
+        assert 0 < (r.density or 0) < 1 and r.full_bytes == 2 * r.numel
+        assert r.total_s >= r.diff_s >= 0 and r.upload_s > 0
+        assert "publish/delta_bytes" in r.metrics()
+    if background:
+        assert coordinator.thread_names == {"deltarl-publish_0"}
+
+    # a replica from nothing: newest anchor (v3) + chain; one at v0: whichever is cheaper
+    got, kinds = rebuild(bucket)
+    assert_bit_identical(got, states[-1])
+    assert kinds[0] == "anchor"
+    got, _ = rebuild(bucket, states[0], at=0)
+    assert_bit_identical(got, states[-1])
+    # every intermediate version is reachable and exact too
+    reader = BucketReader(bucket)
+    for v in range(6):
+        assert reader.manifest(v).state_digest == state_digest(states[v])
+
+
+def test_delta_against_unchanged_state_and_dtypes(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    with WeightPublisher(bucket, PublishSettings(background=False)) as pub:
+        pub.publish(model.params)
+        pub.publish(model.params)  # nothing changed: an empty delta is still a version
+        report = pub.wait()
+        assert report is not None and report.changed == 0 and not report.anchor
+        pub.publish({n: t.to(torch.bfloat16) for n, t in model.params.items()})  # bf16 input
+        assert pub.last_version == 2
+    got, _ = rebuild(bucket)
+    assert_bit_identical(got, model.bf16())
+    with pytest.raises(ValueError, match="floating-point"):
+        WeightPublisher(bucket).publish({"step": torch.tensor([1])})
+
+
+def test_failed_upload_leaves_chain_intact_and_requires_reanchor(
+    bucket: FlakyBucket, coordinator: FakeCoordinator
+) -> None:
+    model = TinyModel()
+    pub = WeightPublisher(bucket, PublishSettings(anchor_every=0), register=coordinator)
+    for _ in range(2):
+        pub.publish(model.params)
+        model.step()
+    pub.wait()
+    v1 = rebuild(bucket)[0]
+    bucket.fail_pattern = r"objects/v000000000002/.*"
+    pub.publish(model.params)  # version 2: fails in the background
+    with pytest.raises(PublishFailedError, match="version 2 failed") as info:
+        pub.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    assert pub.failed and pub.last_version == 1
+    reader = BucketReader(bucket)
+    assert reader.latest_version() == 1 and [m.version for m in coordinator.manifests] == [0, 1]
+    assert_bit_identical(rebuild(bucket)[0], v1)
+
+    bucket.fail_pattern = None
+    model.step()
+    with pytest.raises(PublishFailedError, match="anchor=True"):
+        pub.publish(model.params)  # a delta is refused until the publisher re-anchors
+    assert pub.next_version() == 2  # version 2 never reached the bucket: it can be reused
+    pub.publish(model.params, anchor=True)
+    report = pub.wait()
+    assert report is not None and report.version == 2 and report.anchor
+    assert report.base_version is None and report.delta_bytes is None  # anchor only
+    assert not pub.failed
+    model.step()
+    pub.publish(model.params)  # deltas again
+    pub.close()
+    final = model.bf16()
+    assert_bit_identical(rebuild(bucket)[0], final)
+    # a replica still at version 1 cannot take a delta to 2: the plan uses the new anchor
+    got, kinds = rebuild(bucket, v1, at=1)
+    assert kinds == ["anchor", "delta"]
+    assert_bit_identical(got, final)
+
+
+def test_registration_failure_after_commit(
+    bucket: FlakyBucket, coordinator: FakeCoordinator
+) -> None:
+    model = TinyModel()
+    pub = WeightPublisher(bucket, register=coordinator)
+    pub.publish(model.params)
+    model.step()
+    coordinator.fail_on = 1
+    pub.publish(model.params)
+    with pytest.raises(PublishFailedError, match="ConnectionError"):
+        pub.wait()
+    # the bucket committed version 1, the coordinator never heard of it
+    assert BucketReader(bucket).latest_version() == 1
+    assert pub.next_version() == 2
+    with pytest.raises(ValueError, match="strictly increase"):
+        pub.publish(model.params, 1, anchor=True)
+    model.step()
+    pub.publish(model.params, anchor=True)
+    pub.close()
+    assert [m.version for m in coordinator.manifests] == [0, 2]
+    assert coordinator.manifests[-1].has_anchor and not coordinator.manifests[-1].deltas
+    assert_bit_identical(rebuild(bucket)[0], model.bf16())
+
+
+def test_state_mismatch_is_a_failure_too(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    pub = WeightPublisher(bucket, PublishSettings(background=False))
+    pub.publish(model.params)
+    grown = {**model.params, "extra.weight": torch.zeros(3)}
+    with pytest.raises(PublishFailedError, match="tensors differ"):
+        pub.publish(grown)
+    pub.publish(grown, anchor=True)
+    assert_bit_identical(rebuild(bucket)[0], {n: t.to(torch.bfloat16) for n, t in grown.items()})
+
+
+def test_background_overlaps_and_counts_waiting(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    pub = WeightPublisher(bucket)
+    bucket.delay_s = 0.05  # every write (objects, manifest, pointer) is slow
+    t0 = time.perf_counter()
+    pub.publish(model.params)
+    assert time.perf_counter() - t0 < 0.1  # returned after the snapshot only
+    model.step()
+    pub.publish(model.params)  # waits for version 0 first
+    waited = pub.waited_s
+    assert waited > 0.1
+    pub.wait()
+    assert pub.waited_s > waited and pub.last_version == 1
+    with pytest.raises(ValueError, match="strictly increase"):
+        pub.publish(model.params, 1)
+    pub.close()
+
+
+def test_resume_anchors_first_and_continues_numbering(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    with WeightPublisher(bucket) as pub:
+        for _ in range(3):
+            pub.publish(model.params)
+            model.step()
+    resumed = WeightPublisher(bucket, register=None)
+    assert resumed.next_version() == 3
+    resumed.publish(model.params)
+    report = resumed.wait()
+    assert report is not None and report.version == 3 and report.anchor
+    assert report.base_version is None  # no mirror after a restart: anchor only
+    model.step()
+    resumed.publish(model.params)
+    resumed.close()
+    assert_bit_identical(rebuild(bucket)[0], model.bf16())
+
+
+def test_large_anchor_goes_through_a_temp_file(bucket: FlakyBucket, tmp_path: Path) -> None:
+    model = TinyModel()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    settings = PublishSettings(anchor_in_memory_max_bytes=0, anchor_compress=True)
+    with WeightPublisher(bucket, settings, tmp_dir=staging) as pub:
+        pub.publish(model.params)
+        report = pub.wait()
+    assert report is not None and report.anchor_bytes
+    manifest = BucketReader(bucket).manifest(0)
+    assert manifest.anchors[0].format == "safetensors+zstd"
+    assert manifest.anchors[0].key.endswith(".safetensors.zst")
+    assert list(staging.iterdir()) == []  # the temp file is gone
+    assert_bit_identical(rebuild(bucket)[0], model.bf16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_weights(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    params = {n: t.cuda() for n, t in model.params.items()}
+    with WeightPublisher(bucket) as pub:
+        for _ in range(3):
+            expected = {n: t.to(torch.bfloat16).cpu() for n, t in params.items()}
+            pub.publish(params)
+            for t in params.values():  # in-place update right after the (async) snapshot
+                t.add_(1e-2)
+    assert_bit_identical(rebuild(bucket)[0], expected)
