@@ -318,6 +318,8 @@ class StagedDelta:
 def stage_delta(delta: Delta, device: torch.device | str) -> StagedDelta:
     """Copy every non-empty patch of ``delta`` to ``device`` (pinned, asynchronous on CUDA)."""
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     parts = []
     for p in iter_changed_tensors(delta):
         idx = torch.from_numpy(np.ascontiguousarray(p.index))
