@@ -1,0 +1,29 @@
+"""Rollout engines behind one interface (:class:`Engine`), picked by ``type`` (see base.py)."""
+
+from .base import (
+    UNMANAGED,
+    Completion,
+    Engine,
+    EngineSettings,
+    EngineType,
+    SamplingParams,
+    TransformersEngineSettings,
+    VllmEngineSettings,
+    WeightsGate,
+    WeightsStamp,
+    make_engine,
+)
+
+__all__ = [
+    "UNMANAGED",
+    "Completion",
+    "Engine",
+    "EngineSettings",
+    "EngineType",
+    "SamplingParams",
+    "TransformersEngineSettings",
+    "VllmEngineSettings",
+    "WeightsGate",
+    "WeightsStamp",
+    "make_engine",
+]

@@ -1,0 +1,218 @@
+"""The engine interface of a rollout worker: one ABC, its wire-free records and one factory.
+
+An engine turns a batch of token-id prompts into sampled token ids plus the logprob of each
+sampled token, and exposes its weights as named tensors that the weight sync overwrites in
+place. Engines are picked by configuration (``EngineSettings``, discriminated on ``type``) and
+built by :func:`make_engine`; importing this module pulls in neither torch nor transformers.
+
+Weights gate: :meth:`Engine.generate` takes an optional :class:`WeightsGate` (the rollout
+worker's :class:`~deltarl.rollout.weights.WeightSync`). The engine enters ``gate.forward()``
+around every forward step (prefill and each decode step) and records the
+:class:`WeightsStamp` it yields, so a weight update can land *between* two steps of a
+generation (the only pause generation sees is the in-place apply) and every completion says
+which weights sampled its first and its last token.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
+
+EngineType = Literal["transformers", "vllm"]
+FinishReason = Literal["stop", "length"]
+
+
+class SamplingParams(BaseModel):
+    """How to sample one batch. Example: ``SamplingParams(max_new_tokens=64, temperature=1.0)``.
+
+    Logprobs are those of the distribution actually sampled from: the logits divided by
+    ``temperature``, then restricted to the ``top_k`` most likely tokens and to the nucleus of
+    mass ``top_p``, renormalized. See docs/rollout.md for what that means for the importance
+    ratio (in short: keep ``top_p=1`` and ``top_k=0`` for training rollouts, and have the
+    trainer divide its logits by the same temperature).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = Field(ge=1, description="Most tokens sampled per prompt.")
+    temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Logits are divided by it; 0 means greedy (argmax, logprob 0.0: the sampled "
+        "distribution is a point mass).",
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Nucleus mass kept (1.0: no truncation)."
+    )
+    top_k: int = Field(default=0, ge=0, description="Most likely tokens kept (0: all).")
+    stop_token_ids: tuple[int, ...] = Field(
+        default=(),
+        description="Sampling a token of this set ends that completion (the token is kept and "
+        "its logprob returned). The engine adds none by itself, not even EOS.",
+    )
+    seed: int | None = Field(
+        default=None,
+        description="Seed of this call's sampler: the same seed, prompts and weights give the "
+        "same tokens on the same device. None: continue the engine's own seeded generator.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsStamp:
+    """Which weights ran a forward step.
+
+    ``version``: the trainer's policy version (None: weights not managed by a weight sync).
+    ``seq``: counts weight states installed in this process (every applied delta or loaded
+    anchor adds one); it tells a failed apply of version v apart from a later reload of v.
+    """
+
+    version: int | None
+    seq: int
+
+
+UNMANAGED = WeightsStamp(version=None, seq=0)
+"""Stamp recorded by a generation that ran without a gate."""
+
+
+class WeightsGate(Protocol):
+    """What :meth:`Engine.generate` needs from a weight sync.
+
+    ``forward()`` is entered around every forward step; it blocks while an update is being
+    applied, raises (e.g. :class:`~deltarl.rollout.weights.WeightsUnhealthyError`) when the
+    weights must not be used, and yields the stamp of the weights the step runs with.
+    """
+
+    def forward(self) -> AbstractContextManager[WeightsStamp]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What one prompt produced.
+
+    Example::
+
+        Completion(token_ids=[812, 13, 2], logprobs=[-0.41, -2.3, -0.02], finish_reason="stop",
+                   first=WeightsStamp(7, 3), last=WeightsStamp(8, 4))
+    """
+
+    token_ids: list[int]  # sampled tokens, in order (a stop token that ended it included)
+    logprobs: list[float]  # [len(token_ids)] logprob of each under the sampled distribution
+    finish_reason: FinishReason  # "stop": a stop token was sampled; "length": max_new_tokens
+    first: WeightsStamp  # weights that sampled the first token
+    last: WeightsStamp  # weights that sampled the last token (differs if a sync happened)
+
+    @property
+    def version_min(self) -> int | None:
+        """Oldest policy version that sampled a token (None: unmanaged weights)."""
+        return self.first.version
+
+    @property
+    def version_max(self) -> int | None:
+        """Newest policy version that sampled a token (None: unmanaged weights)."""
+        return self.last.version
+
+
+class Engine(ABC):
+    """A generator whose weights can be overwritten in place.
+
+    Thread safety: one :meth:`generate` call at a time per engine (callers serialize); the
+    weight sync may write :meth:`named_parameters` from another thread only while holding the
+    gate exclusively (i.e. between two forward steps).
+    """
+
+    type: ClassVar[EngineType]
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Device holding the weights (and where deltas are staged)."""
+
+    @abstractmethod
+    def named_parameters(self) -> Mapping[str, torch.Tensor]:
+        """The live weight tensors by name: contiguous, writable in place, each storage once.
+
+        The names are the trainer's (Hugging Face parameter names, tied weights listed once);
+        anchors and deltas must name exactly these tensors.
+        """
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> list[Completion]:
+        """Sample one completion per prompt (token ids), in prompt order.
+
+        ``gate`` is entered around every forward step (see the module docstring); without one,
+        every stamp is :data:`UNMANAGED`. Raises ``ValueError`` for an empty prompt or a token
+        id outside the vocabulary, and whatever the gate raises.
+        """
+
+    def close(self) -> None:  # noqa: B027  (optional hook)
+        """Release the engine's resources (default: nothing to do)."""
+
+
+class TransformersEngineSettings(BaseModel):
+    """The embedded default engine: a Hugging Face causal LM in this process, CPU or GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["transformers"] = "transformers"
+    model: str = Field(
+        description="Hugging Face model id or local directory (config, and weights for "
+        "init='pretrained')."
+    )
+    init: Literal["config", "pretrained"] = Field(
+        default="config",
+        description="'config': build the architecture with random weights, which the weight sync "
+        "then replaces with the bucket's anchor (no second download); 'pretrained': load the "
+        "checkpoint's weights too (for use without a bucket).",
+    )
+    device: str = Field(
+        default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda:1', ..."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weight dtype; must match the trainer's published state."
+    )
+    attn_implementation: str | None = Field(
+        default="sdpa", description="transformers attention backend; None: the model's default."
+    )
+    seed: int = Field(default=0, description="Seed of the engine's own sampling generator.")
+
+
+class VllmEngineSettings(BaseModel):
+    """vLLM serving the policy (not implemented yet: see docs/rollout.md for what it needs)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["vllm"] = "vllm"
+    model: str = Field(description="Hugging Face model id or local directory.")
+
+
+EngineSettings = Annotated[
+    TransformersEngineSettings | VllmEngineSettings, Field(discriminator="type")
+]
+
+
+def make_engine(settings: TransformersEngineSettings | VllmEngineSettings) -> Engine:
+    """Build the engine ``settings.type`` names (heavy imports happen here, not at import)."""
+    if settings.type == "transformers":
+        from .transformers_engine import TransformersEngine
+
+        assert isinstance(settings, TransformersEngineSettings)
+        return TransformersEngine.from_settings(settings)
+    if settings.type == "vllm":
+        raise NotImplementedError(
+            "the vllm engine is not implemented yet (see docs/rollout.md); use type='transformers'"
+        )
+    raise ValueError(f"unknown engine type {settings.type!r}; choose 'transformers' or 'vllm'")

@@ -1,0 +1,622 @@
+"""Keep an engine's weights bit-identical to the trainer's, pausing generation only to apply.
+
+:class:`WeightSync` owns an engine's weights. It reads versions from the bucket
+(:class:`~deltarl.services.weightsync.publish.BucketReader`), plans with the planner, and is the
+:class:`~deltarl.rollout.engines.base.WeightsGate` the engine enters around every forward step.
+
+Order of calls in :meth:`WeightSync.sync_to` (one sync at a time; generation runs concurrently
+in other threads)::
+
+    plan    = manifests (minus objects that failed here) -> cheapest plan current -> target
+    for each step of the plan:
+      delta:  check base (version + state digest) -> fetch (size + xxh3 checked) -> decode
+              against the host mirror -> stage indices/values on the engine's device
+              -> PAUSE: wait for the in-flight forward step, apply_staged, stamp (v, seq+1) -> RESUME
+              -> verify the engine's tensors against the trainer's digests -> update the mirror
+      anchor: fetch -> decode (every tensor digest checked) -> PAUSE: copy every tensor in,
+              verify, stamp (v, seq+1) -> RESUME (recovery only, so verified inside the pause)
+    a step that fails (missing or corrupt object, base mismatch, failed verification) is
+    recorded; the plan is recomputed without it, from the current version if the weights are
+    still good, else from nothing (an anchor); at most ``max_attempts`` plans per call. A
+    failure that casts doubt on the local weights (verification fails; intact bytes that do
+    not decode against them) makes them unhealthy, and the object is only excluded from
+    later plans if it fails again after a fresh anchor.
+
+Guarantees:
+
+* Generation only ever runs with weights that are verified or pending verification of a delta
+  applied on top of verified weights. Before the first anchor, after a failed verification and
+  after an interrupted apply, :attr:`WeightSync.healthy` is false and every forward step raises
+  :class:`WeightsUnhealthyError` (the reason is in :attr:`WeightSync.reason`), until a sync
+  reloads verified weights.
+* A sample may carry version ``v`` only if its tokens were sampled after ``v``'s apply; each
+  :class:`~deltarl.rollout.engines.base.Completion` records the stamp of its first and its last
+  token, so a generation that spans a sync records both versions (``version_min`` <
+  ``version_max``; its early KV entries come from the older weights).
+* Tokens sampled between an apply and its verification are *pending*: :meth:`WeightSync.check`
+  says ``"verified"`` once the verification passed, ``"failed"`` if it did not (drop the sample),
+  so nothing generated with bad weights need ever be submitted. ``verify_before_resume=True``
+  verifies inside the pause instead (longer pause, no pending window).
+* The paused window is one ``index_copy_`` per changed tensor (plus a device synchronize on
+  CUDA); download, decode, staging and verification run while generation continues.
+
+Timings of every step are kept in :attr:`WeightSync.timings` (:class:`StepTiming`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+from deltarl.services.weightsync.anchor import decode_anchor
+from deltarl.services.weightsync.codec import FORMAT_TAGS, decode_delta
+from deltarl.services.weightsync.delta import (
+    UNKNOWN_DIGEST,
+    Delta,
+    apply_staged,
+    scatter_patch,
+    stage_delta,
+)
+from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.errors import (
+    BaseMismatchError,
+    CorruptDeltaError,
+    DeltaError,
+    StateMismatchError,
+    VerificationError,
+)
+from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
+from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
+from deltarl.services.weightsync.publish import BucketReader
+
+from .engines.base import Completion, Engine, SamplingParams, WeightsStamp
+
+logger = logging.getLogger(__name__)
+
+ANCHOR_FORMATS = ("safetensors", "safetensors+zstd")
+DEFAULT_FORMATS: tuple[str, ...] = (*FORMAT_TAGS.values(), *ANCHOR_FORMATS)
+"""Object formats a worker can load: every delta format of the codec and both anchor formats."""
+
+Verdict = Literal["verified", "pending", "failed"]
+
+
+class WeightsUnhealthyError(RuntimeError):
+    """The engine's weights are missing or failed verification: generation must not run."""
+
+
+class SyncError(RuntimeError):
+    """A sync could not reach its target; :attr:`WeightSync.healthy` says if the weights are
+    still usable (at :attr:`WeightSync.version`)."""
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """One applied object. Times in seconds; ``None`` where not applicable.
+
+    ``wait_s``: waiting for the in-flight forward step before the pause; ``pause_s``: how long
+    generation was paused (the apply, plus verification with ``verify_before_resume`` and for
+    anchors); ``publish_to_*``: from the manifest's ``created_at`` (publisher's clock) to the
+    weights being applied / verified here.
+    """
+
+    version: int
+    base_version: int | None
+    kind: Literal["anchor", "delta"]
+    format: str
+    bytes: int
+    changed: int | None
+    download_s: float
+    decode_s: float
+    stage_s: float
+    wait_s: float
+    pause_s: float
+    verify_s: float
+    mirror_s: float
+    publish_to_applied_s: float | None
+    publish_to_verified_s: float | None
+
+
+@dataclass(slots=True)
+class SyncReport:
+    """What one :meth:`WeightSync.sync_to` call did."""
+
+    start_version: int | None  # verified version before the call (None: no weights)
+    target: int
+    version: int | None = None  # verified version after the call
+    steps: list[StepTiming] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # objects that failed, and why
+
+    @property
+    def fell_back(self) -> bool:
+        """True if some object failed and the sync went around it (another plan)."""
+        return bool(self.failures)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStatus:
+    """A snapshot for heartbeats and status pages."""
+
+    version: int | None  # version generation runs with (applied; maybe pending verification)
+    verified_version: int | None  # newest verified version (None: none yet)
+    healthy: bool
+    reason: str  # "ok", or why generation is refused
+    seq: int  # weight states installed so far (see WeightsStamp)
+
+
+class WeightSync:
+    """Follows the bucket's versions for one engine; see the module docstring for the protocol.
+
+    ``formats``: object formats to plan with (default :data:`DEFAULT_FORMATS`).
+    ``verify_before_resume``: verify deltas inside the pause (no pending window, longer pause).
+    ``full_verify``: re-hash every tensor after a delta, not only the changed ones.
+    ``decode_threads``: threads of the compact decoder (None: its default).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        reader: BucketReader,
+        *,
+        formats: Collection[str] | None = None,
+        verify_before_resume: bool = False,
+        full_verify: bool = False,
+        decode_threads: int | None = None,
+        max_attempts: int = 4,
+        history: int = 1000,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.engine = engine
+        self.reader = reader
+        self.formats = tuple(formats) if formats is not None else DEFAULT_FORMATS
+        self.verify_before_resume = verify_before_resume
+        self.full_verify = full_verify
+        self.decode_threads = decode_threads
+        self.max_attempts = max_attempts
+        self.timings: deque[StepTiming] = deque(maxlen=history)
+        # gate state (guarded by _cond)
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+        self._healthy = False
+        self._reason = "no weights loaded yet: sync_to() loads the latest anchor"
+        self._stamp = WeightsStamp(version=None, seq=0)
+        self._verified_seq = 0
+        self._failed_seqs: set[int] = {0}
+        # sync state (only touched under _sync_lock)
+        self._sync_lock = threading.Lock()
+        self._version: int | None = None  # verified version held by the engine
+        self._digests: dict[str, str] = {}  # tensor digests of the engine's weights at _version
+        self._mirror: dict[str, torch.Tensor] | None = None  # host copy (None: engine is on CPU)
+        self._bad_keys: set[str] = set()  # objects never to plan with again
+        self._suspects: set[str] = set()  # objects that failed once
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ gate and status
+
+    @contextmanager
+    def forward(self) -> Iterator[WeightsStamp]:
+        """Enter around one forward step: waits out an apply, refuses unhealthy weights."""
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            if not self._healthy:
+                raise WeightsUnhealthyError(f"refusing to generate: {self._reason}")
+            self._readers += 1
+            stamp = self._stamp
+        try:
+            yield stamp
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[float]:
+        """Pause generation (writer priority: new forward steps wait); yields the wait time."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+    def _set_unhealthy(self, reason: str, seq: int | None = None) -> None:
+        with self._cond:
+            self._healthy = False
+            self._reason = reason
+            if seq is not None:
+                self._failed_seqs.add(seq)
+        logger.error("weights unhealthy: %s", reason)
+
+    @property
+    def healthy(self) -> bool:
+        """False while generation is refused (no weights, failed verification, broken apply)."""
+        with self._cond:
+            return self._healthy
+
+    @property
+    def reason(self) -> str:
+        """``"ok"`` or why the weights are unhealthy."""
+        with self._cond:
+            return self._reason
+
+    @property
+    def version(self) -> int | None:
+        """Newest verified version held by the engine (None: none)."""
+        return self._version
+
+    def status(self) -> SyncStatus:
+        with self._cond:
+            return SyncStatus(
+                version=self._stamp.version,
+                verified_version=self._version,
+                healthy=self._healthy,
+                reason=self._reason,
+                seq=self._stamp.seq,
+            )
+
+    def check(self, completion: Completion) -> Verdict:
+        """Whether every weight state that sampled ``completion`` passed verification.
+
+        ``"pending"``: a verification it depends on has not finished (ask again after the sync
+        returns); ``"failed"``: some of its tokens came from weights that failed verification
+        (or from no managed weights at all): drop it.
+        """
+        lo, hi = completion.first.seq, completion.last.seq
+        with self._cond:
+            if any(lo <= s <= hi for s in self._failed_seqs):
+                return "failed"
+            return "pending" if hi > self._verified_seq else "verified"
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
+        """``engine.generate`` gated by this sync (raises :class:`WeightsUnhealthyError`)."""
+        return self.engine.generate(prompts, params, gate=self)
+
+    # ------------------------------------------------------------------ sync
+
+    def sync_in_background(self, target: int | None = None) -> Future[SyncReport]:
+        """Run :meth:`sync_to` on this object's own sync thread; returns its future."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightsync")
+        return self._executor.submit(self.sync_to, target)
+
+    def close(self) -> None:
+        """Stop the background sync thread (waits for a running sync)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def sync_to(self, target: int | None = None) -> SyncReport:
+        """Bring the engine to ``target`` (default: the latest published version).
+
+        Blocking (call it from a sync thread, or use :meth:`sync_in_background`); generation in
+        other threads is paused only while each object is applied. A target at or below the
+        verified version is a no-op (versions only move forward). Raises :class:`SyncError`
+        when no plan reaches the target within ``max_attempts`` tries (the weights stay at the
+        last verified version if :attr:`healthy`), ``StateMismatchError`` when the bucket's
+        tensors are not the engine's (wrong model).
+        """
+        with self._sync_lock:
+            latest = self.reader.latest_version()
+            if latest is None:
+                raise SyncError(f"nothing is published in {self.reader.bucket.uri} yet")
+            target = latest if target is None else target
+            if target > latest:
+                raise SyncError(f"version {target} is not published yet (latest: {latest})")
+            report = SyncReport(start_version=self._version, target=target)
+            if self.healthy and self._version is not None and target <= self._version:
+                report.version = self._version
+                return report
+            for _ in range(self.max_attempts):
+                if self.healthy and self._version == target:
+                    break
+                plan = self._plan(target, report)
+                for ref in plan.steps:
+                    try:
+                        self._apply_ref(ref, report)
+                    except StateMismatchError:
+                        raise
+                    except DeltaError as err:
+                        report.failures.append(f"{ref.kind} {ref.key} (v{ref.version}): {err}")
+                        logger.warning(
+                            "sync to v%d: %s %s failed (%s); planning around it",
+                            target,
+                            ref.kind,
+                            ref.key,
+                            err,
+                        )
+                        # A failure that left the weights unhealthy may be their fault (drift):
+                        # the object is only excluded if it fails again after a fresh anchor.
+                        if self.healthy or ref.key in self._suspects:
+                            self._bad_keys.add(ref.key)
+                        self._suspects.add(ref.key)
+                        break
+            report.version = self._version
+            if not (self.healthy and self._version == target):
+                where = f"at v{self._version}" if self.healthy else "unhealthy"
+                raise SyncError(
+                    f"could not reach version {target} in {self.max_attempts} attempts (weights "
+                    f"{where}); failures: {report.failures}"
+                )
+            return report
+
+    def _plan(self, target: int, report: SyncReport) -> CatchUpPlan:
+        current = self._version if self.healthy else None
+        manifests: dict[int, VersionManifest] = self.reader.manifests()
+        if self._bad_keys:
+            manifests = {
+                v: m.model_copy(
+                    update={"objects": tuple(o for o in m.objects if o.key not in self._bad_keys)}
+                )
+                for v, m in manifests.items()
+            }
+        try:
+            return plan_catch_up(manifests, current, target, formats=self.formats)
+        except ValueError as err:
+            report.version = self._version
+            raise SyncError(
+                f"no way to version {target} from {current}: {err}; failures: {report.failures}"
+            ) from err
+
+    def _apply_ref(self, ref: ObjectRef, report: SyncReport) -> None:
+        created = self._created_at(ref.version)
+        if ref.kind == "anchor":
+            timing = self._load_anchor(ref, created)
+        else:
+            timing = self._apply_delta(ref, created)
+        report.steps.append(timing)
+        self.timings.append(timing)
+        logger.info(
+            "weights at v%d via %s (%d bytes): paused %.2f ms, download %.1f ms, decode %.1f ms, "
+            "verify %.1f ms",
+            ref.version,
+            ref.kind,
+            ref.size,
+            timing.pause_s * 1e3,
+            timing.download_s * 1e3,
+            timing.decode_s * 1e3,
+            timing.verify_s * 1e3,
+        )
+
+    def _created_at(self, version: int) -> float | None:
+        try:
+            return self.reader.manifest(version).created_at.timestamp()
+        except ValueError:
+            return None
+
+    def _host_state(self) -> Mapping[str, torch.Tensor]:
+        return self._mirror if self._mirror is not None else self.engine.named_parameters()
+
+    def _sync_device(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def _apply_delta(self, ref: ObjectRef, created: float | None) -> StepTiming:
+        if not self.healthy or self._version != ref.base_version:
+            raise BaseMismatchError(
+                f"delta {ref.base_version} -> {ref.version} does not start at the engine's "
+                f"verified version {self._version if self.healthy else None}"
+            )
+        if ref.base_digest != combine_digests(self._digests):
+            raise BaseMismatchError(
+                f"delta {ref.base_version} -> {ref.version}: the engine's state digest is not "
+                "the delta's base digest"
+            )
+        t0 = time.perf_counter()
+        data = self.reader.fetch(ref)
+        t1 = time.perf_counter()
+        try:
+            delta = decode_delta(
+                data,
+                self._host_state(),
+                check_base=True,
+                base_digests=self._digests,
+                threads=self.decode_threads,
+            )
+        except CorruptDeltaError as err:
+            # The bytes passed the manifest's size and xxh3 check, so a decode that fails is
+            # evidence against the local weights it decodes against (compact codes values
+            # relative to them): distrust them until an anchor is reloaded.
+            reason = (
+                f"delta v{ref.base_version} -> v{ref.version} (intact bytes) does not decode "
+                f"against the local weights, which may have drifted: {err}"
+            )
+            self._set_unhealthy(reason)
+            raise CorruptDeltaError(reason) from err
+        _check_delta_versions(delta, ref)
+        t2 = time.perf_counter()
+        staged = stage_delta(delta, self.engine.device)
+        t3 = time.perf_counter()
+        params = self.engine.named_parameters()
+        seq = self._stamp.seq + 1
+        verify_s = 0.0
+        digests: dict[str, str] | None = None
+        with self._exclusive() as wait_s:
+            tp = time.perf_counter()
+            try:
+                apply_staged(params, staged)
+                self._sync_device()
+            except BaseException as err:
+                self._set_unhealthy(f"apply of v{ref.version} was interrupted: {err}", seq)
+                raise
+            with self._cond:
+                self._stamp = WeightsStamp(ref.version, seq)
+            if self.verify_before_resume:
+                digests = self._verify(delta, ref, seq)
+                verify_s = time.perf_counter() - tp
+            pause_s = time.perf_counter() - tp
+        applied = time.time()
+        if digests is None:
+            tv = time.perf_counter()
+            digests = self._verify(delta, ref, seq)
+            verify_s = time.perf_counter() - tv
+        verified = time.time()
+        tm = time.perf_counter()
+        if self._mirror is not None:
+            for patch in delta.patches.values():
+                scatter_patch(self._mirror[patch.name], patch)
+        self._version, self._digests = ref.version, digests
+        with self._cond:
+            self._verified_seq = seq
+        return StepTiming(
+            version=ref.version,
+            base_version=ref.base_version,
+            kind="delta",
+            format=ref.format,
+            bytes=ref.size,
+            changed=delta.changed,
+            download_s=t1 - t0,
+            decode_s=t2 - t1,
+            stage_s=t3 - t2,
+            wait_s=wait_s,
+            pause_s=pause_s,
+            verify_s=verify_s,
+            mirror_s=time.perf_counter() - tm,
+            publish_to_applied_s=None if created is None else applied - created,
+            publish_to_verified_s=None if created is None else verified - created,
+        )
+
+    def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
+        """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch."""
+        params = self.engine.named_parameters()
+        digests = dict(self._digests)
+        for name, p in delta.patches.items():
+            if self.full_verify or p.changed or p.base_digest != p.result_digest:
+                digests[name] = tensor_digest(params[name])
+        bad = [
+            n
+            for n, p in delta.patches.items()
+            if p.result_digest != UNKNOWN_DIGEST and digests[n] != p.result_digest
+        ]
+        if bad or combine_digests(digests) != ref.result_digest:
+            what = f"{len(bad)} tensor(s) differ, e.g. {bad[:3]}" if bad else "state digest differs"
+            reason = (
+                f"verification of v{ref.version} failed ({what}): the engine's weights are not "
+                "the trainer's; reloading an anchor"
+            )
+            self._set_unhealthy(reason, seq)
+            raise VerificationError(reason)
+        return digests
+
+    def _load_anchor(self, ref: ObjectRef, created: float | None) -> StepTiming:
+        t0 = time.perf_counter()
+        data = self.reader.fetch(ref)
+        t1 = time.perf_counter()
+        state, version, digests = decode_anchor(data)
+        if version != ref.version or combine_digests(digests) != ref.result_digest:
+            raise CorruptDeltaError(
+                f"anchor {ref.key} holds version {version} with another state digest than the "
+                f"manifest's version {ref.version}"
+            )
+        params = self.engine.named_parameters()
+        _check_same_tensors(params, state)
+        t2 = time.perf_counter()
+        seq = self._stamp.seq + 1
+        with self._exclusive() as wait_s:
+            tp = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    for name, t in params.items():
+                        t.copy_(state[name])
+                self._sync_device()
+                got = {n: tensor_digest(t) for n, t in params.items()}
+            except BaseException as err:
+                self._set_unhealthy(f"load of anchor v{ref.version} was interrupted: {err}", seq)
+                raise
+            bad = [n for n in got if got[n] != digests[n]]
+            if bad:
+                reason = f"anchor v{ref.version} did not load faithfully: {bad[:3]} differ"
+                self._set_unhealthy(reason, seq)
+                raise VerificationError(reason)
+            with self._cond:
+                self._stamp = WeightsStamp(ref.version, seq)
+                self._verified_seq = seq
+                self._healthy, self._reason = True, "ok"
+            pause_s = time.perf_counter() - tp
+        done = time.time()
+        self._version, self._digests = ref.version, digests
+        self._mirror = state if self.engine.device.type != "cpu" else None
+        return StepTiming(
+            version=ref.version,
+            base_version=None,
+            kind="anchor",
+            format=ref.format,
+            bytes=ref.size,
+            changed=None,
+            download_s=t1 - t0,
+            decode_s=t2 - t1,
+            stage_s=0.0,
+            wait_s=wait_s,
+            pause_s=pause_s,
+            verify_s=pause_s,
+            mirror_s=0.0,
+            publish_to_applied_s=None if created is None else done - created,
+            publish_to_verified_s=None if created is None else done - created,
+        )
+
+    def timing_summary(self) -> dict[str, dict[str, float]]:
+        """p50 / p99 / max of every timing field over the kept delta steps (seconds)."""
+        rows = [asdict(t) for t in self.timings if t.kind == "delta"]
+        out: dict[str, dict[str, float]] = {}
+        for key in ("download_s", "decode_s", "stage_s", "wait_s", "pause_s", "verify_s"):
+            values = sorted(float(r[key]) for r in rows)
+            if values:
+                out[key] = {
+                    "p50": statistics.median(values),
+                    "p99": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))],
+                    "max": values[-1],
+                }
+        return out
+
+
+def _check_delta_versions(delta: Delta, ref: ObjectRef) -> None:
+    """A delta's own versions (when it records them) must be the manifest's."""
+    if (delta.version is not None and delta.version != ref.version) or (
+        delta.base_version is not None and delta.base_version != ref.base_version
+    ):
+        raise CorruptDeltaError(
+            f"{ref.key} holds delta {delta.base_version} -> {delta.version}, the manifest says "
+            f"{ref.base_version} -> {ref.version}"
+        )
+
+
+def _check_same_tensors(
+    params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]
+) -> None:
+    """Refuse an anchor whose tensors are not exactly the engine's (names, dtypes, shapes)."""
+    missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    wrong = [
+        f"{n}: engine {params[n].dtype}{list(params[n].shape)}, anchor "
+        f"{state[n].dtype}{list(state[n].shape)}"
+        for n in sorted(set(params) & set(state))
+        if params[n].dtype != state[n].dtype or params[n].shape != state[n].shape
+    ]
+    if missing or extra or wrong:
+        raise StateMismatchError(
+            f"the bucket's model is not the engine's: anchor lacks {missing[:5]}, has extra "
+            f"{extra[:5]}, mismatched {wrong[:3]} (same model and dtype on both sides?)"
+        )
