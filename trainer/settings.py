@@ -214,13 +214,10 @@ class ExperimentSettings(_Settings):
         data: dict[str, Any] = {}
         if path is not None:
             p = Path(path)
-            raw = p.read_bytes()
-            if p.suffix == ".json":
-                data = json.loads(raw)
-            elif p.suffix == ".toml":
-                data = tomllib.loads(raw.decode())
-            else:
+            if p.suffix not in (".toml", ".json"):
                 raise ValueError(f"settings file {p} must end in .toml or .json")
+            raw = p.read_bytes()
+            data = json.loads(raw) if p.suffix == ".json" else tomllib.loads(raw.decode())
         for item in overrides or []:
             apply_override(data, item)
         return cls.model_validate(data)

@@ -1,0 +1,166 @@
+"""From leased trajectory groups to padded training tensors and micro-batches.
+
+Order per optimizer step: :func:`filter_stale` (drop groups whose oldest token is too many
+versions behind the weights being trained, and count them), :func:`collate` (pad, align, compute
+group-normalised advantages over whole groups), then :func:`micro_batches` (split by sequences,
+independent of how workers grouped their generation). The number of trained tokens of the whole
+step (:attr:`TrainBatch.num_tokens`) is the ``normalizer`` to give :func:`~.loss.grpo_loss` for
+each micro-batch, so that accumulated gradients equal those of the whole step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from deltarl.services.schemas import TrajectoryGroup
+
+from .loss import group_advantages
+from .settings import AdvantageScale
+
+__all__ = ["StaleFilter", "TrainBatch", "batch_metrics", "collate", "filter_stale", "micro_batches"]
+
+
+@dataclass(frozen=True, slots=True)
+class StaleFilter:
+    """Result of :func:`filter_stale`: what is kept and what was dropped (for the metrics)."""
+
+    kept: list[TrajectoryGroup]
+    dropped_groups: int
+    dropped_trajectories: int
+
+
+def filter_stale(
+    groups: Sequence[TrajectoryGroup], policy_version: int | None, max_staleness: int | None
+) -> StaleFilter:
+    """Keep the groups whose ``version_min`` is at most ``max_staleness`` versions behind
+    ``policy_version`` (the version of the weights being trained). Whole groups are kept or
+    dropped, so advantages are always computed over complete groups. ``None`` for either
+    argument keeps everything."""
+    if max_staleness is None or policy_version is None:
+        return StaleFilter(list(groups), 0, 0)
+    kept = [g for g in groups if policy_version - g.version_min <= max_staleness]
+    dropped = [g for g in groups if policy_version - g.version_min > max_staleness]
+    return StaleFilter(kept, len(dropped), sum(len(g.trajectories) for g in dropped))
+
+
+@dataclass(frozen=True, slots=True)
+class TrainBatch:
+    """``B`` trajectories padded on the right to ``T`` tokens (per-token tensors aligned with
+    ``tokens``, as :mod:`.loss` expects).
+
+    Example: ``collate(groups, policy_version=12)`` on 2 groups of 8 gives ``B = 16``.
+    """
+
+    tokens: Tensor  # [B, T] int64 token ids, pad_id after the end
+    attention_mask: Tensor  # [B, T] bool: real tokens
+    loss_mask: Tensor  # [B, T] bool: tokens sampled from the policy (trained on)
+    behaviour_logprobs: Tensor  # [B, T] float32 nats, 0 outside loss_mask
+    advantages: Tensor  # [B] float32, group-normalised
+    rewards: Tensor  # [B] float32
+    signals: dict[str, Tensor]  # name -> [B] float32, NaN where a trajectory lacks the signal
+    group_index: Tensor  # [B] int64: index of the trajectory's group in this batch
+    staleness: Tensor  # [B] int64: policy_version - version_min (0 without a policy version)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Trained tokens (loss-mask ones) in the batch."""
+        return int(self.loss_mask.sum())
+
+    def select(self, rows: slice) -> TrainBatch:
+        """The trajectories in ``rows``, with padding trimmed to their longest sequence."""
+        width = int(self.attention_mask[rows].sum(-1).max()) if len(self) else 0
+        return TrainBatch(
+            tokens=self.tokens[rows, :width],
+            attention_mask=self.attention_mask[rows, :width],
+            loss_mask=self.loss_mask[rows, :width],
+            behaviour_logprobs=self.behaviour_logprobs[rows, :width],
+            advantages=self.advantages[rows],
+            rewards=self.rewards[rows],
+            signals={k: v[rows] for k, v in self.signals.items()},
+            group_index=self.group_index[rows],
+            staleness=self.staleness[rows],
+        )
+
+
+def collate(
+    groups: Sequence[TrajectoryGroup],
+    policy_version: int | None = None,
+    *,
+    scale: AdvantageScale = "group",
+    eps: float = 1e-4,
+    pad_id: int = 0,
+) -> TrainBatch:
+    """Pad the trajectories of ``groups`` into one :class:`TrainBatch` (CPU tensors).
+
+    Advantages are normalised within each group (:func:`~.loss.group_advantages`). Trajectories
+    keep their group order. ``ValueError`` if there is nothing to train on.
+    """
+    trajs = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
+    if not trajs:
+        raise ValueError("no trajectories to collate")
+    b, width = len(trajs), max(len(t.tokens) for _, t in trajs)
+    tokens = torch.full((b, width), pad_id, dtype=torch.int64)
+    attention = torch.zeros((b, width), dtype=torch.bool)
+    loss_mask = torch.zeros((b, width), dtype=torch.bool)
+    logprobs = torch.zeros((b, width), dtype=torch.float32)
+    names = sorted({k for _, t in trajs for k in t.signals})
+    signals = {k: torch.full((b,), math.nan, dtype=torch.float32) for k in names}
+    for i, (_, t) in enumerate(trajs):
+        n = len(t.tokens)
+        tokens[i, :n] = torch.tensor(t.tokens, dtype=torch.int64)
+        attention[i, :n] = True
+        m = torch.tensor(t.mask, dtype=torch.bool)
+        loss_mask[i, :n] = m
+        logprobs[i, :n] = torch.where(m, torch.tensor(t.logprobs, dtype=torch.float32), 0.0)
+        for k, v in t.signals.items():
+            signals[k][i] = v
+    rewards = torch.tensor([t.reward for _, t in trajs], dtype=torch.float32)
+    group_index = torch.tensor([gi for gi, _ in trajs], dtype=torch.int64)
+    staleness = torch.tensor(
+        [0 if policy_version is None else policy_version - t.version_min for _, t in trajs],
+        dtype=torch.int64,
+    )
+    return TrainBatch(
+        tokens=tokens,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        behaviour_logprobs=logprobs,
+        advantages=group_advantages(rewards, group_index, scale=scale, eps=eps),
+        rewards=rewards,
+        signals=signals,
+        group_index=group_index,
+        staleness=staleness,
+    )
+
+
+def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
+    """Consecutive slices of at most ``size`` trajectories, each trimmed to its own length."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+
+def batch_metrics(batch: TrainBatch) -> dict[str, float]:
+    """Reward per signal, tokens and the staleness histogram of a batch (floats, for logging)."""
+    out: dict[str, float] = {
+        "batch/trajectories": float(len(batch)),
+        "batch/groups": float(int(batch.group_index.max()) + 1 if len(batch) else 0),
+        "batch/trained_tokens": float(batch.num_tokens),
+        "batch/tokens": float(batch.attention_mask.sum()),
+    }
+    for name, values in batch.signals.items():
+        present = values[~values.isnan()]
+        if present.numel():
+            out[f"reward/{name}/mean"] = float(present.mean())
+    for lag, count in sorted(Counter(batch.staleness.tolist()).items()):
+        out[f"staleness/{lag}"] = float(count)
+    return out
