@@ -159,6 +159,8 @@ class WeightSync:
     ``formats``: object formats to plan with (default :data:`DEFAULT_FORMATS`).
     ``verify_before_resume``: verify deltas inside the pause (no pending window, longer pause).
     ``full_verify``: re-hash every tensor after a delta, not only the changed ones.
+    ``host_mirror``: keep a CPU copy of the weights to decode against (None: only when the
+    engine is not on the CPU; a CPU engine's own tensors serve as the mirror, no second copy).
     ``decode_threads``: threads of the compact decoder (None: its default).
     """
 
@@ -170,6 +172,7 @@ class WeightSync:
         formats: Collection[str] | None = None,
         verify_before_resume: bool = False,
         full_verify: bool = False,
+        host_mirror: bool | None = None,
         decode_threads: int | None = None,
         max_attempts: int = 4,
         history: int = 1000,
@@ -181,6 +184,7 @@ class WeightSync:
         self.formats = tuple(formats) if formats is not None else DEFAULT_FORMATS
         self.verify_before_resume = verify_before_resume
         self.full_verify = full_verify
+        self.host_mirror = engine.device.type != "cpu" if host_mirror is None else host_mirror
         self.decode_threads = decode_threads
         self.max_attempts = max_attempts
         self.timings: deque[StepTiming] = deque(maxlen=history)
@@ -198,7 +202,7 @@ class WeightSync:
         self._sync_lock = threading.Lock()
         self._version: int | None = None  # verified version held by the engine
         self._digests: dict[str, str] = {}  # tensor digests of the engine's weights at _version
-        self._mirror: dict[str, torch.Tensor] | None = None  # host copy (None: engine is on CPU)
+        self._mirror: dict[str, torch.Tensor] | None = None  # CPU copy at _version, if host_mirror
         self._bad_keys: set[str] = set()  # objects never to plan with again
         self._suspects: set[str] = set()  # objects that failed once
         self._executor: ThreadPoolExecutor | None = None
@@ -559,7 +563,7 @@ class WeightSync:
             pause_s = time.perf_counter() - tp
         done = time.time()
         self._version, self._digests = ref.version, digests
-        self._mirror = state if self.engine.device.type != "cpu" else None
+        self._mirror = state if self.host_mirror else None
         return StepTiming(
             version=ref.version,
             base_version=None,

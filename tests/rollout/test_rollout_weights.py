@@ -32,8 +32,12 @@ def weights(engine: TransformersEngine) -> dict[str, torch.Tensor]:
     return dict(engine.named_parameters())
 
 
-def test_starts_from_nothing_and_follows_versions_bit_exactly(bucket: LocalBucket) -> None:
-    trainer, engine, ws = setup(bucket)
+@pytest.mark.parametrize("host_mirror", [False, True])  # True: the GPU path's CPU mirror
+def test_starts_from_nothing_and_follows_versions_bit_exactly(
+    bucket: LocalBucket, host_mirror: bool
+) -> None:
+    trainer, engine, _ = setup(bucket)
+    ws = WeightSync(engine, BucketReader(bucket), host_mirror=host_mirror)
     report = ws.sync_to()
     assert [s.kind for s in report.steps] == ["anchor"] and report.version == 0
     assert ws.healthy and ws.reason == "ok" and same_bits(weights(engine), trainer.states[0])
@@ -46,6 +50,10 @@ def test_starts_from_nothing_and_follows_versions_bit_exactly(bucket: LocalBucke
         assert step.pause_s >= 0 and step.verify_s > 0 and step.download_s > 0
         assert step.publish_to_applied_s is not None and 0 <= step.publish_to_applied_s < 60
         assert same_bits(weights(engine), trainer.states[v])
+        if host_mirror:
+            assert ws._mirror is not None and same_bits(ws._mirror, trainer.states[v])
+            mirror = ws._mirror
+            assert all(mirror[n].data_ptr() != t.data_ptr() for n, t in weights(engine).items())
         out = ws.generate([[1, 2, 3]], PARAMS)[0]
         assert out.version_min == out.version_max == v and ws.check(out) == "verified"
     assert ws.sync_to().steps == []  # already there: nothing to do
