@@ -49,7 +49,8 @@ MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"
 TRAILER = struct.Struct("<QQ8s")  # footer length, xxh3-64 of footer, end magic
 DEFAULT_CHUNK_ELEMS = 1 << 24
-ALPHABET = 248  # 16 small-diff symbols + 2 signs * 29 bit lengths * 4 leading-bit pairs
+TOP_BITS = 3  # bits after the leading one of a large |diff| that are entropy-coded
+ALPHABET = 16 + 2 * 29 * (1 << TOP_BITS)  # small diffs + sign x bit length (4..32) x top bits
 SMALL = 8  # |diff| <= SMALL gets a symbol of its own
 MAX_FOOTER = 256 << 20
 
@@ -84,30 +85,31 @@ def wrapped_add(old: np.ndarray, d: np.ndarray, fmt: FloatFormat) -> np.ndarray:
 def diff_to_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Map non-zero diffs to (symbol, extra-bit value, extra-bit width).
 
-    ``|d| <= 8``: symbol ``2 (|d| - 1) + sign``. Larger: the bit length L of ``|d|`` and the two
-    bits after its leading one form the symbol ``16 + 2 (4 (L - 4) + top2) + sign``; the remaining
-    ``L - 3`` low bits are sent raw.
+    ``|d| <= 8``: symbol ``2 (|d| - 1) + sign``. Larger: the bit length L of ``|d|`` and the
+    ``TOP_BITS`` bits after its leading one form the symbol
+    ``16 + 2 (2**TOP_BITS (L - 4) + top) + sign``; the remaining ``L - 1 - TOP_BITS`` low bits
+    are sent raw.
     """
     a = np.abs(d)
     neg = (d < 0).astype(np.int64)
     small = a <= SMALL
     length = np.maximum(_bitlen(np.maximum(a, 1)), 4)
-    width = np.where(small, 0, length - 3)
-    top = (a >> width) & 3
-    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * (4 * (length - 4) + top) + neg)
+    width = np.where(small, 0, length - 1 - TOP_BITS)
+    top = (a >> width) & ((1 << TOP_BITS) - 1)
+    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * ((length - 4) << TOP_BITS | top) + neg)
     extra = np.where(small, 0, a & ((np.int64(1) << width) - 1))
     return sym.astype(np.int64), extra.astype(np.int64), width.astype(np.int64)
 
 
 def symbol_extra_widths(sym: np.ndarray) -> np.ndarray:
-    return np.where(sym < 16, 0, (sym - 16) // 8 + 1).astype(np.int64)
+    return np.where(sym < 16, 0, ((sym - 16) >> (TOP_BITS + 1)) + 3 - TOP_BITS).astype(np.int64)
 
 
 def symbols_to_diff(sym: np.ndarray, extra: np.ndarray) -> np.ndarray:
     neg = (sym & 1).astype(bool)
     width = symbol_extra_widths(sym)
-    top = ((sym - 16) >> 1) & 3
-    large = (np.int64(1) << (width + 2)) | (top << width) | extra
+    top = ((sym - 16) >> 1) & ((1 << TOP_BITS) - 1)
+    large = (np.int64(1) << (width + TOP_BITS)) | (top << width) | extra
     a = np.where(sym < 16, sym // 2 + 1, large)
     return np.where(neg, -a, a)
 
@@ -676,7 +678,7 @@ def _decode_chunk(
     if kernels.rans_decode(rans, tid, freq, _cumulative(freq), symbols) != rans_len:
         raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
     widths = symbol_extra_widths(symbols)
-    if widths.size and int(widths.max()) + 2 >= fmt.width:
+    if widths.size and int(widths.max()) + 1 + TOP_BITS > fmt.width:
         raise CorruptDeltaError(
             f"{ref.tensor}: value stream holds a difference wider than the dtype"
         )
