@@ -169,4 +169,4 @@ def test_idle_ws_session_times_out(live_server: Callable[..., LiveServer]) -> No
             ws.recv(timeout=5)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 4408
         assert time.monotonic() - started < 2
-    assert len(server.app.state.store) == 0  # type: ignore[attr-defined]
+    assert len(server.app.state.store) == 0

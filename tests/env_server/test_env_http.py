@@ -223,8 +223,8 @@ def test_message_limits_and_odd_characters(make_client: Callable[..., TestClient
         headers={"content-type": "application/json"},
     )
     assert r.status_code == 200 and r.json()["observation"]["last_move"]["guess"] == "crane"
-    r = step(client, sid, "\x1b[31m[slate]\x1b[0m")
-    assert r["observation"]["last_move"]["guess"] == "slate"
+    played = step(client, sid, "\x1b[31m[slate]\x1b[0m")
+    assert played["observation"]["last_move"]["guess"] == "slate"
     # a lone surrogate is not Unicode: refused as invalid JSON, the session is unaffected
     lone = json.dumps({"session_id": sid, "action": {"message": "[crane]\ud800"}}).encode()
     expect_error(client.post("/step", content=lone), 400, "INVALID_JSON")
