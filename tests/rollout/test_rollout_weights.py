@@ -10,6 +10,7 @@ import pytest
 import torch
 from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_engine
 
+from deltarl.rollout import weights as weights_module
 from deltarl.rollout.engines import Completion, SamplingParams, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import SyncError, WeightsUnhealthyError, WeightSync
@@ -230,3 +231,37 @@ def test_background_sync_while_generating(bucket: LocalBucket) -> None:
     ws.close()
     assert same_bits(weights(engine), trainer.states[3])
     assert all(lo is not None and hi is not None and lo <= hi for lo, hi in seen)
+
+
+def test_forward_steps_wait_while_the_delta_is_applied(
+    bucket: LocalBucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer, _, ws = setup(bucket)
+    ws.sync_to()
+    trainer.step()
+    applying, release, entered = threading.Event(), threading.Event(), threading.Event()
+    real_apply = weights_module.apply_staged
+
+    def slow_apply(*args: object) -> None:
+        applying.set()
+        assert release.wait(30)
+        real_apply(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(weights_module, "apply_staged", slow_apply)
+    future = ws.sync_in_background()
+    assert applying.wait(30)
+    stamps: list[WeightsStamp] = []
+
+    def one_step() -> None:
+        with ws.forward() as stamp:
+            entered.set()
+            stamps.append(stamp)
+
+    step = threading.Thread(target=one_step)
+    step.start()
+    assert not entered.wait(0.3)  # the forward step waits for the apply to finish
+    release.set()
+    step.join(30)
+    assert future.result(timeout=30).version == 1
+    ws.close()
+    assert stamps == [WeightsStamp(1, 2)]  # and then runs with the new weights
