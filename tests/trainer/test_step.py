@@ -1,0 +1,138 @@
+"""A tiny policy learns a task through the trainer's own path: groups on the wire schema ->
+staleness filter -> collate -> micro-batched GRPO step -> published versions, rebuilt exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_publisher import assert_bit_identical, rebuild
+
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.schemas import Trajectory, TrajectoryGroup
+from deltarl.services.weightsync.publish import BucketReader
+from deltarl.trainer.batch import collate, filter_stale
+from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.publisher import WeightPublisher
+from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.step import forward_logits, train_step
+
+VOCAB, TARGET, COMPLETION = 8, 5, 3
+
+
+class Bigram(torch.nn.Module):
+    """Next-token logits from the previous token only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(VOCAB, VOCAB)
+        torch.nn.init.zeros_(self.table.weight)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.table(input_ids)
+
+
+@torch.no_grad()
+def rollout(
+    model: Bigram, gen: torch.Generator, groups: int, size: int, version: int
+) -> list[TrajectoryGroup]:
+    """Sample completions; reward = share of completion tokens equal to TARGET."""
+    out = []
+    for g in range(groups):
+        trajs = []
+        prompt = int(torch.randint(0, VOCAB, (1,), generator=gen))
+        for _ in range(size):
+            tokens, logprobs = [prompt], [0.0]
+            for _ in range(COMPLETION):
+                logp = torch.log_softmax(model.table.weight[tokens[-1]], -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                tokens.append(tok)
+                logprobs.append(float(logp[tok]))
+            hits = sum(t == TARGET for t in tokens[1:])
+            trajs.append(
+                Trajectory(
+                    tokens=tokens,
+                    logprobs=logprobs,
+                    mask=[0] + [1] * COMPLETION,
+                    prompt_len=1,
+                    reward=hits / COMPLETION,
+                    signals={"hits": float(hits)},
+                    version_min=version,
+                    version_max=version,
+                )
+            )
+        out.append(
+            TrajectoryGroup(
+                idempotency_key=f"v{version}-g{g}",
+                worker_id="w1",
+                group_id=f"g{g}",
+                trajectories=trajs,
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reward_goes_up_and_published_weights_match(tmp_path: Path, precision: str) -> None:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    settings = ExperimentSettings.load(
+        None,
+        [
+            "max_steps=25",
+            f"precision={precision}",
+            "optimizer.lr=0.2",
+            "batch.micro_batch_size=12",
+            "batch.max_staleness=1",
+            "loss.importance_sampling=token_truncate",
+        ],
+    )
+    model = Bigram()
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+    bucket = LocalBucket(tmp_path / "bucket")
+    pub = WeightPublisher(bucket, settings.publish)
+    pub.publish(model.state_dict(), step=0)
+    rewards, stale_dropped = [], 0
+    pending = rollout(model, gen, 4, 8, 0)
+    for step in range(settings.max_steps):
+        version = pub.last_version if pub.last_version is not None else 0
+        # one step of lag, like an asynchronous worker: train on what the previous weights made
+        fresh = rollout(model, gen, 4, 8, version)
+        if step % 5 == 4:  # now and then a group arrives far too late: it must be dropped
+            fresh[0] = rollout(model, gen, 1, 8, version - 3)[0]
+        f = filter_stale(pending, version, settings.batch.max_staleness)
+        stale_dropped += f.dropped_groups
+        metrics = train_step(model, opt, sched, collate(f.kept, version), settings)
+        rewards.append(metrics["reward/mean"])
+        assert metrics["step/skipped"] == 0.0 and metrics["tokens"] > 0
+        assert "mismatch/kl" in metrics and "entropy" in metrics
+        pub.publish(model.state_dict(), step=step + 1)
+        pending = fresh
+    pub.close()
+    assert stale_dropped > 0
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.3 and last > 0.6, rewards
+    # a replica rebuilt from the bucket holds exactly the trainer's bf16 weights
+    want = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
+    assert_bit_identical(rebuild(bucket)[0], want)
+    assert BucketReader(bucket).latest_version() == settings.max_steps
+
+
+class WrongShape(torch.nn.Module):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return input_ids.float()
+
+
+def test_kl_needs_a_reference_and_bad_models_are_refused() -> None:
+    settings = ExperimentSettings.load(None, ["loss.kl_coef=0.1"])
+    model = Bigram()
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, 10)
+    batch = collate(rollout(model, torch.Generator().manual_seed(1), 1, 2, 0))
+    with pytest.raises(ValueError, match="ref_model"):
+        train_step(model, opt, sched, batch, settings)
+    ref = Bigram()
+    metrics = train_step(model, opt, sched, batch, settings, ref_model=ref)
+    assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # same (zero) weights
+    with pytest.raises(ValueError, match="logits"):
+        forward_logits(WrongShape(), batch.tokens, batch.attention_mask)
