@@ -19,9 +19,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 system-deps:
-	@command -v redis-server >/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null); \
-	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi; }
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -36,7 +41,8 @@ unit: $(STAMP) system-deps
 test: lint typecheck unit
 
 demo: $(STAMP)
-	$(VENV)/bin/deltarl delta bench
+	# Until `deltarl demo` exists: the codec benchmark on real SmolLM2-135M deltas (trains 3 steps first).
+	$(PY) bench/codec_bench.py --lr 1e-6 --steps 3
 
 bench: $(STAMP)
 	$(PY) bench/codec_bench.py
