@@ -1,1 +1,2 @@
-"""deltarl rollout (see the repository README)."""
+"""deltarl rollout: engines (``deltarl.rollout.engines``) and the weight sync
+(``deltarl.rollout.weights``); see docs/rollout.md."""
