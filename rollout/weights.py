@@ -322,7 +322,9 @@ class WeightSync:
         verified version is a no-op (versions only move forward). Raises :class:`SyncError`
         when no plan reaches the target within ``max_attempts`` tries (the weights stay at the
         last verified version if :attr:`healthy`), ``StateMismatchError`` when the bucket's
-        tensors are not the engine's (wrong model).
+        tensors are not the engine's (wrong model). Bucket errors (network, permissions)
+        propagate unchanged: the weights are untouched unless the error hit the apply (then
+        :attr:`healthy` is false); call again later.
         """
         with self._sync_lock:
             latest = self.reader.latest_version()
@@ -479,13 +481,17 @@ class WeightSync:
             digests = self._verify(delta, ref, seq)
             verify_s = time.perf_counter() - tv
         verified = time.time()
-        tm = time.perf_counter()
-        if self._mirror is not None:
-            for patch in delta.patches.values():
-                scatter_patch(self._mirror[patch.name], patch)
         self._version, self._digests = ref.version, digests
         with self._cond:
             self._verified_seq = seq
+        tm = time.perf_counter()
+        if self._mirror is not None:
+            try:
+                for patch in delta.patches.values():
+                    scatter_patch(self._mirror[patch.name], patch)
+            except BaseException:
+                self._mirror = None  # half-patched: decode against the engine's tensors instead
+                raise
         return StepTiming(
             version=ref.version,
             base_version=ref.base_version,
@@ -508,9 +514,13 @@ class WeightSync:
         """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch."""
         params = self.engine.named_parameters()
         digests = dict(self._digests)
-        for name, p in delta.patches.items():
-            if self.full_verify or p.changed or p.base_digest != p.result_digest:
-                digests[name] = tensor_digest(params[name])
+        try:
+            for name, p in delta.patches.items():
+                if self.full_verify or p.changed or p.base_digest != p.result_digest:
+                    digests[name] = tensor_digest(params[name])
+        except BaseException as err:  # the applied state must not stay "pending" forever
+            self._set_unhealthy(f"verification of v{ref.version} could not complete: {err}", seq)
+            raise
         bad = [
             n
             for n, p in delta.patches.items()

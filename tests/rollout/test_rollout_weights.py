@@ -265,3 +265,29 @@ def test_forward_steps_wait_while_the_delta_is_applied(
     assert future.result(timeout=30).version == 1
     ws.close()
     assert stamps == [WeightsStamp(1, 2)]  # and then runs with the new weights
+
+
+def test_samples_are_pending_until_the_apply_is_verified(
+    bucket: LocalBucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer, _, ws = setup(bucket)
+    ws.sync_to()
+    trainer.step()
+    verifying, release = threading.Event(), threading.Event()
+    real_verify = ws._verify
+
+    def slow_verify(*args: object) -> dict[str, str]:
+        verifying.set()
+        assert release.wait(30)
+        return real_verify(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ws, "_verify", slow_verify)
+    future = ws.sync_in_background()
+    assert verifying.wait(30)  # applied, not verified yet: generation runs meanwhile
+    (c,) = ws.generate([[1, 2, 3]], PARAMS)
+    assert c.version_min == 1 and ws.check(c) == "pending"
+    assert ws.status().version == 1 and ws.status().verified_version == 0
+    release.set()
+    assert future.result(timeout=30).version == 1
+    ws.close()
+    assert ws.check(c) == "verified"
