@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         decoded, t_decode = timed(
             lambda: decode_compact(blob, prev_host, base_digests=prev_digests, threads=args.threads)
         )
-        staged, t_stage = timed(lambda: stage_delta(decoded, dev))
+        staged, t_stage = timed(lambda: stage_delta(decoded, dev, worker_gpu))
         pauses = []
         for _ in range(args.apply_reps):  # idempotent: absolute values
             _, t = timed(lambda: apply_staged(worker_gpu, staged))

@@ -313,10 +313,21 @@ class StagedDelta:
     delta: Delta
     device: torch.device
     parts: list[tuple[str, torch.Tensor, torch.Tensor]]  # (name, int64 index, int16/32 values)
+    # flat bit views of the target tensors, bound (and checked) at staging time when the state
+    # was given; used only for that same state mapping
+    targets: list[torch.Tensor] | None = None
+    bound_to: Mapping[str, torch.Tensor] | None = None
 
 
-def stage_delta(delta: Delta, device: torch.device | str) -> StagedDelta:
-    """Copy every non-empty patch of ``delta`` to ``device`` (pinned, asynchronous on CUDA)."""
+def stage_delta(
+    delta: Delta, device: torch.device | str, state: Mapping[str, torch.Tensor] | None = None
+) -> StagedDelta:
+    """Copy every non-empty patch of ``delta`` to ``device`` (pinned, asynchronous on CUDA).
+
+    With ``state`` (the tensors the delta will be applied to), names, dtypes, shapes and devices
+    are checked now and the targets bound, so that :func:`apply_staged` on that state does nothing
+    but the scatters.
+    """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -329,21 +340,37 @@ def stage_delta(delta: Delta, device: torch.device | str) -> StagedDelta:
         parts.append((p.name, idx.to(dev, non_blocking=True), val.to(dev, non_blocking=True)))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return StagedDelta(delta=delta, device=dev, parts=parts)
+    staged = StagedDelta(delta=delta, device=dev, parts=parts)
+    if state is not None:
+        staged.targets = _targets(state, staged)
+        staged.bound_to = state
+    return staged
+
+
+def _targets(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> list[torch.Tensor]:
+    check_compatible(state, staged.delta.patches)
+    out = []
+    for name, _, _ in staged.parts:
+        t = state[name]
+        if t.device != staged.device:
+            raise StateMismatchError(
+                f"{name}: tensor is on {t.device}, the delta is staged on {staged.device}"
+            )
+        if not t.is_contiguous():
+            raise StateMismatchError(f"{name}: tensor is not contiguous; cannot patch it in place")
+        out.append(bits_view(t))
+    return out
 
 
 def apply_staged(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> None:
     """Scatter a staged delta into ``state`` in place. The caller has already checked the base
     (e.g. with :func:`verify_base` against trusted digests) and verifies the result afterwards
     (:func:`verify_result`); this is the part that runs while inference is paused."""
-    check_compatible(state, staged.delta.patches)
-    for name, idx, val in staged.parts:
-        t = state[name]
-        if t.device != staged.device:
-            raise StateMismatchError(
-                f"{name}: tensor is on {t.device}, the delta is staged on {staged.device}"
-            )
-        bits_view(t).index_copy_(0, idx, val)
+    targets = staged.targets if staged.bound_to is state else None
+    if targets is None:
+        targets = _targets(state, staged)
+    for flat, (_, idx, val) in zip(targets, staged.parts, strict=True):
+        flat.index_copy_(0, idx, val)
 
 
 def verify_result(state: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, str]:

@@ -154,3 +154,27 @@ def test_indices_are_sorted_int64(state):
     for p in d.patches.values():
         assert p.index.dtype == np.int64
         assert np.all(np.diff(p.index) > 0)
+
+
+@pytest.mark.parametrize("bind", [False, True])
+def test_staged_apply_is_bit_exact(state, bind):
+    from deltarl.services.weightsync import apply_staged, stage_delta, verify_result
+
+    new = perturb(state, 0.05)
+    d = compute_delta(state, new, 0, 1)
+    s = clone(state)
+    staged = stage_delta(d, "cpu", s if bind else None)
+    apply_staged(s, staged)
+    assert bits_equal(s, new)
+    assert verify_result(s, d) == {k: tensor_digest(v) for k, v in new.items()}
+
+
+def test_staged_apply_refuses_a_different_state(state):
+    from deltarl.services.weightsync import apply_staged, stage_delta
+
+    d = compute_delta(state, perturb(state, 0.05), 0, 1)
+    staged = stage_delta(d, "cpu", clone(state))
+    other = clone(state)
+    other["embed.weight"] = torch.zeros(2, 2, dtype=torch.bfloat16)
+    with pytest.raises(StateMismatchError):
+        apply_staged(other, staged)
