@@ -202,8 +202,9 @@ class WeightPublisher:
         *,
         step: int | None = None,
         anchor: bool = False,
-    ) -> None:
-        """Publish ``state`` (tensors of any float dtype, CPU or CUDA) as ``version``.
+    ) -> int:
+        """Publish ``state`` (tensors of any float dtype, CPU or CUDA) as ``version``; return
+        the version number (the weights' policy version from now on).
 
         Waits for the previous version first and raises its failure, if any, as
         :class:`PublishFailedError`. Returns once ``state`` is snapshotted: the caller may
@@ -233,6 +234,7 @@ class WeightPublisher:
             self._last_report = self._run_guarded(snap, v, step, anchor)
         else:
             self._pending = self._executor.submit(self._run_guarded, snap, v, step, anchor)
+        return v
 
     def wait(self) -> PublishReport | None:
         """Wait for the version in flight; return the newest report (None if nothing yet).
