@@ -74,6 +74,19 @@ class Conn:
         ctype: str = "application/json",
         token: str = "",
     ) -> tuple[int, bytes]:
+        reused = self.writer is not None
+        try:
+            return await self._request(method, path, body, ctype, token)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if not reused:
+                raise
+            # the server closed an idle keep-alive connection before this request: reconnect once
+            self.writer = None
+            return await self._request(method, path, body, ctype, token)
+
+    async def _request(
+        self, method: str, path: str, body: bytes, ctype: str, token: str
+    ) -> tuple[int, bytes]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         assert self.reader is not None
@@ -355,6 +368,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
     start = time.perf_counter() + 1.0
     end = start + args.duration
     cpu0, wall0 = cpu_seconds(args.server_pid), time.perf_counter()
+    own0 = time.process_time()
     trainer_task = asyncio.create_task(trainer_loop())
     await asyncio.gather(
         submitter(),
@@ -363,6 +377,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
         *(heartbeat_loop(i, w) for i, w in enumerate(workers)),
     )
     cpu1, wall1 = cpu_seconds(args.server_pid), time.perf_counter()
+    own1 = time.process_time()
     # drain: the trainer keeps pulling until everything accepted was acked
     drain_deadline = time.perf_counter() + 30
     while acked < accepted and time.perf_counter() < drain_deadline:
@@ -391,6 +406,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
         "readers": args.readers,
         "requests": table,
         "server_cpu_percent": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 1),
+        "load_generator_cpu_percent": round(100 * (own1 - own0) / (wall1 - wall0), 1),
         "accepted": accepted,
         "acked": acked,
         "leased_unique": len(set(leased_ids)),
@@ -451,6 +467,7 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=100, help="Heartbeat connection pool size.")
     ap.add_argument("--server-cpus", help="Pin the coordinator (and Redis) to these CPUs, e.g. 0")
     ap.add_argument("--load-cpus", help="Pin this load generator to these CPUs, e.g. 1")
+    ap.add_argument("--attach", type=int, help="Load a coordinator already on this port (debug).")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -60,11 +60,11 @@ async def _background(coordinator: Coordinator, events: VersionEvents) -> None:
     loop = asyncio.get_running_loop()
     while True:
         try:
-            for record in await asyncio.to_thread(coordinator.versions.refresh):
+            for record in await coordinator.run(coordinator.versions.refresh):
                 events.publish(record)
             if loop.time() >= next_reclaim:
                 next_reclaim = loop.time() + settings.reclaim_interval_s
-                n = await asyncio.to_thread(coordinator.store.reclaim_expired, coordinator.clock())
+                n = await coordinator.run(coordinator.store.reclaim_expired, coordinator.clock())
                 if n:
                     logger.info("returned %d groups of expired leases to the queue", n)
         except Exception:  # the store may be briefly unreachable: log, keep serving

@@ -79,8 +79,14 @@ class Coordinator:
         self.on_version: Callable[[VersionRecord], None] | None = None  # set by the app
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a (short) service call from an async route: on the loop for local stores, in a
-        worker thread for network ones (see ``CoordinatorStore.inline_ok``)."""
+        """Run a service call from an async route: on the event loop when the store's calls are
+        short and local (``CoordinatorStore.inline_ok``), else in a worker thread.
+
+        Why not always a thread: the sqlite3 and socket calls release the GIL, so with worker
+        threads around, every release hands the GIL to a thread and the event loop waits up to
+        the 5 ms switch interval to get it back; at a thousand requests a second that convoy,
+        not the work, dominated latency. Every route therefore goes through here, and with an
+        inline store the server runs single-threaded."""
         if self.store.inline_ok:
             return fn(*args)
         return await run_in_threadpool(fn, *args)

@@ -7,7 +7,6 @@ import time
 
 from fastapi import APIRouter, Request, Response
 from pydantic import Field
-from starlette.concurrency import run_in_threadpool
 
 from deltarl.services.schemas import (
     AckResult,
@@ -46,7 +45,7 @@ async def lease(body: LeaseRequest, request: Request, coordinator: CoordinatorDe
     start = time.monotonic()
     deadline = start + body.wait_s
     while True:
-        leased, payloads = await run_in_threadpool(coordinator.lease, body.max_groups, body.lease_s)
+        leased, payloads = await coordinator.run(coordinator.lease, body.max_groups, body.lease_s)
         if leased.items or time.monotonic() >= deadline or await request.is_disconnected():
             break
         await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -59,18 +58,18 @@ async def lease(body: LeaseRequest, request: Request, coordinator: CoordinatorDe
 
 
 @router.post("/batches/{batch_id}/ack", response_model=AckResult, dependencies=[TrainerAuth])
-def ack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
+async def ack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
     """Remove the batch's groups for good (409 ``lease_expired`` if too late)."""
-    return coordinator.ack(batch_id)
+    return await coordinator.run(coordinator.ack, batch_id)
 
 
 @router.post("/batches/{batch_id}/nack", response_model=AckResult, dependencies=[TrainerAuth])
-def nack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
+async def nack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
     """Return the batch's groups to the head of the queue now."""
-    return coordinator.ack(batch_id, nack=True)
+    return await coordinator.run(coordinator.ack, batch_id, True)
 
 
 @router.post("/admission", response_model=AdmissionResponse, dependencies=[WorkerAuth])
-def admission(body: AdmissionRequest, coordinator: CoordinatorDep) -> AdmissionResponse:
+async def admission(body: AdmissionRequest, coordinator: CoordinatorDep) -> AdmissionResponse:
     """How many more groups are worth starting now (see AdmissionResponse)."""
-    return coordinator.admission(body)
+    return await coordinator.run(coordinator.admission, body)

@@ -13,9 +13,9 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/health", response_model=Health)
-def health(coordinator: CoordinatorDep) -> Health:
+async def health(coordinator: CoordinatorDep) -> Health:
     try:
-        coordinator.store.ping()
+        await coordinator.run(coordinator.store.ping)
     except Exception as exc:  # report, do not raise: health must answer
         return Health(status="degraded", store=coordinator.store.name, detail=str(exc))
     return Health(status="healthy", store=coordinator.store.name)
@@ -27,7 +27,7 @@ def health(coordinator: CoordinatorDep) -> Health:
     dependencies=[ReaderAuth],
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
 )
-def metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+async def metrics(request: Request) -> Response:
+    coordinator = request.app.state.coordinator
+    text = await coordinator.run(generate_latest, request.app.state.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

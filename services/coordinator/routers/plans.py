@@ -15,7 +15,7 @@ router = APIRouter(prefix="/v1", tags=["plans"], responses=ERRORS)
 
 
 @router.get("/plan", response_model=CatchUpPlan, dependencies=[ReaderAuth])
-def plan(
+async def plan(
     coordinator: CoordinatorDep,
     from_version: Annotated[
         int | None, Query(alias="from", ge=0, description="Version held; omit if none.")
@@ -27,4 +27,4 @@ def plan(
         list[str] | None, Query(alias="format", description="Only objects in these formats.")
     ] = None,
 ) -> CatchUpPlan:
-    return coordinator.plan(from_version, to_version, formats)
+    return await coordinator.run(coordinator.plan, from_version, to_version, formats)

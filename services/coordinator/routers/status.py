@@ -15,9 +15,10 @@ router = APIRouter(prefix="/v1", tags=["status"], responses=ERRORS)
 
 
 @router.get("/status", response_model=StatusSummary, dependencies=[ReaderAuth])
-def status(
+async def status(
     coordinator: CoordinatorDep,
     workers: Annotated[int | None, Query(ge=0, le=100_000, description="Workers listed.")] = None,
 ) -> Response:
     """Served from a short cache (``status_cache_s``), already serialized."""
-    return Response(coordinator.status_json(workers), media_type="application/json")
+    body = await coordinator.run(coordinator.status_json, workers)
+    return Response(body, media_type="application/json")

@@ -18,17 +18,19 @@ router = APIRouter(prefix="/v1/versions", tags=["versions"], responses=ERRORS)
 
 
 @router.post("", response_model=VersionRecord, status_code=201, dependencies=[TrainerAuth])
-def publish(body: VersionPublish, coordinator: CoordinatorDep, response: Response) -> VersionRecord:
+async def publish(
+    body: VersionPublish, coordinator: CoordinatorDep, response: Response
+) -> VersionRecord:
     """Record a version after its objects and manifest are in the bucket. 201 when new, 200 for
     an identical retry; 409 when out of order or conflicting."""
-    record, created = coordinator.publish(body.manifest)
+    record, created = await coordinator.run(coordinator.publish, body.manifest)
     if not created:
         response.status_code = 200
     return record
 
 
 @router.get("", response_model=list[VersionRecord], dependencies=[ReaderAuth])
-def list_versions(
+async def list_versions(
     coordinator: CoordinatorDep,
     after: Annotated[int | None, Query(ge=-1, description="Only versions newer than this.")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -37,7 +39,7 @@ def list_versions(
 
 
 @router.get("/latest", response_model=VersionRecord, dependencies=[ReaderAuth])
-def latest(coordinator: CoordinatorDep) -> VersionRecord:
+async def latest(coordinator: CoordinatorDep) -> VersionRecord:
     record = coordinator.versions.latest()
     if record is None:
         raise not_found("no_version", "no version has been recorded yet")
@@ -74,5 +76,5 @@ async def events(
 
 
 @router.get("/{version}", response_model=VersionRecord, dependencies=[ReaderAuth])
-def get_version(version: int, coordinator: CoordinatorDep) -> VersionRecord:
-    return coordinator.version(version)
+async def get_version(version: int, coordinator: CoordinatorDep) -> VersionRecord:
+    return await coordinator.run(coordinator.version, version)

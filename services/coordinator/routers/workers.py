@@ -17,30 +17,33 @@ WorkerId = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
 @router.post("", response_model=HeartbeatAck, dependencies=[WorkerAuth])
-def register(body: WorkerRegistration, coordinator: CoordinatorDep) -> HeartbeatAck:
+async def register(body: WorkerRegistration, coordinator: CoordinatorDep) -> HeartbeatAck:
     """Register, or re-register after a restart or a loss (a clean rejoin)."""
-    return coordinator.register(body)
+    return await coordinator.run(coordinator.register, body)
 
 
 @router.post("/{worker_id}/heartbeat", response_model=HeartbeatAck, dependencies=[WorkerAuth])
-def heartbeat(
+async def heartbeat(
     worker_id: WorkerId, body: WorkerHeartbeat, coordinator: CoordinatorDep
-) -> HeartbeatAck:
-    return coordinator.heartbeat(worker_id, body)
+) -> Response:
+    """The hottest route (every worker, every second); the answer is serialized once (returning
+    a Response skips FastAPI's re-validation of the response model)."""
+    ack = await coordinator.run(coordinator.heartbeat, worker_id, body)
+    return Response(ack.model_dump_json(), media_type="application/json")
 
 
 @router.get("", response_model=list[WorkerInfo], dependencies=[ReaderAuth])
-def list_workers(coordinator: CoordinatorDep) -> list[WorkerInfo]:
-    return coordinator.workers()
+async def list_workers(coordinator: CoordinatorDep) -> list[WorkerInfo]:
+    return await coordinator.run(coordinator.workers)
 
 
 @router.get("/{worker_id}", response_model=WorkerInfo, dependencies=[ReaderAuth])
-def get_worker(worker_id: WorkerId, coordinator: CoordinatorDep) -> WorkerInfo:
-    return coordinator.worker(worker_id)
+async def get_worker(worker_id: WorkerId, coordinator: CoordinatorDep) -> WorkerInfo:
+    return await coordinator.run(coordinator.worker, worker_id)
 
 
 @router.delete("/{worker_id}", status_code=204, response_class=Response, dependencies=[WorkerAuth])
-def remove_worker(worker_id: WorkerId, coordinator: CoordinatorDep) -> Response:
+async def remove_worker(worker_id: WorkerId, coordinator: CoordinatorDep) -> Response:
     """Leave the pool (elastic scale-down). The worker's queued groups stay queued."""
-    coordinator.remove_worker(worker_id)
+    await coordinator.run(coordinator.remove_worker, worker_id)
     return Response(status_code=204)
