@@ -22,6 +22,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("env", "deltarl.env_server.cli", "serve"),
     ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
     ("status", "deltarl.services.coordinator.cli", "status"),
+    ("train", "deltarl.trainer.cli", "train"),
 ]
 
 app = typer.Typer(

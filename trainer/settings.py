@@ -29,7 +29,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.settings import ServiceSettings
 
 AdvantageScale = Literal["group", "batch", "none"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sum"]
@@ -252,3 +255,28 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     except json.JSONDecodeError:
         parsed = value
     node[parts[-1]] = parsed
+
+
+class TrainerDeployment(ServiceSettings):
+    """Deployment settings of ``deltarl train`` (environment variables ``DELTARL_TRAINER_*``;
+    the bucket comes from ``DELTARL_BUCKET_URI`` and its own settings)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DELTARL_TRAINER_", extra="ignore", case_sensitive=False
+    )
+
+    coordinator_url: str = Field(
+        default="http://127.0.0.1:8700", description="Base URL of the coordinator."
+    )
+    token: SecretStr | None = Field(
+        default=None, description="Trainer-role token of the coordinator; unset: no token."
+    )
+    device: str = Field(
+        default="auto", description="Torch device of the model: 'auto' (cuda if present), 'cpu'."
+    )
+    data_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Give up when a step's groups take longer than this to arrive (seconds); "
+        "unset: wait forever (a warning is logged every 30 s).",
+    )
