@@ -32,7 +32,7 @@ from deltarl.services.schemas import LeasedBatch, TrajectoryGroup
 from .batch import collate, filter_stale
 from .metrics import MetricsSink
 from .optim import build_optimizer
-from .publisher import WeightPublisher
+from .publisher import WeightPublisher, publishable_state
 from .settings import BatchSettings, ExperimentSettings
 from .step import train_step
 
@@ -137,7 +137,7 @@ def train(
     last version is committed when this returns.
     """
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
-    version = publisher.publish(model.state_dict(), step=0, anchor=True)
+    version = publisher.publish(publishable_state(model), step=0, anchor=True)
     publisher.wait()
     logger.info("published the starting weights as version %d", version)
     try:
@@ -159,7 +159,7 @@ def train(
             )
             metrics = train_step(model, opt, sched, batch, settings, ref_model=ref_model)
             waited = publisher.waited_s
-            version = publisher.publish(model.state_dict(), step=step)
+            version = publisher.publish(publishable_state(model), step=step)
             ack_failures = 0
             for bid in pulled.batch_ids:
                 try:

@@ -69,6 +69,15 @@ logger = logging.getLogger(__name__)
 Register = Callable[[VersionManifest], Any]
 
 
+def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The floating-point entries of ``model.state_dict()``: the weights replicas load.
+
+    Integer or boolean buffers (position ids, masks) are constants of the architecture, not
+    weights, and the delta codec handles floating-point tensors only.
+    """
+    return {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
+
+
 class PublishFailedError(RuntimeError):
     """Publishing a version failed (its ``__cause__`` says why), or a delta was asked for after
     such a failure. The bucket still holds the previous version; publish with ``anchor=True``."""

@@ -18,7 +18,12 @@ from deltarl.services.weightsync.delta import apply_delta
 from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import VersionManifest
 from deltarl.services.weightsync.publish import BucketReader
-from deltarl.trainer.publisher import PublishFailedError, PublishReport, WeightPublisher
+from deltarl.trainer.publisher import (
+    PublishFailedError,
+    PublishReport,
+    WeightPublisher,
+    publishable_state,
+)
 from deltarl.trainer.settings import PublishSettings
 
 
@@ -312,3 +317,10 @@ def test_cuda_weights(bucket: FlakyBucket) -> None:
             for t in params.values():  # in-place update right after the (async) snapshot
                 t.add_(1e-2)
     assert_bit_identical(rebuild(bucket)[0], expected)
+
+
+def test_publishable_state_keeps_float_weights_only() -> None:
+    model = torch.nn.Linear(2, 3)
+    model.register_buffer("position_ids", torch.arange(4))
+    model.register_buffer("scale", torch.ones(1))
+    assert sorted(publishable_state(model)) == ["bias", "scale", "weight"]

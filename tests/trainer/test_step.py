@@ -136,3 +136,30 @@ def test_kl_needs_a_reference_and_bad_models_are_refused() -> None:
     assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # same (zero) weights
     with pytest.raises(ValueError, match="logits"):
         forward_logits(WrongShape(), batch.tokens, batch.attention_mask)
+
+
+def test_a_hugging_face_model_trains_and_publishes(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    settings = ExperimentSettings.load(None, ["max_steps=3", "precision=bf16"])
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+    batch = collate(rollout(Bigram(), torch.Generator().manual_seed(3), 2, 4, 0), 0)
+    bucket = LocalBucket(tmp_path / "bucket")
+    with WeightPublisher(bucket) as pub:
+        pub.publish(model.state_dict())
+        for step in range(settings.max_steps):
+            metrics = train_step(model, opt, sched, batch, settings)
+            assert metrics["step/skipped"] == 0.0 and metrics["step/grad_norm"] > 0
+            pub.publish(model.state_dict(), step=step + 1)
+    want = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
+    assert_bit_identical(rebuild(bucket)[0], want)
