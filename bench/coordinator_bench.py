@@ -369,6 +369,15 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
     end = start + args.duration
     cpu0, wall0 = cpu_seconds(args.server_pid), time.perf_counter()
     own0 = time.process_time()
+    lags: list[float] = []
+
+    async def lag_monitor() -> None:  # this generator's own event-loop lag (its measurement error)
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - t - 0.01)
+
+    monitor_task = asyncio.create_task(lag_monitor())
     trainer_task = asyncio.create_task(trainer_loop())
     await asyncio.gather(
         submitter(),
@@ -384,6 +393,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
         await asyncio.sleep(0.2)
     stop.set()
     await trainer_task
+    await monitor_task
     _, st_body = await read_pool.request("GET", "/v1/status?workers=0")
     status = json.loads(st_body)
     kinds = ["heartbeat", "submit", "status", "lease", "ack", "publish", "register"]
@@ -407,6 +417,11 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
         "requests": table,
         "server_cpu_percent": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 1),
         "load_generator_cpu_percent": round(100 * (own1 - own0) / (wall1 - wall0), 1),
+        "load_generator_loop_lag_ms": {
+            "p50": round(pct(lags, 0.5) * 1e3, 2),
+            "p99": round(pct(lags, 0.99) * 1e3, 2),
+            "max": round(max(lags, default=0.0) * 1e3, 2),
+        },
         "accepted": accepted,
         "acked": acked,
         "leased_unique": len(set(leased_ids)),
