@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -16,7 +17,8 @@ from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.publish import NewObject, Publisher
 
 
-def tiny_config(layers: int = 2) -> transformers.LlamaConfig:
+def tiny_config(layers: int = 2, *, tied: bool = False) -> transformers.LlamaConfig:
+    kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}
     return transformers.LlamaConfig(
         vocab_size=128,
         hidden_size=32,
@@ -25,17 +27,17 @@ def tiny_config(layers: int = 2) -> transformers.LlamaConfig:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        tie_word_embeddings=tied,
+        **kwargs,
     )
 
 
 def tiny_engine(
-    seed: int = 0, layers: int = 2, dtype: torch.dtype = torch.bfloat16
+    seed: int = 0, layers: int = 2, dtype: torch.dtype = torch.bfloat16, *, tied: bool = False
 ) -> TransformersEngine:
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(tiny_config(layers)).to(dtype)
-    return TransformersEngine(model, seed=seed)
+    model: torch.nn.Module = transformers.LlamaForCausalLM(tiny_config(layers, tied=tied))
+    return TransformersEngine(model.to(dtype), seed=seed)
 
 
 def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,10 +21,13 @@ from deltarl.services.weightsync.publish import BucketReader
 PARAMS = SamplingParams(max_new_tokens=4, seed=0)
 
 
-def setup(bucket: LocalBucket) -> tuple[FakeTrainer, TransformersEngine, WeightSync]:
+def setup(
+    bucket: LocalBucket, *, tied: bool = False
+) -> tuple[FakeTrainer, TransformersEngine, WeightSync]:
     """A trainer at v0 (its own random init) and an engine with different random weights."""
-    trainer = FakeTrainer(bucket, clone_state(dict(tiny_engine(seed=1).named_parameters())))
-    engine = tiny_engine(seed=2)
+    trainer_weights = tiny_engine(seed=1, tied=tied).named_parameters()
+    trainer = FakeTrainer(bucket, clone_state(dict(trainer_weights)))
+    engine = tiny_engine(seed=2, tied=tied)
     assert not same_bits(dict(engine.named_parameters()), trainer.states[0])
     return trainer, engine, WeightSync(engine, BucketReader(bucket))
 
@@ -63,14 +66,17 @@ def test_starts_from_nothing_and_follows_versions_bit_exactly(
 
 
 def test_catches_up_from_far_behind_and_from_nothing(bucket: LocalBucket) -> None:
-    trainer, engine, ws = setup(bucket)
+    trainer, engine, ws = setup(bucket, tied=True)  # tied embeddings: one tensor, two uses
+    assert "lm_head.weight" not in weights(engine)
     ws.sync_to()
     for v in range(1, 11):
         trainer.step(anchor=v == 6)
     report = ws.sync_to()
     assert report.version == 10 and same_bits(weights(engine), trainer.states[10])
+    head = engine.model.get_output_embeddings().weight  # type: ignore[operator]
+    assert torch.equal(head, trainer.states[10]["model.embed_tokens.weight"])
     assert [s.version for s in report.steps][-1] == 10
-    fresh = tiny_engine(seed=3)
+    fresh = tiny_engine(seed=3, tied=True)
     ws2 = WeightSync(fresh, BucketReader(bucket))
     report = ws2.sync_to(8)  # an explicit target, not the latest
     assert [(s.kind, s.version) for s in report.steps] == [
@@ -245,7 +251,7 @@ def test_forward_steps_wait_while_the_delta_is_applied(
     def slow_apply(*args: object) -> None:
         applying.set()
         assert release.wait(30)
-        real_apply(*args)  # type: ignore[arg-type]
+        real_apply(*args)
 
     monkeypatch.setattr(weights_module, "apply_staged", slow_apply)
     future = ws.sync_in_background()
@@ -279,7 +285,7 @@ def test_samples_are_pending_until_the_apply_is_verified(
     def slow_verify(*args: object) -> dict[str, str]:
         verifying.set()
         assert release.wait(30)
-        return real_verify(*args)  # type: ignore[arg-type]
+        return real_verify(*args)
 
     monkeypatch.setattr(ws, "_verify", slow_verify)
     future = ws.sync_in_background()
