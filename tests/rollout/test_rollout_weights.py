@@ -73,7 +73,7 @@ def test_catches_up_from_far_behind_and_from_nothing(bucket: LocalBucket) -> Non
         trainer.step(anchor=v == 6)
     report = ws.sync_to()
     assert report.version == 10 and same_bits(weights(engine), trainer.states[10])
-    head = engine.model.get_output_embeddings().weight  # type: ignore[operator]
+    head = engine.model.get_output_embeddings().weight
     assert torch.equal(head, trainer.states[10]["model.embed_tokens.weight"])
     assert [s.version for s in report.steps][-1] == 10
     fresh = tiny_engine(seed=3, tied=True)
