@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
 from rollout_helpers import tiny_config, tiny_engine
 
 from deltarl.rollout.engines import (
     UNMANAGED,
+    EngineSettings,
     SamplingParams,
     TransformersEngineSettings,
     VllmEngineSettings,
@@ -138,3 +140,16 @@ def test_make_engine_from_a_config_directory(tmp_path: Path) -> None:
     assert len(out[0].token_ids) == 3
     with pytest.raises(NotImplementedError, match=r"docs/rollout\.md"):
         make_engine(VllmEngineSettings(model="x"))
+
+
+def test_engine_settings_pick_the_engine_by_type() -> None:
+    adapter: TypeAdapter[TransformersEngineSettings | VllmEngineSettings] = TypeAdapter(
+        EngineSettings
+    )
+    s = adapter.validate_python({"type": "transformers", "model": "m", "device": "cpu"})
+    assert isinstance(s, TransformersEngineSettings) and s.dtype == "bfloat16"
+    assert isinstance(adapter.validate_python({"type": "vllm", "model": "m"}), VllmEngineSettings)
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"type": "sglang", "model": "m"})
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"type": "transformers", "model": "m", "temperature": 1.0})

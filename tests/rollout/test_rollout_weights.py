@@ -297,3 +297,13 @@ def test_samples_are_pending_until_the_apply_is_verified(
     assert future.result(timeout=30).version == 1
     ws.close()
     assert ws.check(c) == "verified"
+
+
+def test_verify_before_resume_has_no_pending_window(bucket: LocalBucket) -> None:
+    trainer, engine, _ = setup(bucket)
+    ws = WeightSync(engine, BucketReader(bucket), verify_before_resume=True)
+    ws.sync_to()
+    trainer.step()
+    (step,) = ws.sync_to().steps
+    assert 0 < step.verify_s <= step.pause_s  # verified inside the pause
+    assert same_bits(weights(engine), trainer.states[1])
