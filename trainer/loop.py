@@ -32,7 +32,7 @@ from deltarl.services.schemas import LeasedBatch, TrajectoryGroup
 from .batch import collate, filter_stale
 from .metrics import MetricsSink
 from .optim import build_optimizer
-from .publisher import WeightPublisher, publishable_state
+from .publisher import PublishFailedError, WeightPublisher, publishable_state
 from .settings import BatchSettings, ExperimentSettings
 from .step import train_step
 
@@ -126,6 +126,7 @@ def train(
     data_timeout_s: float | None = None,
     poll_s: float = 1.0,
     stop: threading.Event | None = None,
+    max_publish_failures: int = 3,
 ) -> int:
     """Run ``settings.max_steps`` optimizer steps; return the last published version.
 
@@ -133,10 +134,14 @@ def train(
     version with the coordinator when it was built with ``register=``. ``sink`` receives each
     step's metrics (see :class:`~.metrics.MetricsLog`); the ``publish/*`` metrics of step ``k``
     describe the version published after step ``k - 1`` (``publish/version``), the newest one
-    committed when step ``k`` ends. Closes the publisher at the end, so the
-    last version is committed when this returns.
+    committed when step ``k`` ends. A failed publication (raised by the next ``publish``) is
+    logged and answered with an anchor-only version of the current weights (``publish/failed``
+    is 1 for that step); more than ``max_publish_failures`` failures in a row stop training with
+    :class:`~.publisher.PublishFailedError`. Closes the publisher at the end, so the last
+    version is committed (or its failure raised) when this returns.
     """
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+    failures = 0  # consecutive failed publications
     version = publisher.publish(publishable_state(model), step=0, anchor=True)
     publisher.wait()
     logger.info("published the starting weights as version %d", version)
@@ -159,7 +164,17 @@ def train(
             )
             metrics = train_step(model, opt, sched, batch, settings, ref_model=ref_model)
             waited = publisher.waited_s
-            version = publisher.publish(publishable_state(model), step=step)
+            failed = False
+            try:
+                version = publisher.publish(publishable_state(model), step=step)
+                failures = 0
+            except PublishFailedError:
+                failures += 1
+                if failures > max_publish_failures:
+                    raise
+                logger.exception("publication failed; re-anchoring with the current weights")
+                failed = True
+                version = publisher.publish(publishable_state(model), step=step, anchor=True)
             ack_failures = 0
             for bid in pulled.batch_ids:
                 try:
@@ -178,6 +193,7 @@ def train(
                     "batch/dropped_stale_coordinator": float(pulled.dropped_by_coordinator),
                     "batch/dropped_stale_trainer": float(pulled.dropped_by_trainer),
                     "batch/ack_failures": float(ack_failures),
+                    "publish/failed": float(failed),
                 }
             )
             if sink is not None:

@@ -14,11 +14,13 @@ import torch
 from test_publisher import FakeCoordinator, assert_bit_identical
 from test_step import Bigram, rollout
 
+from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import BatchItem, BatchLease, LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.anchor import decode_anchor
 from deltarl.services.weightsync.codec import decode_delta
 from deltarl.services.weightsync.delta import apply_delta
+from deltarl.services.weightsync.manifest import version_tag
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
@@ -166,3 +168,42 @@ def test_pull_gives_up_and_returns_its_leases(tmp_path: Path) -> None:
     stop.set()
     with pytest.raises(TimeoutError, match="stop requested"):
         pull_groups(queue, 0, BatchSettings(), 3, poll_s=0.0, stop=stop)
+
+
+class OnceFailingBucket(LocalBucket):
+    """Fails the first upload of one version's objects."""
+
+    def __init__(self, root: Path, version: int) -> None:
+        super().__init__(root)
+        self.prefix = f"objects/{version_tag(version)}/"
+        self.armed = True
+
+    def put_bytes(self, key: str, data: bytes, *, overwrite: bool = True) -> ObjectInfo:
+        if self.armed and key.startswith(self.prefix):
+            self.armed = False
+            raise OSError(f"simulated outage writing {key}")
+        return super().put_bytes(key, data, overwrite=overwrite)
+
+
+def test_loop_reanchors_after_a_failed_publication(tmp_path: Path) -> None:
+    settings = ExperimentSettings.load(
+        None, ["max_steps=8", "batch.groups_per_step=2", f"run_dir={tmp_path / 'run'}"]
+    )
+    bucket = OnceFailingBucket(tmp_path / "bucket", 5)
+    queue = FakeQueue(bucket)
+    coordinator = FakeCoordinator()
+    model = Bigram()
+    with WeightPublisher(bucket, settings.publish, register=coordinator) as pub:
+        last = train(model, settings, queue, pub, sink=MetricsLog(settings.run_dir), poll_s=0.0)
+    # version 5 (step 5's weights) never reached the bucket; step 6's weights took its number
+    # as an anchor-only version, and deltas resumed after it
+    assert last == 7 and not bucket.armed
+    kinds = {m.version: (m.has_anchor, bool(m.deltas)) for m in coordinator.manifests}
+    assert sorted(kinds) == list(range(8))
+    assert kinds[5] == (True, False) and kinds[6] == (False, True)
+    rows = read_metrics(settings.run_dir)
+    assert [r["publish/failed"] for r in rows] == [0, 0, 0, 0, 0, 1, 0, 0]
+    queue.catch_up()
+    assert queue.replica is not None
+    want = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
+    assert_bit_identical(queue.replica, want)
