@@ -125,11 +125,14 @@ class TransformersEngine(Engine):
     @classmethod
     def from_settings(cls, settings: TransformersEngineSettings) -> TransformersEngine:
         """Load the architecture (and, for ``init='pretrained'``, the weights) on the device."""
+        import transformers
         from transformers import AutoConfig, AutoModelForCausalLM
 
         device = resolve_device(settings.device)
         dtype = getattr(torch, settings.dtype)
-        kwargs: dict[str, Any] = {"dtype": dtype}
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        dtype_arg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+        kwargs: dict[str, Any] = {dtype_arg: dtype}
         if settings.attn_implementation is not None:
             kwargs["attn_implementation"] = settings.attn_implementation
         if settings.init == "pretrained":

@@ -153,3 +153,14 @@ def test_engine_settings_pick_the_engine_by_type() -> None:
         adapter.validate_python({"type": "sglang", "model": "m"})
     with pytest.raises(ValidationError):
         adapter.validate_python({"type": "transformers", "model": "m", "temperature": 1.0})
+
+
+def test_make_engine_loads_pretrained_weights(tmp_path: Path) -> None:
+    source = tiny_engine(seed=7)
+    source.model.save_pretrained(tmp_path)
+    engine = make_engine(
+        TransformersEngineSettings(model=str(tmp_path), init="pretrained", device="cpu")
+    )
+    assert engine.named_parameters().keys() == source.named_parameters().keys()
+    for name, t in source.named_parameters().items():
+        assert torch.equal(engine.named_parameters()[name], t)
