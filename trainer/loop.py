@@ -104,10 +104,10 @@ def pull_groups(
             )
             last_warn = now
         leased = source.lease(want - len(out.groups), settings.lease_s, poll_s)
+        out.dropped_by_coordinator += leased.lease.dropped_stale
         if not leased.lease.items:
             continue
         out.batch_ids.append(leased.lease.batch_id)
-        out.dropped_by_coordinator += leased.lease.dropped_stale
         kept = filter_stale(leased.groups, policy_version, settings.max_staleness)
         out.groups.extend(kept.kept)
         out.dropped_by_trainer += kept.dropped_groups

@@ -311,18 +311,21 @@ class WeightPublisher:
             report = self._run(snap, version, step, anchor)
         except BaseException as err:
             self._failed = True
+            # Where the bucket stands decides the next version number (a failure after the
+            # commit, e.g. in registration, used this one up); if the bucket cannot even be
+            # read now, keep the last known value: the next publish re-checks anyway.
             with contextlib.suppress(Exception):
                 self._bucket_latest = self._publisher.reader.latest_version()
             logger.error(
-                "publishing version %d failed (%s); the bucket keeps version %s; the next "
+                "publishing version %d failed (%s); the bucket's newest version is %s; the next "
                 "publish must re-anchor",
                 version,
                 err,
                 self._bucket_latest,
             )
             raise PublishFailedError(
-                f"publishing version {version} failed: {type(err).__name__}: {err}; the bucket "
-                f"still holds version {self._bucket_latest}; continue with "
+                f"publishing version {version} failed: {type(err).__name__}: {err}; the bucket's "
+                f"newest version is {self._bucket_latest}; continue with "
                 "publish(..., anchor=True)"
             ) from err
         if self.on_report is not None:
