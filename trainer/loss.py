@@ -364,8 +364,7 @@ def grpo_loss(
     lp_det = lp.detach()
     behav = clean(behaviour_logprobs.detach())
     adv = advantages.detach().to(torch.float32)
-    if adv.dim() == 1:
-        adv = adv[:, None].expand(shape)
+    adv = clean(adv[:, None].expand(shape) if adv.dim() == 1 else adv)
     stats = LossStats()
 
     if proximal_logprobs is not None:

@@ -290,7 +290,8 @@ def test_masked_garbage_never_reaches_loss_or_gradient() -> None:
     for mode in ("none", "token_truncate", "sequence_mask"):
         s = LossSettings(importance_sampling=mode, kl_coef=0.1)
         ref = torch.tensor([[math.nan, math.nan, ln(0.5)]])
-        out = grpo_loss(lp, behav, torch.tensor([2.0]), mask, s, ref_logprobs=ref)
+        adv = torch.tensor([[math.nan, math.inf, 2.0]])  # per-token, garbage where masked
+        out = grpo_loss(lp, behav, adv, mask, s, ref_logprobs=ref)
         out.loss.backward()
         assert out.loss.item() == pytest.approx(-2.0)
         assert lp.grad is not None and lp.grad.tolist()[0][:2] == [0.0, 0.0]
