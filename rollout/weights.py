@@ -455,9 +455,11 @@ class WeightSync:
             raise CorruptDeltaError(reason) from err
         _check_delta_versions(delta, ref)
         t2 = time.perf_counter()
-        staged = stage_delta(delta, self.engine.device)
-        t3 = time.perf_counter()
         params = self.engine.named_parameters()
+        # binding the target tensors now (checked: names, dtypes, shapes, device) leaves only
+        # the scatters for the pause
+        staged = stage_delta(delta, self.engine.device, params)
+        t3 = time.perf_counter()
         seq = self._stamp.seq + 1
         verify_s = 0.0
         digests: dict[str, str] | None = None
