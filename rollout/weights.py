@@ -53,8 +53,7 @@ from collections import deque
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import asdict
 
 import torch
 
@@ -80,6 +79,14 @@ from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
 from deltarl.services.weightsync.publish import BucketReader
 
 from .engines.base import Completion, Engine, SamplingParams, WeightsStamp
+from .sync_records import (
+    StepTiming,
+    SyncError,
+    SyncReport,
+    SyncStatus,
+    Verdict,
+    WeightsUnhealthyError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,70 +94,16 @@ ANCHOR_FORMATS = ("safetensors", "safetensors+zstd")
 DEFAULT_FORMATS: tuple[str, ...] = (*FORMAT_TAGS.values(), *ANCHOR_FORMATS)
 """Object formats a worker can load: every delta format of the codec and both anchor formats."""
 
-Verdict = Literal["verified", "pending", "failed"]
-
-
-class WeightsUnhealthyError(RuntimeError):
-    """The engine's weights are missing or failed verification: generation must not run."""
-
-
-class SyncError(RuntimeError):
-    """A sync could not reach its target; :attr:`WeightSync.healthy` says if the weights are
-    still usable (at :attr:`WeightSync.version`)."""
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """One applied object. Times in seconds; ``None`` where not applicable.
-
-    ``wait_s``: waiting for the in-flight forward step before the pause; ``pause_s``: how long
-    generation was paused (the apply, plus verification with ``verify_before_resume`` and for
-    anchors); ``publish_to_*``: from the manifest's ``created_at`` (publisher's clock) to the
-    weights being applied / verified here.
-    """
-
-    version: int
-    base_version: int | None
-    kind: Literal["anchor", "delta"]
-    format: str
-    bytes: int
-    changed: int | None
-    download_s: float
-    decode_s: float
-    stage_s: float
-    wait_s: float
-    pause_s: float
-    verify_s: float
-    mirror_s: float
-    publish_to_applied_s: float | None
-    publish_to_verified_s: float | None
-
-
-@dataclass(slots=True)
-class SyncReport:
-    """What one :meth:`WeightSync.sync_to` call did."""
-
-    start_version: int | None  # verified version before the call (None: no weights)
-    target: int
-    version: int | None = None  # verified version after the call
-    steps: list[StepTiming] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # objects that failed, and why
-
-    @property
-    def fell_back(self) -> bool:
-        """True if some object failed and the sync went around it (another plan)."""
-        return bool(self.failures)
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStatus:
-    """A snapshot for heartbeats and status pages."""
-
-    version: int | None  # version generation runs with (applied; maybe pending verification)
-    verified_version: int | None  # newest verified version (None: none yet)
-    healthy: bool
-    reason: str  # "ok", or why generation is refused
-    seq: int  # weight states installed so far (see WeightsStamp)
+__all__ = [
+    "DEFAULT_FORMATS",
+    "StepTiming",
+    "SyncError",
+    "SyncReport",
+    "SyncStatus",
+    "Verdict",
+    "WeightSync",
+    "WeightsUnhealthyError",
+]
 
 
 class WeightSync:
