@@ -3,6 +3,11 @@
 Parses the experiment settings (TOML + ``--set`` overrides) and the deployment settings
 (environment) first, writes the resolved experiment settings into the run directory, and only
 then imports torch and transformers.
+
+``--resume`` continues from the latest checkpoint of the run (``checkpoint.path``, default
+``<run_dir>/checkpoints``): weights, optimizer, scheduler, RNG and step come from it, and its
+weights are published as a fresh anchor. SIGINT/SIGTERM finish the current step, checkpoint and
+exit with 128 + the signal number; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pydantic import ValidationError
 
 from deltarl.services.settings import settings_help
 
-from .settings import ExperimentSettings, TrainerDeployment
+from .settings import CHECKPOINT_POINTER, ExperimentSettings, TrainerDeployment
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +35,24 @@ def train(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Resolve and write the settings, then exit."
     ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue from the latest checkpoint of the run (publishes its weights as an anchor).",
+    ),
 ) -> None:
     try:
         settings = ExperimentSettings.load(config, overrides)
         deploy = TrainerDeployment()
     except (ValidationError, ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+    ckpt_dir = settings.checkpoint_dir()
+    if resume and not (ckpt_dir / CHECKPOINT_POINTER).is_file():
+        raise typer.BadParameter(
+            f"no checkpoint to resume from in {ckpt_dir} (no {CHECKPOINT_POINTER} file); check "
+            "run_dir / checkpoint.path, or start without --resume",
+            param_hint="--resume",
+        )
     resolved = settings.write_resolved()
     logger.info("settings resolved into %s", resolved)
     if dry_run:
@@ -48,10 +65,17 @@ def train(
     from deltarl.services.buckets import open_bucket
     from deltarl.services.coordinator.client import CoordinatorClient
 
+    from .checkpoint import Checkpointer, CheckpointError
+    from .loop import GracefulStop
     from .loop import train as run_loop
     from .metrics import MetricsLog
     from .publisher import WeightPublisher
 
+    checkpointer = Checkpointer(ckpt_dir, keep=settings.checkpoint.keep)
+    try:
+        checkpoint = checkpointer.load() if resume else None
+    except CheckpointError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--resume") from exc
     torch.manual_seed(settings.seed)
     device = deploy.device
     if device == "auto":
@@ -69,14 +93,25 @@ def train(
             register=client.publish_version,
             tmp_dir=Path(settings.run_dir),
         )
-        last = run_loop(
-            model,
-            settings,
-            client,
-            publisher,
-            sink=MetricsLog(settings.run_dir),
-            data_timeout_s=deploy.data_timeout_s,
+        with GracefulStop() as stopper:
+            last = run_loop(
+                model,
+                settings,
+                client,
+                publisher,
+                sink=MetricsLog(settings.run_dir),
+                data_timeout_s=deploy.data_timeout_s,
+                stop=stopper.event,
+                checkpointer=checkpointer,
+                resume=checkpoint,
+            )
+    if stopper.signum is not None:
+        logger.warning(
+            "stopped by signal %d; version %d is the last published; continue with --resume",
+            stopper.signum,
+            last,
         )
+        raise typer.Exit(128 + stopper.signum)
     logger.info("done: version %d published to %s", last, bucket.uri)
 
 

@@ -15,21 +15,36 @@ Order per optimizer step (``v`` is the version of the weights being trained):
 
 The first version (the starting weights, with an anchor) is published and waited for before
 the first pull, so workers have weights to generate with.
+
+Durability (see :mod:`.checkpoint`): with a :class:`~.checkpoint.Checkpointer`, a checkpoint is
+committed after every ``checkpoint.every``-th step (after that step's publish and ack), at the
+end, on a stop request (:class:`GracefulStop`: SIGINT/SIGTERM let the current step finish, then
+checkpoint and return) and when data time out. ``resume=`` restores a checkpoint and publishes
+its weights as an *anchor-only* version numbered after both the checkpoint's version and the
+bucket's newest one, so versions only increase and no worker ever applies a delta against
+weights the trainer no longer has. A crash between steps loses at most the steps since the last
+checkpoint; the published chain stays valid (every published version is complete and
+self-consistent; the versions published after the checkpoint simply become a branch nobody
+extends).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
 
 from deltarl.services.schemas import LeasedBatch, TrajectoryGroup
+from deltarl.services.weightsync.publish import BucketReader
 
 from .batch import collate, filter_stale
+from .checkpoint import Checkpoint, Checkpointer
 from .metrics import MetricsSink
 from .optim import build_optimizer
 from .publisher import PublishFailedError, WeightPublisher, publishable_state
@@ -38,7 +53,7 @@ from .step import train_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchSource", "Pulled", "pull_groups", "train"]
+__all__ = ["BatchSource", "GracefulStop", "Pulled", "pull_groups", "train"]
 
 
 class BatchSource(Protocol):
@@ -115,6 +130,72 @@ def pull_groups(
     return out
 
 
+class GracefulStop:
+    """Turns SIGINT/SIGTERM into a stop request for :func:`train` (use in the main thread).
+
+    The first signal sets :attr:`event` (the loop finishes its step, checkpoints and returns)
+    and records :attr:`signum`; a second one raises ``KeyboardInterrupt`` at once. The previous
+    handlers come back on exit::
+
+        with GracefulStop() as stopper:
+            train(..., stop=stopper.event, checkpointer=ckpt)
+        if stopper.signum is not None:
+            sys.exit(128 + stopper.signum)
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._signals = signals
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping now")
+        self.signum = signum
+        self.event.set()
+        logger.warning(
+            "%s: finishing the current step, then checkpointing and stopping (send it again to "
+            "stop at once)",
+            signal.Signals(signum).name,
+        )
+
+
+def _resume_version(publisher: WeightPublisher, checkpoint: Checkpoint) -> int:
+    """The version of the resumed weights: after the checkpoint's and the bucket's newest."""
+    meta = checkpoint.meta
+    latest = BucketReader(publisher.bucket).latest()
+    if latest is not None and latest.version == meta.version:
+        if latest.state_digest != meta.state_digest:
+            logger.warning(
+                "the bucket's version %d has state digest %s, the checkpoint's weights %s: is "
+                "this the run's bucket? (the anchor published now makes workers consistent)",
+                latest.version,
+                latest.state_digest,
+                meta.state_digest,
+            )
+    elif meta.bucket_version is not None and (
+        latest is None or latest.version < meta.bucket_version
+    ):
+        logger.warning(
+            "the bucket's newest version (%s) is older than the %d seen when the checkpoint was "
+            "written: is this the run's bucket?",
+            None if latest is None else latest.version,
+            meta.bucket_version,
+        )
+    return max(publisher.next_version(), meta.version + 1)
+
+
 def train(
     model: torch.nn.Module,
     settings: ExperimentSettings,
@@ -127,8 +208,10 @@ def train(
     poll_s: float = 1.0,
     stop: threading.Event | None = None,
     max_publish_failures: int = 3,
+    checkpointer: Checkpointer | None = None,
+    resume: Checkpoint | None = None,
 ) -> int:
-    """Run ``settings.max_steps`` optimizer steps; return the last published version.
+    """Run optimizer steps up to ``settings.max_steps``; return the last published version.
 
     ``model`` holds the fp32 master weights (on its device); ``publisher`` registers each
     version with the coordinator when it was built with ``register=``. ``sink`` receives each
@@ -139,23 +222,72 @@ def train(
     is 1 for that step); more than ``max_publish_failures`` failures in a row stop training with
     :class:`~.publisher.PublishFailedError`. Closes the publisher at the end, so the last
     version is committed (or its failure raised) when this returns.
+
+    ``stop`` (e.g. :attr:`GracefulStop.event`): once set, the step in progress finishes (a pull
+    still waiting for data gives its leases back), a checkpoint is written and this returns.
+    ``checkpointer``: where checkpoints go (``settings.checkpoint.every``; see the module
+    docstring); None: no checkpoints. ``resume``: a loaded checkpoint to continue from: training
+    resumes at its ``step + 1`` with its optimizer, scheduler and RNG states.
     """
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     failures = 0  # consecutive failed publications
-    version = publisher.publish(publishable_state(model), step=0, anchor=True)
-    publisher.wait()
-    logger.info("published the starting weights as version %d", version)
+    step = groups_trained = 0
+    if resume is not None:
+        resume.restore(model, opt, sched, publish_dtype=publisher.dtype)
+        step, groups_trained = resume.meta.step, resume.meta.groups_trained
+        version = publisher.publish(
+            publishable_state(model), _resume_version(publisher, resume), step=step, anchor=True
+        )
+        publisher.wait()
+        logger.info("resumed after step %d; its weights are version %d (anchor)", step, version)
+    else:
+        version = publisher.publish(publishable_state(model), step=0, anchor=True)
+        publisher.wait()
+        logger.info("published the starting weights as version %d", version)
+    saved = step  # step of the newest checkpoint (or of the start: nothing new to save)
+
+    def save() -> None:
+        nonlocal saved
+        if checkpointer is None or step == saved:
+            return
+        latest = BucketReader(publisher.bucket).latest()
+        checkpointer.save(
+            step,
+            model,
+            opt,
+            sched,
+            version=version,
+            bucket_version=None if latest is None else latest.version,
+            bucket_digest=None if latest is None else latest.state_digest,
+            groups_trained=groups_trained,
+            settings=settings.model_dump(mode="json"),
+            publish_dtype=publisher.dtype,
+        )
+        saved = step
+
+    every = settings.checkpoint.every
     try:
-        for step in range(1, settings.max_steps + 1):
-            pulled = pull_groups(
-                source,
-                version,
-                settings.batch,
-                settings.batch.groups_per_step,
-                poll_s=poll_s,
-                timeout_s=data_timeout_s,
-                stop=stop,
-            )
+        while step < settings.max_steps:
+            if stop is not None and stop.is_set():
+                logger.warning("stop requested: stopping after step %d", step)
+                break
+            try:
+                pulled = pull_groups(
+                    source,
+                    version,
+                    settings.batch,
+                    settings.batch.groups_per_step,
+                    poll_s=poll_s,
+                    timeout_s=data_timeout_s,
+                    stop=stop,
+                )
+            except TimeoutError:
+                if stop is not None and stop.is_set():
+                    logger.warning("stop requested while waiting for data after step %d", step)
+                    break
+                save()  # between steps: the state is consistent
+                raise
+            step += 1
             batch = collate(
                 pulled.groups,
                 version,
@@ -182,6 +314,7 @@ def train(
                 except Exception as err:  # an expired lease: its groups went back to the queue
                     ack_failures += 1
                     logger.warning("ack of batch %s failed: %s", bid, err)
+            groups_trained += len(pulled.groups)
             report = publisher.last_report  # the previous version's, committed by now
             if report is not None:
                 metrics.update(report.metrics())
@@ -198,6 +331,9 @@ def train(
             )
             if sink is not None:
                 sink(step, metrics)
+            if every and step % every == 0:
+                save()
+        save()  # the end, or a stop request
     finally:
         publisher.close()
     return version

@@ -43,6 +43,7 @@ PublishFormat = Literal["compact", "trl-raw", "trl-gap"]
 LrSchedule = Literal["constant", "linear", "cosine"]
 
 RESOLVED_NAME = "settings.json"
+CHECKPOINT_POINTER = "latest"  # file in the checkpoint directory naming the newest checkpoint
 
 
 class _Settings(BaseModel):
@@ -178,6 +179,26 @@ class PublishSettings(_Settings):
     )
 
 
+class CheckpointSettings(_Settings):
+    """When and where the trainer checkpoints (see :mod:`deltarl.trainer.checkpoint`)."""
+
+    every: int = Field(
+        default=50,
+        ge=0,
+        description="Checkpoint after every this many optimizer steps (0: only at the end and "
+        "on shutdown); a crash loses at most the steps since the last checkpoint.",
+    )
+    keep: int = Field(
+        default=3,
+        ge=1,
+        description="Checkpoints kept on disk (the newest); older ones are deleted once a new "
+        "one is committed.",
+    )
+    path: str | None = Field(
+        default=None, description="Checkpoint directory; None: <run_dir>/checkpoints."
+    )
+
+
 class ExperimentSettings(_Settings):
     """Root of the experiment settings (one TOML file)."""
 
@@ -200,6 +221,10 @@ class ExperimentSettings(_Settings):
     loss: LossSettings = Field(default_factory=LossSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     publish: PublishSettings = Field(default_factory=PublishSettings)
+    checkpoint: CheckpointSettings = Field(
+        default_factory=CheckpointSettings,
+        description="Checkpoint cadence, retention and directory.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentSettings:
@@ -209,6 +234,12 @@ class ExperimentSettings(_Settings):
                 f"({self.max_steps})"
             )
         return self
+
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go: ``checkpoint.path``, else ``<run_dir>/checkpoints``."""
+        if self.checkpoint.path is not None:
+            return Path(self.checkpoint.path)
+        return Path(self.run_dir) / "checkpoints"
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> Self:
