@@ -1,0 +1,737 @@
+"""Multi-turn episodes against an environment server, with token-level bookkeeping for training.
+
+An *episode* is one game: the environment's first observation becomes the first user turn of a
+chat (after a configurable system prompt), the model's reply is sent as the action, and the
+environment's feedback becomes the next user turn, until the environment says ``done`` or a
+limit (``max_turns``, ``max_tokens``) truncates it. Any server speaking the OpenEnv-style
+protocol of :mod:`deltarl.env_server` (text action in; observation, reward, done out) plugs in
+through :class:`EpisodeEnv` (:class:`~deltarl.env_server.client.EnvClient` is one); Wordle is
+the tested one.
+
+Token bookkeeping: an episode is ONE flat token sequence, exactly what the model saw and
+sampled. The first prompt is the chat template rendered and tokenized; the model's tokens are
+appended as sampled (never re-tokenized); the template text that closes the assistant turn and
+opens the next user turn (with the environment's feedback) is rendered and tokenized on its
+own and appended. Per token: ``mask`` 1 on sampled tokens (the stop token that ended a reply
+included), 0 on prompt/template/environment tokens; ``logprobs`` the engine's behaviour
+logprob of each sampled token, 0.0 where the mask is 0 (position ``t`` holds
+``log p(tokens[t] | tokens[:t])``, the trainer's alignment). The sequence always ends with the
+last sampled token (the final observation is not appended).
+
+Batching: :class:`EpisodeRunner` runs any number of episodes concurrently on one event loop and
+gathers the pending turns of all live episodes into one ``generate`` call (run in a worker
+thread so environment I/O continues). Order of calls in the batcher, repeated::
+
+    wait for a pending turn -> wait until every live episode has one pending, or max_batch are
+    pending, or batch_wait_s passed since the oldest -> ONE generate(prompts, params) in a
+    thread (params.max_new_tokens = largest per-episode budget; each reply is cut to its own)
+    -> hand each episode its completion -> the episode steps the environment, appends the
+    feedback and queues its next turn
+
+Guarantees:
+
+* ``sum(mask) == sum(len(turn.token_ids))``, and ``tokens[turn.start:turn.end]`` are exactly
+  the tokens the engine returned for that turn (cut to the episode's budget), with their
+  logprobs at the same positions.
+* Versions: each turn records the policy versions of the weights that sampled its first and
+  last token (the engine's :class:`~deltarl.rollout.engines.base.WeightsStamp`, i.e. the
+  :class:`~deltarl.rollout.weights.WeightSync` gate); an episode spans ``version_min ..
+  version_max`` over its turns. When the stamps are unmanaged (no gate), ``policy_version()``
+  is read before and after the generate call instead, so a sync during the call widens the span.
+* The episodes of a group share the environment seed (same secret word) and the group id; a
+  group is returned complete or not at all (an error in one episode cancels its siblings and
+  closes their sessions).
+* Invalid replies are sent to the environment unchanged: the environment's policy decides
+  (Wordle warns once, then forfeits), and its feedback is appended like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deltarl.env_server.models import StepResult
+
+from .engines.base import Completion, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "WORDLE_SYSTEM_PROMPT",
+    "ChatFormat",
+    "ChatTokenizer",
+    "EnvSession",
+    "Episode",
+    "EpisodeEnv",
+    "EpisodeGroup",
+    "EpisodeRunner",
+    "EpisodeSettings",
+    "TokenGenerator",
+    "Truncation",
+    "Turn",
+    "new_group_id",
+    "observation_text",
+]
+
+WORDLE_SYSTEM_PROMPT = (
+    "You are an expert Wordle player. Guess the secret 5-letter English word in at most 6 "
+    "guesses. After each guess you get feedback per letter: G = right letter in the right "
+    "place, Y = letter in the word but elsewhere, X = letter not in the word. Use the "
+    "feedback to narrow down the word. Reply with your next guess as one 5-letter word in "
+    "square brackets, for example [crane], and nothing else."
+)
+"""Default system prompt (in the spirit of TRL's Wordle example: guesses in square brackets)."""
+
+Truncation = Literal["max_turns", "max_tokens"]
+_SENTINEL = "@@DELTARL-REPLY-7f3a@@"  # stands for an assistant reply when probing the template
+
+
+class EpisodeSettings(BaseModel):
+    """How episodes are played and batched (experiment settings; one instance per worker).
+
+    Example: ``EpisodeSettings(group_size=8, max_turns=6, sampling=SamplingParams(
+    max_new_tokens=64))``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_size: int = Field(default=8, ge=1, description="Episodes per group (GRPO's G).")
+    max_turns: int = Field(
+        default=6, ge=1, description="Model replies per episode before it is truncated."
+    )
+    max_tokens: int = Field(
+        default=2048,
+        ge=2,
+        description="Length of the whole flat sequence (prompt + replies + feedback), tokens; "
+        "a turn that would exceed it ends the episode as truncated.",
+    )
+    sampling: SamplingParams = Field(
+        default=SamplingParams(max_new_tokens=128),
+        description="Sampling of each reply; max_new_tokens is the per-turn limit. With a seed, "
+        "the n-th generate call of the runner uses seed + n (reproducible given the batching).",
+    )
+    system_prompt: str | None = Field(
+        default=WORDLE_SYSTEM_PROMPT, description="System turn; None: no system message."
+    )
+    stop_at_end_of_turn: bool = Field(
+        default=True,
+        description="Add the chat template's end-of-turn token and the tokenizer's EOS to "
+        "sampling.stop_token_ids (the engine adds none by itself).",
+    )
+    max_batch: int = Field(default=256, ge=1, description="Most prompts per generate call.")
+    batch_wait_s: float = Field(
+        default=0.005,
+        ge=0.0,
+        description="Longest wait for more episodes to join a generate call once one is pending "
+        "(seconds); the call starts earlier when every live episode is waiting.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# what the runner needs from its collaborators
+
+
+class TokenGenerator(Protocol):
+    """What generates replies: an :class:`~deltarl.rollout.engines.base.Engine` (unmanaged
+    stamps) or a :class:`~deltarl.rollout.weights.WeightSync` (gated, stamped completions).
+    Called from a worker thread, one call at a time."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]: ...
+
+
+class ChatTokenizer(Protocol):
+    """The parts of a Hugging Face tokenizer that episodes use."""
+
+    @property
+    def eos_token_id(self) -> Any: ...  # int | None (typed loosely by transformers)
+
+    @property
+    def all_special_ids(self) -> Any: ...  # list[int]
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: Any, **kwargs: Any) -> Any: ...
+
+    def decode(self, token_ids: Any, **kwargs: Any) -> Any: ...
+
+
+class EnvSession(Protocol):
+    """One open environment session (e.g. :class:`~deltarl.env_server.client.AsyncEpisode`)."""
+
+    @property
+    def first(self) -> StepResult: ...
+
+    async def step(self, message: str) -> StepResult: ...
+
+
+class EpisodeEnv(Protocol):
+    """An environment server client (e.g. :class:`~deltarl.env_server.client.EnvClient`)."""
+
+    def episode(
+        self, *, seed: int | None = None, episode_id: str | None = None
+    ) -> AbstractAsyncContextManager[EnvSession]: ...
+
+
+def observation_text(previous: StepResult | None, result: StepResult) -> str:
+    """Default rendering of an observation as the next user turn.
+
+    The transcript messages that ``result`` added since ``previous`` (all of them for the first
+    observation), leaving out the player's own moves (``sender_id == current_player_id``),
+    joined by blank lines; the observation's ``prompt`` if that leaves nothing. For Wordle: the
+    game's instructions first, then each step's feedback ("You submitted [crane]. ...").
+    """
+    obs = result.observation
+    start = len(previous.observation.messages) if previous is not None else 0
+    texts = [m.content for m in obs.messages[start:] if m.sender_id != obs.current_player_id]
+    return "\n\n".join(texts) if texts else obs.prompt
+
+
+def _signals_of(result: StepResult) -> dict[str, float]:
+    raw = getattr(result.observation, "reward_signals", None)
+    if raw is None:
+        return {}
+    values = raw.model_dump() if isinstance(raw, BaseModel) else dict(raw)
+    return {str(k): float(v) for k, v in values.items() if isinstance(v, int | float)}
+
+
+# --------------------------------------------------------------------------------------------
+# chat template -> token ids
+
+
+class ChatFormat:
+    """Turns a conversation into the flat token sequence, one turn at a time.
+
+    Built once per tokenizer; it probes the chat template with a sentinel reply to learn the
+    text that closes an assistant turn (e.g. ``"<|im_end|>\\n"``) and its end-of-turn token.
+    Raises ``ValueError`` if the template has no chat template or is not prefix-stable (a
+    conversation's rendering must start with the rendering of its beginning).
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; use an instruct model's")
+        self.tokenizer = tokenizer
+        closing = self._closing([{"role": "user", "content": "x"}])
+        ids = self.encode(closing)
+        special = set(tokenizer.all_special_ids or [])
+        eot = ids[0] if ids else None
+        if eot is not None and not (eot in special or self._text([eot], skip=True) == ""):
+            eot = None  # the turn ends with plain text (e.g. "\n\n"): no end-of-turn token
+        self.end_of_turn_id: int | None = eot
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+
+    def render(self, messages: Sequence[dict[str, str]], *, generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without BOS/EOS (the template writes its own special tokens)."""
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def _text(self, ids: Sequence[int], *, skip: bool) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip))
+
+    def reply_text(self, token_ids: Sequence[int], stopped: bool) -> str:
+        """The action text of a reply: its tokens decoded, the final stop token and any special
+        tokens left out."""
+        ids = token_ids[:-1] if stopped and token_ids else token_ids
+        return self._text(ids, skip=True)
+
+    def _closing(self, messages: list[dict[str, str]]) -> str:
+        with_reply = [*messages, {"role": "assistant", "content": _SENTINEL}]
+        text = self.render(with_reply, generation_prompt=False)
+        at = text.rfind(_SENTINEL)
+        if at < 0:
+            raise ValueError("the chat template drops the assistant's reply; cannot track tokens")
+        return text[at + len(_SENTINEL) :]
+
+    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The first prompt: ``messages`` (system?, user) rendered with the generation prompt."""
+        return self.encode(self.render(messages, generation_prompt=True))
+
+    def continuation_ids(
+        self, messages: Sequence[dict[str, str]], feedback: str, stop_token: int | None
+    ) -> list[int]:
+        """Tokens that follow a reply: the rest of the assistant turn, then the user turn with
+        ``feedback`` and the next generation prompt.
+
+        ``messages`` is the conversation so far, ending with the assistant reply just sampled
+        (its text only matters for templates that look back). ``stop_token``: the token that
+        ended the reply (None: it was cut by length); if its text begins the template's closing
+        text it is not written again.
+        """
+        history = [*messages[:-1], {"role": "assistant", "content": _SENTINEL}]
+        head = self.render(history, generation_prompt=False)
+        full = self.render(
+            [*history, {"role": "user", "content": feedback}], generation_prompt=True
+        )
+        if not full.startswith(head):
+            raise ValueError(
+                "the chat template is not prefix-stable (adding a user turn changes the text "
+                "before it); multi-turn token bookkeeping needs a template that only appends"
+            )
+        closing = head[head.rfind(_SENTINEL) + len(_SENTINEL) :]
+        if stop_token is not None:
+            written = self._text([stop_token], skip=False)
+            if written and closing.startswith(written):
+                closing = closing[len(written) :]
+        return self.encode(closing + full[len(head) :])
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """End-of-turn and EOS ids (those that exist)."""
+        ids = [i for i in (self.end_of_turn_id, self.eos_token_id) if i is not None]
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+# --------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One model reply and the environment's answer to it.
+
+    ``start``/``end``: the reply's slice of the episode's flat tokens. ``completion``: what the
+    engine returned, cut to the episode's token budget (pass it to ``WeightSync.check`` before
+    submitting). ``reward``: the environment's reward for this step (Wordle: 0.0 until the
+    game ends). ``signals``: the step's named reward signals (empty if the env sends none).
+    """
+
+    start: int
+    end: int
+    completion: Completion
+    reply: str
+    version_min: int | None
+    version_max: int | None
+    reward: float
+    signals: dict[str, float]
+    done: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completion.token_ids
+
+
+@dataclass(slots=True)
+class Episode:
+    """One finished episode: flat tokens with mask and logprobs, turns, reward, truncation.
+
+    ``reward`` is the environment's reward of the last step (its final reward when ``done``).
+    ``truncated``: None when the environment ended the episode; ``"max_turns"`` /
+    ``"max_tokens"`` when a limit did. ``messages``: the conversation as text (for logs).
+    """
+
+    group_id: str
+    index: int
+    seed: int | None
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    truncated: Truncation | None = None
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def version_min(self) -> int | None:
+        """Oldest policy version that sampled a token of this episode (None: unknown)."""
+        known = [t.version_min for t in self.turns if t.version_min is not None]
+        return min(known) if known else None
+
+    @property
+    def version_max(self) -> int | None:
+        known = [t.version_max for t in self.turns if t.version_max is not None]
+        return max(known) if known else None
+
+    def _append(self, ids: Sequence[int], *, sampled: Sequence[float] | None = None) -> None:
+        self.tokens.extend(ids)
+        if sampled is None:
+            self.mask.extend([0] * len(ids))
+            self.logprobs.extend([0.0] * len(ids))
+        else:
+            assert len(sampled) == len(ids)
+            self.mask.extend([1] * len(ids))
+            self.logprobs.extend(float(x) for x in sampled)
+
+
+@dataclass(slots=True)
+class EpisodeGroup:
+    """``G`` episodes of one prompt (same environment seed), for one GRPO group."""
+
+    group_id: str
+    seed: int | None
+    episodes: list[Episode]
+
+    @property
+    def version_min(self) -> int | None:
+        known = [e.version_min for e in self.episodes if e.version_min is not None]
+        return min(known) if known else None
+
+    @property
+    def version_max(self) -> int | None:
+        known = [e.version_max for e in self.episodes if e.version_max is not None]
+        return max(known) if known else None
+
+    def completions(self) -> list[Completion]:
+        """Every completion of the group (to ask ``WeightSync.check`` before submitting)."""
+        return [t.completion for e in self.episodes for t in e.turns]
+
+
+def new_group_id(prefix: str = "g") -> str:
+    """A fresh group id matching the coordinator's id pattern: ``prefix-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------------------------
+# batching generate calls across episodes
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt: list[int]
+    limit: int
+    future: asyncio.Future[_Sampled]
+    queued_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampled:
+    completion: Completion
+    version_min: int | None
+    version_max: int | None
+
+
+class _Batcher:
+    """Gathers pending turns into generate calls; see the module docstring for the order."""
+
+    def __init__(
+        self,
+        generator: TokenGenerator,
+        sampling: SamplingParams,
+        *,
+        max_batch: int,
+        batch_wait_s: float,
+        policy_version: Callable[[], int | None] | None,
+    ) -> None:
+        self.generator = generator
+        self.sampling = sampling
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
+        self.policy_version = policy_version
+        self.live = 0
+        self.calls = 0
+        self.batch_sizes: list[int] = []
+        self._pending: list[_Request] = []
+        self._wake = asyncio.Event()
+
+    def nudge(self) -> None:
+        self._wake.set()
+
+    async def generate(self, prompt: list[int], limit: int) -> _Sampled:
+        future: asyncio.Future[_Sampled] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Request(prompt, limit, future, time.monotonic()))
+        self._wake.set()
+        return await future
+
+    async def _gather(self) -> list[_Request]:
+        """Wait for a batch to be worth sending (see the module docstring)."""
+        while True:
+            self._pending = [r for r in self._pending if not r.future.done()]
+            if self._pending:
+                break
+            self._wake.clear()
+            await self._wake.wait()
+        deadline = self._pending[0].queued_at + self.batch_wait_s
+        while True:
+            self._pending = [r for r in self._pending if not r.future.done()]
+            full = len(self._pending) >= min(max(self.live, 1), self.max_batch)
+            left = deadline - time.monotonic()
+            if full or left <= 0 or not self._pending:
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                break
+        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+        return batch
+
+    def _call(self, prompts: list[list[int]], limit: int, seed: int | None) -> list[_Sampled]:
+        params = self.sampling.model_copy(update={"max_new_tokens": limit, "seed": seed})
+        before = self.policy_version() if self.policy_version is not None else None
+        completions = self.generator.generate(prompts, params)
+        after = self.policy_version() if self.policy_version is not None else None
+        if len(completions) != len(prompts):
+            raise RuntimeError(
+                f"the generator returned {len(completions)} completions for {len(prompts)} prompts"
+            )
+        fallback = [v for v in (before, after) if v is not None]
+        out = []
+        for c in completions:
+            lo, hi = c.version_min, c.version_max
+            if lo is None and fallback:
+                lo = min(fallback)
+            if hi is None and fallback:
+                hi = max(fallback)
+            out.append(_Sampled(c, lo, hi))
+        return out
+
+    async def run(self) -> None:
+        """Serve generate requests until cancelled."""
+        while True:
+            batch = await self._gather()
+            if not batch:
+                continue
+            seed = self.sampling.seed
+            seed = None if seed is None else seed + self.calls
+            self.calls += 1
+            self.batch_sizes.append(len(batch))
+            limit = max(r.limit for r in batch)
+            try:
+                results = await asyncio.to_thread(
+                    self._call, [r.prompt for r in batch], limit, seed
+                )
+            except Exception as exc:  # every episode of the call sees the engine's error
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                continue
+            for r, s in zip(batch, results, strict=True):
+                if not r.future.done():
+                    r.future.set_result(_cut(s, r.limit))
+
+
+def _cut(sampled: _Sampled, limit: int) -> _Sampled:
+    """The completion cut to ``limit`` tokens (finish reason "length" if anything was cut)."""
+    c = sampled.completion
+    if len(c.token_ids) <= limit:
+        return sampled
+    cut = dataclasses.replace(
+        c, token_ids=c.token_ids[:limit], logprobs=c.logprobs[:limit], finish_reason="length"
+    )
+    return _Sampled(cut, sampled.version_min, sampled.version_max)
+
+
+# --------------------------------------------------------------------------------------------
+# the runner
+
+
+def _first_error(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first error of a task group (the others are logged): callers see the cause, e.g.
+    ``WeightsUnhealthyError`` or ``EnvError``, not a wrapper."""
+    leaves: list[Exception] = []
+
+    def walk(eg: BaseExceptionGroup[Exception]) -> None:
+        for exc in eg.exceptions:
+            if isinstance(exc, BaseExceptionGroup):
+                walk(exc)
+            else:
+                leaves.append(exc)
+
+    walk(group)
+    for other in leaves[1:]:
+        logger.warning("another episode of the failed group: %r", other)
+    return leaves[0]
+
+
+class EpisodeRunner:
+    """Plays groups of episodes concurrently with batched generation.
+
+    Use as an async context manager (it owns the batching task)::
+
+        async with EnvClient(env_url) as env, EpisodeRunner(sync, tokenizer, env, settings) as r:
+            group = await r.run_group(seed=17)          # G episodes of one game
+            groups = await r.run_groups([1, 2, 3])      # several groups at once, batched together
+
+    ``generator``: an engine or a ``WeightSync`` (see :class:`TokenGenerator`).
+    ``policy_version``: read around each generate call when completions carry no version
+    (unmanaged engine); e.g. ``lambda: sync.version``. ``render``: observation -> user text
+    (default :func:`observation_text`).
+    """
+
+    def __init__(
+        self,
+        generator: TokenGenerator,
+        tokenizer: ChatTokenizer | ChatFormat,
+        env: EpisodeEnv,
+        settings: EpisodeSettings | None = None,
+        *,
+        policy_version: Callable[[], int | None] | None = None,
+        render: Callable[[StepResult | None, StepResult], str] = observation_text,
+    ) -> None:
+        self.settings = settings or EpisodeSettings()
+        self.format = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+        self.env = env
+        self.render = render
+        sampling = self.settings.sampling
+        if self.settings.stop_at_end_of_turn:
+            stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *self.format.stop_token_ids())))
+            sampling = sampling.model_copy(update={"stop_token_ids": stops})
+        self.sampling = sampling
+        self._batcher = _Batcher(
+            generator,
+            sampling,
+            max_batch=self.settings.max_batch,
+            batch_wait_s=self.settings.batch_wait_s,
+            policy_version=policy_version,
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Prompts per generate call so far (for metrics and tests)."""
+        return self._batcher.batch_sizes
+
+    async def __aenter__(self) -> EpisodeRunner:
+        if self._task is not None:
+            raise RuntimeError("the runner is already started")
+        self._task = asyncio.create_task(self._batcher.run(), name="episode-batcher")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def run_groups(
+        self, seeds: Iterable[int | None], *, prefix: str = "g"
+    ) -> list[EpisodeGroup]:
+        """One group per seed, all concurrently (their turns share generate calls), in order.
+        An error in any group cancels the others and is raised (the first one, unwrapped)."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.run_group(seed=s, prefix=prefix)) for s in seeds]
+        except ExceptionGroup as group:
+            raise _first_error(group) from None
+        return [t.result() for t in tasks]
+
+    async def run_group(
+        self,
+        *,
+        seed: int | None = None,
+        group_id: str | None = None,
+        size: int | None = None,
+        prefix: str = "g",
+    ) -> EpisodeGroup:
+        """Play ``size`` (default ``settings.group_size``) episodes of the game ``seed``.
+
+        ``seed`` None draws a random one here (the group must share it, so it is never left to
+        the server). The group id defaults to :func:`new_group_id`. The first error of any
+        episode cancels the others (their sessions are closed) and is raised as is.
+        """
+        if self._task is None:
+            raise RuntimeError("use the runner inside 'async with' (it owns the batching task)")
+        n = self.settings.group_size if size is None else size
+        if n < 1:
+            raise ValueError(f"group size must be >= 1, got {n}")
+        if seed is None:
+            seed = uuid.uuid4().int & ((1 << 63) - 1)
+        gid = group_id or new_group_id(prefix)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.run_episode(gid, i, seed)) for i in range(n)]
+        except ExceptionGroup as group:
+            raise _first_error(group) from None
+        return EpisodeGroup(gid, seed, [t.result() for t in tasks])
+
+    async def run_episode(self, group_id: str, index: int, seed: int | None) -> Episode:
+        """Play one episode (see the module docstring); errors of the env or engine propagate."""
+        batcher = self._batcher
+        batcher.live += 1
+        try:
+            async with self.env.episode(seed=seed, episode_id=f"{group_id}/{index}") as session:
+                return await self._play(session, Episode(group_id, index, seed))
+        finally:
+            batcher.live -= 1
+            batcher.nudge()
+
+    async def _play(self, session: EnvSession, ep: Episode) -> Episode:
+        cfg, fmt = self.settings, self.format
+        result = session.first
+        if cfg.system_prompt is not None:
+            ep.messages.append({"role": "system", "content": cfg.system_prompt})
+        ep.messages.append({"role": "user", "content": self.render(None, result)})
+        ep._append(fmt.prompt_ids(ep.messages))
+        ep.prompt_len = len(ep.tokens)
+        if ep.prompt_len >= cfg.max_tokens:
+            raise ValueError(
+                f"the first prompt has {ep.prompt_len} tokens, max_tokens is {cfg.max_tokens}: "
+                "raise max_tokens or shorten the system prompt"
+            )
+        previous = result
+        while not result.done:
+            if ep.num_turns >= cfg.max_turns:
+                ep.truncated = "max_turns"
+                break
+            budget = cfg.max_tokens - len(ep.tokens)
+            limit = min(self.sampling.max_new_tokens, budget)
+            sampled = await self._batcher.generate(list(ep.tokens), limit)
+            c = sampled.completion
+            start = len(ep.tokens)
+            ep._append(c.token_ids, sampled=c.logprobs)
+            stopped = c.finish_reason == "stop" and bool(c.token_ids)
+            reply = fmt.reply_text(c.token_ids, stopped)
+            result = await session.step(reply)
+            ep.turns.append(
+                Turn(
+                    start=start,
+                    end=len(ep.tokens),
+                    completion=c,
+                    reply=reply,
+                    version_min=sampled.version_min,
+                    version_max=sampled.version_max,
+                    reward=float(result.reward or 0.0),
+                    signals=_signals_of(result),
+                    done=result.done,
+                )
+            )
+            ep.messages.append({"role": "assistant", "content": reply})
+            if result.done:
+                break
+            if ep.num_turns >= cfg.max_turns:
+                ep.truncated = "max_turns"
+                break
+            feedback = self.render(previous, result)
+            previous = result
+            more = fmt.continuation_ids(ep.messages, feedback, c.token_ids[-1] if stopped else None)
+            if len(ep.tokens) + len(more) >= cfg.max_tokens:
+                ep.truncated = "max_tokens"  # no room left for a single sampled token
+                break
+            ep._append(more)
+            ep.messages.append({"role": "user", "content": feedback})
+        ep.done = result.done
+        ep.reward = float(result.reward or 0.0)
+        logger.debug(
+            "episode %s/%s: %d turns, %d tokens, reward %.3f, truncated %s",
+            ep.group_id,
+            ep.index,
+            ep.num_turns,
+            len(ep.tokens),
+            ep.reward,
+            ep.truncated,
+        )
+        return ep

