@@ -36,7 +36,7 @@ def serve(
 
     app = create_app(settings)
     # Move everything allocated so far (modules, schemas, word lists) out of the cyclic GC's
-    # reach: full collections then walk only live session objects (shorter p99 pauses).
+    # reach: full collections then walk only the live sessions' objects (shorter pauses).
     gc.collect()
     gc.freeze()
     private = "token required" if settings.token is not None else "no token (open server)"
