@@ -10,15 +10,15 @@ Why it is small (see docs/formats.md for the byte layout):
   Contexts where more than half the elements changed code the unchanged ones instead.
 * **Values.** What is coded is the difference of the new and old bit patterns (in ULPs, wrapped to
   the integer width), not the raw value: mostly +-1. Small differences are one symbol; larger ones
-  a bit-length symbol plus raw low bits. Symbols are rANS-coded with frequency tables shared by the
-  whole delta and selected per context by its change rate (elements in contexts that change often
-  also move by more ULPs), so small tensors pay nothing for tables of their own.
+  a symbol for their bit length and leading bits plus raw low bits (``entropy.py``). Symbols are
+  rANS-coded, each context with either the table shared by its exponent across the whole delta
+  or a table of its own where that is cheaper, the table included.
 
 Chunks of at most ``chunk_elems`` elements are analysed and coded independently on all cores
 (numba kernels release the GIL), so memory stays bounded by a chunk of the model plus the delta.
 
-Integrity: the trailer carries an xxh3-64 of the footer, the footer an xxh3-64 of every chunk, and
-every tensor's base and result digest. :func:`decode_compact` refuses a wrong base before decoding
+Integrity: the trailer carries an xxh3-64 of the footer, the footer an xxh3-64 of every chunk and
+of the index, the base state's digest and every tensor's result digest. :func:`decode_compact` refuses a wrong base before decoding
 and any damaged byte with :class:`CorruptDeltaError`.
 """
 
@@ -41,7 +41,25 @@ from . import kernels
 from .bits import FloatFormat, bits_numpy, float_format
 from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
 from .digest import combine_digests, state_digests
-from .errors import BaseMismatchError, CorruptDeltaError, StateMismatchError
+from .entropy import (
+    ALPHABET,
+    TOP_BITS,
+    VarintReader,
+    coding_cost_bits,
+    cumulative,
+    diff_to_symbols,
+    entropy_bits,
+    quantize_frequencies,
+    read_table,
+    rice_parameter,
+    symbol_extra_widths,
+    symbols_to_diff,
+    table_bytes,
+    varints,
+    wrapped_add,
+    wrapped_diff,
+)
+from .errors import BaseMismatchError, CorruptDeltaError
 
 FORMAT_NAME = "deltarl-compact"
 FORMAT_VERSION = 1
@@ -49,193 +67,11 @@ MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"
 TRAILER = struct.Struct("<QQ8s")  # footer length, xxh3-64 of footer, end magic
 DEFAULT_CHUNK_ELEMS = 1 << 24
-TOP_BITS = 3  # bits after the leading one of a large |diff| that are entropy-coded
-ALPHABET = 16 + 2 * 29 * (1 << TOP_BITS)  # small diffs + sign x bit length (4..32) x top bits
-SMALL = 8  # |diff| <= SMALL gets a symbol of its own
 MAX_FOOTER = 256 << 20
 
 
 def default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
-
-
-# ---------------------------------------------------------------------------------------------
-# symbol mapping and models (pure numpy, shared by encoder and decoder)
-
-
-def _bitlen(a: np.ndarray) -> np.ndarray:
-    """Bit length of positive int64 values below 2**53 (exact through frexp)."""
-    return np.frexp(a.astype(np.float64))[1].astype(np.int64)
-
-
-def wrapped_diff(new: np.ndarray, old: np.ndarray, width: int) -> np.ndarray:
-    """``new - old`` as signed ``width``-bit integers (int64)."""
-    span = 1 << width
-    d = (new.astype(np.int64) - old.astype(np.int64)) & (span - 1)
-    return np.where(d >= span // 2, d - span, d)
-
-
-def wrapped_add(old: np.ndarray, d: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    span = 1 << fmt.width
-    v = (old.astype(np.int64) + d) & (span - 1)
-    v = np.where(v >= span // 2, v - span, v)
-    return v.astype(fmt.bits_dtype)
-
-
-def diff_to_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Map non-zero diffs to (symbol, extra-bit value, extra-bit width).
-
-    ``|d| <= 8``: symbol ``2 (|d| - 1) + sign``. Larger: the bit length L of ``|d|`` and the
-    ``TOP_BITS`` bits after its leading one form the symbol
-    ``16 + 2 (2**TOP_BITS (L - 4) + top) + sign``; the remaining ``L - 1 - TOP_BITS`` low bits
-    are sent raw.
-    """
-    a = np.abs(d)
-    neg = (d < 0).astype(np.int64)
-    small = a <= SMALL
-    length = np.maximum(_bitlen(np.maximum(a, 1)), 4)
-    width = np.where(small, 0, length - 1 - TOP_BITS)
-    top = (a >> width) & ((1 << TOP_BITS) - 1)
-    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * ((length - 4) << TOP_BITS | top) + neg)
-    extra = np.where(small, 0, a & ((np.int64(1) << width) - 1))
-    return sym.astype(np.int64), extra.astype(np.int64), width.astype(np.int64)
-
-
-def symbol_extra_widths(sym: np.ndarray) -> np.ndarray:
-    return np.where(sym < 16, 0, ((sym - 16) >> (TOP_BITS + 1)) + 3 - TOP_BITS).astype(np.int64)
-
-
-def symbols_to_diff(sym: np.ndarray, extra: np.ndarray) -> np.ndarray:
-    neg = (sym & 1).astype(bool)
-    width = symbol_extra_widths(sym)
-    top = ((sym - 16) >> 1) & ((1 << TOP_BITS) - 1)
-    large = (np.int64(1) << (width + TOP_BITS)) | (top << width) | extra
-    a = np.where(sym < 16, sym // 2 + 1, large)
-    return np.where(neg, -a, a)
-
-
-def rice_parameter(n: np.ndarray, coded: np.ndarray) -> np.ndarray:
-    """Near-optimal Rice parameter for ``coded`` geometric gaps among ``n`` elements.
-
-    k = round(log2(mean_gap * ln 2)), computed in integers so encoder and decoder always agree.
-    """
-    n = n.astype(np.int64)
-    coded = np.maximum(coded.astype(np.int64), 1)
-    v = ((n - coded) * 64241) // (coded * 65536)
-    return np.maximum(_bitlen(np.maximum(v, 1)) - 1, 0) * (v > 0)
-
-
-def quantize_frequencies(counts: np.ndarray) -> np.ndarray:
-    """Integer frequencies summing to ``PROB_SCALE``, non-zero exactly where ``counts`` is."""
-    total = int(counts.sum())
-    assert total > 0
-    scale = kernels.PROB_SCALE
-    f = np.where(counts > 0, np.maximum(1, (counts * scale) // total), 0).astype(np.int64)
-    diff = scale - int(f.sum())
-    order = np.argsort(-counts, kind="stable")
-    i = 0
-    while diff != 0:
-        s = order[i % counts.size]
-        if counts[s] > 0:
-            if diff > 0:
-                f[s] += diff
-                diff = 0
-            elif f[s] > 1:
-                take = min(-diff, int(f[s]) - 1)
-                f[s] -= take
-                diff += take
-        i += 1
-    return f
-
-
-def coding_cost_bits(counts: np.ndarray, freq: np.ndarray) -> np.ndarray:
-    """Bits to code ``counts`` (rows) under quantized ``freq`` (rows); inf where impossible."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        per = kernels.PROB_BITS - np.log2(freq.astype(np.float64))
-        cost = np.where(counts > 0, counts * per, 0.0)
-    return cost.sum(axis=-1)
-
-
-def entropy_bits(counts: np.ndarray) -> np.ndarray:
-    """Empirical entropy of each row of ``counts``, in total bits."""
-    total = counts.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cost = np.where(counts > 0, counts * np.log2(total / np.maximum(counts, 1)), 0.0)
-    return cost.sum(axis=-1)
-
-
-def _varints(values: list[int]) -> bytes:
-    out = bytearray()
-    for v in values:
-        if v < 0:
-            raise ValueError("varints are unsigned")
-        while True:
-            b = v & 0x7F
-            v >>= 7
-            if v:
-                out.append(b | 0x80)
-            else:
-                out.append(b)
-                break
-    return bytes(out)
-
-
-class _Reader:
-    """Reads varints from untrusted bytes; any overrun is a :class:`CorruptDeltaError`."""
-
-    def __init__(self, data: bytes | memoryview, what: str) -> None:
-        self.data = bytes(data)
-        self.pos = 0
-        self.what = what
-
-    def varint(self) -> int:
-        v = shift = 0
-        while True:
-            if self.pos >= len(self.data) or shift > 63:
-                raise CorruptDeltaError(f"{self.what} ends early or holds a malformed number")
-            b = self.data[self.pos]
-            self.pos += 1
-            v |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return v
-
-    def done(self) -> None:
-        if self.pos != len(self.data):
-            raise CorruptDeltaError(f"{self.what} has {len(self.data) - self.pos} unexpected bytes")
-
-
-def _table_bytes(freq: np.ndarray) -> bytes:
-    nz = np.flatnonzero(freq)
-    vals = [int(nz.size)]
-    prev = -1
-    for s in nz.tolist():
-        vals += [s - prev - 1, int(freq[s])]
-        prev = s
-    return _varints(vals)
-
-
-def _read_table(r: _Reader) -> np.ndarray:
-    freq = np.zeros(ALPHABET, np.int64)
-    nnz = r.varint()
-    if not 0 < nnz <= ALPHABET:
-        raise CorruptDeltaError(f"{r.what}: frequency table with {nnz} symbols")
-    s = -1
-    for _ in range(nnz):
-        s += r.varint() + 1
-        f = r.varint()
-        if s >= ALPHABET or not 0 < f <= kernels.PROB_SCALE:
-            raise CorruptDeltaError(f"{r.what}: frequency table entry out of range")
-        freq[s] = f
-    if int(freq.sum()) != kernels.PROB_SCALE:
-        raise CorruptDeltaError(f"{r.what}: frequency table does not sum to 2**{kernels.PROB_BITS}")
-    return freq
-
-
-def _cumulative(freq: np.ndarray) -> np.ndarray:
-    cum = np.zeros_like(freq)
-    cum[:, 1:] = np.cumsum(freq, axis=1)[:, :-1]
-    return cum
+    return max(1, min(32, os.cpu_count() or 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +219,7 @@ def _code(
     for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), a.own.tolist(), strict=True):
         header += [c - prev - 1, 2 * kcount + int(own)]
         prev = c
-    head = _varints(header) + b"".join(_table_bytes(f) for f in own_freq)
+    head = varints(header) + b"".join(table_bytes(f) for f in own_freq)
 
     rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
     kernels.rice_encode(a.gaps, a.kparams, rice)
@@ -393,7 +229,7 @@ def _code(
     ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
     tid = ctx_table[a.sym_ctx]
     rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
-    pos = kernels.rans_encode(a.symbols, tid, freq, _cumulative(freq), rans)
+    pos = kernels.rans_encode(a.symbols, tid, freq, cumulative(freq), rans)
     extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
     kernels.raw_bits_encode(a.extra, a.widths, extra)
     parts = [rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]
@@ -458,9 +294,9 @@ def encode_compact(
         coded = list(pool.map(lambda a: _code(a, table_of_key, shared), analyses))
 
     used = np.flatnonzero(table_of_key >= 0)
-    index = bytearray(_varints([int(used.size)]))
+    index = bytearray(varints([int(used.size)]))
     for b in used:
-        index += _varints([int(b)]) + _table_bytes(shared[table_of_key[b]])
+        index += varints([int(b)]) + table_bytes(shared[table_of_key[b]])
     chunk_meta: dict[str, list[list[int]]] = {}
     changed: dict[str, int] = {}
     for a in analyses:
@@ -573,7 +409,7 @@ def _read_index(
         raise CorruptDeltaError(f"index unreadable: {e}") from e
     if len(index) != raw_len:
         raise CorruptDeltaError("index has the wrong length")
-    r = _Reader(index, "shared tables")
+    r = VarintReader(index, "shared tables")
     n = r.varint()
     if n > N_KEYS:
         raise CorruptDeltaError(f"shared tables: {n} tables")
@@ -584,7 +420,7 @@ def _read_index(
         if key >= N_KEYS or table_of_key[key] >= 0:
             raise CorruptDeltaError("shared tables: bad or repeated key")
         table_of_key[key] = i
-        freq[i] = _read_table(r)
+        freq[i] = read_table(r)
     return table_of_key, freq, index
 
 
@@ -605,7 +441,7 @@ def _decode_chunk(
     nctx = emask + 1
     rice_len, rans_len, _ = ref.streams
     raw = np.frombuffer(ref.body, np.uint8)
-    r = _Reader(ref.header, f"{ref.tensor}: chunk header")
+    r = VarintReader(ref.header, f"{ref.tensor}: chunk header")
     n_present = r.varint()
     if n_present > nctx:
         raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
@@ -621,7 +457,7 @@ def _decode_chunk(
         ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
     n_own = int(own.sum())
     own_freq = (
-        np.stack([_read_table(r) for _ in range(n_own)])
+        np.stack([read_table(r) for _ in range(n_own)])
         if n_own
         else np.zeros((0, ALPHABET), np.int64)
     )
@@ -675,7 +511,7 @@ def _decode_chunk(
     freq = np.concatenate([shared, own_freq]).astype(np.int32)
     symbols = np.empty(k, np.int64)
     rans = raw[rice_len : rice_len + rans_len]
-    if kernels.rans_decode(rans, tid, freq, _cumulative(freq), symbols) != rans_len:
+    if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
         raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
     widths = symbol_extra_widths(symbols)
     if widths.size and int(widths.max()) + 1 + TOP_BITS > fmt.width:
@@ -853,7 +689,7 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "StateMismatchError",
+    "check_integrity",
     "decode_compact",
     "encode_compact",
     "footer_summary",

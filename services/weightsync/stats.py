@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .bits import bits_numpy, float_format
-from .compact import wrapped_diff
 from .delta import Delta
+from .entropy import wrapped_diff
 
 
 def binary_entropy(p: np.ndarray | float) -> np.ndarray:

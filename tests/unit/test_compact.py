@@ -14,12 +14,10 @@ from deltarl.services.weightsync import (
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.compact import (
+from deltarl.services.weightsync.compact import decode_compact, encode_compact, footer_summary
+from deltarl.services.weightsync.entropy import (
     ALPHABET,
-    decode_compact,
     diff_to_symbols,
-    encode_compact,
-    footer_summary,
     rice_parameter,
     symbols_to_diff,
 )
