@@ -231,6 +231,17 @@ class ChatFormat:
             eot = None  # the turn ends with plain text (e.g. "\n\n"): no end-of-turn token
         self.end_of_turn_id: int | None = eot
         self.eos_token_id: int | None = tokenizer.eos_token_id
+        probe: list[dict[str, str]] = [{"role": "user", "content": "x"}]
+        prompt = self.render(probe, generation_prompt=True)
+        answered = self.render(
+            [*probe, {"role": "assistant", "content": _SENTINEL}], generation_prompt=False
+        )
+        if not answered.startswith(prompt + _SENTINEL):
+            logger.warning(
+                "the chat template writes an assistant turn differently from its generation "
+                "prompt + reply; episodes keep the tokens the model saw, which a re-rendering "
+                "of the conversation will not reproduce"
+            )
 
     def render(self, messages: Sequence[dict[str, str]], *, generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
@@ -397,6 +408,18 @@ class EpisodeGroup:
     def completions(self) -> list[Completion]:
         """Every completion of the group (to ask ``WeightSync.check`` before submitting)."""
         return [t.completion for e in self.episodes for t in e.turns]
+
+    def verdict(
+        self, check: Callable[[Completion], str]
+    ) -> Literal["verified", "pending", "failed"]:
+        """Combine ``check`` (e.g. ``WeightSync.check``) over every completion: ``"failed"`` if
+        any failed (drop the group: some tokens came from weights that failed verification),
+        else ``"pending"`` if any is pending (ask again after the running sync), else
+        ``"verified"``."""
+        verdicts = {check(c) for c in self.completions()}
+        if "failed" in verdicts:
+            return "failed"
+        return "pending" if "pending" in verdicts else "verified"
 
 
 def new_group_id(prefix: str = "g") -> str:

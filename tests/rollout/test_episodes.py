@@ -221,6 +221,12 @@ def test_versions_span_a_sync(server: WordleServer, tok: Any) -> None:
             return engine.generate(prompts, params)
 
     [group], _ = play(server, tok, Syncing(), settings, [SEED])
+    seqs = {c.first.seq: "verified" for c in group.completions()}
+    seqs[group.completions()[-1].last.seq] = "pending"
+    assert group.verdict(lambda c: seqs.get(c.last.seq, "verified")) == "pending"
+    seqs[group.completions()[0].first.seq] = "failed"
+    assert group.verdict(lambda c: seqs[c.first.seq]) == "failed"
+    assert group.verdict(lambda c: "verified") == "verified"
     ep = group.episodes[0]
     assert [(t.version_min, t.version_max) for t in ep.turns] == [(3, 3), (3, 4), (4, 4)]
     assert (ep.version_min, ep.version_max) == (3, 4)
@@ -322,6 +328,10 @@ def test_tiny_random_model_plays_through_the_transformers_engine(
             assert all(lp <= 0.0 for lp in turn.completion.logprobs)
             stopped = turn.completion.finish_reason == "stop"
             assert turn.reply == fmt.reply_text(turn.token_ids, stopped)
+            if turn is not ep.turns[-1]:  # the template's closing follows, once
+                closing = ep.tokens[turn.end : turn.end + 2]
+                assert closing == ([198] if stopped else [IM_END, 198])[: len(closing)]
+                assert ep.mask[turn.end] == 0
     sub = to_submission(group, "w1")
     batch = collate([decode_group(encode_group(sub))])
     assert batch.num_tokens == sum(sum(e.mask) for e in group.episodes)
