@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from deltarl.services.settings import ServiceSettings
 
 from .wordle import WordleRules
+
+MIN_TOKEN_CHARS = 16
 
 
 class EnvSettings(ServiceSettings):
@@ -23,8 +25,8 @@ class EnvSettings(ServiceSettings):
     port: int = Field(default=8001, ge=0, le=65535, description="TCP port (7860 on a Space).")
     token: SecretStr | None = Field(
         default=None,
-        description="Shared secret; when set, every route but /health needs the header "
-        "X-Deltarl-Token. Unset: open server (local use only).",
+        description="Shared secret (at least 16 characters); when set, every route but /health "
+        "needs the header X-Deltarl-Token. Unset or empty: open server (local use only).",
     )
     max_sessions: int = Field(
         default=4096, ge=1, description="Open sessions (HTTP + WS) before CAPACITY_REACHED."
@@ -61,6 +63,18 @@ class EnvSettings(ServiceSettings):
     debug_reveal_answer: bool = Field(
         default=False, description="Put the answer in every observation and state (debug only)."
     )
+
+    @field_validator("token")
+    @classmethod
+    def _token_strength(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or value.get_secret_value() == "":
+            return None
+        if len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"the token needs at least {MIN_TOKEN_CHARS} characters; generate one with "
+                "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
 
     def rules(self) -> WordleRules:
         """The game rules these settings select."""

@@ -25,8 +25,16 @@ def test_bad_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DELTARL_ENV_TOKEN", "abc")
+    monkeypatch.setenv("DELTARL_ENV_TOKEN", "abcdefghijklmnop")
     monkeypatch.setenv("DELTARL_ENV_ALLOW_REPEATS", "true")
     s = EnvSettings()
-    assert s.token is not None and s.token.get_secret_value() == "abc"
-    assert s.rules().allow_repeats and "abc" not in repr(s)
+    assert s.token is not None and s.token.get_secret_value() == "abcdefghijklmnop"
+    assert s.rules().allow_repeats and "abcdefghijklmnop" not in repr(s)
+
+
+def test_token_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTARL_ENV_TOKEN", "")
+    assert EnvSettings().token is None  # empty means unset
+    monkeypatch.setenv("DELTARL_ENV_TOKEN", "short")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        EnvSettings()

@@ -67,14 +67,16 @@ def test_async_client_game_and_idempotent_retry() -> None:
 
 
 def test_sync_client_errors_and_token() -> None:
-    app = create_app(settings(token="tok", max_sessions=1))
+    app = create_app(settings(token="tok-tok-tok-tok-tok", max_sessions=1))
     with LiveServer(app) as server:  # httpx's ASGITransport is async-only
         with SyncEnvClient(server.url, token="wrong", retries=0) as env:
             with pytest.raises(EnvError) as err:
                 env.reset()
             assert err.value.code is ErrorCode.UNAUTHORIZED
             assert env.health().status == "healthy"
-        with SyncEnvClient(server.url, token="tok", retries=1, backoff_s=0.01) as env:
+        with SyncEnvClient(
+            server.url, token="tok-tok-tok-tok-tok", retries=1, backoff_s=0.01
+        ) as env:
             with env.episode(seed=2) as ep:
                 result = ep.step("[" + answer(2) + "]")
                 assert result.done and result.observation.won

@@ -232,18 +232,20 @@ def test_message_limits_and_odd_characters(make_client: Callable[..., TestClient
 
 
 def test_token(make_client: Callable[..., TestClient]) -> None:
-    client = make_client(token="s3cret")
+    client = make_client(token="s3cret-s3cret-s3cret")
     assert client.get("/health").status_code == 200
     expect_error(client.post("/reset"), 401, "UNAUTHORIZED")
     expect_error(client.post("/reset", headers={"X-Deltarl-Token": "wrong"}), 401, "UNAUTHORIZED")
     expect_error(
-        client.get("/metrics", headers={"Authorization": "Bearer s3cret"}), 401, "UNAUTHORIZED"
+        client.get("/metrics", headers={"Authorization": "Bearer s3cret-s3cret-s3cret"}),
+        401,
+        "UNAUTHORIZED",
     )
-    r = client.post("/reset", headers={"X-Deltarl-Token": "s3cret"})
+    r = client.post("/reset", headers={"X-Deltarl-Token": "s3cret-s3cret-s3cret"})
     assert r.status_code == 200
     with pytest.raises(Exception), client.websocket_connect("/ws") as ws:  # noqa: B017
         ws.receive_text()
-    with client.websocket_connect("/ws", headers={"X-Deltarl-Token": "s3cret"}) as ws:
+    with client.websocket_connect("/ws", headers={"X-Deltarl-Token": "s3cret-s3cret-s3cret"}) as ws:
         ws.send_text(json.dumps({"type": "reset", "data": {"seed": 1}}))
         assert json.loads(ws.receive_text())["type"] == "observation"
 
