@@ -171,6 +171,16 @@ class GracefulStop:
         )
 
 
+def _changed_settings(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the settings that differ between two ``model_dump(mode="json")``s."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new)):
+            out += _changed_settings(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [prefix.rstrip(".")]
+
+
 def _resume_version(publisher: WeightPublisher, checkpoint: Checkpoint) -> int:
     """The version of the resumed weights: after the checkpoint's and the bucket's newest."""
     meta = checkpoint.meta
@@ -233,6 +243,9 @@ def train(
     failures = 0  # consecutive failed publications
     step = groups_trained = 0
     if resume is not None:
+        changed = _changed_settings(resume.meta.settings, settings.model_dump(mode="json"))
+        if changed:
+            logger.warning("resuming with settings that differ from the checkpoint's: %s", changed)
         resume.restore(model, opt, sched, publish_dtype=publisher.dtype)
         step, groups_trained = resume.meta.step, resume.meta.groups_trained
         version = publisher.publish(

@@ -521,3 +521,42 @@ def test_sigterm_then_kill_9_then_resume(tmp_path: Path, one_thread: None) -> No
     assert latest is not None
     meta = json.loads((latest / "trainer.json").read_text())
     assert meta["step"] == 12 and meta["version"] == last
+
+
+class DryAfter(ScriptedSource):
+    """Serves ``steps`` leases, then nothing (workers gone)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def lease(
+        self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
+    ) -> LeasedBatch:
+        if self.index >= self.steps:
+            return LeasedBatch(lease=super().lease(0).lease, groups=[])
+        return super().lease(max_groups, lease_s, wait_s)
+
+
+def test_data_timeout_checkpoints_before_raising(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = make_settings(tmp_path / "run", every=0)
+    ckpt = Checkpointer(settings.checkpoint_dir())
+    with (
+        WeightPublisher(LocalBucket(tmp_path / "bucket"), settings.publish) as pub,
+        pytest.raises(TimeoutError, match="timed out"),
+    ):
+        train(
+            Tiny(), settings, DryAfter(2), pub, poll_s=0.0, data_timeout_s=0.05, checkpointer=ckpt
+        )
+    assert ckpt.load().meta.step == 2
+    # a resume with changed settings says which ones
+    changed = make_settings(tmp_path / "run", max_steps=3, every=0)
+    with (
+        WeightPublisher(LocalBucket(tmp_path / "bucket"), changed.publish) as pub,
+        caplog.at_level(logging.WARNING),
+    ):
+        last = train(Tiny(), changed, ScriptedSource(2), pub, poll_s=0.0, resume=ckpt.load())
+    assert last == 4  # 3: the anchor of step 2's weights, 4: step 3
+    assert "['max_steps']" in caplog.text

@@ -38,3 +38,13 @@ def test_bad_settings_are_reported() -> None:
     assert r.returncode != 0 and "clip_hihg" in r.stdout + r.stderr
     r = run("--help")
     assert r.returncode == 0 and "DELTARL_TRAINER_COORDINATOR_URL" in r.stdout
+
+
+def test_resume_without_a_checkpoint_is_refused_before_importing_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys; from typer.testing import CliRunner; from deltarl.cli import app; "
+        f"r = CliRunner().invoke(app, ['train', '--resume', '--set', 'run_dir={tmp_path}']); "
+        "assert r.exit_code == 2, r.output; assert 'no checkpoint to resume from' in r.output, "
+        "r.output; assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
