@@ -39,8 +39,8 @@ Guarantees:
   version_max`` over its turns. When the stamps are unmanaged (no gate), ``policy_version()``
   is read before and after the generate call instead, so a sync during the call widens the span.
 * The episodes of a group share the environment seed (same secret word) and the group id; a
-  group is returned complete or not at all (an error in one episode cancels its siblings and
-  closes their sessions).
+  group is returned complete or not at all (an error in one episode stops its siblings at
+  their next turn boundary; every session is closed).
 * Invalid replies are sent to the environment unchanged: the environment's policy decides
   (Wordle warns once, then forfeits), and its feedback is appended like any other.
 """
@@ -76,6 +76,7 @@ __all__ = [
     "EpisodeGroup",
     "EpisodeRunner",
     "EpisodeSettings",
+    "GroupAborted",
     "TokenGenerator",
     "Truncation",
     "Turn",
@@ -561,22 +562,17 @@ def _cut(sampled: _Sampled, limit: int) -> _Sampled:
 # the runner
 
 
-def _first_error(group: BaseExceptionGroup[Exception]) -> Exception:
-    """The first error of a task group (the others are logged): callers see the cause, e.g.
-    ``WeightsUnhealthyError`` or ``EnvError``, not a wrapper."""
-    leaves: list[Exception] = []
+class GroupAborted(RuntimeError):
+    """An episode stopped early because another episode of its group failed."""
 
-    def walk(eg: BaseExceptionGroup[Exception]) -> None:
-        for exc in eg.exceptions:
-            if isinstance(exc, BaseExceptionGroup):
-                walk(exc)
-            else:
-                leaves.append(exc)
 
-    walk(group)
-    for other in leaves[1:]:
+def _first_error(results: Sequence[object]) -> BaseException | None:
+    """The first real error among gathered results (the others are logged), else None."""
+    errors = [r for r in results if isinstance(r, BaseException)]
+    real = [e for e in errors if not isinstance(e, GroupAborted)] or errors
+    for other in real[1:]:
         logger.warning("another episode of the failed group: %r", other)
-    return leaves[0]
+    return real[0] if real else None
 
 
 class EpisodeRunner:
@@ -644,13 +640,15 @@ class EpisodeRunner:
         self, seeds: Iterable[int | None], *, prefix: str = "g"
     ) -> list[EpisodeGroup]:
         """One group per seed, all concurrently (their turns share generate calls), in order.
-        An error in any group cancels the others and is raised (the first one, unwrapped)."""
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.run_group(seed=s, prefix=prefix)) for s in seeds]
-        except ExceptionGroup as group:
-            raise _first_error(group) from None
-        return [t.result() for t in tasks]
+        Every group runs to its end; then the first error, if any, is raised (the finished
+        groups are lost: call :meth:`run_group` per group to keep them apart)."""
+        results = await asyncio.gather(
+            *(self.run_group(seed=s, prefix=prefix) for s in seeds), return_exceptions=True
+        )
+        error = _first_error(results)
+        if error is not None:
+            raise error
+        return [r for r in results if isinstance(r, EpisodeGroup)]
 
     async def run_group(
         self,
@@ -663,8 +661,14 @@ class EpisodeRunner:
         """Play ``size`` (default ``settings.group_size``) episodes of the game ``seed``.
 
         ``seed`` None draws a random one here (the group must share it, so it is never left to
-        the server). The group id defaults to :func:`new_group_id`. The first error of any
-        episode cancels the others (their sessions are closed) and is raised as is.
+        the server). The group id defaults to :func:`new_group_id`.
+
+        Failure: the first error of an episode (e.g. ``WeightsUnhealthyError``, ``EnvError``)
+        makes its siblings stop at their next turn boundary (:class:`GroupAborted`), so every
+        session is closed through the normal path rather than by cancelling a request in
+        flight; then that error is raised as is. (Cancelling this coroutine from outside still
+        cancels requests in flight; the server frees any session left behind after its idle
+        time-out.)
         """
         if self._task is None:
             raise RuntimeError("use the runner inside 'async with' (it owns the batching task)")
@@ -674,25 +678,39 @@ class EpisodeRunner:
         if seed is None:
             seed = uuid.uuid4().int & ((1 << 63) - 1)
         gid = group_id or new_group_id(prefix)
-        try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.run_episode(gid, i, seed)) for i in range(n)]
-        except ExceptionGroup as group:
-            raise _first_error(group) from None
-        return EpisodeGroup(gid, seed, [t.result() for t in tasks])
+        abort = asyncio.Event()
+        results = await asyncio.gather(
+            *(self.run_episode(gid, i, seed, abort=abort) for i in range(n)),
+            return_exceptions=True,
+        )
+        error = _first_error(results)
+        if error is not None:
+            raise error
+        return EpisodeGroup(gid, seed, [r for r in results if isinstance(r, Episode)])
 
-    async def run_episode(self, group_id: str, index: int, seed: int | None) -> Episode:
-        """Play one episode (see the module docstring); errors of the env or engine propagate."""
+    async def run_episode(
+        self, group_id: str, index: int, seed: int | None, *, abort: asyncio.Event | None = None
+    ) -> Episode:
+        """Play one episode (see the module docstring); errors of the env or engine propagate.
+
+        ``abort``: checked at every turn boundary (raises :class:`GroupAborted` once set); set
+        by this episode when it fails.
+        """
+        abort = abort if abort is not None else asyncio.Event()
         batcher = self._batcher
         batcher.live += 1
         try:
             async with self.env.episode(seed=seed, episode_id=f"{group_id}/{index}") as session:
-                return await self._play(session, Episode(group_id, index, seed))
+                return await self._play(session, Episode(group_id, index, seed), abort)
+        except Exception as exc:
+            if not isinstance(exc, GroupAborted):
+                abort.set()
+            raise
         finally:
             batcher.live -= 1
             batcher.nudge()
 
-    async def _play(self, session: EnvSession, ep: Episode) -> Episode:
+    async def _play(self, session: EnvSession, ep: Episode, abort: asyncio.Event) -> Episode:
         cfg, fmt = self.settings, self.format
         result = session.first
         if cfg.system_prompt is not None:
@@ -712,7 +730,11 @@ class EpisodeRunner:
                 break
             budget = cfg.max_tokens - len(ep.tokens)
             limit = min(self.sampling.max_new_tokens, budget)
+            if abort.is_set():
+                raise GroupAborted(f"episode {ep.group_id}/{ep.index}: its group failed")
             sampled = await self._batcher.generate(list(ep.tokens), limit)
+            if abort.is_set():
+                raise GroupAborted(f"episode {ep.group_id}/{ep.index}: its group failed")
             c = sampled.completion
             start = len(ep.tokens)
             ep._append(c.token_ids, sampled=c.logprobs)

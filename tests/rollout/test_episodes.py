@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 import transformers
 from episode_helpers import ScriptedEngine, WordleServer, smollm2_tokenizer
 
-from deltarl.env_server.client import EnvClient
+from deltarl.env_server.client import AsyncEpisode, EnvClient
+from deltarl.env_server.models import EnvError, ErrorCode, StepResult
 from deltarl.env_server.wordle import WordLists, answer_for_seed
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
@@ -349,3 +351,43 @@ def test_engine_errors_fail_the_group_and_close_sessions(server: WordleServer, t
     with pytest.raises(RuntimeError, match="unhealthy"):
         play(server, tok, Broken(), settings, [SEED, SEED + 1])
     assert server.open_sessions == 0
+
+
+def test_an_env_error_stops_the_siblings_at_a_turn_boundary(server: WordleServer, tok: Any) -> None:
+    words = wrong(SEED)
+    engine = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}]", stop=IM_END)
+    settings = EpisodeSettings(group_size=3, sampling=SamplingParams(max_new_tokens=16))
+
+    class Session:
+        def __init__(self, inner: AsyncEpisode, fail: bool) -> None:
+            self.inner, self.fail, self.first = inner, fail, inner.first
+
+        async def step(self, message: str) -> StepResult:
+            if self.fail:
+                raise EnvError(ErrorCode.UNKNOWN_SESSION, "session timed out")
+            return await self.inner.step(message)
+
+    class FlakyEnv:
+        """Episode 1's first step fails; the others would play 6 turns."""
+
+        def __init__(self, env: EnvClient) -> None:
+            self.env = env
+
+        @asynccontextmanager
+        async def episode(
+            self, *, seed: int | None = None, episode_id: str | None = None
+        ) -> AsyncIterator[Session]:
+            async with self.env.episode(seed=seed, episode_id=episode_id) as ep:
+                yield Session(ep, fail=(episode_id or "").endswith("/1"))
+
+    async def main() -> None:
+        async with (
+            EnvClient(server.url) as env,
+            EpisodeRunner(engine, tok, FlakyEnv(env), settings) as runner,
+        ):
+            await runner.run_group(seed=SEED)
+
+    with pytest.raises(EnvError, match="timed out"):
+        asyncio.run(main())
+    assert server.open_sessions == 0
+    assert len(engine.calls) <= 2  # the siblings stopped after at most one more turn
