@@ -228,8 +228,16 @@ def payload(key: str, worker: str, vmin: int, vmax: int) -> bytes:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of ``pid`` and its live child processes (uvicorn workers)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat.parent.name == str(pid) or fields[1] == str(pid):
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def pct(values: list[float], q: float) -> float:
@@ -368,6 +376,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
     start = time.perf_counter() + 1.0
     end = start + args.duration
     cpu0, wall0 = cpu_seconds(args.server_pid), time.perf_counter()
+    rcpu0 = cpu_seconds(args.redis_pid) if args.redis_pid else 0.0
     own0 = time.process_time()
     lags: list[float] = []
 
@@ -386,6 +395,7 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
         *(heartbeat_loop(i, w) for i, w in enumerate(workers)),
     )
     cpu1, wall1 = cpu_seconds(args.server_pid), time.perf_counter()
+    rcpu1 = cpu_seconds(args.redis_pid) if args.redis_pid else 0.0
     own1 = time.process_time()
     # drain: the trainer keeps pulling until everything accepted was acked
     drain_deadline = time.perf_counter() + 30
@@ -416,6 +426,8 @@ async def run_load(args: argparse.Namespace, port: int) -> dict[str, object]:
         "readers": args.readers,
         "requests": table,
         "server_cpu_percent": round(100 * (cpu1 - cpu0) / (wall1 - wall0), 1),
+        "redis_cpu_percent": round(100 * (rcpu1 - rcpu0) / (wall1 - wall0), 1),
+        "server_workers": args.server_workers,
         "load_generator_cpu_percent": round(100 * (own1 - own0) / (wall1 - wall0), 1),
         "load_generator_loop_lag_ms": {
             "p50": round(pct(lags, 0.5) * 1e3, 2),
@@ -480,6 +492,7 @@ def main() -> None:
     ap.add_argument("--submit-rate", type=float, default=200.0)
     ap.add_argument("--readers", type=int, default=50)
     ap.add_argument("--connections", type=int, default=100, help="Heartbeat connection pool size.")
+    ap.add_argument("--server-workers", type=int, default=1, help="Coordinator processes.")
     ap.add_argument("--server-cpus", help="Pin the coordinator (and Redis) to these CPUs, e.g. 0")
     ap.add_argument("--load-cpus", help="Pin this load generator to these CPUs, e.g. 1")
     ap.add_argument("--attach", type=int, help="Load a coordinator already on this port (debug).")
@@ -496,10 +509,13 @@ def main() -> None:
         "DELTARL_COORDINATOR_SQLITE_PATH": str(tmp / "coord.sqlite3"),
         "DELTARL_COORDINATOR_MAX_STALENESS": "4",
         "DELTARL_LOG_LEVEL": "WARNING",
+        "DELTARL_COORDINATOR_WORKERS": str(args.server_workers),
     }
     redis_proc = None
+    args.redis_pid = None
     if args.store == "redis":
         redis_proc, url = start_redis(tmp, args.server_cpus)
+        args.redis_pid = redis_proc.pid
         env["DELTARL_COORDINATOR_REDIS_URL"] = url
     server = subprocess.Popen(
         [sys.executable, "-m", "deltarl.services.coordinator", "--port", str(port)], env=env

@@ -137,3 +137,8 @@ def create_app(
         max_json_bytes=settings.max_json_bytes,
     )
     return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for ``uvicorn --factory`` worker processes: settings from the environment."""
+    return create_app(CoordinatorSettings())

@@ -23,12 +23,17 @@ logger = logging.getLogger(__name__)
 def coordinator(
     host: str | None = typer.Option(None, "--host", help="Interface (overrides the setting)."),
     port: int | None = typer.Option(None, "--port", help="TCP port (overrides the setting)."),
+    workers: int | None = typer.Option(
+        None, "--workers", help="Server processes (overrides the setting)."
+    ),
 ) -> None:
     overrides: dict[str, Any] = {}
     if host is not None:
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
+    if workers is not None:
+        overrides["workers"] = workers
     try:
         settings = CoordinatorSettings(**overrides)
     except ValidationError as exc:
@@ -39,17 +44,33 @@ def coordinator(
 
     from .app import create_app
 
-    app = create_app(settings)
     logger.info(
-        "coordinator on http://%s:%d (store %s)", settings.host, settings.port, settings.store
+        "coordinator on http://%s:%d (store %s, %d process(es))",
+        settings.host,
+        settings.port,
+        settings.store,
+        settings.workers,
     )
+    common: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+    }
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings), **common)
+        return
+    if settings.store == "sqlite" and settings.sqlite_path == ":memory:":
+        raise typer.BadParameter("several workers cannot share an in-memory SQLite store")
+    # worker processes build their own app from the environment: pass the CLI overrides on
+    os.environ["DELTARL_COORDINATOR_HOST"] = settings.host
+    os.environ["DELTARL_COORDINATOR_PORT"] = str(settings.port)
     uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
-        access_log=False,
-        timeout_graceful_shutdown=5,
+        "deltarl.services.coordinator.app:app_from_env",
+        factory=True,
+        workers=settings.workers,
+        **common,
     )
 
 

@@ -95,6 +95,7 @@ class Coordinator:
     def publish(self, manifest: VersionManifest) -> tuple[VersionRecord, bool]:
         """Record a version (trainer). Returns ``(record, created)``; a retry of an identical
         publish returns the stored record with ``created=False``."""
+        self.versions.refresh()  # publishes are rare: see versions other processes recorded
         known = self.versions.get(manifest.version)
         if known is not None:
             if known.manifest == manifest:
@@ -116,6 +117,9 @@ class Coordinator:
         for o in manifest.deltas:
             assert o.base_version is not None
             base = self.versions.get(o.base_version)
+            if base is None:
+                self.versions.refresh()  # recorded through another coordinator process?
+                base = self.versions.get(o.base_version)
             if base is None:
                 raise not_found(
                     "unknown_version",
@@ -149,6 +153,15 @@ class Coordinator:
         if rec is None:
             raise not_found("unknown_version", f"version {version} was never recorded")
         return rec
+
+    def latest_at_least(self, version: int) -> int | None:
+        """The latest version number, refreshed from the store first when ``version`` is newer
+        than what this process knows (another coordinator process may have recorded it)."""
+        latest = self.latest_number()
+        if latest is None or version > latest:
+            self.versions.refresh()
+            latest = self.latest_number()
+        return latest
 
     def latest_number(self) -> int | None:
         latest = self.versions.latest()
@@ -218,7 +231,7 @@ class Coordinator:
 
     def heartbeat(self, worker_id: str, hb: WorkerHeartbeat) -> HeartbeatAck:
         if hb.applied_version is not None:
-            latest = self.latest_number()
+            latest = self.latest_at_least(hb.applied_version)
             if latest is None or hb.applied_version > latest:
                 raise conflict(
                     "future_version",
@@ -259,7 +272,7 @@ class Coordinator:
                 "unknown_worker",
                 f"worker {group.worker_id!r} is not registered: POST /v1/workers first",
             )
-        latest = self.latest_number()
+        latest = self.latest_at_least(group.version_max)
         if latest is None or group.version_max > latest:
             raise conflict(
                 "future_version",

@@ -19,6 +19,13 @@ class CoordinatorSettings(ServiceSettings):
 
     host: str = Field(default="127.0.0.1", description="Interface to listen on.")
     port: int = Field(default=8700, ge=0, le=65535, description="TCP port to listen on.")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Server processes sharing the port and the store (one Python process uses "
+        "one core). Each reads these settings from the environment.",
+    )
     store: Literal["sqlite", "redis"] = Field(
         default="sqlite", description="State backend: 'sqlite' (embedded file) or 'redis'."
     )

@@ -51,7 +51,7 @@ def test_status_command(server: LiveServer) -> None:
     assert down.exit_code != 0 and "cannot reach" in down.output
 
 
-def test_python_m_runs_the_service(tmp_path: Path) -> None:
+def test_python_m_runs_the_service_with_two_workers(tmp_path: Path) -> None:
     port = free_port()
     env = {
         **os.environ,
@@ -59,7 +59,15 @@ def test_python_m_runs_the_service(tmp_path: Path) -> None:
         "DELTARL_COORDINATOR_SQLITE_PATH": str(tmp_path / "db.sqlite3"),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltarl.services.coordinator", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "deltarl.services.coordinator",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -74,6 +82,8 @@ def test_python_m_runs_the_service(tmp_path: Path) -> None:
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.1)
         assert r.json()["status"] == "healthy"
+        for _ in range(10):  # both worker processes answer (the kernel spreads connections)
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5).status_code == 200
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorClient
-from deltarl.services.schemas import VersionRecord, WorkerRegistration
+from deltarl.services.coordinator.client import (
+    AsyncCoordinatorClient,
+    CoordinatorClient,
+    CoordinatorError,
+)
+from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer
 from .helpers import group, manifest
@@ -170,3 +174,38 @@ def test_sigkill_loses_no_accepted_group(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_two_coordinators_share_one_store(
+    backend: str, make_server: Callable[..., LiveServer], request: pytest.FixtureRequest
+) -> None:
+    """Two coordinator processes (as with --workers 2) on one store stay consistent: a version
+    recorded through one is usable at once through the other, and each group is leased once."""
+    overrides: dict[str, object] = {"event_poll_s": 30.0}  # no background help: on-demand only
+    if backend == "redis":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        overrides |= {
+            "store": "redis",
+            "redis_url": redis_server.url,
+            "redis_prefix": f"s{time.time_ns()}",
+        }
+    a, b = make_server(**overrides), make_server(**overrides)
+    ta, tb = CoordinatorClient(a.url, TRAINER_TOKEN), CoordinatorClient(b.url, TRAINER_TOKEN)
+    wa, wb = CoordinatorClient(a.url, WORKER_TOKEN), CoordinatorClient(b.url, WORKER_TOKEN)
+    ta.publish_version(manifest(0))
+    wb.register(WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1))
+    ta.publish_version(manifest(1))
+    assert wb.heartbeat("w1", WorkerHeartbeat(applied_version=1)).latest_version == 1
+    assert not wb.submit(group("g1", vmin=1)).duplicate
+    assert wa.submit(group("g1", vmin=1)).duplicate  # idempotency across processes
+    tb.publish_version(manifest(2))  # b learns about 1 before checking 2's base
+    with pytest.raises(CoordinatorError) as e:
+        ta.publish_version(manifest(2, anchor=True))
+    assert e.value.code == "version_conflict"
+    for i in range(10):
+        (wa if i % 2 else wb).submit(group(f"k{i}", vmin=2))
+    got = [g.idempotency_key for g in ta.lease(6).groups] + [
+        g.idempotency_key for g in tb.lease(20).groups
+    ]
+    assert sorted(got) == sorted(["g1"] + [f"k{i}" for i in range(10)])
