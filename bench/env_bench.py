@@ -1,4 +1,4 @@
-"""Benchmark of the Wordle environment server on loopback (numbers in docs/benchmarks-env.md).
+"""Benchmark of the Wordle environment server on loopback (numbers in docs/benchmarks.md (section "Environment server")).
 
     python bench/env_bench.py                      # defaults: 1,000 sessions, HTTP and WS
     python bench/env_bench.py --rates 1000,2000,3000 --duration 20 --json /tmp/env_bench.json
