@@ -43,7 +43,6 @@ trainer's own counters (``groups_trained``) so that they continue.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -55,17 +54,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deltarl.services.weightsync.anchor import build_header, read_exact, read_header, tensor_bytes
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.errors import CorruptDeltaError
+from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 
+from .checkpoint_files import (
+    CheckpointError,
+    FileRecord,
+    fsync_dir,
+    read_safetensors,
+    write_json,
+    write_safetensors,
+)
 from .publisher import publishable_state
 from .settings import CHECKPOINT_POINTER
 
@@ -85,20 +90,6 @@ RNG_FILE = "rng.safetensors"
 META_FILE = "trainer.json"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-_CHUNK = 1 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, or does not fit the model/optimizer it is loaded into."""
-
-
-class FileRecord(BaseModel):
-    """Size and xxh3-128 (hex) of one file of a checkpoint."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    bytes: int = Field(ge=0, description="File size in bytes.")
-    xxh3: str = Field(description="xxh3-128 of the whole file, lowercase hex.")
 
 
 class CheckpointMeta(BaseModel):
@@ -148,95 +139,9 @@ def _checksum(raw: Mapping[str, Any]) -> str:
 def published_digest(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> str:
     """State digest of what the publisher makes of ``model``: its floating-point state cast to
     ``dtype`` (the digest a replica holding that version computes)."""
-    return state_digest({n: t.detach().to(dtype) for n, t in publishable_state(model).items()})
-
-
-# ---------------------------------------------------------------------------------------------
-# files
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-    """Write ``tensors`` (names sorted) as one safetensors file, hashing it on the way; fsync."""
-    names = sorted(tensors)
-    header = build_header([(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {})
-    h = xxhash.xxh3_128()
-    size = 0
-    with open(path, "wb") as fh:
-        for chunk in [memoryview(header)] + [tensor_bytes(tensors[n]) for n in names]:
-            fh.write(chunk)
-            h.update(chunk)
-            size += len(chunk)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return FileRecord(bytes=size, xxh3=h.hexdigest())
-
-
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-class _HashingReader(io.RawIOBase):
-    """Reads ``stream`` and feeds every byte read to an xxh3-128 hash."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self._stream = stream
-        self.hash = xxhash.xxh3_128()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self._stream.readinto(view)  # type: ignore[attr-defined]
-        if n:
-            self.hash.update(view[:n])
-        return n or 0
-
-
-def _read_safetensors(path: Path, record: FileRecord) -> dict[str, torch.Tensor]:
-    """Read one tensor file of a checkpoint, checking its size, header and xxh3-128."""
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint is damaged")
-    size = path.stat().st_size
-    if size != record.bytes:
-        raise CheckpointError(
-            f"{path} has {size} bytes, {record.bytes} were written: the file is "
-            f"{'truncated' if size < record.bytes else 'longer than written'}"
-        )
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as fh:
-        reader = _HashingReader(fh)
-        stream = cast(IO[bytes], reader)
-        try:
-            _, entries = read_header(stream)
-            for entry in entries:
-                t = torch.empty(entry.shape, dtype=entry.dtype)
-                if entry.end > entry.start:
-                    buf = t.reshape(-1).view(torch.uint8).numpy().data
-                    read_exact(stream, buf, f"tensor {entry.name!r}")
-                out[entry.name] = t
-        except CorruptDeltaError as err:
-            raise CheckpointError(f"{path} is not a valid safetensors file: {err}") from None
-        while reader.read(_CHUNK):  # trailing bytes (the size check makes this rare)
-            pass
-    if reader.hash.hexdigest() != record.xxh3:
-        raise CheckpointError(
-            f"{path}: xxh3-128 {reader.hash.hexdigest()} differs from the {record.xxh3} recorded "
-            "when it was written: the file is damaged"
-        )
-    return out
+    # one cast at a time: no second copy of the model on its device
+    state = publishable_state(model)
+    return combine_digests({n: tensor_digest(t.detach().to(dtype)) for n, t in state.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,10 +386,16 @@ class Checkpointer:
         ``version``: the policy version these weights were published as. ``bucket_version``,
         ``bucket_digest``: the bucket's ``latest.json`` now. Returns the existing directory
         without writing when ``latest`` already names this step (the state cannot have
-        changed without a step).
+        changed without a step). Checkpoints of later steps are deleted after the commit: they
+        are uncommitted leftovers, or a branch abandoned by resuming from an older checkpoint.
+        A damaged ``latest`` is replaced (with a warning), not an error: saving repairs it.
         """
         name = self.dir_name(step)
-        current = self.latest()
+        try:
+            current = self.latest()
+        except CheckpointError as err:
+            logger.warning("%s; the checkpoint being written replaces it", err)
+            current = None
         if current is not None and current.name == name:
             logger.debug("checkpoint %s is already the latest", current)
             return current
@@ -499,9 +410,9 @@ class Checkpointer:
             opt_tensors, opt_scalars, groups = _optimizer_to_files(model, optimizer)
             rng_tensors, python_rng, numpy_rng = _rng_state()
             files = {
-                MODEL_FILE: _write_safetensors(tmp / MODEL_FILE, model.state_dict()),
-                OPTIMIZER_FILE: _write_safetensors(tmp / OPTIMIZER_FILE, opt_tensors),
-                RNG_FILE: _write_safetensors(tmp / RNG_FILE, rng_tensors),
+                MODEL_FILE: write_safetensors(tmp / MODEL_FILE, model.state_dict()),
+                OPTIMIZER_FILE: write_safetensors(tmp / OPTIMIZER_FILE, opt_tensors),
+                RNG_FILE: write_safetensors(tmp / RNG_FILE, rng_tensors),
             }
             meta = CheckpointMeta(
                 step=step,
@@ -524,20 +435,20 @@ class Checkpointer:
             )
             raw = meta.model_dump(mode="json")
             raw["checksum"] = _checksum(raw)
-            _write_json(tmp / META_FILE, raw)
-            _fsync_dir(tmp)
+            write_json(tmp / META_FILE, raw)
+            fsync_dir(tmp)
             if final.exists():  # uncommitted: left by a crash between rename and pointer
                 logger.warning("replacing %s, never committed by an interrupted write", final)
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             pointer_tmp = self.root / f"{CHECKPOINT_POINTER}.tmp"
             with open(pointer_tmp, "w", encoding="utf-8") as fh:
                 fh.write(name + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(pointer_tmp, self.root / CHECKPOINT_POINTER)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -570,9 +481,9 @@ class Checkpointer:
         expected = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE}
         if set(meta.files) != expected:
             raise CheckpointError(f"{meta_path} lists {sorted(meta.files)}, not {sorted(expected)}")
-        model = _read_safetensors(ckpt_dir / MODEL_FILE, meta.files[MODEL_FILE])
-        optimizer = _read_safetensors(ckpt_dir / OPTIMIZER_FILE, meta.files[OPTIMIZER_FILE])
-        rng = _read_safetensors(ckpt_dir / RNG_FILE, meta.files[RNG_FILE])
+        model = read_safetensors(ckpt_dir / MODEL_FILE, meta.files[MODEL_FILE])
+        optimizer = read_safetensors(ckpt_dir / OPTIMIZER_FILE, meta.files[OPTIMIZER_FILE])
+        rng = read_safetensors(ckpt_dir / RNG_FILE, meta.files[RNG_FILE])
         if "torch/cpu" not in rng or "numpy/mt19937" not in rng:
             raise CheckpointError(f"{ckpt_dir / RNG_FILE} lacks the torch or numpy RNG state")
         return Checkpoint(ckpt_dir, meta, model, optimizer, rng)

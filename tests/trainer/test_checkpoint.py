@@ -328,7 +328,7 @@ def test_crash_mid_write_leaves_the_previous_checkpoint(
     _save(ckpt, 1, model, opt, sched)
     good = ckpt.load()
 
-    write = ckpt_mod._write_safetensors
+    write = ckpt_mod.write_safetensors
     calls = []
 
     def failing(path: Path, tensors: Any) -> Any:
@@ -338,7 +338,7 @@ def test_crash_mid_write_leaves_the_previous_checkpoint(
         return write(path, tensors)
 
     torch.nn.init.ones_(model.head.weight)  # the state moved on
-    monkeypatch.setattr(ckpt_mod, "_write_safetensors", failing)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", failing)
     with pytest.raises(OSError, match="between files"):
         _save(ckpt, 2, model, opt, sched)
     monkeypatch.undo()
