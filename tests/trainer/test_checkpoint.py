@@ -371,6 +371,13 @@ def test_crash_mid_write_leaves_the_previous_checkpoint(
     assert ckpt.load().meta.step == 4
     assert torch.equal(ckpt.load().model["head.weight"], torch.ones(VOCAB, 16))
 
+    # a damaged pointer fails loading, and the next save repairs it
+    (tmp_path / "ckpt" / "latest").write_text("garbage\n")
+    with pytest.raises(CheckpointError, match="not a checkpoint name"):
+        ckpt.load()
+    _save(ckpt, 5, model, opt, sched)
+    assert ckpt.load().meta.step == 5
+
 
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
