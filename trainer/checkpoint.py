@@ -193,7 +193,7 @@ def _optimizer_to_files(
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], list[Any], dict[str, Any]]:
     tensors = {"torch/cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # else CUDA was never used
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch/cuda/{i}"] = s
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -213,10 +213,11 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], list[Any], dict[str, Any]]:
 
 def _restore_rng(tensors: Mapping[str, torch.Tensor], meta: CheckpointMeta) -> None:
     torch.set_rng_state(tensors["torch/cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch/cuda/")]
+    count = sum(k.startswith("torch/cuda/") for k in tensors)
+    cuda = [tensors[f"torch/cuda/{i}"] for i in range(count)]
     if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
         torch.cuda.set_rng_state_all(cuda)
-    elif cuda or torch.cuda.is_available():
+    elif cuda:
         logger.warning(
             "checkpoint has %d CUDA RNG state(s), this host %d device(s): CUDA RNG not restored",
             len(cuda),
