@@ -73,9 +73,21 @@ def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The floating-point entries of ``model.state_dict()``: the weights replicas load.
 
     Integer or boolean buffers (position ids, masks) are constants of the architecture, not
-    weights, and the delta codec handles floating-point tensors only.
+    weights, and the delta codec handles floating-point tensors only. Tied weights (e.g. an LM
+    head sharing the embedding) are published once, under their first name, as
+    ``named_parameters()`` lists them: shipping the same tensor twice would double its bytes.
     """
-    return {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not t.is_floating_point():
+            continue
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach()
+    return out
 
 
 class PublishFailedError(RuntimeError):

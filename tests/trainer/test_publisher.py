@@ -324,3 +324,16 @@ def test_publishable_state_keeps_float_weights_only() -> None:
     model.register_buffer("position_ids", torch.arange(4))
     model.register_buffer("scale", torch.ones(1))
     assert sorted(publishable_state(model)) == ["bias", "scale", "weight"]
+
+
+def test_publishable_state_lists_tied_weights_once() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    state = publishable_state(Tied())
+    assert list(state) == ["embed.weight"]
+    assert {n for n, _ in Tied().named_parameters()} == set(state)
