@@ -292,6 +292,11 @@ class Checkpoint:
                 problems.append(f"optimizer state {key!r} names no parameter of the model")
             elif t.dim() > 0 and t.shape != params[pname].shape:
                 problems.append(f"optimizer state {key!r}: shape {list(t.shape)}")
+        problems += [
+            f"optimizer state of {pname!r} names no parameter of the model"
+            for pname in self.meta.optimizer_scalars
+            if pname not in params
+        ]
         if problems:
             raise CheckpointError(
                 f"{self.path} does not fit this model/optimizer: " + "; ".join(problems[:8])
