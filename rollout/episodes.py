@@ -23,8 +23,7 @@ gathers the pending turns of all live episodes into one ``generate`` call (run i
 thread so environment I/O continues). Order of calls in the batcher, repeated::
 
     wait for a pending turn -> wait until every live episode has one pending, or max_batch are
-    pending, or batch_wait_s passed since the oldest -> ONE generate(prompts, params) in a
-    thread (params.max_new_tokens = largest per-episode budget; each reply is cut to its own)
+    pending, or the oldest waited batch_wait_s -> ONE generate(prompts, params) in a thread (params.max_new_tokens = largest per-episode budget; each reply is cut to its own)
     -> hand each episode its completion -> the episode steps the environment, appends the
     feedback and queues its next turn
 
@@ -53,6 +52,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -131,10 +131,11 @@ class EpisodeSettings(BaseModel):
     )
     max_batch: int = Field(default=256, ge=1, description="Most prompts per generate call.")
     batch_wait_s: float = Field(
-        default=0.005,
+        default=0.05,
         ge=0.0,
-        description="Longest wait for more episodes to join a generate call once one is pending "
-        "(seconds); the call starts earlier when every live episode is waiting.",
+        description="Longest a pending turn waits for the other live episodes to join its "
+        "generate call (seconds); the call starts as soon as every live episode is waiting. "
+        "0: no waiting (for an engine that batches continuously by itself).",
     )
 
 
@@ -466,7 +467,7 @@ class _Batcher:
         self.policy_version = policy_version
         self.live = 0
         self.calls = 0
-        self.batch_sizes: list[int] = []
+        self.batch_sizes: deque[int] = deque(maxlen=10_000)  # prompts per call, latest last
         self._pending: list[_Request] = []
         self._wake = asyncio.Event()
 
@@ -490,9 +491,11 @@ class _Batcher:
         deadline = self._pending[0].queued_at + self.batch_wait_s
         while True:
             self._pending = [r for r in self._pending if not r.future.done()]
+            if not self._pending:
+                break
             full = len(self._pending) >= min(max(self.live, 1), self.max_batch)
             left = deadline - time.monotonic()
-            if full or left <= 0 or not self._pending:
+            if full or left <= 0:
                 break
             self._wake.clear()
             try:
@@ -619,8 +622,8 @@ class EpisodeRunner:
         self._task: asyncio.Task[None] | None = None
 
     @property
-    def batch_sizes(self) -> list[int]:
-        """Prompts per generate call so far (for metrics and tests)."""
+    def batch_sizes(self) -> deque[int]:
+        """Prompts per generate call (the latest 10,000; for metrics and tests)."""
         return self._batcher.batch_sizes
 
     async def __aenter__(self) -> EpisodeRunner:
