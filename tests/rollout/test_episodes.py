@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from episode_helpers import ScriptedEngine, WordleServer, smollm2_tokenizer
+from rollout_helpers import FakeTrainer, clone_state
 
 from deltarl.env_server.client import AsyncEpisode, EnvClient
 from deltarl.env_server.models import EnvError, ErrorCode, StepResult
@@ -29,8 +30,11 @@ from deltarl.rollout.episodes import (
     TokenGenerator,
 )
 from deltarl.rollout.trajectories import idempotency_key, json_f32, payload_sizes, to_submission
+from deltarl.rollout.weights import WeightSync
+from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import decode_group, encode_group
 from deltarl.services.schemas.common import ID_PATTERN
+from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate
 
 pytestmark = pytest.mark.network
@@ -74,6 +78,19 @@ def play(
             return await runner.run_groups(seeds), runner
 
     return asyncio.run(main())
+
+
+def tiny_llama(vocab: int) -> transformers.LlamaConfig:
+    """A one-layer random Llama over the real tokenizer's vocabulary (~3 M parameters)."""
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
 
 
 def check_bookkeeping(ep: Episode) -> None:
@@ -306,16 +323,7 @@ def test_tiny_random_model_plays_through_the_transformers_engine(
     server: WordleServer, tok: Any
 ) -> None:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    model: torch.nn.Module = transformers.LlamaForCausalLM(config)
+    model: torch.nn.Module = transformers.LlamaForCausalLM(tiny_llama(len(tok)))
     engine = TransformersEngine(model.to(torch.bfloat16), seed=0)
     settings = EpisodeSettings(
         group_size=3, max_turns=3, sampling=SamplingParams(max_new_tokens=8, seed=1)
@@ -391,3 +399,39 @@ def test_an_env_error_stops_the_siblings_at_a_turn_boundary(server: WordleServer
         asyncio.run(main())
     assert server.open_sessions == 0
     assert len(engine.calls) <= 2  # the siblings stopped after at most one more turn
+
+
+def test_weight_sync_between_turns_is_recorded(
+    server: WordleServer, tok: Any, bucket: LocalBucket
+) -> None:
+    """A real WeightSync gate: a new version lands between turns; every turn is verified."""
+    torch.manual_seed(3)
+    model: torch.nn.Module = transformers.LlamaForCausalLM(tiny_llama(len(tok)))
+    engine = TransformersEngine(model.to(torch.bfloat16), seed=0)
+    trainer = FakeTrainer(bucket, clone_state(dict(engine.named_parameters())))
+    sync = WeightSync(engine, BucketReader(bucket))
+    sync.sync_to(0)
+
+    class SyncAfterFirstCall:
+        calls = 0
+
+        def generate(self, prompts: Any, params: SamplingParams) -> Any:
+            if self.calls == 1:
+                sync.sync_to(trainer.step())
+            self.calls += 1
+            return sync.generate(prompts, params)
+
+    settings = EpisodeSettings(
+        group_size=2, max_turns=2, sampling=SamplingParams(max_new_tokens=6, seed=0)
+    )
+    [group], _ = play(server, tok, SyncAfterFirstCall(), settings, [SEED])
+    for ep in group.episodes:
+        check_bookkeeping(ep)
+        assert [(t.version_min, t.version_max) for t in ep.turns] == [(0, 0), (1, 1)][
+            : ep.num_turns
+        ]
+    assert group.verdict(sync.check) == "verified"
+    assert {(t.version_min, t.version_max) for t in to_submission(group, "w1").trajectories} <= {
+        (0, 0),
+        (0, 1),
+    }
