@@ -212,7 +212,52 @@ return {0, requeue(p, batch, 'nacked')}
 
 _RECLAIM = _REQUEUE_FN + "return reclaim(ARGV[1], ARGV[2])"
 
-_INT_FIELDS = ("capacity", "applied_version", "in_flight", "rejoins", "submitted")
+# every worker in one call: {id1, f1..f10, id2, ...} (a 1000-command pipeline costs more in
+# Python than the whole script in Redis)
+_LIST_WORKERS = """
+local p = ARGV[1]; local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', p..':w:ids')) do
+  local v = redis.call('HMGET', p..':w:'..id, unpack(ARGV, 2))
+  if v[1] then
+    out[#out + 1] = id
+    for i = 1, #v do out[#out + 1] = v[i] end
+  end
+end
+return out
+"""
+
+_FIELDS = (
+    "engine",
+    "model",
+    "capacity",
+    "registered_at",
+    "last_seen",
+    "applied_version",
+    "in_flight",
+    "last_error",
+    "rejoins",
+    "submitted",
+)
+
+
+def _worker_fields(worker_id: str, v: list[bytes | None]) -> WorkerRecord | None:
+    """A worker from ``HMGET key *_FIELDS`` (None when the hash does not exist)."""
+    if v[0] is None:
+        return None
+    assert v[1] is not None and v[2] is not None and v[3] is not None and v[4] is not None
+    return WorkerRecord(
+        worker_id=worker_id,
+        engine=v[0].decode(),
+        model=v[1].decode(),
+        capacity=int(v[2]),
+        registered_at=float(v[3]),
+        last_seen=float(v[4]),
+        applied_version=None if v[5] is None else int(v[5]),
+        in_flight=0 if v[6] is None else int(v[6]),
+        last_error=None if v[7] is None else v[7].decode(),
+        rejoins=0 if v[8] is None else int(v[8]),
+        submitted=0 if v[9] is None else int(v[9]),
+    )
 
 
 def _worker(worker_id: str, flat: list[Any] | dict[Any, Any]) -> WorkerRecord:
@@ -255,6 +300,7 @@ class RedisStore(CoordinatorStore):
         self._ack = self._r.register_script(_ACK)
         self._nack = self._r.register_script(_NACK)
         self._reclaim = self._r.register_script(_RECLAIM)
+        self._list_workers = self._r.register_script(_LIST_WORKERS)
 
     def _k(self, name: str) -> str:
         return f"{self.prefix}:{name}"
@@ -336,15 +382,16 @@ class RedisStore(CoordinatorStore):
         return None if flat is None else _worker(worker_id, flat)
 
     def get_worker(self, worker_id: str) -> WorkerRecord | None:
-        flat = self._r.hgetall(self._k(f"w:{worker_id}"))
-        return _worker(worker_id, flat) if flat else None
+        values = self._r.hmget(self._k(f"w:{worker_id}"), _FIELDS)
+        return _worker_fields(worker_id, values)  # type: ignore[arg-type]
 
     def list_workers(self) -> list[WorkerRecord]:
-        ids = sorted(i.decode() for i in self._r.smembers(self._k("w:ids")))  # type: ignore[union-attr]
-        pipe = self._r.pipeline(transaction=False)
-        for wid in ids:
-            pipe.hgetall(self._k(f"w:{wid}"))
-        return [_worker(wid, flat) for wid, flat in zip(ids, pipe.execute(), strict=True) if flat]
+        flat = self._list_workers(args=[self.prefix, *_FIELDS])
+        n = 1 + len(_FIELDS)
+        found = [
+            _worker_fields(flat[i].decode(), flat[i + 1 : i + n]) for i in range(0, len(flat), n)
+        ]
+        return sorted((w for w in found if w is not None), key=lambda w: w.worker_id)
 
     def remove_worker(self, worker_id: str) -> bool:
         pipe = self._r.pipeline(transaction=True)
