@@ -435,3 +435,56 @@ def test_weight_sync_between_turns_is_recorded(
         (0, 0),
         (0, 1),
     }
+
+
+class Templated:
+    """The SmolLM2 tokenizer with another chat template."""
+
+    def __init__(self, tok: Any, template: str) -> None:
+        self.tok, self.chat_template = tok, template
+        self.eos_token_id, self.all_special_ids = tok.eos_token_id, tok.all_special_ids
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        return self.tok.apply_chat_template(
+            conversation, chat_template=self.chat_template, **kwargs
+        )
+
+    def encode(self, text: Any, **kwargs: Any) -> Any:
+        return self.tok.encode(text, **kwargs)
+
+    def decode(self, token_ids: Any, **kwargs: Any) -> Any:
+        return self.tok.decode(token_ids, **kwargs)
+
+
+PLAIN = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+LAST_USER_ONLY = (
+    "{% for m in messages %}{% if m['role'] != 'user' or loop.index0 >= messages|length - 2 %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_chat_format_plain_and_unstable_templates(tok: Any) -> None:
+    plain = ChatFormat(Templated(tok, PLAIN))
+    assert plain.end_of_turn_id is None  # "\n\n" closes a turn: only EOS stops
+    assert plain.stop_token_ids() == (IM_END,)
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "[crane]"}]
+    more = plain.continuation_ids(msgs, "XXGXX", stop_token=None)
+    assert tok.decode(more) == "\n\nuser: XXGXX\n\nassistant: "
+    chatml = ChatFormat(tok)
+    assert chatml.end_of_turn_id == IM_END
+    # a stop token that is the template's closing is not written twice; a cut reply is closed
+    assert tok.decode(chatml.continuation_ids(msgs, "fb", IM_END)).startswith("\n<|im_start|>user")
+    assert tok.decode(chatml.continuation_ids(msgs, "fb", None)).startswith("<|im_end|>\n")
+    unstable = ChatFormat(Templated(tok, LAST_USER_ONLY))
+    long = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    with pytest.raises(ValueError, match="prefix-stable"):
+        unstable.continuation_ids(long, "e", None)
