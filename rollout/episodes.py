@@ -217,8 +217,9 @@ class ChatFormat:
 
     Built once per tokenizer; it probes the chat template with a sentinel reply to learn the
     text that closes an assistant turn (e.g. ``"<|im_end|>\\n"``) and its end-of-turn token.
-    Raises ``ValueError`` if the template has no chat template or is not prefix-stable (a
-    conversation's rendering must start with the rendering of its beginning).
+    Raises ``ValueError`` if the tokenizer has no chat template, and (from
+    :meth:`continuation_ids`) if the template is not prefix-stable: a conversation's rendering
+    must start with the rendering of its beginning.
     """
 
     def __init__(self, tokenizer: ChatTokenizer) -> None:
@@ -260,11 +261,10 @@ class ChatFormat:
     def _text(self, ids: Sequence[int], *, skip: bool) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip))
 
-    def reply_text(self, token_ids: Sequence[int], stopped: bool) -> str:
-        """The action text of a reply: its tokens decoded, the final stop token and any special
-        tokens left out."""
-        ids = token_ids[:-1] if stopped and token_ids else token_ids
-        return self._text(ids, skip=True)
+    def reply_text(self, token_ids: Sequence[int]) -> str:
+        """The action text of a reply: its tokens decoded without special tokens (so an
+        end-of-turn or EOS stop token disappears; a plain stop token such as ``]`` stays)."""
+        return self._text(token_ids, skip=True)
 
     def _closing(self, messages: list[dict[str, str]]) -> str:
         with_reply = [*messages, {"role": "assistant", "content": _SENTINEL}]
@@ -742,7 +742,7 @@ class EpisodeRunner:
             start = len(ep.tokens)
             ep._append(c.token_ids, sampled=c.logprobs)
             stopped = c.finish_reason == "stop" and bool(c.token_ids)
-            reply = fmt.reply_text(c.token_ids, stopped)
+            reply = fmt.reply_text(c.token_ids)
             result = await session.step(reply)
             ep.turns.append(
                 Turn(

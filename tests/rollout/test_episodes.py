@@ -337,7 +337,7 @@ def test_tiny_random_model_plays_through_the_transformers_engine(
         for turn in ep.turns:
             assert all(lp <= 0.0 for lp in turn.completion.logprobs)
             stopped = turn.completion.finish_reason == "stop"
-            assert turn.reply == fmt.reply_text(turn.token_ids, stopped)
+            assert turn.reply == fmt.reply_text(turn.token_ids)
             if turn is not ep.turns[-1]:  # the template's closing follows, once
                 closing = ep.tokens[turn.end : turn.end + 2]
                 assert closing == ([198] if stopped else [IM_END, 198])[: len(closing)]
@@ -488,3 +488,22 @@ def test_chat_format_plain_and_unstable_templates(tok: Any) -> None:
     ]
     with pytest.raises(ValueError, match="prefix-stable"):
         unstable.continuation_ids(long, "e", None)
+
+
+def test_a_plain_stop_token_stays_in_the_reply(server: WordleServer, tok: Any) -> None:
+    [bracket] = tok.encode("]", add_special_tokens=False)
+    words = wrong(SEED)
+    engine = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}", stop=bracket)
+    settings = EpisodeSettings(
+        group_size=1,
+        max_turns=2,
+        sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(bracket,)),
+    )
+    [group], _ = play(server, tok, engine, settings, [SEED])
+    ep = group.episodes[0]
+    check_bookkeeping(ep)
+    first = ep.turns[0]
+    assert first.completion.finish_reason == "stop" and first.token_ids[-1] == bracket
+    assert first.reply == f"[{words[0]}]" and first.signals["valid"] == 1.0
+    assert ep.tokens[first.end] == IM_END  # the template's closing is still written
+    assert engine.calls[0][1].stop_token_ids == (bracket, IM_END)
