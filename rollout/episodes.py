@@ -53,7 +53,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -578,6 +578,17 @@ def _first_error(results: Sequence[object]) -> BaseException | None:
     return real[0] if real else None
 
 
+async def _aiter(
+    items: Iterable[int | None] | AsyncIterable[int | None],
+) -> AsyncIterator[int | None]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
 class EpisodeRunner:
     """Plays groups of episodes concurrently with batched generation.
 
@@ -586,6 +597,8 @@ class EpisodeRunner:
         async with EnvClient(env_url) as env, EpisodeRunner(sync, tokenizer, env, settings) as r:
             group = await r.run_group(seed=17)          # G episodes of one game
             groups = await r.run_groups([1, 2, 3])      # several groups at once, batched together
+            async for g in r.stream_groups(seeds, in_flight=16):  # a worker's steady state
+                ...                                     # an EpisodeGroup, or the exception
 
     ``generator``: an engine or a ``WeightSync`` (see :class:`TokenGenerator`).
     ``policy_version``: read around each generate call when completions carry no version
@@ -638,6 +651,48 @@ class EpisodeRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    async def stream_groups(
+        self,
+        seeds: Iterable[int | None] | AsyncIterable[int | None],
+        *,
+        in_flight: int,
+        prefix: str = "g",
+    ) -> AsyncIterator[EpisodeGroup | Exception]:
+        """Keep ``in_flight`` groups playing, one per seed, and yield each as it finishes.
+
+        A new group starts as soon as one finishes, so the engine stays busy while finished
+        groups are submitted; ``seeds`` may be async (e.g. a generator that waits for the
+        coordinator's admission before yielding). A failed group is yielded as its exception
+        (the stream goes on; stop iterating to stop it, which cancels the groups in flight).
+        """
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+        source = _aiter(seeds)
+        running: set[asyncio.Task[EpisodeGroup]] = set()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(running) < in_flight:
+                    try:
+                        seed = await anext(source)
+                    except StopAsyncIteration:
+                        exhausted = True
+                        break
+                    running.add(asyncio.create_task(self.run_group(seed=seed, prefix=prefix)))
+                if not running:
+                    return
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    exc = task.exception()
+                    if exc is not None and not isinstance(exc, Exception):
+                        raise exc
+                    yield exc if exc is not None else task.result()
+        finally:
+            for task in running:
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
 
     async def run_groups(
         self, seeds: Iterable[int | None], *, prefix: str = "g"

@@ -507,3 +507,59 @@ def test_a_plain_stop_token_stays_in_the_reply(server: WordleServer, tok: Any) -
     assert first.reply == f"[{words[0]}]" and first.signals["valid"] == 1.0
     assert ep.tokens[first.end] == IM_END  # the template's closing is still written
     assert engine.calls[0][1].stop_token_ids == (bracket, IM_END)
+
+
+def test_stream_groups_keeps_groups_in_flight_and_reports_failures(
+    server: WordleServer, tok: Any
+) -> None:
+    words = wrong(SEED)
+    inner = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}]", stop=IM_END)
+    settings = EpisodeSettings(
+        group_size=2, max_turns=2, sampling=SamplingParams(max_new_tokens=16), batch_wait_s=1.0
+    )
+
+    class FailsOnce:
+        """With ``fail_call`` set, that generate call fails (its group fails, the stream goes on)."""
+
+        fail_call: int | None = None
+
+        def generate(self, prompts: Any, params: SamplingParams) -> Any:
+            if len(inner.calls) == self.fail_call:
+                self.fail_call = None
+                raise RuntimeError("transient engine failure")
+            return inner.generate(prompts, params)
+
+    async def seeds() -> AsyncIterator[int]:
+        for s in range(SEED, SEED + 5):
+            yield s
+
+    def stream(
+        generator: FailsOnce, in_flight: int
+    ) -> tuple[list[EpisodeGroup | Exception], EpisodeRunner]:
+        async def main() -> tuple[list[EpisodeGroup | Exception], EpisodeRunner]:
+            async with (
+                EnvClient(server.url) as env,
+                EpisodeRunner(generator, tok, env, settings) as runner,
+            ):
+                out = [g async for g in runner.stream_groups(seeds(), in_flight=in_flight)]
+                return out, runner
+
+        return asyncio.run(main())
+
+    results, runner = stream(FailsOnce(), in_flight=2)
+    assert {r.seed for r in results if isinstance(r, EpisodeGroup)} == set(range(SEED, SEED + 5))
+    assert max(runner.batch_sizes) == 4  # two groups of 2 share calls, never more
+    assert server.open_sessions == 0
+
+    inner.calls.clear()
+    failing = FailsOnce()
+    failing.fail_call = 2  # the first turn of the second group (one group at a time)
+    results, _ = stream(failing, in_flight=1)
+    assert [type(r).__name__ for r in results] == [
+        "EpisodeGroup",
+        "RuntimeError",
+        "EpisodeGroup",
+        "EpisodeGroup",
+        "EpisodeGroup",
+    ]
+    assert server.open_sessions == 0
