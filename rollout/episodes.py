@@ -22,8 +22,9 @@ Batching: :class:`EpisodeRunner` runs any number of episodes concurrently on one
 gathers the pending turns of all live episodes into one ``generate`` call (run in a worker
 thread so environment I/O continues). Order of calls in the batcher, repeated::
 
-    wait for a pending turn -> wait until every live episode has one pending, or max_batch are
-    pending, or the oldest waited batch_wait_s -> ONE generate(prompts, params) in a thread (params.max_new_tokens = largest per-episode budget; each reply is cut to its own)
+    wait for a pending turn -> wait until every live episode has one pending, or max_batch
+    are pending, or the oldest waited batch_wait_s -> ONE generate(prompts, params) in a
+    thread (max_new_tokens = the largest per-episode budget; each reply is cut to its own)
     -> hand each episode its completion -> the episode steps the environment, appends the
     feedback and queues its next turn
 
