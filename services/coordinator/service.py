@@ -226,7 +226,7 @@ class Coordinator:
 
     def register(self, reg: WorkerRegistration) -> HeartbeatAck:
         now = self.clock()
-        w = self.store.register_worker(reg, now, self.settings.lost_after_s)
+        w = self.store.register_worker(reg, now)
         return self._ack(w, now)
 
     def heartbeat(self, worker_id: str, hb: WorkerHeartbeat) -> HeartbeatAck:

@@ -80,7 +80,7 @@ class HeadlessChromium:
             msg = json.loads(self.ws.recv(timeout=30))
             if msg.get("id") == self._id:
                 assert "error" not in msg, msg
-                return msg["result"]  # type: ignore[no-any-return]
+                return msg["result"]
 
     def eval(self, expression: str) -> Any:
         return self.call("Runtime.evaluate", expression=expression, returnByValue=True)[

@@ -56,7 +56,7 @@ def test_versions_first_can_start_anywhere(store: CoordinatorStore) -> None:
 
 def test_workers_register_heartbeat_rejoin_remove(store: CoordinatorStore) -> None:
     reg = WorkerRegistration(worker_id="w1", engine="vllm", model="m", capacity=4)
-    w = store.register_worker(reg, T0, lost_after_s=10)
+    w = store.register_worker(reg, T0)
     assert (w.worker_id, w.capacity, w.rejoins, w.applied_version) == ("w1", 4, 0, None)
     hb = WorkerHeartbeat(applied_version=3, in_flight=2, last_error="boom")
     w2 = store.heartbeat("w1", hb, T0 + 1, lost_after_s=10)
@@ -65,9 +65,9 @@ def test_workers_register_heartbeat_rejoin_remove(store: CoordinatorStore) -> No
     w3 = store.heartbeat("w1", WorkerHeartbeat(applied_version=4), T0 + 30, lost_after_s=10)
     assert w3 is not None and w3.rejoins == 1 and w3.last_error is None  # came back after silence
     assert store.heartbeat("nobody", hb, T0, lost_after_s=10) is None
-    w4 = store.register_worker(reg.model_copy(update={"capacity": 8}), T0 + 31, lost_after_s=10)
+    w4 = store.register_worker(reg.model_copy(update={"capacity": 8}), T0 + 31)
     assert (w4.capacity, w4.rejoins, w4.applied_version, w4.registered_at) == (8, 2, None, T0)
-    store.register_worker(reg.model_copy(update={"worker_id": "w0"}), T0, lost_after_s=10)
+    store.register_worker(reg.model_copy(update={"worker_id": "w0"}), T0)
     assert [w.worker_id for w in store.list_workers()] == ["w0", "w1"]
     assert store.remove_worker("w0") and not store.remove_worker("w0")
     assert store.get_worker("w0") is None
@@ -76,9 +76,7 @@ def test_workers_register_heartbeat_rejoin_remove(store: CoordinatorStore) -> No
 
 
 def test_submit_idempotent_and_stale(store: CoordinatorStore) -> None:
-    store.register_worker(
-        WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0, 10
-    )
+    store.register_worker(WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0)
     first = store.submit(submission("k1", vmin=5), T0, min_version=3, staleness=1)
     assert first.status == "accepted" and first.queue_depth == 1
     dup = store.submit(submission("k1", vmin=5), T0 + 1, min_version=3, staleness=1)
@@ -174,9 +172,7 @@ def test_stale_dropped_at_pull(store: CoordinatorStore) -> None:
 def test_nothing_lost_on_restart(store_factory: StoreFactory) -> None:
     s1 = store_factory()
     s1.add_version(record(0))
-    s1.register_worker(
-        WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0, 10
-    )
+    s1.register_worker(WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0)
     for i in range(3):
         s1.submit(submission(f"k{i}"), T0, None, 0)
     leased = s1.lease(1, 5, T0, None)

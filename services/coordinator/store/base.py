@@ -155,9 +155,7 @@ class CoordinatorStore(ABC):
 
     # -- workers ----------------------------------------------------------------------------
     @abstractmethod
-    def register_worker(
-        self, reg: WorkerRegistration, now: float, lost_after_s: float
-    ) -> WorkerRecord:
+    def register_worker(self, reg: WorkerRegistration, now: float) -> WorkerRecord:
         """Create or refresh a worker. Re-registering an id keeps its counters and counts a
         rejoin; its reported version/in-flight/error are reset (it restarted)."""
 

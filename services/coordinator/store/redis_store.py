@@ -357,9 +357,7 @@ class RedisStore(CoordinatorStore):
         return None if anchor is None else self.get_version(anchor)
 
     # -- workers ----------------------------------------------------------------------------
-    def register_worker(
-        self, reg: WorkerRegistration, now: float, lost_after_s: float
-    ) -> WorkerRecord:
+    def register_worker(self, reg: WorkerRegistration, now: float) -> WorkerRecord:
         flat = self._register(
             args=[self.prefix, reg.worker_id, reg.engine, reg.model, reg.capacity, repr(now)]
         )

@@ -163,9 +163,7 @@ class SQLiteStore(CoordinatorStore):
         "in_flight, last_error, rejoins, submitted"
     )
 
-    def register_worker(
-        self, reg: WorkerRegistration, now: float, lost_after_s: float
-    ) -> WorkerRecord:
+    def register_worker(self, reg: WorkerRegistration, now: float) -> WorkerRecord:
         with self._tx() as db:
             db.execute(
                 "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, 0, 0) "
