@@ -41,13 +41,13 @@ class BatchItem(WireModel):
     """Metadata of one group in a leased batch (the payload travels alongside, see LeasedBatch)."""
 
     submission_id: int = Field(description="Queue sequence number.")
-    worker_id: str
-    group_id: str
+    worker_id: str = Field(description="Worker that submitted the group.")
+    group_id: str = Field(description="The group's id (prompt).")
     version_min: int = Field(description="Oldest policy version in the group.")
     version_max: int = Field(description="Newest policy version in the group.")
     submitted_at: float = Field(description="Acceptance time (Unix s).")
-    num_trajectories: int
-    num_tokens: int
+    num_trajectories: int = Field(description="Trajectories in the group.")
+    num_tokens: int = Field(description="Tokens in the group, prompts included.")
 
 
 class BatchLease(WireModel):
@@ -66,19 +66,19 @@ class BatchLease(WireModel):
 class LeasedBatch(WireModel):
     """A decoded lease answer: the lease plus the groups, in the same order as ``lease.items``."""
 
-    lease: BatchLease
-    groups: list[TrajectoryGroup]
+    lease: BatchLease = Field(description="Lease id, expiry and per-group metadata.")
+    groups: list[TrajectoryGroup] = Field(description="Decoded groups, same order as items.")
 
 
 class AckResult(WireModel):
-    batch_id: str
+    batch_id: str = Field(description="The lease acknowledged (or returned).")
     acked: int = Field(description="Groups removed from the queue for good (or returned: nack).")
 
 
 class AdmissionRequest(WireModel):
     """``POST /v1/admission`` body (worker role): may I start ``want`` more groups?"""
 
-    worker_id: str
+    worker_id: str = Field(description="The asking worker (registered).")
     want: int = Field(ge=0, le=1_000_000, description="Groups the worker would like to start.")
     applied_version: int | None = Field(
         default=None, ge=0, description="Version it would generate with; None: not loaded yet."
@@ -95,8 +95,8 @@ class AdmissionResponse(WireModel):
 
     grant: int = Field(ge=0, description="Groups the worker may start now (<= want).")
     reason: str = Field(description="'ok', 'queue_full', 'update_weights' or 'no_version'.")
-    current_version: int | None
-    queue_depth: int
+    current_version: int | None = Field(description="Newest version; None: none recorded yet.")
+    queue_depth: int = Field(description="Groups waiting to be leased.")
     in_flight: int = Field(description="Groups in flight across all active workers.")
     target_queue_groups: int = Field(description="Configured queue + in-flight budget.")
 

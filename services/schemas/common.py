@@ -32,7 +32,7 @@ class ErrorBody(WireModel):
 class ErrorResponse(WireModel):
     """Body of every 4xx/5xx answer of the coordinator."""
 
-    error: ErrorBody
+    error: ErrorBody = Field(description="What was refused and why.")
 
 
 class Health(WireModel):

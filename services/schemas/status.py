@@ -23,32 +23,32 @@ class QueueStats(WireModel):
 class VersionPoint(WireModel):
     """One version, for charts: delta bytes against full-model bytes over time."""
 
-    version: int
-    kind: str
+    version: int = Field(description="Policy version.")
+    kind: str = Field(description="'anchor' or 'delta'.")
     trainer_step: int | None = Field(description="Optimizer step; None if unknown.")
     bytes: int = Field(description="Bytes a replica downloads for this version.")
     full_bytes: int = Field(description="Bytes of a full checkpoint.")
-    recorded_at: float
+    recorded_at: float = Field(description="When the coordinator recorded it (Unix s).")
 
 
 class RewardPoint(WireModel):
     """Mean reward of the groups accepted for one policy version (version_max of each group)."""
 
-    version: int
-    groups: int
-    mean_reward: float
+    version: int = Field(description="Policy version (the groups' version_max).")
+    groups: int = Field(description="Accepted groups generated with it.")
+    mean_reward: float = Field(description="Mean over those groups of their mean reward.")
 
 
 class StatusSummary(WireModel):
     now: float = Field(description="Coordinator wall clock (Unix s).")
-    store: str
+    store: str = Field(description="Store backend: 'sqlite' or 'redis'.")
     trainer_step: int | None = Field(description="Step of the newest version; None: no version.")
-    latest_version: int | None
-    latest_anchor: int | None
-    max_staleness: int
-    queue: QueueStats
-    workers_active: int
-    workers_lost: int
+    latest_version: int | None = Field(description="Newest version; None: none recorded yet.")
+    latest_anchor: int | None = Field(description="Newest version with an anchor; None: none.")
+    max_staleness: int = Field(description="Configured staleness bound (versions).")
+    queue: QueueStats = Field(description="Trajectory queue counters.")
+    workers_active: int = Field(description="Workers heard from within lost_after_s.")
+    workers_lost: int = Field(description="Registered workers silent for longer.")
     in_flight: int = Field(description="Groups being generated, summed over active workers.")
     workers: list[WorkerInfo] = Field(description="Up to the requested limit, laggiest first.")
     versions: list[VersionPoint] = Field(description="Most recent versions, oldest first.")

@@ -89,7 +89,11 @@ class TrajectoryGroup(WireModel):
     )
     worker_id: str = Field(pattern=ID_PATTERN, description="Registered worker that generated it.")
     group_id: str = Field(pattern=ID_PATTERN, description="Prompt/group id (GRPO group).")
-    trajectories: list[Trajectory] = Field(min_length=1, max_length=MAX_TRAJECTORIES_PER_GROUP)
+    trajectories: list[Trajectory] = Field(
+        min_length=1,
+        max_length=MAX_TRAJECTORIES_PER_GROUP,
+        description="The group's episodes (1..4096), kept together through the queue.",
+    )
 
     @property
     def version_min(self) -> int:

@@ -61,4 +61,4 @@ class VersionRecord(WireModel):
     )
     published_at: float = Field(description="Manifest creation time (Unix s).")
     recorded_at: float = Field(description="Coordinator's wall clock at acceptance (Unix s).")
-    manifest: VersionManifest
+    manifest: VersionManifest = Field(description="The manifest as published (objects, digests).")

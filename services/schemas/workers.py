@@ -51,10 +51,10 @@ class WorkerHeartbeat(WireModel):
 class WorkerInfo(WireModel):
     """A worker as the coordinator sees it (``GET /v1/workers``)."""
 
-    worker_id: str
-    engine: str
-    model: str
-    capacity: int
+    worker_id: str = Field(description="Id chosen by the worker.")
+    engine: str = Field(description="Inference engine, as registered.")
+    model: str = Field(description="Model served, as registered.")
+    capacity: int = Field(description="Concurrent groups it can run, as registered.")
     state: WorkerState = Field(description="'lost' when no heartbeat for lost_after_s.")
     applied_version: int | None = Field(description="Last reported version; None if none yet.")
     in_flight: int = Field(description="Last reported groups in flight.")
@@ -75,7 +75,7 @@ class WorkerInfo(WireModel):
 class HeartbeatAck(WireModel):
     """Answer to a heartbeat or a registration: what the worker should do next."""
 
-    worker: WorkerInfo
+    worker: WorkerInfo = Field(description="The worker as recorded after this call.")
     latest_version: int | None = Field(description="Newest published version; None if none.")
     latest_anchor: int | None = Field(description="Newest anchor version; None if none.")
     max_staleness: int = Field(description="Samples older than latest - this are dropped.")

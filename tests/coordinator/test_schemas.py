@@ -130,3 +130,22 @@ def test_version_publish_carries_the_bucket_manifest() -> None:
     assert again == body and again.manifest.has_anchor
     with pytest.raises(ValidationError, match="Extra inputs"):
         TrajectoryGroup.model_validate({**group("x").model_dump(), "typo": 1})
+
+
+def test_every_wire_field_is_documented() -> None:
+    import inspect
+
+    from pydantic import BaseModel
+
+    import deltarl.services.schemas as schemas
+
+    undocumented = [
+        f"{name}.{field}"
+        for name in schemas.__all__
+        if inspect.isclass(obj := getattr(schemas, name))
+        and issubclass(obj, BaseModel)
+        and obj.__module__.startswith("deltarl.services.schemas")
+        for field, info in obj.model_fields.items()
+        if not info.description
+    ]
+    assert undocumented == []
