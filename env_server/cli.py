@@ -40,7 +40,13 @@ def serve(
     gc.collect()
     gc.freeze()
     private = "token required" if settings.token is not None else "no token (open server)"
-    logger.info("Wordle env server on http://%s:%d (%s)", settings.host, settings.port, private)
+    logger.info(
+        "Wordle env server on %s://%s:%d (%s)",
+        settings.scheme,
+        settings.host,
+        settings.port,
+        private,
+    )
     uvicorn.run(
         app,
         host=settings.host,
@@ -48,6 +54,7 @@ def serve(
         ws_max_size=settings.max_body_bytes,
         access_log=False,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
+        **settings.uvicorn_tls(),
     )
 
 

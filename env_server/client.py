@@ -23,6 +23,7 @@ Example (rollout worker)::
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +33,8 @@ from typing import Any, Generic, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
+
+from deltarl.services.tls import client_verify
 
 from .models import (
     SESSION_HEADER,
@@ -146,6 +149,7 @@ class EnvClient(_Calls):
         backoff_s: float = 0.2,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
+        verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         super().__init__(base_url, token, retries, backoff_s)
         limits = httpx.Limits(
@@ -157,6 +161,7 @@ class EnvClient(_Calls):
             timeout=timeout_s,
             limits=limits,
             transport=transport,
+            verify=client_verify() if verify is None else verify,
         )
 
     async def _send(self, call: _Call[T]) -> T:
@@ -251,10 +256,15 @@ class SyncEnvClient(_Calls):
         retries: int = 3,
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         super().__init__(base_url, token, retries, backoff_s)
         self._http = httpx.Client(
-            base_url=self.base_url, headers=self.headers, timeout=timeout_s, transport=transport
+            base_url=self.base_url,
+            headers=self.headers,
+            timeout=timeout_s,
+            transport=transport,
+            verify=client_verify() if verify is None else verify,
         )
 
     def _send(self, call: _Call[T]) -> T:

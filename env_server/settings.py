@@ -5,14 +5,14 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.services.settings import ServiceSettings
+from deltarl.services.tls import TLSServerSettings
 
 from .wordle import WordleRules
 
 MIN_TOKEN_CHARS = 16
 
 
-class EnvSettings(ServiceSettings):
+class EnvSettings(TLSServerSettings):
     """Single source of truth for ``deltarl env`` (listed by ``deltarl env --help``)."""
 
     model_config = SettingsConfigDict(

@@ -45,7 +45,8 @@ def coordinator(
     from .app import create_app
 
     logger.info(
-        "coordinator on http://%s:%d (store %s, %d process(es))",
+        "coordinator on %s://%s:%d (store %s, %d process(es))",
+        settings.scheme,
         settings.host,
         settings.port,
         settings.store,
@@ -57,6 +58,7 @@ def coordinator(
         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
         "access_log": False,
         "timeout_graceful_shutdown": 5,
+        **settings.uvicorn_tls(),
     }
     if settings.workers == 1:
         uvicorn.run(create_app(settings), **common)

@@ -21,6 +21,7 @@ Example (a worker)::
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from deltarl.services.schemas import (
     decode_leased_batch,
     encode_group,
 )
+from deltarl.services.tls import client_verify
 
 T = TypeVar("T")
 TOKEN_HEADER = "X-Deltarl-Token"
@@ -243,11 +245,16 @@ class CoordinatorClient:
         timeout: float = 10.0,
         retries: int = 2,
         transport: httpx.BaseTransport | None = None,
+        verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self._http = httpx.Client(
-            base_url=self.base_url, headers=_headers(token), timeout=timeout, transport=transport
+            base_url=self.base_url,
+            headers=_headers(token),
+            timeout=timeout,
+            transport=transport,
+            verify=client_verify() if verify is None else verify,
         )
 
     def __enter__(self) -> CoordinatorClient:
@@ -384,11 +391,16 @@ class AsyncCoordinatorClient:
         timeout: float = 10.0,
         retries: int = 2,
         transport: httpx.AsyncBaseTransport | None = None,
+        verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=_headers(token), timeout=timeout, transport=transport
+            base_url=self.base_url,
+            headers=_headers(token),
+            timeout=timeout,
+            transport=transport,
+            verify=client_verify() if verify is None else verify,
         )
 
     async def __aenter__(self) -> AsyncCoordinatorClient:

@@ -7,10 +7,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.services.settings import ServiceSettings
+from deltarl.services.tls import TLSServerSettings
 
 
-class CoordinatorSettings(ServiceSettings):
+class CoordinatorSettings(TLSServerSettings):
     """Single source of truth for the coordinator's deployment settings."""
 
     model_config = SettingsConfigDict(
