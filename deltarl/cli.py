@@ -23,6 +23,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
     ("status", "deltarl.services.coordinator.cli", "status"),
     ("train", "deltarl.trainer.cli", "train"),
+    ("rollout", "deltarl.rollout.cli", "rollout"),
 ]
 
 app = typer.Typer(

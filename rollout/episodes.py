@@ -54,7 +54,14 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -539,7 +546,7 @@ class EpisodeRunner:
         *,
         in_flight: int,
         prefix: str = "g",
-    ) -> AsyncIterator[EpisodeGroup | Exception]:
+    ) -> AsyncGenerator[EpisodeGroup | Exception, None]:
         """Keep ``in_flight`` groups playing, one per seed, and yield each as it finishes.
 
         A new group starts as soon as one finishes, so the engine stays busy while finished

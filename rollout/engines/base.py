@@ -172,6 +172,11 @@ class TransformersEngineSettings(BaseModel):
         description="Hugging Face model id or local directory (config, and weights for "
         "init='pretrained')."
     )
+    gguf_file: str | None = Field(
+        default=None,
+        description="A GGUF file inside ``model`` to read the config (and, for init="
+        "'pretrained', dequantized weights) from; None: the usual Hugging Face files.",
+    )
     init: Literal["config", "pretrained"] = Field(
         default="config",
         description="'config': build the architecture with random weights, which the weight sync "

@@ -135,11 +135,16 @@ class TransformersEngine(Engine):
         kwargs: dict[str, Any] = {dtype_arg: dtype}
         if settings.attn_implementation is not None:
             kwargs["attn_implementation"] = settings.attn_implementation
+        gguf: dict[str, Any] = (
+            {} if settings.gguf_file is None else {"gguf_file": settings.gguf_file}
+        )
         if settings.init == "pretrained":
-            model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(settings.model, **kwargs)
+            model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+                settings.model, **gguf, **kwargs
+            )
             model.to(device)
         else:
-            config = AutoConfig.from_pretrained(settings.model)
+            config = AutoConfig.from_pretrained(settings.model, **gguf)
             with device:
                 model = AutoModelForCausalLM.from_config(config, **kwargs)
         logger.info(

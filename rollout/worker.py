@@ -1,0 +1,579 @@
+"""The rollout worker service: follow the trainer's versions, play episodes, submit groups.
+
+:class:`RolloutWorker` ties together a :class:`~deltarl.rollout.weights.WeightSync` (the
+engine's weights), an :class:`~deltarl.rollout.episodes.EpisodeRunner` (multi-turn episodes
+against the env server) and the coordinator's clients.
+
+Order of calls (:meth:`RolloutWorker.run`)::
+
+    register (retried until the coordinator answers)
+    -> heartbeat thread: every interval, WorkerHeartbeat(applied version or None while
+       unhealthy, groups in flight, last error); its answer's latest_version is followed too;
+       an unknown_worker answer (coordinator lost its state) re-registers
+    -> sync_to(the coordinator's latest version) (waits for a first version if none yet)
+    -> version thread: iter_version_events (SSE) -> follow(v); when the stream fails, poll
+       latest_version every sync_poll_s and reopen it
+       follow(v): newest target wins; one WeightSync.sync_in_background at a time, the next
+       one starts when it ends (coalescing: versions published meanwhile are skipped over)
+    -> episode loop: seeds come from admission control (ask for in_flight_groups - running;
+       wait admission_wait_s when nothing is granted or the weights are unhealthy);
+       EpisodeRunner.stream_groups keeps the granted groups in flight; each finished group
+       gets a submit task: wait while its verdict is "pending" or the weights are unhealthy,
+       drop it if "failed", else submit it with its idempotency key, retrying transport
+       errors and 5xx answers (the coordinator de-duplicates) for up to submit_timeout_s
+    SIGTERM/SIGINT (or request_stop()) -> no new groups; the groups in flight get
+       shutdown_grace_s to finish (then they are cancelled), their submissions up to
+       submit_timeout_s more -> threads stop -> deregister (DELETE /v1/workers/{id})
+
+Guarantees:
+
+* Only groups whose every token was sampled by verified weights are submitted
+  (``EpisodeGroup.verdict(WeightSync.check) == "verified"``), never while the weights are
+  unhealthy; each trajectory carries the versions that sampled it.
+* A submission is retried with the same idempotency key (worker id + group id), so a lost
+  answer never queues a group twice.
+* A crash loses only the groups not yet accepted by the coordinator; a restart with the same
+  worker id re-registers (a rejoin) and starts from the coordinator's latest version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from deltarl.env_server.client import EnvClient
+from deltarl.services.coordinator.client import (
+    AsyncCoordinatorClient,
+    CoordinatorClient,
+    CoordinatorError,
+)
+from deltarl.services.schemas import (
+    HeartbeatAck,
+    SubmitResult,
+    WorkerHeartbeat,
+    WorkerRegistration,
+    encode_group,
+)
+
+from .chat_format import ChatFormat, ChatTokenizer
+from .engines.base import Engine
+from .episodes import EpisodeGroup, EpisodeRunner
+from .settings import RolloutSettings
+from .sync_records import SyncReport
+from .trajectories import to_submission
+from .weights import WeightSync
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutWorker", "WorkerStats"]
+
+_VERDICT_POLL_S = 0.02  # how often a finished group asks for its verification verdict
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters of one worker process (for logs and tests)."""
+
+    started: int = 0  # groups started
+    submitted: int = 0  # groups accepted as new by the coordinator
+    duplicates: int = 0  # submissions the coordinator had already accepted
+    dropped_failed: int = 0  # groups sampled by weights that failed verification
+    dropped_refused: int = 0  # groups the coordinator refused (stale, invalid)
+    dropped_timeout: int = 0  # groups not submitted within submit_timeout_s / shutdown
+    group_errors: int = 0  # groups that failed while playing (engine, env)
+    abandoned: int = 0  # groups cancelled unfinished at the shutdown deadline
+    syncs: int = 0  # background syncs that reached their target
+    sync_failures: int = 0
+
+
+class RolloutWorker:
+    """One rollout worker process; see the module docstring for the order of calls.
+
+    ``sync`` (the engine's :class:`WeightSync`) and ``tokenizer``: built by
+    :meth:`from_settings` in the service, given directly in tests. ``model_name``: what the
+    registration reports (default: the model setting). TLS certificates of the coordinator and
+    the env server are checked against ``settings.ca_bundle`` (unset: the system's CAs).
+    """
+
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        sync: WeightSync,
+        tokenizer: ChatTokenizer | ChatFormat,
+        *,
+        model_name: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sync = sync
+        self.engine: Engine = sync.engine
+        self.format = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+        self.model_name = model_name or (settings.model or "smollm2-135m-instruct")
+        self.worker_id = settings.worker_id
+        self.stats = WorkerStats()
+        verify: str | bool = settings.ca_bundle or True
+        token = _secret(settings.worker_token)
+        self._verify = verify
+        self.coordinator = CoordinatorClient(
+            settings.coordinator_url, token, transport=httpx.HTTPTransport(verify=verify)
+        )
+        self._events = CoordinatorClient(
+            settings.coordinator_url, token, transport=httpx.HTTPTransport(verify=verify)
+        )
+        self._lock = threading.Lock()
+        self._threads_stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._wanted: int | None = None  # newest version to sync to
+        self._sync_future: Future[SyncReport] | None = None
+        self._retry_at = 0.0  # no background sync before this (after a failure)
+        self._sync_failures = 0
+        self._last_error: str | None = None
+        self._in_flight = 0
+        self._heartbeat_s = settings.heartbeat_interval_s or 1.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._stop_requested = False
+        self._drain: asyncio.Timeout | None = None
+        self._async_client: AsyncCoordinatorClient | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_settings(cls, settings: RolloutSettings) -> RolloutWorker:
+        """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
+        from transformers import AutoTokenizer
+
+        from deltarl.services.buckets import open_bucket
+        from deltarl.services.weightsync.publish import BucketReader
+
+        from .engines import make_engine
+
+        model, gguf = settings.model_source()
+        tokenizer = AutoTokenizer.from_pretrained(
+            model, **({} if gguf is None else {"gguf_file": gguf})
+        )
+        engine = make_engine(settings.engine_settings())
+        sync = WeightSync(engine, BucketReader(open_bucket(settings.bucket_uri)))
+        return cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
+
+    # ------------------------------------------------------------------ public surface
+
+    def run(self, *, handle_signals: bool = True) -> None:
+        """Run until stopped (SIGTERM/SIGINT when ``handle_signals``, or :meth:`request_stop`)."""
+        asyncio.run(self.run_async(handle_signals=handle_signals))
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (thread-safe; a second call changes nothing)."""
+        loop = self._loop
+        if loop is None:
+            self._stop_requested = True
+            return
+        loop.call_soon_threadsafe(self._begin_stop)
+
+    @property
+    def in_flight(self) -> int:
+        """Groups started and not finished."""
+        return self._in_flight
+
+    def heartbeat(self) -> HeartbeatAck | None:
+        """Send one heartbeat now (the heartbeat thread calls this every interval).
+
+        Reports the applied version (None while the weights are unhealthy), the groups in
+        flight and the last error (the unhealthy reason first); follows the answer's latest
+        version; re-registers when the coordinator does not know this worker.
+        """
+        status = self.sync.status()
+        hb = WorkerHeartbeat(
+            applied_version=status.version if status.healthy else None,
+            in_flight=self._in_flight,
+            last_error=_cut(status.reason if not status.healthy else self._last_error),
+        )
+        try:
+            ack = self.coordinator.heartbeat(self.worker_id, hb)
+        except CoordinatorError as exc:
+            if exc.code != "unknown_worker":
+                raise
+            logger.warning("the coordinator does not know this worker: registering again")
+            ack = self._register()
+        self.follow(ack.latest_version)
+        return ack
+
+    def follow(self, version: int | None) -> None:
+        """Make ``version`` the sync target if it is newer (coalescing: the newest wins)."""
+        if version is None:
+            return
+        with self._lock:
+            if self._wanted is None or version > self._wanted:
+                self._wanted = version
+        self._kick()
+
+    # ------------------------------------------------------------------ the run
+
+    async def run_async(self, *, handle_signals: bool = False) -> None:
+        """The whole service on the running loop (see the module docstring)."""
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._begin_stop)
+        try:
+            ack = await self._retry("register", self._register)
+            if ack is None:
+                return
+            if self.settings.heartbeat_interval_s is None:
+                self._heartbeat_s = ack.heartbeat_interval_s
+            self._start_thread("heartbeat", self._heartbeat_loop)
+            if not await self._initial_sync(ack.latest_version):
+                return
+            self._start_thread("versions", self._follow_loop)
+            await self._episode_loop()
+        finally:
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    self._loop.remove_signal_handler(sig)
+            await asyncio.to_thread(self._shutdown_threads)
+            self._loop = None
+        logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
+
+    def _begin_stop(self) -> None:
+        assert self._stop is not None
+        if self._stop.is_set():
+            return
+        logger.info(
+            "stopping: %d group(s) in flight get %.0f s to finish",
+            self._in_flight,
+            self.settings.shutdown_grace_s,
+        )
+        self._stop.set()
+        if self._drain is not None:
+            loop = asyncio.get_running_loop()
+            self._drain.reschedule(loop.time() + self.settings.shutdown_grace_s)
+
+    @property
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, waking early when a stop is requested."""
+        assert self._stop is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def _retry(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in a thread until it succeeds (backoff up to 5 s); None when stopped."""
+        delay = 0.2
+        while not self._stopping:
+            try:
+                return await asyncio.to_thread(fn)
+            except (httpx.TransportError, CoordinatorError) as exc:
+                if isinstance(exc, CoordinatorError) and exc.status_code < 500:
+                    raise  # a refusal (bad token, bad registration): retrying will not help
+                self._error(f"{what}: {exc}")
+                await self._sleep(delay)
+                delay = min(delay * 2, 5.0)
+        return None
+
+    def _register(self) -> HeartbeatAck:
+        ack = self.coordinator.register(
+            WorkerRegistration(
+                worker_id=self.worker_id,
+                engine=self.engine.type,
+                model=self.model_name[-256:],
+                capacity=self.settings.in_flight_groups,
+            )
+        )
+        logger.info(
+            "registered as %s (rejoins %d); latest version %s",
+            self.worker_id,
+            ack.worker.rejoins,
+            ack.latest_version,
+        )
+        return ack
+
+    async def _initial_sync(self, latest: int | None) -> bool:
+        """Load the coordinator's latest version (waiting for a first one); False if stopped."""
+        delay = 0.5
+        while not self._stopping:
+            if latest is None:
+                record = await self._retry("latest version", self.coordinator.latest_version)
+                latest = None if record is None else record.version
+                if latest is None:
+                    await self._sleep(self.settings.sync_poll_s)
+                    continue
+            with self._lock:  # the target; the first sync is done here, not in the background
+                self._wanted = max(latest, self._wanted or 0)
+            try:
+                report = await asyncio.to_thread(self.sync.sync_to, latest)
+            except Exception as exc:  # bucket, network, failed objects: try again
+                self._error(f"initial sync to v{latest}: {exc}")
+                await self._sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            logger.info("weights at v%s (%d step(s))", report.version, len(report.steps))
+            return True
+        return False
+
+    # ------------------------------------------------------------------ threads
+
+    def _start_thread(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=f"rollout-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _shutdown_threads(self) -> None:
+        self._threads_stop.set()
+        self._events.close()  # ends the event stream's connection (the thread is a daemon)
+        for thread in self._threads:
+            thread.join(timeout=2.0 if thread.name == "rollout-heartbeat" else 0.5)
+        self._threads.clear()
+        with self._lock:
+            future = self._sync_future
+        if future is not None:
+            with contextlib.suppress(Exception):
+                future.result(timeout=30)
+        self.sync.close()
+        self._deregister()
+        self.coordinator.close()
+
+    def _deregister(self) -> None:
+        try:
+            self.coordinator.remove_worker(self.worker_id)
+            logger.info("deregistered %s", self.worker_id)
+        except (httpx.TransportError, CoordinatorError) as exc:
+            logger.warning("could not deregister %s: %s", self.worker_id, exc)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._threads_stop.wait(self._heartbeat_s):
+            try:
+                self.heartbeat()
+            except (httpx.TransportError, CoordinatorError) as exc:
+                logger.warning("heartbeat failed: %s", exc)
+            self._kick()  # retries a failed sync once its backoff has passed
+
+    def _follow_loop(self) -> None:
+        """Versions from the SSE stream; poll ``latest_version`` while it is down."""
+        while not self._threads_stop.is_set():
+            try:
+                for record in self._events.iter_version_events(after=self.sync.version):
+                    self.follow(record.version)
+                    if self._threads_stop.is_set():
+                        return
+            except Exception as exc:  # a refused or broken stream (RuntimeError once closed)
+                if self._threads_stop.is_set():
+                    return
+                logger.warning(
+                    "version event stream failed (%s); polling every %.1f s",
+                    exc,
+                    self.settings.sync_poll_s,
+                )
+            try:
+                latest = self.coordinator.latest_version()
+                self.follow(None if latest is None else latest.version)
+            except (httpx.TransportError, CoordinatorError) as exc:
+                logger.warning("polling the latest version failed: %s", exc)
+            self._threads_stop.wait(self.settings.sync_poll_s)
+
+    def _kick(self) -> None:
+        """Start a background sync to the wanted version unless one runs or backs off."""
+        with self._lock:
+            if self._sync_future is not None or self._threads_stop.is_set():
+                return
+            if time.monotonic() < self._retry_at or self._wanted is None:
+                return
+            healthy, current = self.sync.healthy, self.sync.version
+            if healthy and current is not None and self._wanted <= current:
+                return
+            target = self._wanted
+            future = self.sync.sync_in_background(target)
+            self._sync_future = future
+        logger.debug("syncing to v%d in the background", target)
+        future.add_done_callback(self._synced)
+
+    def _synced(self, future: Future[SyncReport]) -> None:
+        with self._lock:
+            self._sync_future = None
+        try:
+            report = future.result()
+        except Exception as exc:
+            self.stats.sync_failures += 1
+            self._sync_failures += 1
+            backoff = min(0.5 * 2 ** (self._sync_failures - 1), 30.0)
+            self._retry_at = time.monotonic() + backoff
+            self._error(f"sync failed (retry in {backoff:.1f} s): {exc}")
+            return
+        self._sync_failures = 0
+        self.stats.syncs += 1
+        logger.info(
+            "weights at v%s (%s)",
+            report.version,
+            ", ".join(f"{s.kind} {s.pause_s * 1e3:.1f} ms paused" for s in report.steps) or "-",
+        )
+        self._kick()
+
+    def _error(self, message: str) -> None:
+        logger.warning("%s", message)
+        self._last_error = message
+
+    # ------------------------------------------------------------------ episodes
+
+    @property
+    def _async(self) -> AsyncCoordinatorClient:
+        assert self._async_client is not None, "only inside the episode loop"
+        return self._async_client
+
+    async def _admitted_seeds(self) -> AsyncIterator[int | None]:
+        """One ``None`` (a random game) per group admission control lets this worker start."""
+        credit = 0
+        wait = self.settings.admission_wait_s
+        while not self._stopping:
+            if credit == 0:
+                status = self.sync.status()
+                if not status.healthy:
+                    await self._sleep(wait)
+                    continue
+                want = max(1, self.settings.in_flight_groups - self._in_flight)
+                try:
+                    answer = await self._async.admission(self.worker_id, want, status.version)
+                except (httpx.TransportError, CoordinatorError) as exc:
+                    if isinstance(exc, CoordinatorError) and exc.code == "unknown_worker":
+                        await asyncio.to_thread(self._register)
+                    else:
+                        self._error(f"admission: {exc}")
+                        await self._sleep(wait)
+                    continue
+                if answer.grant == 0:
+                    if answer.reason == "update_weights":
+                        self.follow(answer.current_version)
+                    logger.debug("admission granted nothing (%s)", answer.reason)
+                    await self._sleep(wait)
+                    continue
+                credit = answer.grant
+            credit -= 1
+            self._in_flight += 1
+            self.stats.started += 1
+            yield None
+
+    async def _episode_loop(self) -> None:
+        assert self._stop is not None
+        settings = self.settings
+        submits: set[asyncio.Task[None]] = set()
+        token = _secret(settings.env_token)
+        env_transport = httpx.AsyncHTTPTransport(verify=self._verify)
+        async with (
+            AsyncCoordinatorClient(
+                settings.coordinator_url,
+                _secret(settings.worker_token),
+                transport=httpx.AsyncHTTPTransport(verify=self._verify),
+            ) as self._async_client,
+            EnvClient(settings.env_url, token=token, transport=env_transport) as env,
+            EpisodeRunner(self.sync, self.format, env, settings.episode_settings()) as runner,
+        ):
+            stream = runner.stream_groups(
+                self._admitted_seeds(), in_flight=settings.in_flight_groups
+            )
+            try:
+                async with asyncio.timeout(None) as self._drain, contextlib.aclosing(stream):
+                    if self._stopping:  # stopped before the loop began
+                        loop = asyncio.get_running_loop()
+                        self._drain.reschedule(loop.time() + settings.shutdown_grace_s)
+                    async for item in stream:
+                        self._in_flight -= 1
+                        if isinstance(item, Exception):
+                            self.stats.group_errors += 1
+                            self._error(f"group failed: {item!r}")
+                            continue
+                        task = asyncio.create_task(self._submit(item))
+                        submits.add(task)
+                        task.add_done_callback(submits.discard)
+            except TimeoutError:
+                self.stats.abandoned += self._in_flight
+                logger.warning(
+                    "shutdown deadline: %d group(s) in flight abandoned", self._in_flight
+                )
+            finally:
+                self._drain = None
+                self._in_flight = 0
+            if submits:
+                logger.info("waiting for %d submission(s)", len(submits))
+                await asyncio.wait(submits, timeout=settings.submit_timeout_s)
+                for task in submits:
+                    task.cancel()
+
+    async def _submit(self, group: EpisodeGroup) -> None:
+        """Wait for the group's verdict, then submit it (see the module docstring)."""
+        try:
+            async with asyncio.timeout(self.settings.submit_timeout_s):
+                if not await self._verified(group):
+                    return
+                await self._send(group)
+        except TimeoutError:
+            self.stats.dropped_timeout += 1
+            self._error(f"group {group.group_id} not submitted within submit_timeout_s")
+        except asyncio.CancelledError:
+            self.stats.dropped_timeout += 1
+            raise
+
+    async def _verified(self, group: EpisodeGroup) -> bool:
+        while True:
+            verdict = group.verdict(self.sync.check)
+            if verdict == "failed":
+                self.stats.dropped_failed += 1
+                self._error(f"group {group.group_id} dropped: sampled by weights that failed")
+                return False
+            if verdict == "verified" and self.sync.healthy:
+                return True
+            await asyncio.sleep(_VERDICT_POLL_S)
+
+    async def _send(self, group: EpisodeGroup) -> SubmitResult | None:
+        payload = encode_group(to_submission(group, self.worker_id))
+        delay = 0.2
+        while True:
+            try:
+                result = await self._async.submit(payload)
+            except httpx.TransportError as exc:
+                self._error(f"submit {group.group_id}: {exc} (retrying)")
+            except CoordinatorError as exc:
+                if exc.code == "unknown_worker":
+                    await asyncio.to_thread(self._register)
+                    continue
+                if exc.status_code < 500 and exc.code != "future_version":
+                    self.stats.dropped_refused += 1
+                    self._error(f"group {group.group_id} refused: {exc}")
+                    return None
+                self._error(f"submit {group.group_id}: {exc} (retrying)")
+            else:
+                if result.duplicate:
+                    self.stats.duplicates += 1
+                else:
+                    self.stats.submitted += 1
+                    if self.sync.healthy:
+                        self._last_error = None
+                logger.debug(
+                    "submitted %s (v%s..v%s): queue %d",
+                    group.group_id,
+                    group.version_min,
+                    group.version_max,
+                    result.queue_depth,
+                )
+                return result
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _secret(value: Any) -> str | None:
+    return None if value is None else str(value.get_secret_value())
+
+
+def _cut(text: str | None, limit: int = 4000) -> str | None:
+    return None if text is None else text[:limit]
