@@ -196,6 +196,11 @@ class Coordinator:
             newer = self.versions.first_newer_than(w.applied_version)
             lag_s = 0.0 if newer is None else max(0.0, now - newer.recorded_at)
         lost = now - w.last_seen > self.settings.lost_after_s
+        verified = None
+        if w.weights_digest is not None and w.applied_version is not None:
+            record = self.versions.get(w.applied_version)
+            if record is not None:
+                verified = record.state_digest == w.weights_digest
         return WorkerInfo(
             worker_id=w.worker_id,
             engine=w.engine,
@@ -211,6 +216,8 @@ class Coordinator:
             lag_versions=lag_v,
             lag_seconds=lag_s,
             submitted=w.submitted,
+            weights_digest=w.weights_digest,
+            weights_verified=verified,
         )
 
     def _ack(self, w: WorkerRecord, now: float) -> HeartbeatAck:

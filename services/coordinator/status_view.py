@@ -74,6 +74,7 @@ def render_status(s: StatusSummary, url: str) -> Group:
             "state",
             "engine",
             "version",
+            "weights",
             "lag",
             "lag s",
             "in flight",
@@ -88,6 +89,9 @@ def render_status(s: StatusSummary, url: str) -> Group:
                 w.state,
                 w.engine,
                 str(w.applied_version),
+                "-"
+                if w.weights_verified is None
+                else ("= trainer" if w.weights_verified else "MISMATCH"),
                 str(w.lag_versions),
                 "-" if w.lag_seconds is None else f"{w.lag_seconds:.1f}",
                 str(w.in_flight),

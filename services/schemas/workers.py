@@ -46,6 +46,13 @@ class WorkerHeartbeat(WireModel):
         max_length=4096,
         description="Most recent error (e.g. a failed weight apply); None clears it.",
     )
+    weights_digest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{16,128}$",
+        description="State digest (lowercase hex, deltarl.services.weightsync.digest) of the weights "
+        "the engine serves at applied_version, as the worker verified them after applying; the "
+        "coordinator compares it with the trainer's digest of that version. None: not reported.",
+    )
 
 
 class WorkerInfo(WireModel):
@@ -70,6 +77,15 @@ class WorkerInfo(WireModel):
         "0 when up to date; None if unknown."
     )
     submitted: int = Field(description="Trajectory groups accepted from this worker.")
+    weights_digest: str | None = Field(
+        default=None, description="Last reported state digest of the served weights; None if none."
+    )
+    weights_verified: bool | None = Field(
+        default=None,
+        description="True when weights_digest equals the trainer's state digest of applied_version "
+        "(proof that the worker serves the trainer's weights bit for bit); False on a mismatch; "
+        "None when not reported or the version is unknown.",
+    )
 
 
 class HeartbeatAck(WireModel):

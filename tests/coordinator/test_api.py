@@ -8,12 +8,13 @@ from collections.abc import Callable
 import httpx
 import msgpack
 import pytest
+from pydantic import ValidationError
 
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
 from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration, encode_group
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
-from .helpers import group, manifest
+from .helpers import digest, group, manifest
 
 
 class Clock:
@@ -73,6 +74,22 @@ def test_full_cycle(server: LiveServer) -> None:
     assert [w.worker_id for w in anon.workers()] == ["w1"]
     assert [v.version for v in anon.versions(after=0)] == [1]
     assert anon.get_version(1) == rec1
+
+
+def test_weights_digest_proves_the_worker_serves_the_trainers_weights(server: LiveServer) -> None:
+    trainer, worker, anon = clients(server)
+    trainer.publish_version(manifest(0))
+    trainer.publish_version(manifest(1))
+    worker.register(reg())
+    hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1, weights_digest=digest(1)))
+    assert hb.worker.weights_verified is True and hb.worker.weights_digest == digest(1)
+    hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1, weights_digest=digest(0)))
+    assert hb.worker.weights_verified is False
+    assert anon.workers()[0].weights_verified is False
+    hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1))
+    assert hb.worker.weights_verified is None and hb.worker.weights_digest is None
+    with pytest.raises(ValidationError, match="weights_digest"):
+        WorkerHeartbeat(applied_version=1, weights_digest="not hex")
 
 
 def test_auth_roles(server: LiveServer) -> None:

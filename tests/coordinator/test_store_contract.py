@@ -75,6 +75,23 @@ def test_workers_register_heartbeat_rejoin_remove(store: CoordinatorStore) -> No
     assert got is not None and got.capacity == 8
 
 
+def test_weights_digest_is_kept_until_the_next_heartbeat_or_registration(
+    store: CoordinatorStore,
+) -> None:
+    reg = WorkerRegistration(worker_id="w1", engine="vllm", model="m", capacity=4)
+    store.register_worker(reg, T0)
+    d = "0123456789abcdef0123456789abcdef"
+    w = store.heartbeat("w1", WorkerHeartbeat(applied_version=2, weights_digest=d), T0 + 1, 10)
+    assert w is not None and w.weights_digest == d
+    got = store.get_worker("w1")
+    assert got is not None and got.weights_digest == d
+    assert [x.weights_digest for x in store.list_workers()] == [d]
+    w = store.heartbeat("w1", WorkerHeartbeat(applied_version=2), T0 + 2, 10)
+    assert w is not None and w.weights_digest is None
+    store.heartbeat("w1", WorkerHeartbeat(applied_version=2, weights_digest=d), T0 + 3, 10)
+    assert store.register_worker(reg, T0 + 4).weights_digest is None  # a rejoin re-proves
+
+
 def test_submit_idempotent_and_stale(store: CoordinatorStore) -> None:
     store.register_worker(WorkerRegistration(worker_id="w1", engine="e", model="m", capacity=1), T0)
     first = store.submit(submission("k1", vmin=5), T0, min_version=3, staleness=1)

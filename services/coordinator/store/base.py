@@ -57,6 +57,7 @@ class WorkerRecord:
     last_error: str | None = None
     rejoins: int = 0
     submitted: int = 0
+    weights_digest: str | None = None
 
 
 @dataclass(slots=True)

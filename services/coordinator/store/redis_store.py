@@ -59,7 +59,7 @@ _REGISTER = """
 local p = ARGV[1]; local k = p..':w:'..ARGV[2]
 if redis.call('EXISTS', k) == 1 then
   redis.call('HINCRBY', k, 'rejoins', 1)
-  redis.call('HDEL', k, 'applied_version', 'last_error')
+  redis.call('HDEL', k, 'applied_version', 'last_error', 'weights_digest')
 else
   redis.call('HSET', k, 'registered_at', ARGV[6], 'rejoins', 0, 'submitted', 0)
   redis.call('SADD', p..':w:ids', ARGV[2])
@@ -81,6 +81,8 @@ if ARGV[5] == '' then redis.call('HDEL', k, 'applied_version')
 else redis.call('HSET', k, 'applied_version', ARGV[5]) end
 if ARGV[7] == '' then redis.call('HDEL', k, 'last_error')
 else redis.call('HSET', k, 'last_error', string.sub(ARGV[7], 2)) end
+if ARGV[8] == '' then redis.call('HDEL', k, 'weights_digest')
+else redis.call('HSET', k, 'weights_digest', ARGV[8]) end
 return redis.call('HGETALL', k)
 """
 
@@ -237,6 +239,7 @@ _FIELDS = (
     "last_error",
     "rejoins",
     "submitted",
+    "weights_digest",
 )
 
 
@@ -257,6 +260,7 @@ def _worker_fields(worker_id: str, v: list[bytes | None]) -> WorkerRecord | None
         last_error=None if v[7] is None else v[7].decode(),
         rejoins=0 if v[8] is None else int(v[8]),
         submitted=0 if v[9] is None else int(v[9]),
+        weights_digest=None if v[10] is None else v[10].decode(),
     )
 
 
@@ -277,6 +281,7 @@ def _worker(worker_id: str, flat: list[Any] | dict[Any, Any]) -> WorkerRecord:
         last_error=d.get("last_error"),
         rejoins=int(d.get("rejoins", 0)),
         submitted=int(d.get("submitted", 0)),
+        weights_digest=d.get("weights_digest"),
     )
 
 
@@ -375,6 +380,7 @@ class RedisStore(CoordinatorStore):
                 "" if hb.applied_version is None else hb.applied_version,
                 hb.in_flight,
                 "" if hb.last_error is None else "!" + hb.last_error,
+                "" if hb.weights_digest is None else hb.weights_digest,
             ]
         )
         return None if flat is None else _worker(worker_id, flat)

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS versions (
 CREATE TABLE IF NOT EXISTS workers (
     worker_id TEXT PRIMARY KEY, engine TEXT, model TEXT, capacity INTEGER,
     registered_at REAL, last_seen REAL, applied_version INTEGER, in_flight INTEGER,
-    last_error TEXT, rejoins INTEGER, submitted INTEGER);
+    last_error TEXT, rejoins INTEGER, submitted INTEGER, weights_digest TEXT);
 CREATE TABLE IF NOT EXISTS submissions (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, idem_key TEXT NOT NULL UNIQUE, digest TEXT NOT NULL,
     worker_id TEXT, group_id TEXT, version_min INTEGER, version_max INTEGER,
@@ -81,6 +81,9 @@ class SQLiteStore(CoordinatorStore):
         self._db.execute("PRAGMA busy_timeout=10000")
         with self._lock:
             self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(workers)")}
+            if "weights_digest" not in cols:  # a database written before the column existed
+                self._db.execute("ALTER TABLE workers ADD COLUMN weights_digest TEXT")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -160,16 +163,17 @@ class SQLiteStore(CoordinatorStore):
     # -- workers ----------------------------------------------------------------------------
     _WORKER_COLS = (
         "worker_id, engine, model, capacity, registered_at, last_seen, applied_version, "
-        "in_flight, last_error, rejoins, submitted"
+        "in_flight, last_error, rejoins, submitted, weights_digest"
     )
 
     def register_worker(self, reg: WorkerRegistration, now: float) -> WorkerRecord:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, 0, 0) "
+                "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, 0, 0, NULL) "
                 "ON CONFLICT(worker_id) DO UPDATE SET engine = excluded.engine, "
                 "model = excluded.model, capacity = excluded.capacity, last_seen = ?, "
-                "applied_version = NULL, in_flight = 0, last_error = NULL, rejoins = rejoins + 1",
+                "applied_version = NULL, in_flight = 0, last_error = NULL, weights_digest = NULL, "
+                "rejoins = rejoins + 1",
                 (reg.worker_id, reg.engine, reg.model, reg.capacity, now, now, now),
             )
             row = db.execute(
@@ -183,8 +187,8 @@ class SQLiteStore(CoordinatorStore):
         with self._tx() as db:
             db.execute(
                 "UPDATE workers SET rejoins = rejoins + (CASE WHEN ? - last_seen > ? THEN 1 ELSE 0 "
-                "END), last_seen = ?, applied_version = ?, in_flight = ?, last_error = ? "
-                "WHERE worker_id = ?",
+                "END), last_seen = ?, applied_version = ?, in_flight = ?, last_error = ?, "
+                "weights_digest = ? WHERE worker_id = ?",
                 (
                     now,
                     lost_after_s,
@@ -192,6 +196,7 @@ class SQLiteStore(CoordinatorStore):
                     hb.applied_version,
                     hb.in_flight,
                     hb.last_error,
+                    hb.weights_digest,
                     worker_id,
                 ),
             )
