@@ -4,12 +4,17 @@ Each sub-command lives next to the code it runs (``services/weightsync/cli.py`` 
 delta``, ...). Those modules import only typer and settings at import time; heavy libraries (torch,
 transformers, fastapi) are imported inside the command functions, after the arguments are parsed,
 so that ``deltarl --help`` stays fast.
+
+The core install is the light service stack; torch, numpy, numba and safetensors come with the
+``weights`` extra, transformers with ``model``. A command that needs a missing extra ends with a
+message naming it (:func:`main`), not a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 
 import typer
 
@@ -66,6 +71,48 @@ def _register() -> None:
 
 _register()
 
+# Top-level module -> the extra that installs it (pyproject.toml). The core install is the light
+# service stack (coordinator, env server, status); these come with extras.
+EXTRAS: dict[str, str] = {
+    "torch": "weights",
+    "numpy": "weights",
+    "numba": "weights",
+    "safetensors": "weights",
+    "transformers": "model",
+    "gguf": "model",
+    "accelerate": "model",
+    "boto3": "s3",
+    "botocore": "s3",
+    "redis": "redis",
+}
+# Commands whose whole stack is an extra: recommend it rather than the missing module's own (the
+# trainer and the rollout worker need transformers as well as torch).
+COMMAND_EXTRAS: dict[str, str] = {"train": "model", "rollout": "model"}
+
+
+def missing_extra_message(exc: ModuleNotFoundError) -> str | None:
+    """What to install when ``exc`` is a module of one of deltarl's extras; None otherwise."""
+    top = (exc.name or "").partition(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return None
+    names = {name for name, _, _ in SUBCOMMANDS}
+    command = next((a for a in sys.argv[1:] if a in names), None)
+    if command in COMMAND_EXTRAS and extra in ("weights", "model"):
+        extra = COMMAND_EXTRAS[command]
+    return (
+        f"{'deltarl ' + command if command else 'deltarl'} needs the Python package '{top}' "
+        f"(the '{extra}' extra): pip install 'deltarl[{extra}]', or 'deltarl[all]' for every "
+        "service"
+    )
+
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        message = missing_extra_message(exc)
+        if message is None:
+            raise
+        typer.echo(f"Error: {message}", err=True)
+        raise SystemExit(1) from exc
