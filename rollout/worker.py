@@ -126,9 +126,6 @@ class RolloutWorker:
         self.coordinator = CoordinatorClient(
             settings.coordinator_url, token, transport=httpx.HTTPTransport(verify=verify)
         )
-        self._events = CoordinatorClient(
-            settings.coordinator_url, token, transport=httpx.HTTPTransport(verify=verify)
-        )
         self._lock = threading.Lock()
         self._threads_stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -333,9 +330,8 @@ class RolloutWorker:
 
     def _shutdown_threads(self) -> None:
         self._threads_stop.set()
-        self._events.close()  # ends the event stream's connection (the thread is a daemon)
         for thread in self._threads:
-            thread.join(timeout=2.0 if thread.name == "rollout-heartbeat" else 0.5)
+            thread.join(timeout=5.0)
         self._threads.clear()
         with self._lock:
             future = self._sync_future
@@ -362,27 +358,39 @@ class RolloutWorker:
             self._kick()  # retries a failed sync once its backoff has passed
 
     def _follow_loop(self) -> None:
+        """The version thread: its own event loop, so that stopping can cancel the stream."""
+        asyncio.run(self._follow_until_stopped())
+
+    async def _follow_until_stopped(self) -> None:
+        task = asyncio.create_task(self._follow_versions())
+        await asyncio.to_thread(self._threads_stop.wait)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _follow_versions(self) -> None:
         """Versions from the SSE stream; poll ``latest_version`` while it is down."""
-        while not self._threads_stop.is_set():
-            try:
-                for record in self._events.iter_version_events(after=self.sync.version):
-                    self.follow(record.version)
-                    if self._threads_stop.is_set():
-                        return
-            except Exception as exc:  # a refused or broken stream (RuntimeError once closed)
-                if self._threads_stop.is_set():
-                    return
-                logger.warning(
-                    "version event stream failed (%s); polling every %.1f s",
-                    exc,
-                    self.settings.sync_poll_s,
-                )
-            try:
-                latest = self.coordinator.latest_version()
-                self.follow(None if latest is None else latest.version)
-            except (httpx.TransportError, CoordinatorError) as exc:
-                logger.warning("polling the latest version failed: %s", exc)
-            self._threads_stop.wait(self.settings.sync_poll_s)
+        async with AsyncCoordinatorClient(
+            self.settings.coordinator_url,
+            _secret(self.settings.worker_token),
+            transport=httpx.AsyncHTTPTransport(verify=self._verify),
+        ) as client:
+            while True:
+                try:
+                    async for record in client.iter_version_events(after=self.sync.version):
+                        self.follow(record.version)
+                except (httpx.HTTPError, CoordinatorError, ValueError) as exc:
+                    logger.warning(
+                        "version event stream failed (%s); polling every %.1f s",
+                        exc,
+                        self.settings.sync_poll_s,
+                    )
+                try:
+                    latest = await client.latest_version()
+                    self.follow(None if latest is None else latest.version)
+                except (httpx.TransportError, CoordinatorError) as exc:
+                    logger.warning("polling the latest version failed: %s", exc)
+                await asyncio.sleep(self.settings.sync_poll_s)
 
     def _kick(self) -> None:
         """Start a background sync to the wanted version unless one runs or backs off."""

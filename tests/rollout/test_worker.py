@@ -1,0 +1,243 @@
+"""The rollout worker against a real coordinator, a real Wordle server and a bucket that a
+trainer (WeightPublisher on a tiny random Llama) publishes to: registration, versioned
+submissions, following a new version through the event stream bit-exactly, heartbeats,
+restarts without duplicates, graceful shutdown (in-process and by SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from episode_helpers import WordleServer, smollm2_tokenizer
+from rollout_helpers import same_bits
+from typer.testing import CliRunner
+from worker_helpers import (
+    WORKER_TOKEN,
+    CoordinatorServer,
+    Trainer,
+    WorkerThread,
+    tiny_llama,
+    wait_for,
+    worker_settings,
+)
+
+from deltarl.cli import app
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
+from deltarl.services.schemas import TrajectoryGroup, WorkerInfo
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[WordleServer]:
+    with WordleServer() as s:
+        yield s
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[CoordinatorServer]:
+    with CoordinatorServer(tmp_path) as s:
+        yield s
+
+
+@pytest.fixture
+def trainer(bucket: LocalBucket, coordinator: CoordinatorServer, tok: Any) -> Iterator[Trainer]:
+    t = Trainer(bucket, coordinator, len(tok))
+    yield t
+    t.close()
+
+
+def info(coordinator: CoordinatorServer, worker_id: str = "w-test") -> WorkerInfo | None:
+    with coordinator.trainer() as c:
+        try:
+            return c.worker(worker_id)
+        except CoordinatorError as exc:
+            assert exc.status_code == 404
+            return None
+
+
+def drain_queue(coordinator: CoordinatorServer) -> list[TrajectoryGroup]:
+    with coordinator.trainer() as c:
+        batch = c.lease(max_groups=1000)
+        if batch.lease.items:
+            c.ack(batch.lease.batch_id)
+        return batch.groups
+
+
+def test_worker_submits_follows_a_new_version_and_shuts_down(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+) -> None:
+    # heartbeats and polling slow: a version reaching the worker quickly came through the SSE
+    settings = worker_settings(coordinator, env.url, heartbeat_interval_s=30.0, sync_poll_s=30.0)
+    runner = WorkerThread(settings, bucket, tok, len(tok))
+    with runner as worker:
+        wait_for(lambda: worker.stats.submitted >= 2, 20, "no group submitted at v0")
+        assert worker.sync.version == 0
+        assert same_bits(dict(worker.engine.named_parameters()), trainer.state())
+        v1 = trainer.step(seed=1)
+        wait_for(lambda: worker.sync.version == v1, 3, "v1 did not arrive through the stream")
+        assert same_bits(dict(worker.engine.named_parameters()), trainer.state())
+        before = worker.stats.submitted
+        wait_for(lambda: worker.stats.submitted >= before + 2, 20, "no group submitted at v1")
+        worker.heartbeat()
+        seen = info(coordinator)
+        assert seen is not None and seen.applied_version == v1 and seen.state == "active"
+        assert seen.last_error is None and seen.capacity == 2
+        runner.stop()
+    assert info(coordinator) is None  # deregistered
+    groups = drain_queue(coordinator)
+    stats = runner.worker.stats
+    assert len(groups) == stats.submitted >= 4 and stats.duplicates == 0
+    assert stats.dropped_failed == stats.dropped_refused == stats.group_errors == 0
+    assert len({g.group_id for g in groups}) == len(groups)
+    spans = set()
+    for g in groups:
+        assert g.worker_id == "w-test" and len(g.trajectories) == 2
+        for t in g.trajectories:
+            assert 0 <= t.version_min <= t.version_max <= v1
+            assert sum(t.mask) > 0
+            spans.add((t.version_min, t.version_max))
+    assert (0, 0) in spans and (v1, v1) in spans
+
+
+def test_heartbeats_report_the_applied_version_and_restart_does_not_duplicate(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the first answer to a submission is lost: the worker retries with the same key
+    original = AsyncCoordinatorClient.submit
+    lost: list[str] = []
+
+    async def lossy(self: AsyncCoordinatorClient, group: Any) -> Any:
+        result = await original(self, group)
+        if not lost:
+            lost.append("answer")
+            raise httpx.ReadError("connection reset while reading the answer")
+        return result
+
+    monkeypatch.setattr(AsyncCoordinatorClient, "submit", lossy)
+    settings = worker_settings(coordinator, env.url)
+    first = WorkerThread(settings, bucket, tok, len(tok))
+    with first as worker:
+        wait_for(lambda: worker.stats.submitted >= 2, 20, "no group submitted")
+        # the retried submission was recognised as the same group
+        wait_for(lambda: worker.stats.duplicates == 1, 3, "the retry was not a duplicate")
+        seen = wait_for(
+            lambda: (i := info(coordinator)) is not None and i.applied_version == 0 and i,
+            5,
+            "heartbeats did not report v0",
+        )
+        first.stop()
+    # a new version while the worker is down; the restart rejoins at it
+    v1 = trainer.step(seed=2)
+    second = WorkerThread(settings, bucket, tok, len(tok))
+    with second as worker:
+        wait_for(lambda: worker.stats.submitted >= 1, 20, "no group submitted after restart")
+        seen = wait_for(
+            lambda: (i := info(coordinator)) is not None and i.applied_version == v1 and i,
+            5,
+            "heartbeats did not report v1",
+        )
+        assert [s.kind for s in worker.sync.timings][:1] == ["anchor"]
+        second.stop()
+    groups = drain_queue(coordinator)
+    # every group once: the one whose answer was lost counts as a duplicate on the worker
+    a, b = first.worker.stats, second.worker.stats
+    total = a.submitted + a.duplicates + b.submitted
+    assert b.duplicates == 0
+    assert len(groups) == total and len({g.group_id for g in groups}) == total
+    restarted = groups[a.submitted + a.duplicates :]  # the queue keeps submission order
+    assert all(t.version_min == v1 for g in restarted for t in g.trajectories)
+    assert seen.applied_version == v1
+
+
+def test_sigterm_finishes_in_flight_groups_and_deregisters(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+    tmp_path: Path,
+) -> None:
+    """``python -m deltarl.rollout`` with the model from a directory (config + tokenizer)."""
+    model_dir = tmp_path / "model"
+    tiny_llama(len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    env_vars = {
+        **os.environ,
+        "DELTARL_ROLLOUT_COORDINATOR_URL": coordinator.url,
+        "DELTARL_ROLLOUT_WORKER_TOKEN": WORKER_TOKEN,
+        "DELTARL_ROLLOUT_ENV_URL": env.url,
+        "DELTARL_ROLLOUT_BUCKET_URI": str(bucket.root),
+        "DELTARL_ROLLOUT_WORKER_ID": "w-sub",
+        "DELTARL_ROLLOUT_MODEL": str(model_dir),
+        "DELTARL_ROLLOUT_DEVICE": "cpu",
+        "DELTARL_ROLLOUT_GROUP_SIZE": "2",
+        "DELTARL_ROLLOUT_MAX_TURNS": "2",
+        "DELTARL_ROLLOUT_MAX_NEW_TOKENS": "4",
+        "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": "2",
+        "DELTARL_ROLLOUT_ADMISSION_WAIT_S": "0.05",
+        "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "5",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltarl.rollout"],
+        env=env_vars,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or ((i := info(coordinator, "w-sub")) is not None and i.submitted >= 1)
+            ),
+            12,
+            "the worker process submitted nothing",
+        )
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "stopping" in out and "deregistered w-sub" in out and "abandoned=0" in out
+    assert info(coordinator, "w-sub") is None
+    assert len(drain_queue(coordinator)) >= 1
+
+
+def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:
+    result = CliRunner().invoke(app, ["rollout", "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    for name in ("COORDINATOR_URL", "BUCKET_URI", "CA_BUNDLE", "IN_FLIGHT_GROUPS", "SYNC_POLL_S"):
+        assert f"DELTARL_ROLLOUT_{name}" in result.output
+    bad = CliRunner().invoke(
+        app, ["rollout", "--worker-id", "no spaces allowed"], env={"COLUMNS": "300"}
+    )
+    assert bad.exit_code != 0 and "worker id" in bad.output
+    settings = RolloutSettings(worker_id="", worker_token="")
+    assert settings.worker_id.endswith(f"-{os.getpid()}") and settings.worker_token is None

@@ -1,0 +1,184 @@
+"""Helpers of the rollout worker tests: a live coordinator, a trainer publishing a tiny Llama,
+and a worker running in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import uvicorn
+
+from deltarl.rollout.engines.transformers_engine import TransformersEngine
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.worker import RolloutWorker
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.coordinator.app import create_app
+from deltarl.services.coordinator.client import CoordinatorClient
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.services.weightsync.publish import BucketReader
+from deltarl.trainer.publisher import WeightPublisher, publishable_state
+from deltarl.trainer.settings import PublishSettings
+
+TRAINER_TOKEN = "trainer-secret-token"
+WORKER_TOKEN = "worker-secret-token"
+
+
+class CoordinatorServer:
+    """The real coordinator (embedded SQLite store) served by uvicorn in a thread."""
+
+    def __init__(self, tmp: Path, **overrides: Any) -> None:
+        values: dict[str, Any] = {
+            "sqlite_path": str(tmp / "coord.sqlite3"),
+            "trainer_token": TRAINER_TOKEN,
+            "worker_token": WORKER_TOKEN,
+            "status_cache_s": 0.0,
+            "event_poll_s": 0.05,
+            "heartbeat_interval_s": 0.3,
+        }
+        values.update(overrides)
+        self.app = create_app(CoordinatorSettings(**values))
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> CoordinatorServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, 10, "the coordinator did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+    def trainer(self) -> CoordinatorClient:
+        return CoordinatorClient(self.url, TRAINER_TOKEN)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def tiny_llama(vocab: int) -> transformers.LlamaConfig:
+    """A one-layer random Llama over the real tokenizer's vocabulary (~3 M parameters)."""
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+
+
+def tiny_model(vocab: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model: torch.nn.Module = transformers.LlamaForCausalLM(tiny_llama(vocab))
+    return model.to(torch.bfloat16)
+
+
+class Trainer:
+    """A tiny model whose versions go to the bucket and the coordinator (WeightPublisher)."""
+
+    def __init__(self, bucket: LocalBucket, server: CoordinatorServer, vocab: int) -> None:
+        self.model = tiny_model(vocab, seed=123)
+        self.client = server.trainer()
+        self.publisher = WeightPublisher(
+            bucket,
+            PublishSettings(background=False, anchor_every=0),
+            register=self.client.publish_version,
+        )
+        self.publish()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return publishable_state(self.model)
+
+    def publish(self) -> int:
+        return self.publisher.publish(self.state())
+
+    def step(self, seed: int) -> int:
+        """Move ~2% of every tensor's elements (an optimizer step), then publish."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for t in self.state().values():
+                mask = torch.rand(t.shape, generator=g) < 0.02
+                t.add_(mask.to(t.dtype) * 0.01)
+        return self.publish()
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.client.close()
+
+
+def worker_settings(server: CoordinatorServer, env_url: str, **overrides: Any) -> RolloutSettings:
+    values: dict[str, Any] = {
+        "coordinator_url": server.url,
+        "worker_token": WORKER_TOKEN,
+        "env_url": env_url,
+        "worker_id": "w-test",
+        "group_size": 2,
+        "max_turns": 2,
+        "max_new_tokens": 4,
+        "in_flight_groups": 2,
+        "heartbeat_interval_s": 0.2,
+        "admission_wait_s": 0.05,
+        "sync_poll_s": 0.5,
+        "shutdown_grace_s": 5.0,
+        "submit_timeout_s": 10.0,
+    }
+    values.update(overrides)
+    return RolloutSettings(**values)
+
+
+class WorkerThread:
+    """A :class:`RolloutWorker` on a tiny random model (not the trainer's weights) in a thread."""
+
+    def __init__(
+        self, settings: RolloutSettings, bucket: LocalBucket, tokenizer: Any, vocab: int
+    ) -> None:
+        engine = TransformersEngine(tiny_model(vocab, seed=7), seed=0)
+        self.worker = RolloutWorker(
+            settings, WeightSync(engine, BucketReader(bucket)), tokenizer, model_name="tiny"
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run(handle_signals=False)
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def __enter__(self) -> RolloutWorker:
+        self.thread.start()
+        return self.worker
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.worker.request_stop()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the worker did not stop"
+        if self.error is not None:
+            raise self.error
+
+    def __exit__(self, *exc: object) -> None:
+        if self.thread.is_alive():
+            self.stop()
