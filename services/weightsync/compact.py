@@ -89,12 +89,12 @@ class _Analysis:
     kc: np.ndarray  # int64 [C], changes per context
     key: np.ndarray  # int64 [C], shared-table key per context (its old exponent)
     counts: np.ndarray  # int64 [C, ALPHABET], symbol counts per context
-    gaps: np.ndarray  # int64, Rice-coded values in context order
-    kparams: np.ndarray  # int64, Rice parameter of each gap
-    symbols: np.ndarray  # int64, one per changed element in index order
-    sym_ctx: np.ndarray  # int64, position in ctx_ids of each symbol's context
-    extra: np.ndarray  # int64 extra-bit values
-    widths: np.ndarray  # int64 extra-bit widths
+    gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
+    kparams: np.ndarray  # uint8, Rice parameter of each gap
+    symbols: np.ndarray  # uint16, one per changed element in index order
+    sym_ctx: np.ndarray  # int32, position in ctx_ids of each symbol's context
+    extra: np.ndarray  # uint32 extra-bit values
+    widths: np.ndarray  # uint8 extra-bit widths
     own: np.ndarray | None = None  # bool [C]: context codes its values with its own table
 
 
@@ -157,12 +157,13 @@ def _analyse(
         kc=kc_all[present],
         key=present,
         counts=counts.reshape(present.size, ALPHABET),
-        gaps=gaps,
-        kparams=kparams,
-        symbols=symbols,
-        sym_ctx=sym_ctx,
-        extra=extra,
-        widths=widths,
+        # compact dtypes: this is held for every changed element until the chunk is coded
+        gaps=gaps.astype(np.uint32),
+        kparams=kparams.astype(np.uint8),
+        symbols=symbols.astype(np.uint16),
+        sym_ctx=sym_ctx.astype(np.int32),
+        extra=extra.astype(np.uint32),
+        widths=widths.astype(np.uint8),
     )
 
 

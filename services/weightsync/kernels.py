@@ -87,9 +87,10 @@ def select_changed(
 
 @njit(nogil=True, cache=True)
 def rice_bits(values, kparams):  # pragma: no cover - jit
-    total = 0
+    total = np.int64(0)
     for j in range(values.size):
-        total += (values[j] >> kparams[j]) + 1 + kparams[j]
+        k = np.int64(kparams[j])
+        total += (np.int64(values[j]) >> k) + 1 + k
     return total
 
 
@@ -97,10 +98,10 @@ def rice_bits(values, kparams):  # pragma: no cover - jit
 def rice_encode(values, kparams, out):  # pragma: no cover - jit
     """Rice-code ``values[j]`` with parameter ``kparams[j]`` into ``out`` (zeroed, sized by
     :func:`rice_bits`)."""
-    pos = 0
+    pos = np.int64(0)
     for j in range(values.size):
-        v = values[j]
-        k = kparams[j]
+        v = np.int64(values[j])
+        k = np.int64(kparams[j])
         pos += v >> k  # q zero bits (out is zeroed)
         out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
         pos += 1
@@ -142,8 +143,8 @@ def raw_bits_encode(values, widths, out):  # pragma: no cover - jit
     """Write the low ``widths[j]`` bits of ``values[j]``, MSB first, into zeroed ``out``."""
     pos = 0
     for j in range(values.size):
-        v = values[j]
-        for b in range(widths[j] - 1, -1, -1):
+        v = np.int64(values[j])
+        for b in range(np.int64(widths[j]) - 1, -1, -1):
             if (v >> b) & 1:
                 out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
             pos += 1
@@ -173,8 +174,8 @@ def rans_encode(symbols, tables, freq, cum, out):  # pragma: no cover - jit
     x = np.int64(RANS_L)
     pos = out.size
     for j in range(symbols.size - 1, -1, -1):
-        s = symbols[j]
-        t = tables[j]
+        s = np.int64(symbols[j])
+        t = np.int64(tables[j])
         f = np.int64(freq[t, s])
         xmax = ((RANS_L >> PROB_BITS) << 8) * f
         while x >= xmax:
