@@ -5,6 +5,7 @@ restarts without duplicates, graceful shutdown (in-process and by SIGTERM)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from episode_helpers import WordleServer, smollm2_tokenizer
 from rollout_helpers import same_bits
 from typer.testing import CliRunner
@@ -29,10 +31,14 @@ from worker_helpers import (
 )
 
 from deltarl.cli import app
+from deltarl.rollout.engines.base import Completion, WeightsStamp
+from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
 from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.sync_records import Verdict
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.schemas import TrajectoryGroup, WorkerInfo
+from deltarl.services.weightsync.publish import BucketReader
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -173,6 +179,106 @@ def test_heartbeats_report_the_applied_version_and_restart_does_not_duplicate(
     assert seen.applied_version == v1
 
 
+def test_no_submission_while_unhealthy_and_the_heartbeat_says_why(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+) -> None:
+    """The engine's weights drift silently; the next delta fails verification and, with the
+    only anchor gone, cannot be recovered until the trainer publishes a new anchor."""
+    settings = worker_settings(coordinator, env.url)
+    runner = WorkerThread(settings, bucket, tok, len(tok))
+    with runner as worker:
+        wait_for(lambda: worker.stats.submitted >= 1, 20, "no group submitted at v0")
+        anchor = next(o for o in BucketReader(bucket).manifest(0).objects if o.kind == "anchor")
+        (bucket.root / anchor.key).unlink()
+        with torch.no_grad():  # a silent corruption of the engine's copy
+            weights = worker.engine.named_parameters()["lm_head.weight"]
+            weights.view(torch.int16).view(-1)[:64] += 1
+        v1 = trainer.step(seed=3)
+        seen = wait_for(
+            lambda: (i := info(coordinator)) is not None and i.last_error is not None and i,
+            5,
+            "the heartbeat did not report the failure",
+        )
+        assert seen.applied_version is None and "verification of v1 failed" in seen.last_error
+        assert not worker.sync.healthy
+        v2 = trainer.step(seed=4, anchor=True)  # the trainer re-anchors: the worker recovers
+        wait_for(lambda: worker.sync.healthy and worker.sync.version == v2, 5, "no recovery")
+        before = worker.stats.submitted
+        wait_for(lambda: worker.stats.submitted > before, 20, "no group submitted at v2")
+        runner.stop()
+    assert same_bits(dict(runner.worker.engine.named_parameters()), trainer.state())
+    versions = {
+        v
+        for g in drain_queue(coordinator)
+        for t in g.trajectories
+        for v in (t.version_min, t.version_max)
+    }
+    assert v1 not in versions and v2 in versions  # nothing sampled by the failed weights
+
+
+def one_episode_group(version: int) -> EpisodeGroup:
+    stamp = WeightsStamp(version, 1)
+    completion = Completion([5, 6], [-1.0, -0.5], "stop", stamp, stamp)
+    turn = Turn(1, 3, completion, "[crane]", version, version, 1.0, {}, True)
+    ep = Episode("g-" + "ab" * 16, 0, 3, [1, 5, 6], [0, 1, 1], [0.0, -1.0, -0.5], 1, [turn])
+    ep.done, ep.reward = True, 1.0
+    return EpisodeGroup(ep.group_id, 3, [ep])
+
+
+def test_pending_groups_wait_unhealthy_weights_hold_and_failed_groups_are_dropped(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+) -> None:
+    worker = WorkerThread(worker_settings(coordinator, env.url), bucket, tok, len(tok)).worker
+    worker._register()
+    worker.sync.sync_to(0)
+    verdicts: list[Verdict] = ["pending"] * 5
+
+    def check(completion: Completion) -> Verdict:
+        return verdicts.pop(0) if verdicts else "verified"
+
+    worker.sync.check = check  # type: ignore[method-assign]
+
+    def queued() -> int:
+        with coordinator.trainer() as c:
+            return c.status().queue.depth
+
+    async def main() -> None:
+        async with AsyncCoordinatorClient(coordinator.url, WORKER_TOKEN) as client:
+            worker._async_client = client
+            # pending: held until verified
+            task = asyncio.create_task(worker._submit(one_episode_group(0)))
+            await asyncio.sleep(0.05)
+            assert not task.done() and queued() == 0
+            await task
+            assert worker.stats.submitted == 1 and queued() == 1
+            # unhealthy weights: held, even with a "verified" verdict, until a sync recovers
+            worker.sync._set_unhealthy("test: weights poisoned")
+            group = one_episode_group(0)
+            group.group_id = group.episodes[0].group_id = "g-" + "cd" * 16
+            task = asyncio.create_task(worker._submit(group))
+            await asyncio.sleep(0.1)
+            assert not task.done() and queued() == 1
+            await asyncio.to_thread(worker.sync.sync_to, 0)  # reloads the anchor
+            await task
+            assert worker.stats.submitted == 2 and queued() == 2
+            # failed: dropped
+            verdicts.append("failed")
+            group.group_id = group.episodes[0].group_id = "g-" + "ef" * 16
+            await worker._submit(group)
+            assert worker.stats.dropped_failed == 1 and queued() == 2
+
+    asyncio.run(main())
+    worker.sync.close()
+
+
 def test_sigterm_finishes_in_flight_groups_and_deregisters(
     coordinator: CoordinatorServer,
     env: WordleServer,
@@ -239,5 +345,5 @@ def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:
         app, ["rollout", "--worker-id", "no spaces allowed"], env={"COLUMNS": "300"}
     )
     assert bad.exit_code != 0 and "worker id" in bad.output
-    settings = RolloutSettings(worker_id="", worker_token="")
+    settings = RolloutSettings.model_validate({"worker_id": "", "worker_token": ""})
     assert settings.worker_id.endswith(f"-{os.getpid()}") and settings.worker_token is None

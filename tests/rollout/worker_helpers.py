@@ -112,17 +112,17 @@ class Trainer:
     def state(self) -> dict[str, torch.Tensor]:
         return publishable_state(self.model)
 
-    def publish(self) -> int:
-        return self.publisher.publish(self.state())
+    def publish(self, *, anchor: bool = False) -> int:
+        return self.publisher.publish(self.state(), anchor=anchor)
 
-    def step(self, seed: int) -> int:
+    def step(self, seed: int, *, anchor: bool = False) -> int:
         """Move ~2% of every tensor's elements (an optimizer step), then publish."""
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for t in self.state().values():
                 mask = torch.rand(t.shape, generator=g) < 0.02
                 t.add_(mask.to(t.dtype) * 0.01)
-        return self.publish()
+        return self.publish(anchor=anchor)
 
     def close(self) -> None:
         self.publisher.close()
