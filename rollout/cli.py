@@ -51,6 +51,8 @@ def rollout(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
+    from deltarl.services.coordinator.client import CoordinatorError
+
     from .worker import RolloutWorker
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -61,7 +63,15 @@ def rollout(
         settings.env_url,
         settings.engine,
     )
-    RolloutWorker.from_settings(settings).run()
+    try:
+        worker = RolloutWorker.from_settings(settings)
+    except (ValueError, OSError) as exc:  # CA bundle, model directory, bucket URI
+        raise typer.BadParameter(str(exc)) from exc
+    try:
+        worker.run()
+    except CoordinatorError as exc:  # a refusal, e.g. a wrong token: retrying will not help
+        logger.error("rollout worker stopped: %s", exc)
+        raise typer.Exit(1) from exc
 
 
 rollout.__doc__ = (

@@ -181,6 +181,15 @@ class RolloutSettings(ServiceSettings):
             )
         return value
 
+    @field_validator("ca_bundle")
+    @classmethod
+    def _ca_bundle(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if not Path(value).is_file():
+            raise ValueError(f"the CA bundle {value} is not a file (a PEM file of trusted CAs)")
+        return value
+
     @field_validator("worker_token", "env_token")
     @classmethod
     def _empty_is_none(cls, value: SecretStr | None) -> SecretStr | None:

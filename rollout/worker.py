@@ -41,7 +41,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -120,7 +122,7 @@ class RolloutWorker:
         self.model_name = model_name or (settings.model or "smollm2-135m-instruct")
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()
-        verify: str | bool = settings.ca_bundle or True
+        verify = _tls(settings.ca_bundle)
         token = _secret(settings.worker_token)
         self._verify = verify
         self.coordinator = CoordinatorClient(
@@ -225,7 +227,11 @@ class RolloutWorker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._begin_stop)
         try:
-            ack = await self._retry("register", self._register)
+            try:
+                ack = await self._retry("register", self._register)
+            except CoordinatorError as exc:
+                logger.error("the coordinator refused the registration: %s", exc)
+                raise
             if ack is None:
                 return
             if self.settings.heartbeat_interval_s is None:
@@ -577,6 +583,15 @@ class RolloutWorker:
                 return result
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+def _tls(ca_bundle: str | None) -> ssl.SSLContext | bool:
+    """What httpx's ``verify=`` gets: the system's CAs, or a context trusting ``ca_bundle``."""
+    if ca_bundle is None:
+        return True
+    if not os.path.isfile(ca_bundle):
+        raise ValueError(f"DELTARL_ROLLOUT_CA_BUNDLE: {ca_bundle} is not a file")
+    return ssl.create_default_context(cafile=ca_bundle)
 
 
 def _secret(value: Any) -> str | None:

@@ -345,5 +345,7 @@ def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:
         app, ["rollout", "--worker-id", "no spaces allowed"], env={"COLUMNS": "300"}
     )
     assert bad.exit_code != 0 and "worker id" in bad.output
+    with pytest.raises(ValueError, match="CA bundle"):
+        RolloutSettings(ca_bundle="/nonexistent/ca.pem")
     settings = RolloutSettings.model_validate({"worker_id": "", "worker_token": ""})
     assert settings.worker_id.endswith(f"-{os.getpid()}") and settings.worker_token is None
