@@ -52,6 +52,7 @@ def rollout(
         raise typer.BadParameter(str(exc)) from exc
 
     from deltarl.services.coordinator.client import CoordinatorError
+    from deltarl.services.weightsync.errors import StateMismatchError
 
     from .worker import RolloutWorker
 
@@ -69,7 +70,7 @@ def rollout(
         raise typer.BadParameter(str(exc)) from exc
     try:
         worker.run()
-    except CoordinatorError as exc:  # a refusal, e.g. a wrong token: retrying will not help
+    except (CoordinatorError, StateMismatchError) as exc:  # retrying would not help
         logger.error("rollout worker stopped: %s", exc)
         raise typer.Exit(1) from exc
 

@@ -22,8 +22,9 @@ Order of calls (:meth:`RolloutWorker.run`)::
        drop it if "failed", else submit it with its idempotency key, retrying transport
        errors and 5xx answers (the coordinator de-duplicates) for up to submit_timeout_s
     SIGTERM/SIGINT (or request_stop()) -> no new groups; the groups in flight get
-       shutdown_grace_s to finish (then they are cancelled), their submissions up to
-       submit_timeout_s more -> threads stop -> deregister (DELETE /v1/workers/{id})
+       shutdown_grace_s to finish (then they are cancelled; a second signal cancels them at
+       once), their submissions up to submit_timeout_s more -> threads stop -> deregister
+       (DELETE /v1/workers/{id})
 
 Guarantees:
 
@@ -66,6 +67,7 @@ from deltarl.services.schemas import (
     WorkerRegistration,
     encode_group,
 )
+from deltarl.services.weightsync.errors import StateMismatchError
 
 from .chat_format import ChatFormat, ChatTokenizer
 from .engines.base import Engine
@@ -143,6 +145,7 @@ class RolloutWorker:
         self._stop_requested = False
         self._drain: asyncio.Timeout | None = None
         self._async_client: AsyncCoordinatorClient | None = None
+        self._registered = False
 
     # ------------------------------------------------------------------ construction
 
@@ -183,7 +186,7 @@ class RolloutWorker:
         """Groups started and not finished."""
         return self._in_flight
 
-    def heartbeat(self) -> HeartbeatAck | None:
+    def heartbeat(self) -> HeartbeatAck:
         """Send one heartbeat now (the heartbeat thread calls this every interval).
 
         Reports the applied version (None while the weights are unhealthy), the groups in
@@ -225,7 +228,7 @@ class RolloutWorker:
             self._stop.set()
         if handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._loop.add_signal_handler(sig, self._begin_stop)
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             try:
                 ack = await self._retry("register", self._register)
@@ -248,6 +251,15 @@ class RolloutWorker:
             await asyncio.to_thread(self._shutdown_threads)
             self._loop = None
         logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        """First signal: graceful stop; a second one abandons the groups in flight now."""
+        if self._stopping and self._drain is not None:
+            logger.warning("%s again: abandoning the groups in flight", sig.name)
+            self._drain.reschedule(asyncio.get_running_loop().time())
+            return
+        logger.info("%s received", sig.name)
+        self._begin_stop()
 
     def _begin_stop(self) -> None:
         assert self._stop is not None
@@ -296,6 +308,7 @@ class RolloutWorker:
                 capacity=self.settings.in_flight_groups,
             )
         )
+        self._registered = True
         logger.info(
             "registered as %s (rejoins %d); latest version %s",
             self.worker_id,
@@ -318,10 +331,12 @@ class RolloutWorker:
                 self._wanted = max(latest, self._wanted or 0)
             try:
                 report = await asyncio.to_thread(self.sync.sync_to, latest)
-            except Exception as exc:  # bucket, network, failed objects: try again
+            except StateMismatchError:
+                raise  # the bucket's model is not the engine's: a configuration error
+            except Exception as exc:  # bucket, network, failed objects: ask again, retry
                 self._error(f"initial sync to v{latest}: {exc}")
                 await self._sleep(delay)
-                delay = min(delay * 2, 30.0)
+                delay, latest = min(delay * 2, 30.0), None
                 continue
             logger.info("weights at v%s (%d step(s))", report.version, len(report.steps))
             return True
@@ -349,6 +364,8 @@ class RolloutWorker:
         self.coordinator.close()
 
     def _deregister(self) -> None:
+        if not self._registered:
+            return
         try:
             self.coordinator.remove_worker(self.worker_id)
             logger.info("deregistered %s", self.worker_id)
