@@ -124,6 +124,34 @@ def test_worker_submits_follows_a_new_version_and_shuts_down(
     assert (0, 0) in spans and (v1, v1) in spans
 
 
+def test_polls_when_the_event_stream_is_refused_and_coalesces_versions(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[int | None] = []
+
+    async def refused(self: AsyncCoordinatorClient, after: int | None = None) -> Any:
+        opened.append(after)
+        raise CoordinatorError(503, "unavailable", "event stream disabled by a proxy")
+        yield  # an async generator, like the real one
+
+    monkeypatch.setattr(AsyncCoordinatorClient, "iter_version_events", refused)
+    settings = worker_settings(coordinator, env.url, heartbeat_interval_s=30.0, sync_poll_s=0.2)
+    runner = WorkerThread(settings, bucket, tok, len(tok))
+    with runner as worker:
+        wait_for(lambda: worker.sync.version == 0 and opened, 20, "the worker did not start")
+        latest = [trainer.step(seed=10 + i) for i in range(3)][-1]
+        wait_for(lambda: worker.sync.version == latest, 5, "polling did not find the versions")
+        assert same_bits(dict(worker.engine.named_parameters()), trainer.state())
+        assert len(opened) >= 2  # the stream was tried again after each poll
+        runner.stop()
+    assert runner.worker.stats.sync_failures == 0
+
+
 def test_heartbeats_report_the_applied_version_and_restart_does_not_duplicate(
     coordinator: CoordinatorServer,
     env: WordleServer,
