@@ -21,9 +21,11 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 import zipfile
 from dataclasses import dataclass, field
@@ -452,6 +454,67 @@ def test_compose_bucket_is_shared() -> None:
             assert var in env, f"{name}: pass {var} through (HF bucket / S3 by environment)"
 
 
+HOST_ENV = {  # what a user exports before `docker compose up`
+    "DELTARL_COORDINATOR_TRAINER_TOKEN": "trainer-token-0123456789abcdef",
+    "DELTARL_COORDINATOR_WORKER_TOKEN": "worker-token-0123456789abcdef",
+}
+
+
+def interpolate(value: str, host: dict[str, str]) -> str:
+    """Compose's ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}`` and ``${VAR:?message}``."""
+
+    def one(m: re.Match[str]) -> str:
+        var, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        got = host.get(var)
+        if op == ":?" and not got:
+            raise ValueError(f"required variable {var} is missing: {arg}")
+        if op == ":-" and not got:
+            return arg
+        if op == "-" and got is None:
+            return arg
+        return got or ""
+
+    return re.sub(r"\$\{(\w+)(:\?|:-|-)?([^}]*)\}", one, value)
+
+
+def container_env(name: str, host: dict[str, str]) -> dict[str, str]:
+    """The ``DELTARL_*`` environment of a compose service's container: the image's ENV, then
+    compose's ``environment`` (interpolated; a bare key passes the host's value through)."""
+    env = {k: v for k, v in service_dockerfile(name).env().items() if k.startswith("DELTARL_")}
+    for var, value in service_env(name).items():
+        if value is None:
+            if var in host:
+                env[var] = host[var]
+        else:
+            env[var] = interpolate(str(value), host)
+    return env
+
+
+@pytest.mark.parametrize("name", deltarl_services())
+def test_compose_environment_validates(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each container's environment is accepted by its settings classes as they stand."""
+    for var in list(os.environ):
+        if var.startswith(("DELTARL_", "HF_", "AWS_")):
+            monkeypatch.delenv(var)
+    env = container_env(name, HOST_ENV)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    sub = service_subcommand(name)
+    for cls in SETTINGS_BY_COMMAND[sub]:
+        settings_cls = cls if isinstance(cls, type) else cls()
+        try:
+            settings_cls()
+        except ValueError as exc:
+            pytest.fail(f"compose service {name}: {settings_cls.__name__} refuses {env}: {exc}")
+    if sub in ("train", "rollout"):
+        assert BucketSettings().bucket_uri == "/bucket", "the default bucket is the volume"
+    for var in HOST_ENV:
+        if any(var in str(v) for v in service_env(name).values()):
+            host = {k: v for k, v in HOST_ENV.items() if k != var}
+            with pytest.raises(ValueError, match=f"required variable {var} is missing"):
+                container_env(name, host)
+
+
 def test_compose_gpu_and_cpu_profiles() -> None:
     gpu, cpu = profile_services("gpu"), profile_services("cpu")
     subs = {
@@ -665,6 +728,84 @@ def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         server.shutdown()
     assert hc.main([f"{base}/health"]) == 1  # closed
+
+
+# ---------------------------------------------------------------------------------------------
+# the light part of compose, emulated with local processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(name: str, argv: list[str], proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{name} exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+        if subprocess.run(argv, capture_output=True, timeout=10).returncode == 0:
+            return
+        time.sleep(0.3)
+    pytest.fail(f"{name}: health check {argv} never passed:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_compose_light_services_run_healthy(tmp_path: Path) -> None:
+    """Redis, the coordinator and the env server as compose starts them (their command, their
+    container environment, their health checks), as local processes with remapped ports."""
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        pytest.skip("redis-server is not installed (make system-deps)")
+    ports = {name: _free_port() for name in ("redis", "coordinator", "env")}
+    original = {"redis": 6379} | {n: _port_arg(service_command(n)) for n in ("coordinator", "env")}
+
+    def local(text: str) -> str:
+        for name, port in ports.items():
+            text = text.replace(f"{name}:{original[name]}", f"127.0.0.1:{port}")
+            text = text.replace(f"127.0.0.1:{original[name]}/", f"127.0.0.1:{port}/")
+        return text
+
+    def health(name: str) -> list[str]:
+        argv = [local(a) for a in service_healthcheck(name) or []]
+        if name == "redis":
+            return [shutil.which("redis-cli") or "redis-cli", "-p", str(ports["redis"]), "ping"]
+        assert argv[:2] == ["python", "/opt/deltarl/healthcheck.py"], argv
+        return [sys.executable, str(DOCKER / "healthcheck.py"), *argv[2:]]
+
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in ("redis", "coordinator", "env"):
+            log = tmp_path / f"{name}.log"
+            if name == "redis":
+                argv = [redis_server, *services()["redis"]["command"][1:]]
+                argv += ["--port", str(ports["redis"]), "--dir", str(tmp_path), "--save", ""]
+                env = base_env
+            else:
+                sub = service_subcommand(name)
+                command = [local(a) for a in service_command(name)]
+                command[command.index("--port") + 1] = str(ports[name])
+                argv = [sys.executable, "-m", "deltarl", sub, *command]
+                env = base_env | {k: local(v) for k, v in container_env(name, HOST_ENV).items()}
+            with log.open("wb") as out:
+                procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=out))
+            _wait_healthy(name, health(name), procs[-1], log)
+        for name in deltarl_services():  # the workers' checks: is the coordinator reachable?
+            if service_subcommand(name) in ("train", "rollout"):
+                argv = health(name)
+                env = base_env | {k: local(v) for k, v in container_env(name, HOST_ENV).items()}
+                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)
+                assert done.returncode == 0, f"{name}: {argv}: {done.stderr}"
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert (tmp_path / "appendonlydir").is_dir(), "redis did not write its append-only file"
 
 
 # ---------------------------------------------------------------------------------------------
