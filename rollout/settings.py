@@ -83,7 +83,7 @@ class RolloutSettings(ServiceSettings):
     ca_bundle: str | None = Field(
         default=None,
         description="CA bundle (PEM file) to verify the coordinator's and the env server's TLS "
-        "certificates with; unset: the system's trusted CAs.",
+        "certificates with; unset: DELTARL_CA_BUNDLE, else the system's trusted CAs.",
     )
     worker_id: str = Field(
         default="",

@@ -42,9 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -67,6 +65,7 @@ from deltarl.services.schemas import (
     WorkerRegistration,
     encode_group,
 )
+from deltarl.services.tls import client_verify
 from deltarl.services.weightsync.errors import StateMismatchError
 
 from .chat_format import ChatFormat, ChatTokenizer
@@ -106,7 +105,8 @@ class RolloutWorker:
     ``sync`` (the engine's :class:`WeightSync`) and ``tokenizer``: built by
     :meth:`from_settings` in the service, given directly in tests. ``model_name``: what the
     registration reports (default: the model setting). TLS certificates of the coordinator and
-    the env server are checked against ``settings.ca_bundle`` (unset: the system's CAs).
+    the env server are checked against ``settings.ca_bundle`` (unset: ``DELTARL_CA_BUNDLE``,
+    else the system's CAs; :func:`~deltarl.services.tls.client_verify`).
     """
 
     def __init__(
@@ -124,11 +124,9 @@ class RolloutWorker:
         self.model_name = model_name or (settings.model or "smollm2-135m-instruct")
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()
-        verify = _tls(settings.ca_bundle)
-        token = _secret(settings.worker_token)
-        self._verify = verify
+        self._verify = client_verify(settings.ca_bundle)
         self.coordinator = CoordinatorClient(
-            settings.coordinator_url, token, transport=httpx.HTTPTransport(verify=verify)
+            settings.coordinator_url, _secret(settings.worker_token), verify=self._verify
         )
         self._lock = threading.Lock()
         self._threads_stop = threading.Event()
@@ -396,7 +394,7 @@ class RolloutWorker:
         async with AsyncCoordinatorClient(
             self.settings.coordinator_url,
             _secret(self.settings.worker_token),
-            transport=httpx.AsyncHTTPTransport(verify=self._verify),
+            verify=self._verify,
         ) as client:
             while True:
                 try:
@@ -499,15 +497,13 @@ class RolloutWorker:
         assert self._stop is not None
         settings = self.settings
         submits: set[asyncio.Task[None]] = set()
-        token = _secret(settings.env_token)
-        env_transport = httpx.AsyncHTTPTransport(verify=self._verify)
         async with (
             AsyncCoordinatorClient(
-                settings.coordinator_url,
-                _secret(settings.worker_token),
-                transport=httpx.AsyncHTTPTransport(verify=self._verify),
+                settings.coordinator_url, _secret(settings.worker_token), verify=self._verify
             ) as self._async_client,
-            EnvClient(settings.env_url, token=token, transport=env_transport) as env,
+            EnvClient(
+                settings.env_url, token=_secret(settings.env_token), verify=self._verify
+            ) as env,
             EpisodeRunner(self.sync, self.format, env, settings.episode_settings()) as runner,
         ):
             stream = runner.stream_groups(
@@ -600,15 +596,6 @@ class RolloutWorker:
                 return result
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-
-
-def _tls(ca_bundle: str | None) -> ssl.SSLContext | bool:
-    """What httpx's ``verify=`` gets: the system's CAs, or a context trusting ``ca_bundle``."""
-    if ca_bundle is None:
-        return True
-    if not os.path.isfile(ca_bundle):
-        raise ValueError(f"DELTARL_ROLLOUT_CA_BUNDLE: {ca_bundle} is not a file")
-    return ssl.create_default_context(cafile=ca_bundle)
 
 
 def _secret(value: Any) -> str | None:

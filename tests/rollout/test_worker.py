@@ -39,6 +39,7 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.schemas import TrajectoryGroup, WorkerInfo
 from deltarl.services.weightsync.publish import BucketReader
+from tests.deploy.test_tls import make_ca_and_server_cert
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -362,6 +363,26 @@ def test_sigterm_finishes_in_flight_groups_and_deregisters(
     assert "stopping" in out and "deregistered w-sub" in out and "abandoned=0" in out
     assert info(coordinator, "w-sub") is None
     assert len(drain_queue(coordinator)) >= 1
+
+
+def test_tls_with_a_custom_ca_bundle(
+    env: WordleServer, bucket: LocalBucket, tok: Any, tmp_path: Path
+) -> None:
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    with CoordinatorServer(tmp_path, tls=(ca, cert, key)) as coordinator:
+        assert coordinator.url.startswith("https://")
+        trainer = Trainer(bucket, coordinator, len(tok))
+        # without the CA the worker cannot even register (and says why)
+        untrusting = WorkerThread(worker_settings(coordinator, env.url), bucket, tok, len(tok))
+        with untrusting as worker:
+            wait_for(lambda: worker._last_error, 5, "no error without the CA")
+            assert "CERTIFICATE_VERIFY_FAILED" in str(worker._last_error)
+            untrusting.stop()
+        assert info(coordinator) is None
+        settings = worker_settings(coordinator, env.url, ca_bundle=str(ca))
+        with WorkerThread(settings, bucket, tok, len(tok)) as worker:
+            wait_for(lambda: worker.stats.submitted >= 1, 20, "nothing submitted over TLS")
+        trainer.close()
 
 
 def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:

@@ -22,6 +22,7 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.services.tls import client_verify
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.publisher import WeightPublisher, publishable_state
 from deltarl.trainer.settings import PublishSettings
@@ -33,7 +34,8 @@ WORKER_TOKEN = "worker-secret-token"
 class CoordinatorServer:
     """The real coordinator (embedded SQLite store) served by uvicorn in a thread."""
 
-    def __init__(self, tmp: Path, **overrides: Any) -> None:
+    def __init__(self, tmp: Path, *, tls: tuple[Path, Path, Path] | None = None, **overrides: Any):
+        """``tls``: (CA bundle, certificate, key) to serve HTTPS with."""
         values: dict[str, Any] = {
             "sqlite_path": str(tmp / "coord.sqlite3"),
             "trainer_token": TRAINER_TOKEN,
@@ -46,8 +48,13 @@ class CoordinatorServer:
         self.app = create_app(CoordinatorSettings(**values))
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1)
+        scheme = "http" if tls is None else "https"
+        self.url = f"{scheme}://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.verify = True if tls is None else client_verify(tls[0])
+        https: dict[str, Any] = {}
+        if tls is not None:
+            https = {"ssl_certfile": str(tls[1]), "ssl_keyfile": str(tls[2])}
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=1, **https)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
@@ -64,7 +71,7 @@ class CoordinatorServer:
         self.sock.close()
 
     def trainer(self) -> CoordinatorClient:
-        return CoordinatorClient(self.url, TRAINER_TOKEN)
+        return CoordinatorClient(self.url, TRAINER_TOKEN, verify=self.verify)
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
