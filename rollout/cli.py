@@ -77,7 +77,10 @@ def rollout(
 
 rollout.__doc__ = (
     "Run a rollout worker: follow the trainer's weight versions, play episodes against the env "
-    "server, submit trajectory groups to the coordinator (SIGTERM: graceful shutdown).\n\n"
+    "server, submit trajectory groups to the coordinator (SIGTERM: graceful shutdown; a second "
+    "signal abandons the groups in flight).\n\n"
     + "\b\n"
     + settings_help(RolloutSettings)
+    + "\n  Also read: the bucket's settings (DELTARL_BUCKET_URI, DELTARL_S3_*, DELTARL_HF_*), "
+    "DELTARL_CA_BUNDLE, DELTARL_LOG_LEVEL.\n"
 )
