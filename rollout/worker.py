@@ -11,8 +11,8 @@ Order of calls (:meth:`RolloutWorker.run`)::
        unhealthy, groups in flight, last error); its answer's latest_version is followed too;
        an unknown_worker answer (coordinator lost its state) re-registers
     -> sync_to(the coordinator's latest version) (waits for a first version if none yet)
-    -> version thread: iter_version_events (SSE) -> follow(v); when the stream fails, poll
-       latest_version every sync_poll_s and reopen it
+    -> version thread (rollout/follower.py): iter_version_events (SSE) -> follow(v); when
+       the stream fails, poll latest_version every sync_poll_s and reopen it
        follow(v): newest target wins; one WeightSync.sync_in_background at a time, the next
        one starts when it ends (coalescing: versions published meanwhile are skipped over)
     -> episode loop: seeds come from admission control (ask for in_flight_groups - running;
@@ -44,9 +44,7 @@ import contextlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +69,8 @@ from deltarl.services.weightsync.errors import StateMismatchError
 from .chat_format import ChatFormat, ChatTokenizer
 from .engines.base import Engine
 from .episodes import EpisodeGroup, EpisodeRunner
+from .follower import VersionFollower
 from .settings import RolloutSettings
-from .sync_records import SyncReport
 from .trajectories import to_submission
 from .weights import WeightSync
 
@@ -95,8 +93,6 @@ class WorkerStats:
     dropped_timeout: int = 0  # groups not submitted within submit_timeout_s / shutdown
     group_errors: int = 0  # groups that failed while playing (engine, env)
     abandoned: int = 0  # groups cancelled unfinished at the shutdown deadline
-    syncs: int = 0  # background syncs that reached their target
-    sync_failures: int = 0
 
 
 class RolloutWorker:
@@ -128,13 +124,16 @@ class RolloutWorker:
         self.coordinator = CoordinatorClient(
             settings.coordinator_url, _secret(settings.worker_token), verify=self._verify
         )
-        self._lock = threading.Lock()
-        self._threads_stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._wanted: int | None = None  # newest version to sync to
-        self._sync_future: Future[SyncReport] | None = None
-        self._retry_at = 0.0  # no background sync before this (after a failure)
-        self._sync_failures = 0
+        self.follower = VersionFollower(
+            sync,
+            settings.coordinator_url,
+            _secret(settings.worker_token),
+            verify=self._verify,
+            poll_s=settings.sync_poll_s,
+            on_error=self._error,
+        )
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
         self._last_error: str | None = None
         self._in_flight = 0
         self._heartbeat_s = settings.heartbeat_interval_s or 1.0
@@ -204,17 +203,8 @@ class RolloutWorker:
                 raise
             logger.warning("the coordinator does not know this worker: registering again")
             ack = self._register()
-        self.follow(ack.latest_version)
+        self.follower.follow(ack.latest_version)
         return ack
-
-    def follow(self, version: int | None) -> None:
-        """Make ``version`` the sync target if it is newer (coalescing: the newest wins)."""
-        if version is None:
-            return
-        with self._lock:
-            if self._wanted is None or version > self._wanted:
-                self._wanted = version
-        self._kick()
 
     # ------------------------------------------------------------------ the run
 
@@ -237,10 +227,13 @@ class RolloutWorker:
                 return
             if self.settings.heartbeat_interval_s is None:
                 self._heartbeat_s = ack.heartbeat_interval_s
-            self._start_thread("heartbeat", self._heartbeat_loop)
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, name="rollout-heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
             if not await self._initial_sync(ack.latest_version):
                 return
-            self._start_thread("versions", self._follow_loop)
+            self.follower.start()
             await self._episode_loop()
         finally:
             if handle_signals:
@@ -325,8 +318,7 @@ class RolloutWorker:
                 if latest is None:
                     await self._sleep(self.settings.sync_poll_s)
                     continue
-            with self._lock:  # the target; the first sync is done here, not in the background
-                self._wanted = max(latest, self._wanted or 0)
+            self.follower.follow(latest, start=False)  # the first sync is done here
             try:
                 report = await asyncio.to_thread(self.sync.sync_to, latest)
             except StateMismatchError:
@@ -342,21 +334,12 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ threads
 
-    def _start_thread(self, name: str, target: Callable[[], None]) -> None:
-        thread = threading.Thread(target=target, name=f"rollout-{name}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
     def _shutdown_threads(self) -> None:
-        self._threads_stop.set()
-        for thread in self._threads:
-            thread.join(timeout=5.0)
-        self._threads.clear()
-        with self._lock:
-            future = self._sync_future
-        if future is not None:
-            with contextlib.suppress(Exception):
-                future.result(timeout=30)
+        """Stop the heartbeat and version threads (a running sync finishes), deregister."""
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5.0)
+        self.follower.stop()
         self.sync.close()
         self._deregister()
         self.coordinator.close()
@@ -371,84 +354,12 @@ class RolloutWorker:
             logger.warning("could not deregister %s: %s", self.worker_id, exc)
 
     def _heartbeat_loop(self) -> None:
-        while not self._threads_stop.wait(self._heartbeat_s):
+        while not self._heartbeat_stop.wait(self._heartbeat_s):
             try:
                 self.heartbeat()
             except (httpx.TransportError, CoordinatorError) as exc:
                 logger.warning("heartbeat failed: %s", exc)
-            self._kick()  # retries a failed sync once its backoff has passed
-
-    def _follow_loop(self) -> None:
-        """The version thread: its own event loop, so that stopping can cancel the stream."""
-        asyncio.run(self._follow_until_stopped())
-
-    async def _follow_until_stopped(self) -> None:
-        task = asyncio.create_task(self._follow_versions())
-        await asyncio.to_thread(self._threads_stop.wait)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    async def _follow_versions(self) -> None:
-        """Versions from the SSE stream; poll ``latest_version`` while it is down."""
-        async with AsyncCoordinatorClient(
-            self.settings.coordinator_url,
-            _secret(self.settings.worker_token),
-            verify=self._verify,
-        ) as client:
-            while True:
-                try:
-                    async for record in client.iter_version_events(after=self.sync.version):
-                        self.follow(record.version)
-                except (httpx.HTTPError, CoordinatorError, ValueError) as exc:
-                    logger.warning(
-                        "version event stream failed (%s); polling every %.1f s",
-                        exc,
-                        self.settings.sync_poll_s,
-                    )
-                try:
-                    latest = await client.latest_version()
-                    self.follow(None if latest is None else latest.version)
-                except (httpx.TransportError, CoordinatorError) as exc:
-                    logger.warning("polling the latest version failed: %s", exc)
-                await asyncio.sleep(self.settings.sync_poll_s)
-
-    def _kick(self) -> None:
-        """Start a background sync to the wanted version unless one runs or backs off."""
-        with self._lock:
-            if self._sync_future is not None or self._threads_stop.is_set():
-                return
-            if time.monotonic() < self._retry_at or self._wanted is None:
-                return
-            healthy, current = self.sync.healthy, self.sync.version
-            if healthy and current is not None and self._wanted <= current:
-                return
-            target = self._wanted
-            future = self.sync.sync_in_background(target)
-            self._sync_future = future
-        logger.debug("syncing to v%d in the background", target)
-        future.add_done_callback(self._synced)
-
-    def _synced(self, future: Future[SyncReport]) -> None:
-        with self._lock:
-            self._sync_future = None
-        try:
-            report = future.result()
-        except Exception as exc:
-            self.stats.sync_failures += 1
-            self._sync_failures += 1
-            backoff = min(0.5 * 2 ** (self._sync_failures - 1), 30.0)
-            self._retry_at = time.monotonic() + backoff
-            self._error(f"sync failed (retry in {backoff:.1f} s): {exc}")
-            return
-        self._sync_failures = 0
-        self.stats.syncs += 1
-        logger.info(
-            "weights at v%s (%s)",
-            report.version,
-            ", ".join(f"{s.kind} {s.pause_s * 1e3:.1f} ms paused" for s in report.steps) or "-",
-        )
-        self._kick()
+            self.follower.kick()  # retries a failed sync once its backoff has passed
 
     def _error(self, message: str) -> None:
         logger.warning("%s", message)
@@ -476,14 +387,14 @@ class RolloutWorker:
                     answer = await self._async.admission(self.worker_id, want, status.version)
                 except (httpx.TransportError, CoordinatorError) as exc:
                     if isinstance(exc, CoordinatorError) and exc.code == "unknown_worker":
-                        await asyncio.to_thread(self._register)
+                        await self._retry("register", self._register)
                     else:
                         self._error(f"admission: {exc}")
                         await self._sleep(wait)
                     continue
                 if answer.grant == 0:
                     if answer.reason == "update_weights":
-                        self.follow(answer.current_version)
+                        self.follower.follow(answer.current_version)
                     logger.debug("admission granted nothing (%s)", answer.reason)
                     await self._sleep(wait)
                     continue
@@ -533,9 +444,10 @@ class RolloutWorker:
                 self._in_flight = 0
             if submits:
                 logger.info("waiting for %d submission(s)", len(submits))
-                await asyncio.wait(submits, timeout=settings.submit_timeout_s)
-                for task in submits:
+                _, late = await asyncio.wait(submits, timeout=settings.submit_timeout_s)
+                for task in late:
                     task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
 
     async def _submit(self, group: EpisodeGroup) -> None:
         """Wait for the group's verdict, then submit it (see the module docstring)."""
@@ -572,7 +484,7 @@ class RolloutWorker:
                 self._error(f"submit {group.group_id}: {exc} (retrying)")
             except CoordinatorError as exc:
                 if exc.code == "unknown_worker":
-                    await asyncio.to_thread(self._register)
+                    await self._retry("register", self._register)
                     continue
                 if exc.status_code < 500 and exc.code != "future_version":
                     self.stats.dropped_refused += 1

@@ -150,7 +150,7 @@ def test_polls_when_the_event_stream_is_refused_and_coalesces_versions(
         assert same_bits(dict(worker.engine.named_parameters()), trainer.state())
         assert len(opened) >= 2  # the stream was tried again after each poll
         runner.stop()
-    assert runner.worker.stats.sync_failures == 0
+    assert runner.worker.follower.failures == 0
 
 
 def test_heartbeats_report_the_applied_version_and_restart_does_not_duplicate(
