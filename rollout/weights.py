@@ -155,6 +155,7 @@ class WeightSync:
         self._sync_lock = threading.Lock()
         self._version: int | None = None  # verified version held by the engine
         self._digests: dict[str, str] = {}  # tensor digests of the engine's weights at _version
+        self._verified_state: tuple[int, str] | None = None  # (_version, its state digest)
         self._mirror: dict[str, torch.Tensor] | None = None  # CPU copy at _version, if host_mirror
         self._bad_keys: set[str] = set()  # objects never to plan with again
         self._suspects: set[str] = set()  # objects that failed once
@@ -223,6 +224,12 @@ class WeightSync:
     def version(self) -> int | None:
         """Newest verified version held by the engine (None: none)."""
         return self._version
+
+    def verified_digest(self) -> tuple[int, str] | None:
+        """``(version, state digest)`` of the newest verified weights (one atomic read, for
+        heartbeats); None before the first. It stays set while :attr:`healthy` is false: check
+        that first."""
+        return self._verified_state
 
     def status(self) -> SyncStatus:
         with self._cond:
@@ -437,6 +444,7 @@ class WeightSync:
             verify_s = time.perf_counter() - tv
         verified = time.time()
         self._version, self._digests = ref.version, digests
+        self._verified_state = (ref.version, combine_digests(digests))
         with self._cond:
             self._verified_seq = seq
         tm = time.perf_counter()
@@ -528,6 +536,7 @@ class WeightSync:
             pause_s = time.perf_counter() - tp
         done = time.time()
         self._version, self._digests = ref.version, digests
+        self._verified_state = (ref.version, combine_digests(digests))
         self._mirror = state if self.host_mirror else None
         return StepTiming(
             version=ref.version,

@@ -8,7 +8,8 @@ Order of calls (:meth:`RolloutWorker.run`)::
 
     register (retried until the coordinator answers)
     -> heartbeat thread: every interval, WorkerHeartbeat(applied version or None while
-       unhealthy, groups in flight, last error); its answer's latest_version is followed too;
+       unhealthy, its verified state digest, groups in flight, last error); its answer's
+       latest_version is followed too;
        an unknown_worker answer (coordinator lost its state) re-registers
     -> sync_to(the coordinator's latest version) (waits for a first version if none yet)
     -> version thread (rollout/follower.py): iter_version_events (SSE) -> follow(v); when
@@ -186,15 +187,20 @@ class RolloutWorker:
     def heartbeat(self) -> HeartbeatAck:
         """Send one heartbeat now (the heartbeat thread calls this every interval).
 
-        Reports the applied version (None while the weights are unhealthy), the groups in
-        flight and the last error (the unhealthy reason first); follows the answer's latest
-        version; re-registers when the coordinator does not know this worker.
+        Reports the applied version (None while the weights are unhealthy), the state digest
+        of the weights at that version once verified (the coordinator compares it with the
+        trainer's: ``WorkerInfo.weights_verified``), the groups in flight and the last error
+        (the unhealthy reason first); follows the answer's latest version; re-registers when
+        the coordinator does not know this worker.
         """
         status = self.sync.status()
+        verified = self.sync.verified_digest()
+        proof = status.healthy and verified is not None and verified[0] == status.version
         hb = WorkerHeartbeat(
             applied_version=status.version if status.healthy else None,
             in_flight=self._in_flight,
             last_error=_cut(status.reason if not status.healthy else self._last_error),
+            weights_digest=verified[1] if proof and verified is not None else None,
         )
         try:
             ack = self.coordinator.heartbeat(self.worker_id, hb)

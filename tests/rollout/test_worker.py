@@ -108,6 +108,7 @@ def test_worker_submits_follows_a_new_version_and_shuts_down(
         seen = info(coordinator)
         assert seen is not None and seen.applied_version == v1 and seen.state == "active"
         assert seen.last_error is None and seen.capacity == 2
+        assert seen.weights_verified is True  # the digest matches the trainer's
         runner.stop()
     assert info(coordinator) is None  # deregistered
     groups = drain_queue(coordinator)
@@ -233,6 +234,7 @@ def test_no_submission_while_unhealthy_and_the_heartbeat_says_why(
             "the heartbeat did not report the failure",
         )
         assert seen.applied_version is None and "verification of v1 failed" in seen.last_error
+        assert seen.weights_verified is None
         assert not worker.sync.healthy
         v2 = trainer.step(seed=4, anchor=True)  # the trainer re-anchors: the worker recovers
         wait_for(lambda: worker.sync.healthy and worker.sync.version == v2, 5, "no recovery")
