@@ -38,7 +38,12 @@ def settings_help(
     for name, field in cls.model_fields.items():
         env = (prefix + name).upper()
         secret = any(w in name.lower() for w in secret_words)
-        default = "***" if secret and field.default else _default_text(field.default)
+        if field.default_factory is not None:
+            default = "computed at start"
+        elif field.is_required():
+            default = "required"
+        else:
+            default = "***" if secret and field.default else _default_text(field.default)
         desc = (field.description or "").strip()
         lines.append(f"  {env} (default {default}): {desc}")
         lines.append("")
