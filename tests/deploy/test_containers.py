@@ -515,6 +515,27 @@ def test_compose_environment_validates(name: str, monkeypatch: pytest.MonkeyPatc
                 container_env(name, host)
 
 
+def _seconds(duration: str) -> float:
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", str(duration))
+    assert parts and "".join(n + u for n, u in parts) == str(duration), f"bad duration {duration}"
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def test_compose_workers_get_time_to_stop() -> None:
+    """Docker kills a container 10 s after SIGTERM unless told otherwise: the workers need more
+    (the rollout worker's shutdown grace, the trainer's current step and checkpoint)."""
+    grace = _rollout_settings().model_fields["shutdown_grace_s"].default
+    for name in deltarl_services():
+        sub = service_subcommand(name)
+        if sub not in ("train", "rollout"):
+            continue
+        period = services()[name].get("stop_grace_period")
+        assert period is not None, f"{name}: set stop_grace_period (Docker's default is 10 s)"
+        need = grace if sub == "rollout" else 60.0
+        assert _seconds(period) > need, f"{name}: stop_grace_period {period} <= {need} s"
+
+
 def test_compose_gpu_and_cpu_profiles() -> None:
     gpu, cpu = profile_services("gpu"), profile_services("cpu")
     subs = {
