@@ -43,7 +43,7 @@ from deltarl.env_server.settings import EnvSettings
 from deltarl.services.buckets.settings import BucketSettings
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.tls import CA_BUNDLE_ENV
-from deltarl.trainer.settings import TrainerDeployment
+from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -508,6 +508,10 @@ def test_compose_environment_validates(name: str, monkeypatch: pytest.MonkeyPatc
             pytest.fail(f"compose service {name}: {settings_cls.__name__} refuses {env}: {exc}")
     if sub in ("train", "rollout"):
         assert BucketSettings().bucket_uri == "/bucket", "the default bucket is the volume"
+    if sub == "train":  # the experiment overrides of its command parse
+        command = service_command(name)
+        overrides = [command[i + 1] for i, a in enumerate(command) if a in ("--set", "-s")]
+        ExperimentSettings.load(None, overrides)
     for var in HOST_ENV:
         if any(var in str(v) for v in service_env(name).values()):
             host = {k: v for k, v in HOST_ENV.items() if k != var}
