@@ -55,6 +55,9 @@ class DemoPlan:
     max_turns: int = 2  # = the env's max_guesses: every episode ends with a scored guess
     max_staleness: int = 2
     lr: float = 1e-6
+    # AdamW's decoupled decay moves weights even when every advantage is 0 (a random --tiny
+    # model never scores): it keeps --tiny's deltas realistic in density.
+    weight_decay: float = 0.0
     anchor_every: int = 0  # only version 0 carries an anchor
 
     def trainer_overrides(self, model_dir: Path, trainer_dir: Path) -> list[str]:
@@ -64,6 +67,7 @@ class DemoPlan:
             "run_dir": str(trainer_dir),
             "max_steps": self.steps,
             "optimizer.lr": self.lr,
+            "optimizer.weight_decay": self.weight_decay,
             "batch.group_size": self.group_size,
             "batch.groups_per_step": self.groups_per_step,
             "batch.micro_batch_size": self.group_size * self.groups_per_step,
@@ -133,12 +137,14 @@ def demo(
     that every worker ends with the trainer's exact weights and draw the reward curve."""
     from rich.console import Console
 
-    console = Console()
+    console = Console(soft_wrap=True)
     plan = DemoPlan(
         model_kind="tiny" if tiny else "smollm2",
         steps=steps if steps is not None else (3 if tiny else 6),
         workers=workers,
         max_new_tokens=16 if tiny else 24,
+        lr=1e-3 if tiny else 1e-6,
+        weight_decay=0.1 if tiny else 0.0,
     )
     rd = _run_dir(run_dir)
     (rd / "logs").mkdir(exist_ok=True)

@@ -53,7 +53,13 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
         shutil.rmtree(tmp)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     if not getattr(tokenizer, "chat_template", None):
@@ -61,9 +67,20 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
     model: Any
     if kind == "smollm2":
         logger.info("converting %s/%s to a Hugging Face directory (once)", gguf_dir, gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=gguf_file, dtype=torch.bfloat16
+        # transformers keeps GGUF weights packed (not serializable): copy the dequantized state
+        # into a plain model built from the same config.
+        packed = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_file, dtype=torch.float32
         )
+        state = {k: v.detach().to(torch.bfloat16) for k, v in packed.state_dict().items()}
+        del packed
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"converting {gguf_file}: missing tensors {missing}, unexpected {unexpected}"
+            )
     else:
         full = LlamaConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
         config = LlamaConfig(

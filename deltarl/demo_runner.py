@@ -256,7 +256,10 @@ def _print_line(
 ) -> None:
     last = status.versions[-1] if status.versions else None
     size = f"{last.kind} {human_bytes(last.bytes)}" if last else "-"
-    applied = ", ".join(f"{w.worker_id}=v{w.applied_version}" for w in workers)
+    applied = ", ".join(
+        f"{w.worker_id}=" + ("-" if w.applied_version is None else f"v{w.applied_version}")
+        for w in workers
+    )
     pauses = [p for log in logs.values() for p in log.pauses_ms]
     pause = f", last pause {pauses[-1]:.1f} ms" if pauses else ""
     reward = f", reward {status.rewards[-1].mean_reward:.3f}" if status.rewards else ""
