@@ -41,8 +41,8 @@ unit: $(STAMP) system-deps
 test: lint typecheck unit
 
 demo: $(STAMP)
-	# Until `deltarl demo` exists: the codec benchmark on real SmolLM2-135M deltas (trains 3 steps first).
-	$(PY) bench/codec_bench.py --lr 1e-6 --steps 3
+	# The whole system on this machine (coordinator, env server, 2 rollout workers, trainer, bucket) on SmolLM2-135M, CPU.
+	$(VENV)/bin/deltarl demo
 
 bench: $(STAMP)
 	$(PY) bench/codec_bench.py

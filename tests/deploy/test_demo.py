@@ -1,0 +1,138 @@
+"""``deltarl demo`` end to end: the whole system as processes on loopback (tiny model, 2 steps),
+and the demo's process handling (a child that dies is reported with its log)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deltarl.demo_procs import Child, ProcessDiedError, ProcessGroup, free_port, wait_healthy
+
+pytestmark = pytest.mark.network
+
+STEPS = 2
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def demo_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    root = tmp_path_factory.mktemp("demo")
+    run_dir = root / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltarl",
+            "demo",
+            "--tiny",
+            "--steps",
+            str(STEPS),
+            "--workers",
+            str(WORKERS),
+            "--run-dir",
+            str(run_dir),
+            "--cache-dir",
+            str(root / "cache"),
+            "--no-live",
+            "--timeout",
+            "240",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    return proc, run_dir
+
+
+def test_demo_tiny_end_to_end(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, run_dir = demo_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "status page: http://127.0.0.1:" in out
+    assert f"versions published: {STEPS + 1} (v0..v{STEPS})" in out
+    assert f"{WORKERS}/{WORKERS} workers bit-identical to the trainer's final weights" in out
+    assert "reward curve:" in out
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ok"] is True
+    assert summary["final_version"] == STEPS
+    assert summary["bytes"]["versions"] == STEPS + 1
+    assert summary["bytes"]["anchors"] == 1
+    # deltas are a small fraction of full syncs
+    assert 0 < summary["bytes"]["delta_bytes"] < summary["bytes"]["full_model_bytes"]
+    assert summary["bytes"]["published_bytes"] < summary["bytes"]["full_sync_bytes_per_version"]
+    assert sorted(summary["workers_identical"]) == sorted(summary["workers"])
+    assert len(summary["workers"]) == WORKERS
+    assert summary["proof"]["method"] in ("coordinator", "bucket-rebuild")
+    assert summary["proof"]["trainer_digest"] == summary["proof"]["published_digest"]
+    # every worker followed every version (anchor, then one delta per step)
+    assert all(n == STEPS + 1 for n in summary["received"]["objects_per_worker"].values())
+
+    image = Path(summary["reward_image"])
+    assert image.parent == run_dir
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logs = {p.name for p in (run_dir / "logs").iterdir()}
+    assert {"coordinator.log", "env.log", "trainer.log", "demo.log"} <= logs
+    assert {f"demo-worker-{i + 1}.log" for i in range(WORKERS)} <= logs
+
+
+def test_demo_stops_every_process(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """No child outlives the demo: every port it used is free again."""
+    proc, _ = demo_run
+    assert proc.returncode == 0
+    url = proc.stdout.split("status page: ", 1)[1].split()[0]
+
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "health", timeout=2.0)
+
+
+def test_dead_child_is_reported_with_its_log(tmp_path: Path) -> None:
+    """A service that exits at start (here: a coordinator without tokens) raises
+    ProcessDiedError naming it, and its log says why."""
+    group = ProcessGroup(tmp_path / "logs")
+    env = {"DELTARL_COORDINATOR_INSECURE": "false"}
+    for key in ("DELTARL_COORDINATOR_TRAINER_TOKEN", "DELTARL_COORDINATOR_WORKER_TOKEN"):
+        env[key] = ""
+    port = free_port()
+    child = group.start("coordinator", ["coordinator", "--port", str(port)], env)
+    try:
+        with pytest.raises(ProcessDiedError) as info:
+            wait_healthy(f"http://127.0.0.1:{port}/health", child, timeout_s=60)
+        assert info.value.child.name == "coordinator"
+        assert info.value.code != 0
+        assert "DELTARL_COORDINATOR_TRAINER_TOKEN" in child.log.read_text()
+    finally:
+        group.stop_all(timeout_s=5)
+
+
+def test_stop_all_kills_what_ignores_sigterm(tmp_path: Path) -> None:
+    """SIGTERM first, SIGKILL after the timeout."""
+    group = ProcessGroup(tmp_path / "logs")
+    child = group.start("stubborn", ["--version"], {})
+    child.proc.wait(timeout=60)  # a child that already exited is left alone
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    group.children.append(Child("ignores-sigterm", proc, tmp_path / "none.log"))
+    t0 = time.monotonic()
+    codes = group.stop_all(timeout_s=1.0)
+    assert codes["ignores-sigterm"] == -9
+    assert time.monotonic() - t0 < 15
