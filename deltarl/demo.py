@@ -49,10 +49,14 @@ class DemoPlan:
     model_kind: str  # "smollm2" or "tiny"
     steps: int
     workers: int
-    group_size: int = 4
+    group_size: int = 6
     groups_per_step: int = 2
     max_new_tokens: int = 24
-    max_turns: int = 2  # = the env's max_guesses: every episode ends with a scored guess
+    # One scored guess per game (partial credit: greens + yellows/2 of 5 letters), and one
+    # invalid reply tolerated before it (a warning, then a second turn): every episode ends with
+    # the environment's reward, none is cut by max_turns.
+    env_max_guesses: int = 1
+    max_turns: int = 2
     max_staleness: int = 2
     lr: float = 1e-6
     # AdamW's decoupled decay moves weights even when every advantage is 0 (a random --tiny
@@ -111,7 +115,7 @@ def demo(
         False, "--tiny", help="A random tiny Llama (SmolLM2's tokenizer): fast, learns nothing."
     ),
     steps: int | None = typer.Option(
-        None, "--steps", min=1, help="Optimizer steps (default: 6, or 3 with --tiny)."
+        None, "--steps", min=1, help="Optimizer steps (default: 8, or 3 with --tiny)."
     ),
     workers: int = typer.Option(2, "--workers", min=1, max=8, help="Rollout workers."),
     run_dir: Path | None = typer.Option(
@@ -140,9 +144,10 @@ def demo(
     console = Console(soft_wrap=True)
     plan = DemoPlan(
         model_kind="tiny" if tiny else "smollm2",
-        steps=steps if steps is not None else (3 if tiny else 6),
+        steps=steps if steps is not None else (3 if tiny else 8),
         workers=workers,
-        max_new_tokens=16 if tiny else 24,
+        group_size=4 if tiny else 6,
+        max_new_tokens=16 if tiny else 32,
         lr=1e-3 if tiny else 1e-6,
         weight_decay=0.1 if tiny else 0.0,
     )

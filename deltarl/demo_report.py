@@ -308,4 +308,13 @@ def bytes_summary(versions: list[VersionRecord], workers: int) -> dict[str, Any]
         "full_sync_bytes_per_version": full_per_version,
         "full_sync_bytes_all_workers": full_per_version * workers,
         "ratio": full_per_version / published if published else None,
+        # the versions a follower gets as deltas, against full syncs of those same versions
+        "delta_versions": len(versions) - sum(1 for v in versions if v.kind == "anchor"),
+        "delta_ratio": (
+            full_model
+            * (len(versions) - sum(1 for v in versions if v.kind == "anchor"))
+            / (published - anchors)
+            if published > anchors
+            else None
+        ),
     }

@@ -137,7 +137,8 @@ def _run(
         common
         | {
             "DELTARL_ENV_TOKEN": env_token,
-            "DELTARL_ENV_MAX_GUESSES": str(plan.max_turns),
+            "DELTARL_ENV_MAX_GUESSES": str(plan.env_max_guesses),
+            "DELTARL_ENV_MAX_INVALID_MOVES": str(plan.max_turns - 1),
             "DELTARL_ENV_ALLOW_NON_WORDS": "true",
         },
     )
@@ -365,6 +366,14 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
         f"{human_bytes(b['full_model_bytes'])} x {b['versions']} versions, per version): {ratio}",
         highlight=False,
     )
+    if b["delta_versions"] and b["delta_ratio"]:
+        console.print(
+            f"  the {b['delta_versions']} delta versions: {human_bytes(b['delta_bytes'])} "
+            f"(avg {human_bytes(b['delta_bytes'] / b['delta_versions'])}) vs "
+            f"{human_bytes(b['full_model_bytes'] * b['delta_versions'])} as full syncs: "
+            f"{b['delta_ratio']:.0f}x less",
+            highlight=False,
+        )
     for wid, n in s["received"]["per_worker"].items():
         full = s["received"]["full_sync_per_worker"][wid]
         console.print(
