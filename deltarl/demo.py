@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -158,6 +159,8 @@ def demo(
 
     from .demo_runner import DemoFailedError, run_demo
 
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the children as on Ctrl-C
+
     try:
         summary = run_demo(plan, rd, cache_dir, console, timeout_s=timeout_s, live=use_live)
     except KeyboardInterrupt:
@@ -170,6 +173,10 @@ def demo(
         raise typer.Exit(1) from None
     if not summary["ok"]:
         raise typer.Exit(1)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def new_token() -> str:
