@@ -7,7 +7,7 @@ its config and tokenizer (their weights come from the bucket's anchor). Two kind
   once by transformers (``from_pretrained(dir, gguf_file=...)``) and saved as bf16 safetensors
   with its tokenizer and chat template;
 * ``tiny``: a random Llama of two layers and a small hidden size that keeps SmolLM2's tokenizer
-  and chat template (for tests and quick looks: it learns nothing useful).
+  and chat template, saved in fp32 (for tests and quick looks: it learns nothing useful).
 
 A finished directory holds ``.deltarl-demo-model.json``; it is written last, so a directory
 without it (an interrupted conversion) is rebuilt. Torch and transformers are imported inside
@@ -41,7 +41,7 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
 
     Raises ``ValueError`` when the SmolLM2 GGUF is not installed (with what to install).
     """
-    out = cache_dir / ("smollm2-135m-instruct" if kind == "smollm2" else "tiny-llama")
+    out = cache_dir / ("smollm2-135m-instruct" if kind == "smollm2" else "tiny-llama-fp32")
     if (out / MARKER).is_file():
         logger.info("model %s: cached in %s", kind, out)
         return out
@@ -98,8 +98,10 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
             pad_token_id=getattr(full, "pad_token_id", None),
         )
         torch.manual_seed(TINY_SEED)
+        # fp32 on purpose: random fp32 master weights sit anywhere between two bf16 values, so
+        # even small updates flip some bf16 bits from the first step (weights that start on the
+        # bf16 grid need many small steps before any published bit changes).
         model = LlamaForCausalLM(config)
-        model.to(dtype=torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     params = sum(p.numel() for p in model.parameters())

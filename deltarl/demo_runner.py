@@ -287,17 +287,19 @@ def _summarize(
     trainer = trainer_final(trainer_dir)
     trainer_digest = trainer["state_digest"] if trainer else record.state_digest
     reported = [by_id[i].weights_verified for i in logs]
+    # Always: the bucket's chain must reproduce the trainer's final weights.
+    rebuilt, keys = rebuild_digest(str(rd / "bucket"), final)
+    chain_ok = rebuilt == record.state_digest == trainer_digest
     proof: dict[str, Any]
     if all(v is True for v in reported):
         proof = {
             "method": "coordinator",
             "detail": "each worker's weights_digest heartbeat equals the trainer's state digest "
-            f"of v{final} (WorkerInfo.weights_verified)",
+            f"of v{final} (WorkerInfo.weights_verified) and the digest in the trainer's final "
+            f"checkpoint; v{final} rebuilt from the bucket ({len(keys)} objects) has it too",
         }
-        identical = [i for i in logs if by_id[i].weights_digest == trainer_digest]
+        identical = [i for i in logs if chain_ok and by_id[i].weights_digest == trainer_digest]
     else:
-        rebuilt, keys = rebuild_digest(str(rd / "bucket"), final)
-        chain_ok = rebuilt == record.state_digest == trainer_digest
         identical = [
             i
             for i, log in logs.items()
@@ -310,9 +312,12 @@ def _summarize(
             "its base and result digests) has the trainer's final state digest, and every "
             "worker applied that chain to v"
             f"{final}, verifying each step against the trainer's digests, without a failure",
-            "rebuilt_digest": rebuilt,
         }
-    proof |= {"trainer_digest": trainer_digest, "published_digest": record.state_digest}
+    proof |= {
+        "trainer_digest": trainer_digest,
+        "published_digest": record.state_digest,
+        "rebuilt_digest": rebuilt,
+    }
     received = {i: log.received_bytes for i, log in logs.items()}
     applied_versions = {i: len(log.applied) for i, log in logs.items()}
     pauses = [p for log in logs.values() for p in log.pauses_ms]
