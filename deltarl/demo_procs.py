@@ -4,9 +4,9 @@ Every service runs as its own ``python -m deltarl <command>`` process in a new s
 Ctrl-C in the terminal reaches only the demo, which then stops the children in order), with its
 stdout and stderr in ``<run_dir>/logs/<name>.log``.
 
-Shutdown order (:meth:`ProcessGroup.stop_all`): the processes are sent SIGTERM in the reverse
-order of their start (workers before the env server and the coordinator they talk to), each
-gets ``timeout_s`` to exit, then SIGKILL.
+Shutdown order (:meth:`ProcessGroup.stop_all`): the clients (trainer, workers) first, then the
+services they talk to (env server, coordinator); each is sent SIGTERM, gets ``timeout_s`` to
+exit, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,10 +106,18 @@ class ProcessGroup:
                 continue
             raise ProcessDiedError(child, code)
 
-    def stop_all(self, timeout_s: float = 20.0) -> dict[str, int | None]:
-        """SIGTERM every child still running (last started first), SIGKILL those still running
-        after ``timeout_s``; returns each child's exit code."""
-        running = [c for c in reversed(self.children) if c.exit_code() is None]
+    def stop_all(
+        self, timeout_s: float = 20.0, first: Collection[str] = ()
+    ) -> dict[str, int | None]:
+        """Stop the children named in ``first`` (the clients: trainer, workers), then the others
+        (the services they talk to): SIGTERM to each still running, last started first, SIGKILL
+        to those still running ``timeout_s`` later. Returns each child's exit code."""
+        self._stop([c for c in self.children if c.name in first], timeout_s)
+        self._stop(self.children, timeout_s)
+        return {c.name: c.exit_code() for c in self.children}
+
+    def _stop(self, children: list[Child], timeout_s: float) -> None:
+        running = [c for c in reversed(children) if c.exit_code() is None]
         for child in running:
             _signal(child, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -120,7 +128,6 @@ class ProcessGroup:
                 logger.warning("%s did not stop within %.0f s: killing it", child.name, timeout_s)
                 _signal(child, signal.SIGKILL)
                 child.proc.wait(timeout=10)
-        return {c.name: c.exit_code() for c in self.children}
 
 
 def _signal(child: Child, signum: int) -> None:

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.live import Live
 
@@ -45,12 +46,11 @@ class DemoFailedError(RuntimeError):
 
 
 def _poll(client: CoordinatorClient) -> tuple[StatusSummary | None, list[WorkerInfo]]:
+    """Status and workers; (None, []) when the coordinator does not answer this time (if it
+    died, the next check of the children says so)."""
     try:
         return client.status(), client.workers()
-    except (CoordinatorError, OSError) as exc:
-        logger.warning("coordinator poll failed: %s", exc)
-        return None, []
-    except Exception as exc:  # httpx transport errors: the death check reports the cause
+    except (CoordinatorError, httpx.HTTPError) as exc:
         logger.warning("coordinator poll failed: %s", exc)
         return None, []
 
@@ -98,7 +98,8 @@ def run_demo(
             tail(exc.child.log),
         ) from exc
     finally:
-        codes = group.stop_all()
+        clients = {c.name for c in group.children if c.name not in ("coordinator", "env")}
+        codes = group.stop_all(timeout_s=30.0, first=clients)
         logger.info("children stopped: %s", codes)
 
 
