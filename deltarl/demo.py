@@ -38,6 +38,10 @@ from typing import Any
 
 import typer
 
+from .demo_model import ModelKind
+
+__all__ = ["DemoPlan", "demo", "demo_environment", "new_token"]
+
 logger = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130
@@ -47,12 +51,12 @@ EXIT_INTERRUPTED = 130
 class DemoPlan:
     """The experiment the demo runs (chosen to finish within minutes on 2 CPU cores)."""
 
-    model_kind: str  # "smollm2" or "tiny"
+    model_kind: ModelKind
     steps: int
     workers: int
     group_size: int = 6
     groups_per_step: int = 2
-    max_new_tokens: int = 24
+    max_new_tokens: int = 32
     # One scored guess per game (partial credit: greens + yellows/2 of 5 letters), and one
     # invalid reply tolerated before it (a warning, then a second turn): every episode ends with
     # the environment's reward, none is cut by max_turns.
@@ -64,6 +68,27 @@ class DemoPlan:
     # model never scores): it keeps --tiny's deltas realistic in density.
     weight_decay: float = 0.0
     anchor_every: int = 0  # only version 0 carries an anchor
+
+    @classmethod
+    def for_model(cls, tiny: bool, steps: int | None, workers: int) -> DemoPlan:
+        """The default experiment of SmolLM2 (``tiny`` false) or of the tiny random model."""
+        if tiny:
+            return cls(
+                model_kind="tiny",
+                steps=steps if steps is not None else 3,
+                workers=workers,
+                group_size=4,
+                max_new_tokens=16,
+                lr=1e-3,
+                weight_decay=0.1,
+            )
+        return cls(
+            model_kind="smollm2",
+            steps=steps if steps is not None else 8,
+            workers=workers,
+            group_size=6,
+            max_new_tokens=32,
+        )
 
     def trainer_overrides(self, model_dir: Path, trainer_dir: Path) -> list[str]:
         """``--set`` arguments of ``deltarl train``."""
@@ -106,7 +131,7 @@ def _quiet_console_logging(log_file: Path) -> None:
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     fh.setLevel(logging.INFO)
     root.addHandler(fh)
-    root.setLevel(min(root.level, logging.INFO) if root.level else logging.INFO)
+    root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -143,15 +168,7 @@ def demo(
     from rich.console import Console
 
     console = Console(soft_wrap=True)
-    plan = DemoPlan(
-        model_kind="tiny" if tiny else "smollm2",
-        steps=steps if steps is not None else (3 if tiny else 8),
-        workers=workers,
-        group_size=4 if tiny else 6,
-        max_new_tokens=16 if tiny else 32,
-        lr=1e-3 if tiny else 1e-6,
-        weight_decay=0.1 if tiny else 0.0,
-    )
+    plan = DemoPlan.for_model(tiny, steps, workers)
     rd = _run_dir(run_dir)
     (rd / "logs").mkdir(exist_ok=True)
     _quiet_console_logging(rd / "logs" / "demo.log")
@@ -194,9 +211,6 @@ def demo_environment(rd: Path) -> dict[str, str]:
         "DELTARL_LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
     }
-
-
-__all__ = ["DemoPlan", "demo", "demo_environment", "new_token"]
 
 
 def plan_dict(plan: DemoPlan) -> dict[str, Any]:

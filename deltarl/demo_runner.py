@@ -84,7 +84,7 @@ def run_demo(
     console.print(f"[bold]deltarl demo[/bold]: run directory {rd}")
     console.print(f"preparing the model ({plan.model_kind}) in {cache_dir} ...")
     try:
-        model_dir = prepare_model("tiny" if plan.model_kind == "tiny" else "smollm2", cache_dir)
+        model_dir = prepare_model(plan.model_kind, cache_dir)
     except ValueError as exc:
         raise DemoFailedError(str(exc)) from exc
     console.print(f"model directory: {model_dir} ({elapsed(t0):.0f} s)")
@@ -193,7 +193,7 @@ def _run(
         with view if view is not None else nullcontext():
             while True:
                 if time.monotonic() > deadline:
-                    raise DemoFailedError(f"the demo did not finish within {timeout_s:.0f} s")
+                    raise DemoFailedError(_timeout_message(final, workers, timeout_s))
                 if final is None and trainer.exit_code() == 0:
                     latest = client.latest_version()
                     if latest is None:
@@ -236,6 +236,20 @@ def _run(
     (rd / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
     return summary
+
+
+def _timeout_message(final: int | None, workers: list[WorkerInfo], timeout_s: float) -> str:
+    if final is None:
+        return f"the trainer did not finish within {timeout_s:.0f} s (see logs/trainer.log)"
+    states = ", ".join(
+        f"{w.worker_id}: v{w.applied_version}, weights_verified {w.weights_verified}, "
+        f"last error {w.last_error}"
+        for w in workers
+    )
+    return (
+        f"the workers did not all reach the final version v{final} within "
+        f"{FINAL_SYNC_TIMEOUT_S:.0f} s of the trainer's end ({states or 'none registered'})"
+    )
 
 
 def _workers_done(workers: list[WorkerInfo], ids: list[str], final: int) -> bool:
