@@ -226,7 +226,7 @@ def draw_reward_curve(
         import matplotlib.pyplot as plt
     except ImportError:
         logger.info("matplotlib is not installed: drawing a plain PNG without labels")
-        _plain_png(path, [trained, by_version])
+        plain_png(path, [trained, by_version])
         return "plain"
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if trained:
@@ -244,7 +244,7 @@ def draw_reward_curve(
     return "matplotlib"
 
 
-def _plain_png(
+def plain_png(
     path: Path, series: list[list[tuple[int, float]]], w: int = 480, h: int = 270
 ) -> None:
     """A labelless line chart (axes, one colour per series) as an RGB PNG, without libraries."""

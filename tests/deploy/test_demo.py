@@ -8,13 +8,14 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deltarl.demo_procs import Child, ProcessDiedError, ProcessGroup, free_port, wait_healthy
-from deltarl.demo_report import rebuild_digest
+from deltarl.demo_report import WorkerLog, plain_png, rebuild_digest
 
 pytestmark = pytest.mark.network
 
@@ -126,7 +127,7 @@ def test_dead_child_is_reported_with_its_log(tmp_path: Path) -> None:
 def test_stop_all_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     """SIGTERM first, SIGKILL after the timeout."""
     group = ProcessGroup(tmp_path / "logs")
-    child = group.start("stubborn", ["--version"], {})
+    child = group.start("exited", ["--version"], {})
     child.proc.wait(timeout=60)  # a child that already exited is left alone
     proc = subprocess.Popen(
         [
@@ -143,3 +144,34 @@ def test_stop_all_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     codes = group.stop_all(timeout_s=1.0)
     assert codes["ignores-sigterm"] == -9
     assert time.monotonic() - t0 < 15
+
+
+def test_worker_log_reads_applied_objects_incrementally(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text(
+        "x INFO deltarl.rollout.weights: weights at v0 via anchor (6443632 bytes): paused 0.71 "
+        "ms, download 3.3 ms, decode 4.2 ms, verify 0.7 ms\n"
+    )
+    w = WorkerLog(log)
+    w.update()
+    with log.open("a") as fh:
+        fh.write(
+            "x INFO deltarl.rollout.weights: weights at v1 via delta (55339 bytes): paused 0.52 "
+            "ms, download 0.1 ms\nx ERROR deltarl.rollout.weights: weights unhealthy: drift\n"
+            "partial line without newl"
+        )
+    w.update()
+    assert w.applied == [(0, "anchor", 6443632, 0.71), (1, "delta", 55339, 0.52)]
+    assert w.received_bytes == 6443632 + 55339
+    assert w.pauses_ms == [0.52] and w.last_pause_ms == 0.52
+    assert len(w.failures) == 1
+
+
+def test_plain_png_without_matplotlib(tmp_path: Path) -> None:
+    path = tmp_path / "r.png"
+    plain_png(path, [[(1, 0.0), (2, 0.5), (3, 0.25)], [(0, 0.1)]], w=64, h=32)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    idat = data.index(b"IDAT")
+    size = int.from_bytes(data[idat - 4 : idat], "big")
+    assert len(zlib.decompress(data[idat + 4 : idat + 4 + size])) == 32 * (1 + 64 * 3)
