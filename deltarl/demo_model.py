@@ -60,7 +60,9 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
         LlamaConfig,
         LlamaForCausalLM,
     )
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the demo's terminal shows its own progress
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {gguf_dir}/{gguf_file} has no chat template")
