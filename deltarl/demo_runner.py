@@ -182,6 +182,8 @@ def _run(
         },
     )
 
+    processes = {c.name: {"pid": c.proc.pid, "log": str(c.log)} for c in group.children}
+    (rd / "processes.json").write_text(json.dumps(processes, indent=2) + "\n")
     logs = {wid: WorkerLog(rd / "logs" / f"{wid}.log") for wid in worker_ids}
     deadline = t0 + timeout_s
     final: int | None = None

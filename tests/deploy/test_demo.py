@@ -175,3 +175,41 @@ def test_plain_png_without_matplotlib(tmp_path: Path) -> None:
     idat = data.index(b"IDAT")
     size = int.from_bytes(data[idat - 4 : idat], "big")
     assert len(zlib.decompress(data[idat + 4 : idat + 4 + size])) == 32 * (1 + 64 * 3)
+
+
+def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
+    """kill -9 of a worker mid-run: the demo names it, shows its log, stops every other process
+    and exits with 1."""
+    run_dir = tmp_path / "run"
+    out_path = tmp_path / "out.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
+    with out_path.open("w") as out:
+        demo = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "deltarl", "demo", "--tiny", "--steps", "50", "--no-live"),
+                *("--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while " v1: " not in out_path.read_text():
+            assert demo.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.5)
+        pids = {
+            k: v["pid"] for k, v in json.loads((run_dir / "processes.json").read_text()).items()
+        }
+        os.kill(pids["demo-worker-2"], 9)
+        assert demo.wait(timeout=90) == 1
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    text = out_path.read_text()
+    assert "demo-worker-2 died (exit code -9)" in text
+    assert "registered as demo-worker-2" in text  # the tail of its log
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # every child is gone
