@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import re
+import statistics
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -129,7 +130,8 @@ def live_view(
     if pauses:
         grid.add_row(
             "pause per sync",
-            f"last {pauses[-1]:.1f} ms, max {max(pauses):.1f} ms ({len(pauses)} delta syncs)",
+            f"p50 {statistics.median(pauses):.1f} ms, max {max(pauses):.1f} ms "
+            f"({len(pauses)} delta syncs)",
         )
     q = status.queue
     grid.add_row(

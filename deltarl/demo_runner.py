@@ -279,7 +279,7 @@ def _print_line(
         for w in workers
     )
     pauses = [p for log in logs.values() for p in log.pauses_ms]
-    pause = f", last pause {pauses[-1]:.1f} ms" if pauses else ""
+    pause = f", pause p50 {statistics.median(pauses):.1f} ms" if pauses else ""
     reward = f", reward {status.rewards[-1].mean_reward:.3f}" if status.rewards else ""
     console.print(
         f"[{t:5.0f} s] v{status.latest_version}: {size}; queue {status.queue.depth}; "
