@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy -p deltarl.services -p deltarl.env_server -p deltarl.trainer -p deltarl.rollout
+	$(VENV)/bin/mypy -p deltarl
 
 unit: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -m "not gpu"

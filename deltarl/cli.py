@@ -88,7 +88,7 @@ EXTRAS: dict[str, str] = {
 }
 # Commands whose whole stack is an extra: recommend it rather than the missing module's own (the
 # trainer and the rollout worker need transformers as well as torch).
-COMMAND_EXTRAS: dict[str, str] = {"train": "model", "rollout": "model"}
+COMMAND_EXTRAS: dict[str, str] = {"train": "model", "rollout": "model", "demo": "model"}
 
 
 def missing_extra_message(exc: ModuleNotFoundError) -> str | None:
