@@ -1,0 +1,293 @@
+"""Per-chunk coding of the compact format: analysis, entropy coding and decoding of one chunk.
+
+The container around the chunks (layout, footer, index, checksums, threads) is ``compact.py``;
+the entropy models both sides share are ``entropy.py``; the compiled loops are ``kernels.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+from .bits import FloatFormat
+from .entropy import (
+    ALPHABET,
+    TOP_BITS,
+    VarintReader,
+    coding_cost_bits,
+    cumulative,
+    diff_to_symbols,
+    entropy_bits,
+    quantize_frequencies,
+    read_table,
+    rice_parameter,
+    symbol_extra_widths,
+    symbols_to_diff,
+    table_bytes,
+    varints,
+    wrapped_add,
+    wrapped_diff,
+)
+from .errors import CorruptDeltaError
+
+
+@dataclass(slots=True)
+class ChunkAnalysis:
+    """Everything phase A learns about one chunk; phase B turns it into bytes."""
+
+    tensor: str
+    start: int
+    count: int
+    ctx_ids: np.ndarray  # int64 [C], contexts with changes, ascending
+    kc: np.ndarray  # int64 [C], changes per context
+    key: np.ndarray  # int64 [C], shared-table key per context (its old exponent)
+    counts: np.ndarray  # int64 [C, ALPHABET], symbol counts per context
+    gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
+    kparams: np.ndarray  # uint8, Rice parameter of each gap
+    symbols: np.ndarray  # uint16, one per changed element in index order
+    sym_ctx: np.ndarray  # int32, position in ctx_ids of each symbol's context
+    extra: np.ndarray  # uint32 extra-bit values
+    widths: np.ndarray  # uint8 extra-bit widths
+    own: np.ndarray | None = None  # bool [C]: context codes its values with its own table
+
+
+def context_layout(fmt: FloatFormat) -> tuple[int, int]:
+    """(shift, mask) extracting the exponent field from a bit pattern."""
+    return fmt.mantissa_bits, fmt.exponent_mask
+
+
+def analyse_chunk(
+    tensor: str, start: int, old: np.ndarray, index: np.ndarray, value: np.ndarray, fmt: FloatFormat
+) -> ChunkAnalysis:
+    shift, emask = context_layout(fmt)
+    nctx = emask + 1
+    real = value != old[index]  # a composed delta may hold elements that changed back
+    if not bool(real.all()):
+        index, value = index[real], value[real]
+    k = index.size
+    hist = np.zeros(nctx, np.int64)
+    ctx = np.empty(k, np.int64)
+    rank = np.empty(k, np.int64)
+    kernels.scan_contexts(old, index, shift, emask, hist, ctx, rank)
+    kc_all = np.bincount(ctx, minlength=nctx)
+    present = np.flatnonzero(kc_all)
+    comp = 2 * kc_all > hist
+
+    order = np.argsort(ctx, kind="stable")
+    c_sorted, r_sorted = ctx[order], rank[order]
+    keep = ~comp[c_sorted]
+    gap_ctx = [c_sorted[keep]]
+    gap_rank = [r_sorted[keep]]
+    for c in np.flatnonzero(comp):  # rare: contexts where most elements changed
+        unchanged = np.ones(int(hist[c]), bool)
+        unchanged[rank[ctx == c]] = False
+        gap_ctx.append(np.full(int(unchanged.sum()), c, np.int64))
+        gap_rank.append(np.flatnonzero(unchanged).astype(np.int64))
+    gc = np.concatenate(gap_ctx)
+    gr = np.concatenate(gap_rank)
+    o2 = np.argsort(gc, kind="stable")  # contexts ascending, ranks stay increasing within each
+    gc, gr = gc[o2], gr[o2]
+    prev = np.empty_like(gr)
+    if gr.size:
+        prev[0] = -1
+        prev[1:] = gr[:-1]
+        prev[np.flatnonzero(np.diff(gc)) + 1] = -1
+    gaps = gr - prev - 1
+    coded = np.where(comp, hist - kc_all, kc_all)
+    kparams = rice_parameter(hist, coded)[gc]
+
+    d = wrapped_diff(value, old[index], fmt.width)
+    symbols, extra, widths = diff_to_symbols(d)
+    pos_of_ctx = np.zeros(nctx, np.int64)
+    pos_of_ctx[present] = np.arange(present.size)
+    sym_ctx = pos_of_ctx[ctx]
+    counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=present.size * ALPHABET)
+    return ChunkAnalysis(
+        tensor=tensor,
+        start=start,
+        count=old.size,
+        ctx_ids=present,
+        kc=kc_all[present],
+        key=present,
+        counts=counts.reshape(present.size, ALPHABET),
+        # compact dtypes: this is held for every changed element until the chunk is coded
+        gaps=gaps.astype(np.uint32),
+        kparams=kparams.astype(np.uint8),
+        symbols=symbols.astype(np.uint16),
+        sym_ctx=sym_ctx.astype(np.int32),
+        extra=extra.astype(np.uint32),
+        widths=widths.astype(np.uint8),
+    )
+
+
+N_KEYS = 256  # shared tables are keyed by the old exponent (8 bits at most)
+
+
+def shared_tables(analyses: list[ChunkAnalysis], use_own: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Quantized shared tables per old exponent, from the contexts of all chunks that use them
+    (the same exponent behaves alike across tensors: its ULP is the same size).
+
+    Returns ``(table_of_key [N_KEYS], freq [S, ALPHABET])``.
+    """
+    counts = np.zeros((N_KEYS, ALPHABET), np.int64)
+    for a in analyses:
+        sel = ~a.own if (use_own and a.own is not None) else np.ones(a.kc.size, bool)
+        np.add.at(counts, a.key[sel], a.counts[sel])
+    used = np.flatnonzero(counts.sum(axis=1))
+    table_of_key = np.full(N_KEYS, -1, np.int64)
+    table_of_key[used] = np.arange(used.size)
+    freq = np.zeros((used.size, ALPHABET), np.int64)
+    for i, b in enumerate(used):
+        freq[i] = quantize_frequencies(counts[b])
+    return table_of_key, freq
+
+
+def choose_own_tables(a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray) -> None:
+    """Give a context its own table where that costs fewer bits, table included (MDL)."""
+    if a.kc.size == 0:
+        a.own = np.zeros(0, bool)
+        return
+    shared_cost = coding_cost_bits(a.counts, shared[table_of_key[a.key]])
+    nnz = (a.counts > 0).sum(axis=1)
+    own_cost = entropy_bits(a.counts) + 8 * (1 + 2 * nnz) + 0.002 * a.kc * kernels.PROB_BITS
+    a.own = own_cost < shared_cost
+
+
+def code_chunk(
+    a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray
+) -> tuple[bytes, bytes, list[int]]:
+    """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
+
+    The header lists the contexts with changes as varints ``(context gap, 2 k + own)`` followed
+    by the chunk's own frequency tables; headers of all chunks are compressed together.
+    """
+    assert a.own is not None
+    own_pos = np.flatnonzero(a.own)
+    own_freq = (
+        np.stack([quantize_frequencies(a.counts[i]) for i in own_pos])
+        if own_pos.size
+        else np.zeros((0, ALPHABET), np.int64)
+    )
+    header = [int(a.ctx_ids.size)]
+    prev = -1
+    for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), a.own.tolist(), strict=True):
+        header += [c - prev - 1, 2 * kcount + int(own)]
+        prev = c
+    head = varints(header) + b"".join(table_bytes(f) for f in own_freq)
+
+    rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
+    kernels.rice_encode(a.gaps, a.kparams, rice)
+
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    ctx_table = table_of_key[a.key]
+    ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
+    tid = ctx_table[a.sym_ctx]
+    rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
+    pos = kernels.rans_encode(a.symbols, tid, freq, cumulative(freq), rans)
+    extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
+    kernels.raw_bits_encode(a.extra, a.widths, extra)
+    parts = [rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]
+    return head, b"".join(parts), [len(p) for p in parts]
+
+
+@dataclass(slots=True)
+class ChunkRef:
+    tensor: str
+    start: int
+    count: int
+    header: bytes
+    body: memoryview
+    streams: tuple[int, int, int]  # rice, rans, extra bytes
+
+
+def decode_chunk(
+    ref: ChunkRef, old: np.ndarray, fmt: FloatFormat, table_of_key: np.ndarray, shared: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    shift, emask = context_layout(fmt)
+    nctx = emask + 1
+    rice_len, rans_len, _ = ref.streams
+    raw = np.frombuffer(ref.body, np.uint8)
+    r = VarintReader(ref.header, f"{ref.tensor}: chunk header")
+    n_present = r.varint()
+    if n_present > nctx:
+        raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
+    ctx_ids = np.empty(n_present, np.int64)
+    kc_present = np.empty(n_present, np.int64)
+    own = np.zeros(n_present, bool)
+    c = -1
+    for i in range(n_present):
+        c += r.varint() + 1
+        v = r.varint()
+        if c >= nctx or v < 2:
+            raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
+        ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
+    n_own = int(own.sum())
+    own_freq = (
+        np.stack([read_table(r) for _ in range(n_own)])
+        if n_own
+        else np.zeros((0, ALPHABET), np.int64)
+    )
+    r.done()
+
+    hist = np.zeros(nctx, np.int64)
+    kernels.context_histogram(old, shift, emask, hist)
+    kc = np.zeros(nctx, np.int64)
+    kc[ctx_ids] = kc_present
+    if np.any(kc > hist):
+        raise CorruptDeltaError(
+            f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
+        )
+    comp = 2 * kc > hist
+    coded = np.where(comp, hist - kc, kc)
+    coded[kc == 0] = 0
+    gap_ctx = np.repeat(np.arange(nctx), coded)
+    kparams = rice_parameter(hist, coded)[gap_ctx]
+    gaps = np.empty(gap_ctx.size, np.int64)
+    if kernels.rice_decode(raw[:rice_len], kparams, gaps) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
+    ends = np.cumsum(coded)
+    starts = ends - coded
+    csum = np.cumsum(gaps + 1)
+    seg_base = np.zeros(nctx, np.int64)
+    if csum.size:
+        nonempty = starts > 0
+        seg_base[nonempty] = csum[starts[nonempty] - 1]
+    ranks = csum - 1 - np.repeat(seg_base, coded)
+    if ranks.size and np.any((coded > 0) & (ranks[np.maximum(ends - 1, 0)] >= hist)):
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
+        )
+    k = int(kc.sum())
+    index = np.empty(k, np.int64)
+    ctx = np.empty(k, np.int64)
+    m = kernels.select_changed(old, shift, emask, ranks, starts, ends, comp, index, ctx)
+    if m != k:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
+        )
+
+    ctx_table = np.full(nctx, -1, np.int64)
+    ctx_table[ctx_ids] = table_of_key[ctx_ids]
+    ctx_table[ctx_ids[own]] = shared.shape[0] + np.arange(n_own)
+    tid = ctx_table[ctx]
+    if tid.size and tid.min() < 0:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: chunk refers to a frequency table the delta does not hold"
+        )
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    symbols = np.empty(k, np.int64)
+    rans = raw[rice_len : rice_len + rans_len]
+    if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
+        raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
+    widths = symbol_extra_widths(symbols)
+    if widths.size and int(widths.max()) + 1 + TOP_BITS > fmt.width:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: value stream holds a difference wider than the dtype"
+        )
+    extra = np.empty(k, np.int64)
+    if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
+    d = symbols_to_diff(symbols, extra)
+    return index, wrapped_add(old[index], d, fmt)
