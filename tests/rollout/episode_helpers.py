@@ -3,51 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
-import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-from fastapi import FastAPI
-
 from deltarl.env_server.app import create_app
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import Completion, FinishReason, SamplingParams, WeightsStamp
+from tests.env_server.env_helpers import LiveServer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class WordleServer:
+class WordleServer(LiveServer):
     """The real Wordle env server (uvicorn in a thread) on a free loopback port."""
 
     def __init__(self, **overrides: Any) -> None:
-        self.app: FastAPI = create_app(EnvSettings.model_validate(overrides))
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+        super().__init__(create_app(EnvSettings.model_validate(overrides)))
 
     @property
     def open_sessions(self) -> int:
         return len(self.app.state.store)
-
-    def __enter__(self) -> WordleServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 @cache

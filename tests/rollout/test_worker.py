@@ -39,7 +39,7 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.schemas import TrajectoryGroup, WorkerInfo
 from deltarl.services.weightsync.publish import BucketReader
-from tests.deploy.test_tls import make_ca_and_server_cert
+from tests.tls_helpers import make_ca_and_server_cert
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
