@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deltarl.services.schemas.common import TOKEN_HEADER as TOKEN_HEADER  # re-exported
+
 SESSION_HEADER = "X-Deltarl-Session"  # optional alternative to the session_id body/query field
-TOKEN_HEADER = "X-Deltarl-Token"  # shared secret of a private deployment (not Authorization,
-# which the Hugging Face Spaces proxy consumes)
 
 
 class ErrorCode(StrEnum):

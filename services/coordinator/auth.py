@@ -13,11 +13,12 @@ from typing import Literal
 
 from fastapi import Request
 
+from deltarl.services.schemas.common import TOKEN_HEADER
+
 from .errors import ApiError
 from .settings import CoordinatorSettings
 
 Role = Literal["trainer", "worker", "reader"]
-TOKEN_HEADER = "X-Deltarl-Token"
 
 
 def presented_token(request: Request) -> str | None:

@@ -50,10 +50,10 @@ from deltarl.services.schemas import (
     decode_leased_batch,
     encode_group,
 )
+from deltarl.services.schemas.common import TOKEN_HEADER
 from deltarl.services.tls import client_verify
 
 T = TypeVar("T")
-TOKEN_HEADER = "X-Deltarl-Token"
 MSGPACK = "application/msgpack"
 _RETRY_STATUS = {502, 503, 504}
 

@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # short enough to be used as Redis keys and Prometheus label values.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
 
+# Header of every deltarl service's shared-secret token. Not Authorization, which the Hugging Face
+# Spaces proxy consumes for private Spaces.
+TOKEN_HEADER = "X-Deltarl-Token"
+
 
 class WireModel(BaseModel):
     """Base of all wire models: unknown fields are an error (a typo must not pass silently)."""
