@@ -45,6 +45,7 @@ from deltarl.services.weightsync.publish import BucketReader
 
 from .batch import collate, filter_stale
 from .checkpoint import Checkpoint, Checkpointer
+from .leases import LeaseKeeper
 from .metrics import MetricsSink
 from .optim import build_optimizer
 from .publisher import PublishFailedError, WeightPublisher, publishable_state
@@ -68,6 +69,8 @@ class BatchSource(Protocol):
 
     def nack(self, batch_id: str) -> Any: ...
 
+    # optional: ``extend(batch_id, lease_s)`` keeps a lease alive (see :mod:`.leases`)
+
 
 @dataclass(slots=True)
 class Pulled:
@@ -89,8 +92,12 @@ def pull_groups(
     poll_s: float = 1.0,
     timeout_s: float | None = None,
     stop: threading.Event | None = None,
+    keeper: LeaseKeeper | None = None,
 ) -> Pulled:
     """Lease until ``want`` fresh groups are held (see the module docstring).
+
+    ``keeper``: each lease taken is handed to it (:meth:`LeaseKeeper.hold`), so it stays alive
+    while the rest of the step's groups arrive and while the step runs.
 
     Waits ``poll_s`` per lease request (long polling). With ``timeout_s``, or when ``stop`` is
     set, gives up: the leases taken so far are nacked (their groups return to the queue at once)
@@ -103,6 +110,8 @@ def pull_groups(
         now = time.perf_counter()
         if (stop is not None and stop.is_set()) or (timeout_s is not None and now - t0 > timeout_s):
             for bid in out.batch_ids:
+                if keeper is not None:
+                    keeper.release(bid)
                 source.nack(bid)
             why = "stop requested" if stop is not None and stop.is_set() else "timed out"
             raise TimeoutError(
@@ -123,6 +132,8 @@ def pull_groups(
         if not leased.lease.items:
             continue
         out.batch_ids.append(leased.lease.batch_id)
+        if keeper is not None:
+            keeper.hold(leased.lease.batch_id)
         kept = filter_stale(leased.groups, policy_version, settings.max_staleness)
         out.groups.extend(kept.kept)
         out.dropped_by_trainer += kept.dropped_groups
@@ -279,6 +290,7 @@ def train(
         saved = step
 
     every = settings.checkpoint.every
+    keeper = LeaseKeeper(source, settings.batch.lease_s)
     try:
         while step < settings.max_steps:
             if stop is not None and stop.is_set():
@@ -293,6 +305,7 @@ def train(
                     poll_s=poll_s,
                     timeout_s=data_timeout_s,
                     stop=stop,
+                    keeper=keeper,
                 )
             except TimeoutError:
                 if stop is not None and stop.is_set():
@@ -322,6 +335,7 @@ def train(
                 version = publisher.publish(publishable_state(model), step=step, anchor=True)
             ack_failures = 0
             for bid in pulled.batch_ids:
+                keeper.release(bid)
                 try:
                     source.ack(bid)
                 except Exception as err:  # an expired lease: its groups went back to the queue
@@ -339,6 +353,8 @@ def train(
                     "batch/dropped_stale_coordinator": float(pulled.dropped_by_coordinator),
                     "batch/dropped_stale_trainer": float(pulled.dropped_by_trainer),
                     "batch/ack_failures": float(ack_failures),
+                    "lease/extensions": float(keeper.extensions),
+                    "lease/extend_failures": float(keeper.failures),
                     "publish/failed": float(failed),
                 }
             )
@@ -348,5 +364,6 @@ def train(
                 save()
         save()  # the end, or a stop request
     finally:
+        keeper.close()
         publisher.close()
     return version

@@ -38,6 +38,7 @@ from deltarl.services.schemas import (
     Health,
     HeartbeatAck,
     LeasedBatch,
+    LeaseExtension,
     StatusSummary,
     SubmitResult,
     TrajectoryGroup,
@@ -207,6 +208,15 @@ class _Calls:
         return _Call("POST", f"/v1/batches/{batch_id}/{verb}", _model(AckResult))
 
     @staticmethod
+    def extend(batch_id: str, lease_s: float | None) -> _Call[LeaseExtension]:
+        return _Call(
+            "POST",
+            f"/v1/batches/{batch_id}/extend",
+            _model(LeaseExtension),
+            json={"lease_s": lease_s},
+        )
+
+    @staticmethod
     def admission(req: AdmissionRequest) -> _Call[AdmissionResponse]:
         return _Call(
             "POST", "/v1/admission", _model(AdmissionResponse), json=req.model_dump(mode="json")
@@ -360,6 +370,10 @@ class CoordinatorClient:
     def nack(self, batch_id: str) -> AckResult:
         return self._run(_Calls.ack(batch_id, nack=True))
 
+    def extend(self, batch_id: str, lease_s: float | None = None) -> LeaseExtension:
+        """Keep a lease alive: it now expires ``lease_s`` (default: the server's) from now."""
+        return self._run(_Calls.extend(batch_id, lease_s))
+
     # worker
     def register(self, reg: WorkerRegistration) -> HeartbeatAck:
         return self._run(_Calls.register(reg))
@@ -507,6 +521,9 @@ class AsyncCoordinatorClient:
 
     async def nack(self, batch_id: str) -> AckResult:
         return await self._run(_Calls.ack(batch_id, nack=True))
+
+    async def extend(self, batch_id: str, lease_s: float | None = None) -> LeaseExtension:
+        return await self._run(_Calls.extend(batch_id, lease_s))
 
     async def register(self, reg: WorkerRegistration) -> HeartbeatAck:
         return await self._run(_Calls.register(reg))

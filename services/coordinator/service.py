@@ -29,6 +29,7 @@ from deltarl.services.schemas import (
     BatchLease,
     CatchUpPlan,
     HeartbeatAck,
+    LeaseExtension,
     QueueStats,
     RewardPoint,
     StatusSummary,
@@ -347,6 +348,18 @@ class Coordinator:
             queue_depth=out.queue_depth,
         )
         return lease, [p for _, p in out.items]
+
+    def extend(self, batch_id: str, lease_s: float | None) -> LeaseExtension:
+        lease_s = self.settings.default_lease_s if lease_s is None else lease_s
+        if not 0 < lease_s <= self.settings.max_lease_s:
+            raise invalid("bad_lease", f"lease_s must be within (0, {self.settings.max_lease_s}]")
+        try:
+            expires_at = self.store.extend(batch_id, lease_s, self.clock())
+        except UnknownLease as exc:
+            raise not_found("unknown_batch", str(exc)) from exc
+        except LeaseExpired as exc:
+            raise conflict("lease_expired", str(exc)) from exc
+        return LeaseExtension(batch_id=batch_id, expires_at=expires_at)
 
     def ack(self, batch_id: str, nack: bool = False) -> AckResult:
         try:

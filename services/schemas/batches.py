@@ -11,6 +11,10 @@ Queue protocol (trainer side), in order:
    (in their original order) and the next lease may receive them; an ack after expiry is refused
    (409 ``lease_expired``). So a trainer that dies loses nothing, and a group is trained on at
    most once per successful ack.
+4. ``POST /v1/batches/{batch_id}/extend`` (body ``{"lease_s": ...}``) moves ``expires_at`` to
+   now + ``lease_s`` while the trainer still works on the batch (409 ``lease_expired`` once it
+   expired, was acked or nacked): a trainer renews its leases well before they expire, so
+   a slow step never loses its groups to the queue.
 """
 
 from __future__ import annotations
@@ -73,6 +77,13 @@ class LeasedBatch(WireModel):
 class AckResult(WireModel):
     batch_id: str = Field(description="The lease acknowledged (or returned).")
     acked: int = Field(description="Groups removed from the queue for good (or returned: nack).")
+
+
+class LeaseExtension(WireModel):
+    """Answer to ``POST /v1/batches/{batch_id}/extend`` (trainer role)."""
+
+    batch_id: str = Field(description="The lease extended.")
+    expires_at: float = Field(description="New expiry (Unix s): now + lease_s.")
 
 
 class AdmissionRequest(WireModel):

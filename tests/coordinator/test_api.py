@@ -415,6 +415,30 @@ def test_lease_expiry_and_nack(make_server: Callable[..., LiveServer]) -> None:
     assert trainer.ack(third.lease.batch_id).acked == 3
 
 
+def test_extend_keeps_a_lease_past_its_first_expiry(make_server: Callable[..., LiveServer]) -> None:
+    clock = Clock()
+    s = make_server(clock=clock)
+    trainer, worker, _ = clients(s)
+    trainer.publish_version(manifest(0))
+    worker.register(reg())
+    worker.submit(group("k0"))
+    held = trainer.lease(1, lease_s=10)
+    bid = held.lease.batch_id
+    clock.t += 8
+    ext = trainer.extend(bid, lease_s=10)
+    assert ext.batch_id == bid and ext.expires_at == pytest.approx(clock.t + 10)
+    clock.t += 8  # past the first expiry, within the extension
+    assert trainer.lease(1).groups == []
+    assert trainer.ack(bid).acked == 1
+    for bad, status, code in ((bid, 409, "lease_expired"), ("nope", 404, "unknown_batch")):
+        with pytest.raises(CoordinatorError) as e:
+            trainer.extend(bad)
+        assert (e.value.status_code, e.value.code) == (status, code)
+    with pytest.raises(CoordinatorError) as e:
+        trainer.extend(bid, lease_s=1e9)
+    assert e.value.status_code == 422
+
+
 def test_long_poll_lease(server: LiveServer) -> None:
     import threading
     import time
@@ -485,6 +509,7 @@ def test_openapi_lists_every_route(server: LiveServer) -> None:
         "/v1/batches/lease",
         "/v1/batches/{batch_id}/ack",
         "/v1/batches/{batch_id}/nack",
+        "/v1/batches/{batch_id}/extend",
         "/v1/admission",
         "/v1/status",
         "/v1/plan",

@@ -161,6 +161,29 @@ def test_ack_after_expiry_refused_and_requeued(store: CoordinatorStore) -> None:
     assert store.reclaim_expired(T0 + 100) == 0
 
 
+def test_extend_keeps_a_lease_alive(store: CoordinatorStore) -> None:
+    for i in range(2):
+        store.submit(submission(f"k{i}"), T0, None, 0)
+    a = store.lease(2, 5, T0, None)
+    assert store.extend(a.batch_id, 5, T0 + 4) == T0 + 9
+    assert store.lease(10, 5, T0 + 8, None).batch_id == ""  # still held: not re-queued
+    assert store.extend(a.batch_id, 5, T0 + 8) == T0 + 13
+    assert store.ack(a.batch_id, T0 + 12) == 2
+    with pytest.raises(LeaseExpired, match="acked"):
+        store.extend(a.batch_id, 5, T0 + 12)
+    with pytest.raises(UnknownLease):
+        store.extend("nope", 5, T0)
+    store.submit(submission("k9"), T0, None, 0)
+    b = store.lease(1, 5, T0 + 20, None)
+    with pytest.raises(LeaseExpired, match="expired"):
+        store.extend(b.batch_id, 5, T0 + 25)  # too late: the group is back in the queue
+    assert store.counters().depth == 1 and store.counters().leased == 0
+    c = store.lease(1, 5, T0 + 26, None)
+    store.nack(c.batch_id, T0 + 27)
+    with pytest.raises(LeaseExpired, match="nacked"):
+        store.extend(c.batch_id, 5, T0 + 27)
+
+
 def test_nack_and_reclaim(store: CoordinatorStore) -> None:
     for i in range(3):
         store.submit(submission(f"k{i}"), T0, None, 0)

@@ -1,4 +1,4 @@
-"""``/v1/batches``: lease (trainer pulls), ack, nack; ``/v1/admission`` (worker asks)."""
+"""``/v1/batches``: lease (trainer pulls), extend, ack, nack; ``/v1/admission`` (worker asks)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from deltarl.services.schemas import (
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
+    LeaseExtension,
     encode_leased_batch,
 )
 from deltarl.services.schemas.common import WireModel
@@ -67,6 +68,21 @@ async def ack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
 async def nack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
     """Return the batch's groups to the head of the queue now."""
     return await coordinator.run(coordinator.ack, batch_id, True)
+
+
+class ExtendRequest(WireModel):
+    lease_s: float | None = Field(
+        default=None, gt=0, description="New lease from now (s); None: the server default."
+    )
+
+
+@router.post(
+    "/batches/{batch_id}/extend", response_model=LeaseExtension, dependencies=[TrainerAuth]
+)
+async def extend(batch_id: str, body: ExtendRequest, coordinator: CoordinatorDep) -> LeaseExtension:
+    """Keep a lease alive: its expiry becomes now + ``lease_s`` (409 ``lease_expired`` if it
+    already expired, was acked or nacked)."""
+    return await coordinator.run(coordinator.extend, batch_id, body.lease_s)
 
 
 @router.post("/admission", response_model=AdmissionResponse, dependencies=[WorkerAuth])

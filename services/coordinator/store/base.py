@@ -8,7 +8,8 @@ share one store: every read-modify-write that matters (version order, idempotent
 ack) happens inside the store atomically, never as a read in Python followed by a write.
 
 Queue life cycle of a group: ``submit`` (queued) -> ``lease`` (leased by one batch) -> ``ack``
-(gone) or ``nack``/lease expiry (queued again at the head, original order). ``lease`` first
+(gone) or ``nack``/lease expiry (queued again at the head, original order); ``extend`` keeps a
+lease alive while its holder still works on it. ``lease`` first
 reclaims expired leases, then drops queued groups whose ``version_min`` is below ``min_version``
 (counted as ``stale_at_pull``), then takes the oldest remaining groups.
 """
@@ -206,6 +207,13 @@ class CoordinatorStore(ABC):
     @abstractmethod
     def nack(self, batch_id: str, now: float) -> int:
         """Return a leased batch's groups to the head of the queue now."""
+
+    @abstractmethod
+    def extend(self, batch_id: str, lease_s: float, now: float) -> float:
+        """Move an active lease's expiry to ``now + lease_s`` (also earlier than before);
+        returns the new expiry. Raises :class:`LeaseExpired` when the lease already expired
+        (its groups are then back in the queue), was acked or nacked, and
+        :class:`UnknownLease` for unknown ids."""
 
     @abstractmethod
     def reclaim_expired(self, now: float) -> int:

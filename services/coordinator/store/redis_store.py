@@ -212,6 +212,26 @@ return {0, requeue(p, batch, 'nacked')}
 """
 )
 
+_EXTEND = (
+    _REQUEUE_FN
+    + """
+local p = ARGV[1]; local batch = ARGV[2]; local now = tonumber(ARGV[3])
+local expiry = redis.call('ZSCORE', p..':leases', batch)
+if not expiry then
+  local done = redis.call('GET', p..':lx:'..batch)
+  if not done then return {-1, ''} end
+  if string.sub(done, 1, 6) == 'acked:' then done = 'acked' end
+  return {-2, done}
+end
+if tonumber(expiry) <= now then
+  reclaim(p, ARGV[3])
+  return {-2, 'expired'}
+end
+redis.call('ZADD', p..':leases', 'XX', ARGV[4], batch)
+return {0, ARGV[4]}
+"""
+)
+
 _RECLAIM = _REQUEUE_FN + "return reclaim(ARGV[1], ARGV[2])"
 
 # every worker in one call: {id1, f1..f10, id2, ...} (a 1000-command pipeline costs more in
@@ -305,6 +325,7 @@ class RedisStore(CoordinatorStore):
         self._ack = self._r.register_script(_ACK)
         self._nack = self._r.register_script(_NACK)
         self._reclaim = self._r.register_script(_RECLAIM)
+        self._extend = self._r.register_script(_EXTEND)
         self._list_workers = self._r.register_script(_LIST_WORKERS)
 
     def _k(self, name: str) -> str:
@@ -481,6 +502,17 @@ class RedisStore(CoordinatorStore):
 
     def nack(self, batch_id: str, now: float) -> int:
         return self._finish(self._nack(args=[self.prefix, batch_id]), batch_id)
+
+    def extend(self, batch_id: str, lease_s: float, now: float) -> float:
+        expires = now + lease_s
+        res = self._extend(args=[self.prefix, batch_id, repr(now), repr(expires)])
+        code = int(res[0])
+        if code == -1:
+            raise UnknownLease(f"unknown batch id {batch_id!r}")
+        if code == -2:
+            state = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+            raise LeaseExpired(f"batch {batch_id} is {state}: its lease cannot be extended")
+        return expires
 
     def reclaim_expired(self, now: float) -> int:
         return int(self._reclaim(args=[self.prefix, repr(now)]))

@@ -373,6 +373,21 @@ class SQLiteStore(CoordinatorStore):
             db.execute("UPDATE leases SET state = 'nacked' WHERE batch_id = ?", (batch_id,))
             return n
 
+    def extend(self, batch_id: str, lease_s: float, now: float) -> float:
+        with self._tx() as db:
+            state, expires_at, _ = self._lease_state(db, batch_id)
+            if state == "active" and expires_at <= now:
+                self._reclaim(db, now)  # committed: the groups are back in the queue
+                state = "expired"
+            if state == "active":
+                expires_at = now + lease_s
+                db.execute(
+                    "UPDATE leases SET expires_at = ? WHERE batch_id = ?", (expires_at, batch_id)
+                )
+        if state != "active":
+            raise LeaseExpired(f"batch {batch_id} is {state}: its lease cannot be extended")
+        return expires_at
+
     def reclaim_expired(self, now: float) -> int:
         with self._tx() as db:
             return self._reclaim(db, now)
