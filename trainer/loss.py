@@ -43,6 +43,7 @@ an importance-sampling mode it is the current policy, detached (one update per b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -149,44 +150,60 @@ def _rows(logits: Tensor, tokens: Tensor | None, fn: Callable[..., Tensor]) -> T
     return torch.stack(out) if out else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
 
 
-def _row_logprobs(logits: Tensor, tokens: Tensor | None) -> Tensor:
+def _row_logprobs(logits: Tensor, tokens: Tensor | None, temperature: float = 1.0) -> Tensor:
     assert tokens is not None
     x = logits[:-1].float()
+    if temperature != 1.0:
+        x = x / temperature
     picked = x.gather(-1, tokens[1:, None]).squeeze(-1)
     return torch.nn.functional.pad(picked - torch.logsumexp(x, dim=-1), (1, 0))
 
 
-def _row_entropy(logits: Tensor, _: Tensor | None) -> Tensor:
+def _row_entropy(logits: Tensor, _: Tensor | None, temperature: float = 1.0) -> Tensor:
     x = logits[:-1].float()
+    if temperature != 1.0:
+        x = x / temperature
     logp = torch.log_softmax(x, dim=-1)
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature must be > 0, got {temperature} (greedy samples carry no logprobs to "
+            "correct with)"
+        )
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
     """Logprob of each token under a causal LM: [B, T] float32 (nats), with gradient.
 
     ``logits`` [B, T, V] is the model's output for ``tokens`` [B, T] (position ``t`` predicts
     token ``t + 1``). Position ``t`` of the result holds ``log p(tokens[t] | tokens[:t])``;
     position 0 (nothing predicts it) holds 0. Same alignment as the workers' logprobs.
+    ``temperature``: the distribution is ``softmax(logits / temperature)`` (in float32), the
+    one the workers sampled from at that temperature.
     """
     if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(
             f"logits must be [B, T, V] and tokens [B, T]; got {list(logits.shape)} and "
             f"{list(tokens.shape)}"
         )
-    return _rows(logits, tokens, _row_logprobs)
+    _check_temperature(temperature)
+    return _rows(logits, tokens, functools.partial(_row_logprobs, temperature=temperature))
 
 
 @torch.no_grad()
-def token_entropy(logits: Tensor) -> Tensor:
+def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
     """Entropy (nats) of the distribution that produced each token: [B, T] float32, no grad.
 
     Aligned as :func:`token_logprobs`: position ``t`` holds the entropy of the prediction made at
-    ``t - 1``; position 0 holds 0.
+    ``t - 1`` (of ``softmax(logits / temperature)``); position 0 holds 0.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V]; got {list(logits.shape)}")
-    return _rows(logits, None, _row_entropy)
+    _check_temperature(temperature)
+    return _rows(logits, None, functools.partial(_row_entropy, temperature=temperature))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +324,7 @@ def grpo_loss(
     ref_logprobs: Tensor | None = None,
     logits: Tensor | None = None,
     normalizer: float | None = None,
+    temperature: float = 1.0,
 ) -> LossOutput:
     """The GRPO loss of one (micro-)batch and its metrics (see the module docstring).
 
@@ -319,6 +337,8 @@ def grpo_loss(
         proximal_logprobs: [B, T] ``log pi_prox`` (detached), or None (see the module docstring).
         ref_logprobs: [B, T] logprobs of the reference policy; required when ``kl_coef > 0``.
         logits: [B, T, V] model output for the same tokens; only used for the entropy metric.
+        temperature: the sampling temperature ``logits`` are divided by for the entropy metric
+            (``logprobs`` must already be those of ``softmax(logits / temperature)``).
         normalizer: overrides the denominator of the aggregation: the number of trained tokens
             (``token_mean``) or of sequences (``sequence_mean``) of the *whole optimizer step*,
             or the constant of ``sum``. Pass it when accumulating gradients over micro-batches,
@@ -419,5 +439,5 @@ def grpo_loss(
         stats.add_values("mismatch/kl", mm - log_mm - 1.0)
         stats.add_values("mismatch/abs_logprob_diff", log_mm.abs(), extrema=True)
         if logits is not None:
-            stats.add_values("entropy", token_entropy(logits)[mask])
+            stats.add_values("entropy", token_entropy(logits, temperature=temperature)[mask])
     return LossOutput(loss=loss, stats=stats)

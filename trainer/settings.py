@@ -125,6 +125,33 @@ class LossSettings(_Settings):
     )
 
 
+class SamplingSettings(_Settings):
+    """How the workers sample, as far as the loss must know (see docs/trainer.md).
+
+    The workers report the logprob of each token under the distribution they sampled from,
+    ``softmax(logits / T)`` (then top-k/top-p truncated and renormalized, which the trainer does
+    not reproduce: keep ``top_p = 1`` and ``top_k = 0`` on the workers for training rollouts).
+    The trainer divides its logits by the same ``T`` before every logprob, so the importance
+    ratios compare policies, not temperatures.
+    """
+
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description="The workers' sampling temperature (DELTARL_ROLLOUT_TEMPERATURE): the trainer "
+        "computes logprobs, ratios and entropy of softmax(logits / temperature). Must equal the "
+        "workers' (checked through max_onpolicy_mismatch_kl); greedy (0) is not trainable.",
+    )
+    max_onpolicy_mismatch_kl: float | None = Field(
+        default=0.1,
+        gt=0,
+        description="Refuse a step (ValueError, before its update) when the mismatch KL "
+        "(k3, nats per token) of its on-policy tokens (sampled by the very weights being trained, "
+        "staleness 0) exceeds this: a temperature, model or tokenizer differing from the "
+        "workers' (engine numerics alone give ~1e-3). None: no check.",
+    )
+
+
 class BatchSettings(_Settings):
     """What one optimizer step consumes, independent of how workers batch generation."""
 
@@ -219,6 +246,10 @@ class ExperimentSettings(_Settings):
     )
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
+    sampling: SamplingSettings = Field(
+        default_factory=SamplingSettings,
+        description="The workers' sampling temperature and the check that it matches.",
+    )
     batch: BatchSettings = Field(default_factory=BatchSettings)
     publish: PublishSettings = Field(default_factory=PublishSettings)
     checkpoint: CheckpointSettings = Field(

@@ -9,7 +9,9 @@ backward run under ``torch.autocast`` in bf16.
 Order inside :func:`train_step`: zero the gradients; for each micro-batch: forward, per-token
 logprobs, :func:`~.loss.grpo_loss` with the *whole step's* normaliser, backward; clip the global
 gradient norm; if it is finite, ``optimizer.step()`` then ``scheduler.step()``, else skip the
-update (counted in ``step/skipped``). The weights change only in ``optimizer.step()``, so the
+update (counted in ``step/skipped``). Before the update, the on-policy tokens' mismatch KL is
+checked (:func:`check_onpolicy_mismatch`): a sampling temperature that differs from the
+workers' stops training instead of biasing every ratio. The weights change only in ``optimizer.step()``, so the
 caller publishes right after this function returns.
 """
 
@@ -28,7 +30,13 @@ from .loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from .optim import clip_gradients
 from .settings import ExperimentSettings
 
-__all__ = ["forward_logits", "step_normalizer", "train_step"]
+__all__ = [
+    "SamplingMismatchError",
+    "check_onpolicy_mismatch",
+    "forward_logits",
+    "step_normalizer",
+    "train_step",
+]
 
 
 def forward_logits(model: torch.nn.Module, tokens: Tensor, attention_mask: Tensor) -> Tensor:
@@ -51,6 +59,34 @@ def step_normalizer(batch: TrainBatch, settings: ExperimentSettings) -> float:
     if agg == "sequence_mean":
         return float(max(len(batch), 1))
     return settings.loss.sum_normalizer
+
+
+class SamplingMismatchError(ValueError):
+    """The on-policy tokens' logprobs disagree with the workers' beyond engine numerics."""
+
+
+def check_onpolicy_mismatch(stats: LossStats, settings: ExperimentSettings) -> None:
+    """Raise :class:`SamplingMismatchError` when the mismatch KL of the step's on-policy tokens
+    (``mismatch/kl_onpolicy``) exceeds ``sampling.max_onpolicy_mismatch_kl``.
+
+    Tokens sampled by the very weights being trained differ from the trainer's logprobs only by
+    engine numerics (~1e-3 nats); far more means the trainer computes another distribution than
+    the workers sampled from: most often another temperature. Training on would use wrong
+    importance ratios silently, so the step is refused before its update.
+    """
+    limit = settings.sampling.max_onpolicy_mismatch_kl
+    if limit is None or "mismatch/kl_onpolicy" not in stats.means:
+        return
+    total, count = stats.means["mismatch/kl_onpolicy"]
+    kl = float(total / count) if float(count) else 0.0
+    if kl > limit:
+        raise SamplingMismatchError(
+            f"the trainer's logprobs of {int(count)} on-policy tokens (sampled by the weights "
+            f"being trained) differ from the workers' by a mismatch KL of {kl:.4f} nats/token "
+            f"(> sampling.max_onpolicy_mismatch_kl = {limit}): set sampling.temperature "
+            f"(now {settings.sampling.temperature}) to the workers' temperature, keep their "
+            "top_p = 1 and top_k = 0, and check that they serve this model and tokenizer"
+        )
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -88,28 +124,38 @@ def train_step(
     model.train()
     optimizer.zero_grad(set_to_none=True)
     normalizer = step_normalizer(batch, settings)
+    temp = settings.sampling.temperature
     stats = LossStats()
     for part in micro_batches(batch, settings.batch.micro_batch_size):
         tokens, attn = _on(device, part.tokens), _on(device, part.attention_mask)
+        behaviour, mask = _on(device, part.behaviour_logprobs), _on(device, part.loss_mask)
         with _autocast(device, settings.precision):
             logits = forward_logits(model, tokens, attn)
             ref_lp = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref_lp = token_logprobs(forward_logits(ref_model, tokens, attn), tokens)
+                    ref_logits = forward_logits(ref_model, tokens, attn)
+                    ref_lp = token_logprobs(ref_logits, tokens, temperature=temp)
+        logprobs = token_logprobs(logits, tokens, temperature=temp)
         out = grpo_loss(
-            token_logprobs(logits, tokens),
-            _on(device, part.behaviour_logprobs),
+            logprobs,
+            behaviour,
             _on(device, part.advantages),
-            _on(device, part.loss_mask),
+            mask,
             settings.loss,
             ref_logprobs=ref_lp,
             logits=logits.detach() if entropy else None,
             normalizer=normalizer,
+            temperature=temp,
         )
         out.loss.backward()
         stats = stats.merge(out.stats)
-        del logits, out
+        with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ
+            onpolicy = mask.bool() & (_on(device, part.staleness) == 0)[:, None]
+            d = (logprobs.detach() - behaviour.float())[onpolicy]
+            stats.add_values("mismatch/kl_onpolicy", torch.exp(d) - d - 1.0)
+        del logits, logprobs, out
+    check_onpolicy_mismatch(stats, settings)
     lr = optimizer.param_groups[0]["lr"]
     grad_norm = clip_gradients(model.parameters(), settings.optimizer)
     skipped = not math.isfinite(grad_norm)

@@ -144,6 +144,7 @@ def make_settings(run_dir: Path, max_steps: int = 6, every: int = 2) -> Experime
             "batch.group_size=4",
             "batch.micro_batch_size=3",
             "batch.max_staleness=null",
+            "sampling.max_onpolicy_mismatch_kl=null",  # scripted logprobs: no model sampled them
             "publish.anchor_every=4",
             f"checkpoint.every={every}",
             "checkpoint.keep=2",

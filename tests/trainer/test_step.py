@@ -13,6 +13,7 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import Trajectory, TrajectoryGroup
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
+from deltarl.trainer.loss import token_entropy, token_logprobs
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
@@ -35,9 +36,15 @@ class Bigram(torch.nn.Module):
 
 @torch.no_grad()
 def rollout(
-    model: Bigram, gen: torch.Generator, groups: int, size: int, version: int
+    model: Bigram,
+    gen: torch.Generator,
+    groups: int,
+    size: int,
+    version: int,
+    temperature: float = 1.0,
 ) -> list[TrajectoryGroup]:
-    """Sample completions; reward = share of completion tokens equal to TARGET."""
+    """Sample completions at ``temperature``; reward = share of completion tokens equal to
+    TARGET."""
     out = []
     for g in range(groups):
         trajs = []
@@ -45,7 +52,7 @@ def rollout(
         for _ in range(size):
             tokens, logprobs = [prompt], [0.0]
             for _ in range(COMPLETION):
-                logp = torch.log_softmax(model.table.weight[tokens[-1]], -1)
+                logp = torch.log_softmax(model.table.weight[tokens[-1]] / temperature, -1)
                 tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
                 tokens.append(tok)
                 logprobs.append(float(logp[tok]))
@@ -163,3 +170,41 @@ def test_a_hugging_face_model_trains_and_publishes(tmp_path: Path) -> None:
             pub.publish(model.state_dict(), step=step + 1)
     want = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
     assert_bit_identical(rebuild(bucket)[0], want)
+
+
+@pytest.mark.parametrize("worker_t", [0.5, 2.0])
+def test_the_ratio_uses_the_workers_temperature_and_a_mismatch_stops(worker_t: float) -> None:
+    torch.manual_seed(0)
+    model = Bigram()
+    torch.nn.init.normal_(model.table.weight, std=2.0)
+    groups = rollout(model, torch.Generator().manual_seed(2), 4, 8, 3, temperature=worker_t)
+    batch = collate(groups, 3)  # sampled by version 3, trained as version 3: on-policy
+    same = ExperimentSettings.load(None, [f"sampling.temperature={worker_t}", "precision=fp32"])
+    opt, sched = build_optimizer(model.parameters(), same.optimizer, 10)
+    before = model.table.weight.detach().clone()
+    metrics = train_step(model, opt, sched, batch, same)
+    assert metrics["mismatch/kl"] < 1e-6 and metrics["mismatch/kl_onpolicy"] < 1e-6
+    assert metrics["is/weight/min"] == pytest.approx(1.0, abs=1e-5)
+    assert not torch.equal(before, model.table.weight)
+    # the trainer at T=1 would see ratios that measure the temperature, not the policy change
+    wrong = ExperimentSettings.load(None, ["precision=fp32"])
+    before = model.table.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"sampling.temperature \(now 1.0\)"):
+        train_step(model, opt, sched, collate(groups, 3), wrong)
+    assert torch.equal(before, model.table.weight)  # refused before the update
+    # stale samples are not checked (their mismatch includes the policy change)
+    metrics = train_step(model, opt, sched, collate(groups, 4), wrong)
+    assert metrics["mismatch/kl"] > 0.1 and "mismatch/kl_onpolicy" not in metrics
+
+
+def test_token_logprobs_divide_by_the_temperature() -> None:
+    logits = torch.randn(2, 5, 7)
+    tokens = torch.randint(0, 7, (2, 5))
+    want = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    got = token_logprobs(logits, tokens, temperature=0.7)
+    assert torch.allclose(got[:, 1:], want, atol=1e-6) and (got[:, 0] == 0).all()
+    p = torch.softmax(logits[:, :-1] / 0.7, -1)
+    ent = token_entropy(logits, temperature=0.7)[:, 1:]
+    assert torch.allclose(ent, -(p * p.log()).sum(-1), atol=1e-5)
+    with pytest.raises(ValueError, match="greedy"):
+        token_logprobs(logits, tokens, temperature=0.0)
