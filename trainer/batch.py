@@ -150,7 +150,9 @@ def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
 
 
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:
-    """Reward per signal, tokens and the staleness histogram of a batch (floats, for logging)."""
+    """Reward per signal (mean, std), tokens and staleness of a batch (floats, for logging):
+    ``staleness/<k>`` counts the trajectories ``k`` versions behind, plus ``staleness/mean`` and
+    ``staleness/max``."""
     out: dict[str, float] = {
         "batch/trajectories": float(len(batch)),
         "batch/groups": float(int(batch.group_index.max()) + 1 if len(batch) else 0),
@@ -161,6 +163,10 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
         present = values[~values.isnan()]
         if present.numel():
             out[f"reward/{name}/mean"] = float(present.mean())
+            out[f"reward/{name}/std"] = float(present.std()) if present.numel() > 1 else 0.0
     for lag, count in sorted(Counter(batch.staleness.tolist()).items()):
         out[f"staleness/{lag}"] = float(count)
+    if len(batch):
+        out["staleness/mean"] = float(batch.staleness.double().mean())
+        out["staleness/max"] = float(batch.staleness.max())
     return out

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from deltarl.services.settings import settings_help
 
+from .reporting import check_trackers
 from .settings import CHECKPOINT_POINTER, ExperimentSettings, TrainerDeployment
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ def train(
             "run_dir / checkpoint.path, or start without --resume",
             param_hint="--resume",
         )
+    try:
+        check_trackers(list(settings.report.to))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="report.to") from exc
     resolved = settings.write_resolved()
     logger.info("settings resolved into %s", resolved)
     if dry_run:
@@ -68,8 +73,8 @@ def train(
     from .checkpoint import Checkpointer, CheckpointError
     from .loop import GracefulStop
     from .loop import train as run_loop
-    from .metrics import MetricsLog
     from .publisher import WeightPublisher
+    from .reporting import build_reporter
 
     checkpointer = Checkpointer(ckpt_dir, keep=settings.checkpoint.keep)
     try:
@@ -93,13 +98,13 @@ def train(
             register=client.publish_version,
             tmp_dir=Path(settings.run_dir),
         )
-        with GracefulStop() as stopper:
+        with GracefulStop() as stopper, build_reporter(settings) as reporter:
             last = run_loop(
                 model,
                 settings,
                 client,
                 publisher,
-                sink=MetricsLog(settings.run_dir),
+                sink=reporter,
                 data_timeout_s=deploy.data_timeout_s,
                 stop=stopper.event,
                 checkpointer=checkpointer,

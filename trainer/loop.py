@@ -296,6 +296,7 @@ def train(
             if stop is not None and stop.is_set():
                 logger.warning("stop requested: stopping after step %d", step)
                 break
+            t_step = time.perf_counter()
             try:
                 pulled = pull_groups(
                     source,
@@ -356,6 +357,7 @@ def train(
                     "lease/extensions": float(keeper.extensions),
                     "lease/extend_failures": float(keeper.failures),
                     "publish/failed": float(failed),
+                    "time/step_s": time.perf_counter() - t_step,
                 }
             )
             if sink is not None:

@@ -41,6 +41,7 @@ ImportanceSampling = Literal[
 ]
 PublishFormat = Literal["compact", "trl-raw", "trl-gap"]
 LrSchedule = Literal["constant", "linear", "cosine"]
+ReportTarget = Literal["trackio", "wandb"]
 
 RESOLVED_NAME = "settings.json"
 CHECKPOINT_POINTER = "latest"  # file in the checkpoint directory naming the newest checkpoint
@@ -226,6 +227,25 @@ class CheckpointSettings(_Settings):
     )
 
 
+class ReportSettings(_Settings):
+    """Where per-step metrics go besides ``<run_dir>/metrics.jsonl`` (see :mod:`.reporting`)."""
+
+    to: list[ReportTarget] = Field(
+        default_factory=list,
+        description="Experiment trackers to log every step to: 'trackio', 'wandb' (each imported "
+        "only when listed; install it yourself). Empty: the JSONL file and the console only.",
+    )
+    project: str = Field(default="deltarl", description="Tracker project name.")
+    run_name: str | None = Field(
+        default=None, description="Tracker run name; None: the name of run_dir."
+    )
+    console: Literal["auto", "rich", "plain"] = Field(
+        default="auto",
+        description="'rich': a table row per step with a progress column; 'plain': one log line "
+        "per step; 'auto': rich when stdout is a terminal, else plain.",
+    )
+
+
 class ExperimentSettings(_Settings):
     """Root of the experiment settings (one TOML file)."""
 
@@ -255,6 +275,10 @@ class ExperimentSettings(_Settings):
     checkpoint: CheckpointSettings = Field(
         default_factory=CheckpointSettings,
         description="Checkpoint cadence, retention and directory.",
+    )
+    report: ReportSettings = Field(
+        default_factory=ReportSettings,
+        description="Console progress and experiment trackers (trackio, W&B).",
     )
 
     @model_validator(mode="after")
