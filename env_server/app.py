@@ -1,4 +1,7 @@
-"""FastAPI app of the Wordle environment server: OpenEnv routes, stateful HTTP sessions, WS.
+"""FastAPI app of the environment server: OpenEnv routes, stateful HTTP sessions, WS.
+
+Generic over the task (``DELTARL_ENV_TASK``: Wordle or charset, see :mod:`.tasks`): every session
+holds a fresh environment of the task, and the routes only call its reset/step/state.
 
 Routes (see docs/env_server.md for the protocol and the errors table):
 
@@ -33,7 +36,6 @@ from starlette.websockets import WebSocketDisconnect
 
 from deltarl import __version__
 
-from .environment import WordleEnvironment
 from .guard import GuardMiddleware, error_body
 from .metrics import EnvMetrics
 from .models import (
@@ -47,14 +49,14 @@ from .models import (
     HealthResponse,
     ResetRequest,
     SchemaResponse,
+    StateResponse,
     StepRequest,
     StepResult,
     WordleAction,
-    WordleObservation,
-    WordleState,
 )
 from .sessions import Session, SessionStore
 from .settings import EnvSettings
+from .tasks import make_task
 from .wordle import WordLists
 
 logger = logging.getLogger(__name__)
@@ -117,13 +119,12 @@ def _validation_text(errors: list[Any], limit: int = 5) -> str:
 
 
 def create_app(settings: EnvSettings | None = None, words: WordLists | None = None) -> FastAPI:
-    """Build the app; ``settings`` default to the ``DELTARL_ENV_*`` environment variables."""
+    """Build the app; ``settings`` default to the ``DELTARL_ENV_*`` environment variables,
+    ``words`` (Wordle's lists) to the shipped ones."""
     settings = settings if settings is not None else EnvSettings()
-    words = words if words is not None else WordLists.load()
-    rules = settings.rules()
-    reveal = settings.debug_reveal_answer
+    task = make_task(settings, words)
     store = SessionStore(
-        lambda: WordleEnvironment(rules, words, reveal_answer=reveal),
+        task.factory,
         max_sessions=settings.max_sessions,
         timeout_s=settings.session_timeout_s,
     )
@@ -142,9 +143,9 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
                 await reaper
 
     app = FastAPI(
-        title="deltarl Wordle environment",
+        title=f"deltarl {task.name} environment",
         version=__version__,
-        description="OpenEnv-compatible Wordle server with stateful HTTP sessions.",
+        description=f"OpenEnv-compatible {task.name} server with stateful HTTP sessions.",
         lifespan=lifespan,
         strict_content_type=False,  # a JSON body without Content-Type is still JSON
     )
@@ -195,9 +196,9 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
 
     def finish(session: Session, result: StepResult, transport: str) -> None:
         if result.done:
-            game = session.env.game
-            assert game is not None
-            metrics.game_over(game.won, game.forfeited)
+            outcome = session.env.outcome
+            assert outcome is not None
+            metrics.game_over(outcome)
         metrics.step[transport].inc()
 
     # --- OpenEnv info routes ------------------------------------------------------------------
@@ -211,9 +212,8 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
     async def metadata() -> EnvMetadata:
         """OpenEnv ``EnvironmentMetadata``."""
         return EnvMetadata(
-            name="wordle",
-            description=f"Wordle: {rules.max_guesses} guesses, feedback G/Y/X; answer list of "
-            f"{len(words.answers)} words, {len(words.allowed)} allowed guesses (SCOWL).",
+            name=task.name,
+            description=task.description,
             version=__version__,
             author="deltarl",
             documentation_url="docs/env_server.md",
@@ -224,8 +224,8 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         """JSON schemas of the action, the observation and the state."""
         return SchemaResponse(
             action=WordleAction.model_json_schema(),
-            observation=WordleObservation.model_json_schema(),
-            state=WordleState.model_json_schema(),
+            observation=task.observation.model_json_schema(),
+            state=task.state.model_json_schema(),
         )
 
     @app.get("/metrics", tags=["info"], response_class=Response)
@@ -283,7 +283,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         metrics.step_seconds.observe(time.perf_counter() - started)
         return Response(body, media_type="application/json")
 
-    @app.get("/state", response_model=WordleState, responses=ERROR_RESPONSES, tags=["env"])
+    @app.get("/state", response_model=StateResponse, responses=ERROR_RESPONSES, tags=["env"])
     async def state(
         request: Request, session_id: Annotated[str | None, Query(max_length=64)] = None
     ) -> Response:
@@ -291,7 +291,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         server answers)."""
         sid = session_id or _session_header(request)
         if not sid:
-            fresh = WordleState(max_guesses=rules.max_guesses, guesses_left=rules.max_guesses)
+            fresh = task.empty_state()
             return Response(fresh.model_dump_json(), media_type="application/json")
         session = store.get(sid)
         store.touch(session)

@@ -1,4 +1,5 @@
-"""``deltarl env``: run the Wordle environment server (uvicorn, one process).
+"""``deltarl env``: run the environment server (uvicorn, one process; Wordle unless
+``DELTARL_ENV_TASK`` says otherwise).
 
 Only typer and the settings class are imported here; FastAPI and uvicorn load inside
 :func:`serve`, after the arguments are parsed.
@@ -41,7 +42,8 @@ def serve(
     gc.freeze()
     private = "token required" if settings.token is not None else "no token (open server)"
     logger.info(
-        "Wordle env server on %s://%s:%d (%s)",
+        "%s env server on %s://%s:%d (%s)",
+        settings.task,
         settings.scheme,
         settings.host,
         settings.port,
@@ -59,6 +61,6 @@ def serve(
 
 
 serve.__doc__ = (
-    "Run the Wordle environment server (OpenEnv protocol: HTTP /reset /step /state, WS /ws).\n\n"
-    + settings_help(EnvSettings)
+    "Run the environment server (Wordle, or the charset task; OpenEnv protocol: HTTP /reset "
+    "/step /state, WS /ws).\n\n" + settings_help(EnvSettings)
 )

@@ -1,4 +1,4 @@
-"""Typed clients of the Wordle environment server over stateful HTTP sessions (httpx).
+"""Typed clients of the environment server (any task) over stateful HTTP sessions (httpx).
 
 :class:`EnvClient` (async) and :class:`SyncEnvClient` (sync) have the same methods. They import
 only httpx and the wire models (never the server), check every status code, validate every
@@ -39,12 +39,14 @@ from deltarl.services.tls import client_verify
 from .models import (
     SESSION_HEADER,
     TOKEN_HEADER,
+    CharsetState,
     CloseResponse,
     EnvError,
     EnvMetadata,
     ErrorCode,
     ErrorResponse,
     HealthResponse,
+    StateResponse,
     StepResult,
     WordleState,
 )
@@ -118,8 +120,8 @@ class _Calls:
         return _Call("POST", "/step", StepResult, json=body)
 
     @staticmethod
-    def _state(session_id: str) -> _Call[WordleState]:
-        return _Call("GET", "/state", WordleState, headers={SESSION_HEADER: session_id})
+    def _state(session_id: str) -> _Call[StateResponse]:
+        return _Call("GET", "/state", StateResponse, headers={SESSION_HEADER: session_id})
 
     @staticmethod
     def _close(session_id: str) -> _Call[CloseResponse]:
@@ -200,8 +202,8 @@ class EnvClient(_Calls):
         """Play ``message`` (text holding ``[guess]``) in the session."""
         return await self._send(self._step(session_id, message, request_id))
 
-    async def state(self, session_id: str) -> WordleState:
-        return await self._send(self._state(session_id))
+    async def state(self, session_id: str) -> WordleState | CharsetState:
+        return (await self._send(self._state(session_id))).root
 
     async def close_session(self, session_id: str) -> bool:
         """Free the session on the server; False if it was already gone."""
@@ -240,7 +242,7 @@ class AsyncEpisode:
     async def step(self, message: str) -> StepResult:
         return await self.client.step(self.session_id, message)
 
-    async def state(self) -> WordleState:
+    async def state(self) -> WordleState | CharsetState:
         return await self.client.state(self.session_id)
 
 
@@ -299,8 +301,8 @@ class SyncEnvClient(_Calls):
     def step(self, session_id: str, message: str, *, request_id: str | None = None) -> StepResult:
         return self._send(self._step(session_id, message, request_id))
 
-    def state(self, session_id: str) -> WordleState:
-        return self._send(self._state(session_id))
+    def state(self, session_id: str) -> WordleState | CharsetState:
+        return self._send(self._state(session_id)).root
 
     def close_session(self, session_id: str) -> bool:
         return self._send(self._close(session_id)).closed
@@ -337,5 +339,5 @@ class SyncEpisode:
     def step(self, message: str) -> StepResult:
         return self.client.step(self.session_id, message)
 
-    def state(self) -> WordleState:
+    def state(self) -> WordleState | CharsetState:
         return self.client.state(self.session_id)

@@ -8,6 +8,7 @@ the game is done (or always, with ``reveal_answer`` for debugging).
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 from .models import (
     EnvError,
@@ -80,6 +81,14 @@ class WordleEnvironment:
         self.last_move: LastMove | None = None
         self.last_signals: RewardSignals | None = None
         self.last_reward = 0.0
+
+    @property
+    def outcome(self) -> Literal["won", "lost", "forfeit"] | None:
+        """How the game ended (the server's games metric); None while it runs."""
+        game = self.game
+        if game is None or not game.done:
+            return None
+        return "won" if game.won else "forfeit" if game.forfeited else "lost"
 
     def reset(self, seed: int | None = None, episode_id: str | None = None) -> StepResult:
         self.game = WordleGame(self.rules, self.words, seed=seed)

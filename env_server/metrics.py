@@ -40,8 +40,9 @@ class EnvMetrics:
         capacity = Gauge("deltarl_env_sessions_max", "max_sessions setting", registry=r)
         capacity.set(store.max_sessions)
 
-    def game_over(self, won: bool, forfeited: bool) -> None:
-        self.games["won" if won else "forfeit" if forfeited else "lost"].inc()
+    def game_over(self, outcome: str) -> None:
+        """Count an episode that ended: ``won``, ``lost`` or ``forfeit``."""
+        self.games[outcome].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

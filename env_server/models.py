@@ -1,4 +1,4 @@
-"""Wire schemas of the Wordle environment server (OpenEnv-compatible), shared by server and client.
+"""Wire schemas of the environment server (OpenEnv-compatible), shared by server and client.
 
 This module imports pydantic only: never the server (FastAPI, sessions) nor torch. Shapes follow
 OpenEnv 0.3 (``openenv.core.env_server.types``) and its TextArena Wordle observation, so that
@@ -8,14 +8,20 @@ optional for them.
 HTTP ``POST /reset`` and ``POST /step`` answer a :class:`StepResult`; ``WS /ws`` answers
 ``{"type": "observation", "data": StepResult}``. Errors carry an :class:`ErrorCode` (HTTP body
 :class:`ErrorResponse`; WS ``{"type": "error", "data": {"code", "message"}}``).
+
+Tasks: the server plays one task (``DELTARL_ENV_TASK``): ``wordle`` (:class:`WordleObservation`,
+:class:`WordleState`) or ``charset`` (:class:`CharsetObservation`, :class:`CharsetState`). Both
+observations extend OpenEnv's TextArena observation (:class:`TextArenaObservation`: prompt and
+transcript) and carry a ``task`` tag; :data:`Observation` and :data:`EnvState` are the tagged
+unions that :class:`StepResult` and the client use (a body without the tag is Wordle's).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 
 from deltarl.services.schemas.common import TOKEN_HEADER as TOKEN_HEADER  # re-exported
 
@@ -174,14 +180,20 @@ class RewardSignals(_Wire):
     invalid: float = Field(description="1.0 if the move was invalid (1 - valid).")
 
 
-class WordleObservation(_Wire):
-    """What the player sees. The first five fields are OpenEnv TextArena's; the rest are ours."""
+class TextArenaObservation(_Wire):
+    """OpenEnv TextArena's observation fields, common to every task of this server."""
 
-    prompt: str = Field(description="Game instructions (constant within an episode).")
+    prompt: str = Field(description="Task instructions (constant within an episode).")
     messages: list[TextMessage] = Field(description="Transcript so far, prompt first.")
     current_player_id: int = Field(default=0, description="Always 0 (single player).")
     legal_players: list[int] = Field(default_factory=lambda: [0], description="Always [0].")
     info: dict[str, Any] = Field(default_factory=dict, description="Reserved; empty.")
+
+
+class WordleObservation(TextArenaObservation):
+    """What the Wordle player sees: TextArena's fields, then ours."""
+
+    task: Literal["wordle"] = Field(default="wordle", description="Which task: always wordle.")
     history: list[GuessFeedback] = Field(description="Valid guesses so far, oldest first.")
     guesses_left: int = Field(description="Guesses still available.")
     invalid_moves_left: int = Field(description="Invalid moves still tolerated before forfeit.")
@@ -194,12 +206,45 @@ class WordleObservation(_Wire):
     )
 
 
+class CharsetSignals(_Wire):
+    """Per-step signals of the charset task (all in [0, 1]); see docs/env_server.md."""
+
+    in_set: float = Field(description="Share of the reply's characters in the target set.")
+    length: float = Field(description="Reply length / min_chars, capped at 1.")
+
+
+class CharsetObservation(TextArenaObservation):
+    """What the charset player sees: TextArena's fields, then ours."""
+
+    task: Literal["charset"] = Field(description="Which task: always charset.")
+    target: str = Field(description="The characters that score, e.g. 'abc...xyz'.")
+    min_chars: int = Field(description="Replies shorter than this count as this long.")
+    reply: str | None = Field(description="The reply scored (None right after reset).")
+    reward_signals: CharsetSignals | None = Field(description="None right after reset.")
+
+
+def _task_tag(value: Any) -> str:
+    """The ``task`` tag of an observation or state (a dict or a model); Wordle when absent, so
+    bodies of servers older than the tag still parse."""
+    if isinstance(value, dict):
+        return str(value.get("task", "wordle"))
+    return str(getattr(value, "task", "wordle"))
+
+
+Observation = Annotated[
+    Annotated[WordleObservation, Tag("wordle")] | Annotated[CharsetObservation, Tag("charset")],
+    Discriminator(_task_tag),
+]
+"""The observation of any task, told apart by its ``task`` tag."""
+
+
 class StepResult(_Wire):
     """Answer to reset and step (OpenEnv ``ResetResponse`` / ``StepResponse`` + ``session_id``)."""
 
-    observation: WordleObservation
+    observation: Observation
     reward: float | None = Field(
-        description="0.0 until the game ends, then the final reward (see WordleGame.final_reward)."
+        description="Wordle: 0.0 until the game ends, then the final reward (see "
+        "WordleGame.final_reward). Charset: 0.0 at reset, then the reply's score."
     )
     done: bool = Field(description="The episode ended (win, out of guesses or forfeit).")
     session_id: str | None = Field(
@@ -210,6 +255,7 @@ class StepResult(_Wire):
 class WordleState(_Wire):
     """``GET /state`` and ``WS state``: OpenEnv's ``State`` (episode_id, step_count) plus ours."""
 
+    task: Literal["wordle"] = Field(default="wordle", description="Which task: always wordle.")
     episode_id: str | None = Field(default=None, description="None before the first reset.")
     step_count: int = Field(default=0, description="Steps taken this episode, invalid included.")
     seed: int | None = Field(default=None, description="Seed given at reset (None if random).")
@@ -220,6 +266,28 @@ class WordleState(_Wire):
     done: bool = Field(default=False, description="The episode ended.")
     won: bool = Field(default=False, description="The answer was guessed.")
     answer: str | None = Field(default=None, description="Hidden (None) until done.")
+
+
+class CharsetState(_Wire):
+    """``GET /state`` and ``WS state`` of the charset task: OpenEnv's ``State`` plus ours."""
+
+    task: Literal["charset"] = Field(default="charset", description="Always charset.")
+    episode_id: str | None = Field(default=None, description="None before the first reset.")
+    step_count: int = Field(default=0, description="Steps taken this episode (0 or 1).")
+    seed: int | None = Field(default=None, description="Seed given at reset (None if random).")
+    done: bool = Field(default=False, description="The episode ended (after one reply).")
+    reward: float | None = Field(default=None, description="The reply's score once done.")
+
+
+EnvState = Annotated[
+    Annotated[WordleState, Tag("wordle")] | Annotated[CharsetState, Tag("charset")],
+    Discriminator(_task_tag),
+]
+"""The state of any task, told apart by its ``task`` tag."""
+
+
+class StateResponse(RootModel[EnvState]):
+    """``GET /state`` of any task (what :class:`~.client.EnvClient` validates)."""
 
 
 class HealthResponse(_Wire):

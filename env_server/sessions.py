@@ -1,4 +1,5 @@
-"""Sessions: one :class:`WordleEnvironment` per HTTP session id or per WebSocket connection.
+"""Sessions: one task environment (:class:`~.tasks.TextEnvironment`) per HTTP session id or per
+WebSocket connection.
 
 Guarantees:
 
@@ -22,10 +23,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from .environment import WordleEnvironment
 from .models import EnvError, ErrorCode
+
+if TYPE_CHECKING:
+    from .tasks import TextEnvironment
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class Session:
     """A live session. ``last_request_id``/``last_response`` make a retried step idempotent."""
 
     id: str
-    env: WordleEnvironment
+    env: TextEnvironment
     transport: Transport
     last_active: float
     on_expire: Callable[[], None] | None = None
@@ -62,7 +65,7 @@ class SessionStore:
 
     def __init__(
         self,
-        factory: Callable[[], WordleEnvironment],
+        factory: Callable[[], TextEnvironment],
         *,
         max_sessions: int,
         timeout_s: float,

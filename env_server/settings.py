@@ -1,12 +1,19 @@
-"""Deployment settings of the environment server: ``DELTARL_ENV_*`` environment variables."""
+"""Deployment settings of the environment server: ``DELTARL_ENV_*`` environment variables.
+
+``task`` picks what the server plays; the Wordle fields (``max_guesses`` ...) apply to ``wordle``,
+the ``charset_*`` fields to ``charset``.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from deltarl.services.tls import TLSServerSettings
 
+from .charset import CharsetRules
 from .wordle import WordleRules
 
 MIN_TOKEN_CHARS = 16
@@ -40,6 +47,11 @@ class EnvSettings(TLSServerSettings):
     max_message_chars: int = Field(
         default=32_768, ge=16, description="Longest action message accepted, in characters."
     )
+    task: Literal["wordle", "charset"] = Field(
+        default="wordle",
+        description="Task served: 'wordle', or 'charset' (one reply, scored by the share of its "
+        "characters in charset_target; a small learnable task for end-to-end tests).",
+    )
     max_guesses: int = Field(default=6, ge=1, le=100, description="Guesses per episode.")
     max_invalid_moves: int = Field(
         default=1, ge=0, description="Invalid moves tolerated per episode; one more forfeits."
@@ -60,6 +72,18 @@ class EnvSettings(TLSServerSettings):
         description="Weight of (greens + 0.5 yellows)/5 of the last guess in the final reward on "
         "a loss; 0 gives a 0/1 reward.",
     )
+    charset_target: str = Field(
+        default="abcdefghijklmnopqrstuvwxyz",
+        min_length=1,
+        description="Charset task: the characters that score.",
+    )
+    charset_min_chars: int = Field(
+        default=8,
+        ge=1,
+        le=10_000,
+        description="Charset task: replies shorter than this count as this long (full marks "
+        "need at least this many characters, all in the set).",
+    )
     debug_reveal_answer: bool = Field(
         default=False, description="Put the answer in every observation and state (debug only)."
     )
@@ -76,8 +100,12 @@ class EnvSettings(TLSServerSettings):
             )
         return value
 
+    def charset_rules(self) -> CharsetRules:
+        """The charset task's rules these settings select."""
+        return CharsetRules(target=self.charset_target, min_chars=self.charset_min_chars)
+
     def rules(self) -> WordleRules:
-        """The game rules these settings select."""
+        """The Wordle rules these settings select."""
         return WordleRules(
             max_guesses=self.max_guesses,
             max_invalid_moves=self.max_invalid_moves,

@@ -25,11 +25,11 @@ def test_bad_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DELTARL_ENV_TOKEN", "abcdefghijklmnop")
+    monkeypatch.setenv("DELTARL_ENV_TOKEN", "tok3n-Qw8-zZ-4k7p")
     monkeypatch.setenv("DELTARL_ENV_ALLOW_REPEATS", "true")
     s = EnvSettings()
-    assert s.token is not None and s.token.get_secret_value() == "abcdefghijklmnop"
-    assert s.rules().allow_repeats and "abcdefghijklmnop" not in repr(s)
+    assert s.token is not None and s.token.get_secret_value() == "tok3n-Qw8-zZ-4k7p"
+    assert s.rules().allow_repeats and "tok3n-Qw8-zZ-4k7p" not in repr(s)
 
 
 def test_token_rules(monkeypatch: pytest.MonkeyPatch) -> None:
