@@ -30,6 +30,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("demo", "deltarl.demo", "demo"),
+    ("spaces", "deltarl.services.spaces.cli", "app"),
 ]
 
 app = typer.Typer(

@@ -34,11 +34,11 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from deltarl.services.client_headers import client_headers
 from deltarl.services.tls import client_verify
 
 from .models import (
     SESSION_HEADER,
-    TOKEN_HEADER,
     CharsetState,
     CloseResponse,
     EnvError,
@@ -89,7 +89,7 @@ class _Calls:
 
     def __init__(self, base_url: str, token: str | None, retries: int, backoff_s: float) -> None:
         self.base_url = base_url.rstrip("/")
-        self.headers = {TOKEN_HEADER: token} if token is not None else {}
+        self.headers = client_headers(self.base_url, token)
         self.retries = retries
         self.backoff_s = backoff_s
 

@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
+from deltarl.services.client_headers import client_headers
 from deltarl.services.schemas import (
     AckResult,
     AdmissionRequest,
@@ -51,7 +52,6 @@ from deltarl.services.schemas import (
     decode_leased_batch,
     encode_group,
 )
-from deltarl.services.schemas.common import TOKEN_HEADER
 from deltarl.services.tls import client_verify
 
 T = TypeVar("T")
@@ -240,10 +240,6 @@ class _Calls:
         return _Call("GET", "/metrics", lambda r: r.text)
 
 
-def _headers(token: str | None) -> dict[str, str]:
-    return {TOKEN_HEADER: token} if token else {}
-
-
 class CoordinatorClient:
     """Synchronous client. Thread-safe (one ``httpx.Client`` with a connection pool)."""
 
@@ -261,7 +257,7 @@ class CoordinatorClient:
         self.retries = retries
         self._http = httpx.Client(
             base_url=self.base_url,
-            headers=_headers(token),
+            headers=client_headers(self.base_url, token),
             timeout=timeout,
             transport=transport,
             verify=client_verify() if verify is None else verify,
@@ -411,7 +407,7 @@ class AsyncCoordinatorClient:
         self.retries = retries
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers=_headers(token),
+            headers=client_headers(self.base_url, token),
             timeout=timeout,
             transport=transport,
             verify=client_verify() if verify is None else verify,
