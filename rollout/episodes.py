@@ -70,6 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deltarl.env_server.models import StepResult
 
+from . import fault_points
 from .chat_format import ChatFormat, ChatTokenizer
 from .engines.base import Completion, SamplingParams
 
@@ -686,6 +687,8 @@ class EpisodeRunner:
             ep._append(c.token_ids, sampled=c.logprobs)
             stopped = c.finish_reason == "stop" and bool(c.token_ids)
             reply = fmt.reply_text(c.token_ids)
+            if fault_points.armed("mid_episode"):  # test-only (rollout/fault_points.py)
+                await asyncio.to_thread(fault_points.hold, "mid_episode", group=ep.group_id)
             result = await session.step(reply)
             ep.turns.append(
                 Turn(

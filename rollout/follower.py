@@ -123,6 +123,11 @@ class VersionFollower:
             return
         self._failed_in_a_row = 0
         self.syncs += 1
+        if report.failures:  # reached, but around damaged or missing objects: say which
+            self.on_error(
+                f"v{report.version} reached around {len(report.failures)} failed object(s): "
+                + "; ".join(report.failures)
+            )
         logger.info(
             "weights at v%s (%s)",
             report.version,

@@ -56,6 +56,8 @@ class SyncReport:
     version: int | None = None  # verified version after the call
     steps: list[StepTiming] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # objects that failed, and why
+    planned_bytes: int = 0  # sum of the plans' total_bytes (one plan per attempt)
+    downloaded_bytes: int = 0  # object bytes actually fetched from the bucket
 
     @property
     def fell_back(self) -> bool:

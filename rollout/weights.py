@@ -78,6 +78,7 @@ from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
 from deltarl.services.weightsync.publish import BucketReader
 
+from . import fault_points
 from .engines.base import Completion, Engine, SamplingParams, WeightsStamp
 from .sync_records import (
     StepTiming,
@@ -297,38 +298,55 @@ class WeightSync:
             if self.healthy and self._version is not None and target <= self._version:
                 report.version = self._version
                 return report
-            for _ in range(self.max_attempts):
-                if self.healthy and self._version == target:
-                    break
-                plan = self._plan(target, report)
-                for ref in plan.steps:
-                    try:
-                        self._apply_ref(ref, report)
-                    except StateMismatchError:
-                        raise
-                    except DeltaError as err:
-                        report.failures.append(f"{ref.kind} {ref.key} (v{ref.version}): {err}")
-                        logger.warning(
-                            "sync to v%d: %s %s failed (%s); planning around it",
-                            target,
-                            ref.kind,
-                            ref.key,
-                            err,
-                        )
-                        # A failure that left the weights unhealthy may be their fault (drift):
-                        # the object is only excluded if it fails again after a fresh anchor.
-                        if self.healthy or ref.key in self._suspects:
-                            self._bad_keys.add(ref.key)
-                        self._suspects.add(ref.key)
-                        break
-            report.version = self._version
-            if not (self.healthy and self._version == target):
-                where = f"at v{self._version}" if self.healthy else "unhealthy"
-                raise SyncError(
-                    f"could not reach version {target} in {self.max_attempts} attempts (weights "
-                    f"{where}); failures: {report.failures}"
+            fetched0 = self.reader.fetched_bytes
+            try:
+                return self._sync(target, report)
+            finally:
+                report.downloaded_bytes = self.reader.fetched_bytes - fetched0
+                logger.info(
+                    "sync v%s -> v%d: planned %d bytes, downloaded %d bytes, %d failure(s)",
+                    report.start_version,
+                    target,
+                    report.planned_bytes,
+                    report.downloaded_bytes,
+                    len(report.failures),
                 )
-            return report
+
+    def _sync(self, target: int, report: SyncReport) -> SyncReport:
+        """The attempts of :meth:`sync_to` (under the sync lock)."""
+        for _ in range(self.max_attempts):
+            if self.healthy and self._version == target:
+                break
+            plan = self._plan(target, report)
+            report.planned_bytes += plan.total_bytes
+            for ref in plan.steps:
+                try:
+                    self._apply_ref(ref, report)
+                except StateMismatchError:
+                    raise
+                except DeltaError as err:
+                    report.failures.append(f"{ref.kind} {ref.key} (v{ref.version}): {err}")
+                    logger.warning(
+                        "sync to v%d: %s %s failed (%s); planning around it",
+                        target,
+                        ref.kind,
+                        ref.key,
+                        err,
+                    )
+                    # A failure that left the weights unhealthy may be their fault (drift):
+                    # the object is only excluded if it fails again after a fresh anchor.
+                    if self.healthy or ref.key in self._suspects:
+                        self._bad_keys.add(ref.key)
+                    self._suspects.add(ref.key)
+                    break
+        report.version = self._version
+        if not (self.healthy and self._version == target):
+            where = f"at v{self._version}" if self.healthy else "unhealthy"
+            raise SyncError(
+                f"could not reach version {target} in {self.max_attempts} attempts (weights "
+                f"{where}); failures: {report.failures}"
+            )
+        return report
 
     def _plan(self, target: int, report: SyncReport) -> CatchUpPlan:
         current = self._version if self.healthy else None
@@ -415,6 +433,7 @@ class WeightSync:
             raise CorruptDeltaError(reason) from err
         _check_delta_versions(delta, ref)
         t2 = time.perf_counter()
+        fault_points.hold("before_apply", version=ref.version, base_version=ref.base_version)
         params = self.engine.named_parameters()
         # binding the target tensors now (checked: names, dtypes, shapes, device) leaves only
         # the scatters for the pause

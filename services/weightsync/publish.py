@@ -110,6 +110,7 @@ class BucketReader:
         self.bucket = bucket
         self.latest_retries = latest_retries
         self._cache: dict[int, VersionManifest] = {}
+        self.fetched_bytes = 0  # object bytes downloaded by fetch/fetch_to_file, verified or not
 
     def latest(self) -> LatestPointer | None:
         """The ``latest.json`` pointer, or None before the first publish."""
@@ -210,6 +211,7 @@ class BucketReader:
                 f"{ref.kind} {ref.key} of version {ref.version} is missing from {self.bucket.uri} "
                 "(garbage-collected or never uploaded): plan again"
             ) from None
+        self.fetched_bytes += len(data)
         self._verify(ref, len(data), xxh3_hex(data))
         return data
 
@@ -226,6 +228,7 @@ class BucketReader:
                     f"{self.bucket.uri} (garbage-collected or never uploaded): plan again"
                 ) from None
             size, digest = _file_digest(tmp)
+            self.fetched_bytes += size
             self._verify(ref, size, digest)
             os.replace(tmp, dest)
         finally:

@@ -1,0 +1,434 @@
+"""The fault suite's harness: a deltarl deployment as real processes on loopback.
+
+:class:`Cluster` starts ``python -m deltarl coordinator|env|rollout|train`` children
+(:class:`deltarl.demo_procs.ProcessGroup`), each with its own log file per incarnation
+(``w1.1.log``, ``w1.2.log`` after a restart), on fixed ports so that a restarted coordinator is
+found at the same URL. Faults are ``kill -9`` (:meth:`Cluster.kill`) and damaged bucket objects;
+every wait is a poll with a deadline (:func:`wait_for`), never a fixed sleep.
+
+:class:`Ledger` counts what happened to the trajectories the coordinator accepted, from its own
+API (``/v1/status``) and the trainer's checkpoint: accepted = acked + queued + leased, nothing
+dropped, acked = trained by the trainer's surviving lineage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deltarl.demo_procs import Child, ProcessGroup, free_port, tail, wait_healthy
+from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
+from deltarl.services.schemas import StatusSummary, WorkerInfo
+
+HOST = "127.0.0.1"
+TRAINER_TOKEN = "faults-trainer-token-0123456789abcdef"
+WORKER_TOKEN = "faults-worker-token-0123456789abcdef"
+GROUP_SIZE = 2
+GROUPS_PER_STEP = 1
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str | Callable[[], str]) -> Any:
+    """Poll ``cond`` every 50 ms until it returns something truthy; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout:.0f} s: " + (what if isinstance(what, str) else what())
+            )
+        time.sleep(0.05)
+
+
+def checkpoint_meta(trainer_dir: Path) -> dict[str, Any] | None:
+    """``trainer.json`` of the trainer's newest committed checkpoint (None: none yet)."""
+    ckpt = trainer_dir / "checkpoints"
+    pointer = ckpt / "latest"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        return dict(json.loads((ckpt / name / "trainer.json").read_text()))
+    return None
+
+
+@dataclass
+class Ledger:
+    """Where every accepted group is, from the coordinator's counters (``/v1/status``)."""
+
+    accepted: int
+    acked: int
+    queued: int
+    leased: int
+    dropped: dict[str, int]
+    idempotent_retries: int
+
+    @classmethod
+    def read(cls, client: CoordinatorClient) -> Ledger:
+        q = client.status().queue
+        return cls(
+            q.submitted_total, q.acked_total, q.depth, q.leased, dict(q.dropped), q.duplicates_total
+        )
+
+    @property
+    def lost(self) -> int:
+        """Accepted groups that are neither acknowledged, queued nor leased (must be 0)."""
+        return self.accepted - self.acked - self.queued - self.leased
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"lost": self.lost}
+
+
+@dataclass
+class Cluster:
+    """Coordinator, env server, rollout workers and trainer of one run, as processes."""
+
+    root: Path
+    model_dir: Path
+    store: str = "sqlite"  # or "redis"
+    redis_url: str | None = None
+    redis_prefix: str = "faults"
+    coordinator_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    trainer_sets: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.group = ProcessGroup(self.root / "logs")
+        self.bucket = self.root / "bucket"
+        self.trainer_dir = self.root / "trainer"
+        self.sqlite_path = self.root / "coordinator.sqlite3"
+        self.coord_port, self.env_port = free_port(HOST), free_port(HOST)
+        self.url = f"http://{HOST}:{self.coord_port}"
+        self.env_url = f"http://{HOST}:{self.env_port}"
+        self.coordinator: Child | None = None
+        self.env: Child | None = None
+        self.trainer: Child | None = None
+        self.workers: dict[str, Child] = {}
+        self.fault_dirs: dict[str, Path] = {}
+        self._incarnations: dict[str, int] = {}
+        self._ended: set[str] = set()  # children this test stopped or killed on purpose
+        self.client = CoordinatorClient(self.url, TRAINER_TOKEN, timeout=5.0, retries=0)
+
+    # ------------------------------------------------------------------ processes
+
+    def common_env(self) -> dict[str, str]:
+        return {
+            "DELTARL_BUCKET_URI": str(self.bucket),
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            "DELTARL_LOG_LEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+        n = self._incarnations[name] = self._incarnations.get(name, 0) + 1
+        return self.group.start(f"{name}.{n}", args, self.common_env() | env)
+
+    def start_coordinator(self, wait: bool = True) -> Child:
+        env = {
+            "DELTARL_COORDINATOR_TRAINER_TOKEN": TRAINER_TOKEN,
+            "DELTARL_COORDINATOR_WORKER_TOKEN": WORKER_TOKEN,
+            "DELTARL_COORDINATOR_STORE": self.store,
+            "DELTARL_COORDINATOR_SQLITE_PATH": str(self.sqlite_path),
+            # no group is ever dropped as stale: every accepted group must be trained or queued
+            "DELTARL_COORDINATOR_MAX_STALENESS": "100000",
+            "DELTARL_COORDINATOR_HEARTBEAT_INTERVAL_S": "0.25",
+            "DELTARL_COORDINATOR_LOST_AFTER_S": "5",
+            "DELTARL_COORDINATOR_STATUS_CACHE_S": "0",
+            "DELTARL_COORDINATOR_EVENT_POLL_S": "0.1",
+            "DELTARL_COORDINATOR_RECLAIM_INTERVAL_S": "0.2",
+            "DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": "6",
+        }
+        if self.redis_url is not None:
+            env["DELTARL_COORDINATOR_REDIS_URL"] = self.redis_url
+            env["DELTARL_COORDINATOR_REDIS_PREFIX"] = self.redis_prefix
+        self.coordinator = self._start(
+            "coordinator",
+            ["coordinator", "--host", HOST, "--port", str(self.coord_port)],
+            env | self.coordinator_env,
+        )
+        if wait:
+            wait_healthy(f"{self.url}/health", self.coordinator)
+        return self.coordinator
+
+    def start_env(self) -> Child:
+        self.env = self._start(
+            "env",
+            ["env", "--host", HOST, "--port", str(self.env_port)],
+            {
+                "DELTARL_ENV_MAX_GUESSES": "1",
+                "DELTARL_ENV_MAX_INVALID_MOVES": "1",
+                "DELTARL_ENV_ALLOW_NON_WORDS": "true",
+            },
+        )
+        wait_healthy(f"{self.env_url}/health", self.env)
+        return self.env
+
+    def start_worker(self, wid: str, seed: int = 0) -> Child:
+        fault_dir = self.fault_dirs.setdefault(wid, self.root / "faults" / wid)
+        fault_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            "DELTARL_ROLLOUT_COORDINATOR_URL": self.url,
+            "DELTARL_ROLLOUT_WORKER_TOKEN": WORKER_TOKEN,
+            "DELTARL_ROLLOUT_ENV_URL": self.env_url,
+            "DELTARL_ROLLOUT_WORKER_ID": wid,
+            "DELTARL_ROLLOUT_MODEL": str(self.model_dir),
+            "DELTARL_ROLLOUT_DEVICE": "cpu",
+            "DELTARL_ROLLOUT_ENGINE_SEED": str(seed),
+            "DELTARL_ROLLOUT_GROUP_SIZE": str(GROUP_SIZE),
+            "DELTARL_ROLLOUT_MAX_TURNS": "2",
+            "DELTARL_ROLLOUT_MAX_NEW_TOKENS": "6",
+            "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": "1",
+            "DELTARL_ROLLOUT_HEARTBEAT_INTERVAL_S": "0.2",
+            "DELTARL_ROLLOUT_SYNC_POLL_S": "0.5",
+            "DELTARL_ROLLOUT_ADMISSION_WAIT_S": "0.1",
+            "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
+            "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "60",
+            "DELTARL_TEST_FAULT_DIR": str(fault_dir),
+        }
+        self.workers[wid] = self._start(wid, ["rollout"], env | self.worker_env)
+        return self.workers[wid]
+
+    def start_trainer(self, *, resume: bool = False) -> Child:
+        values: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "run_dir": str(self.trainer_dir),
+            "max_steps": 100000,
+            "optimizer.lr": 1e-3,
+            # AdamW's decay moves a random model's weights although every advantage is 0:
+            # real, sparse deltas at every step
+            "optimizer.weight_decay": 0.1,
+            "batch.group_size": GROUP_SIZE,
+            "batch.groups_per_step": GROUPS_PER_STEP,
+            "batch.micro_batch_size": GROUP_SIZE * GROUPS_PER_STEP,
+            "batch.max_staleness": None,
+            "batch.lease_s": 3.0,
+            "publish.anchor_every": 0,
+            "checkpoint.every": 1,
+            "checkpoint.keep": 2,
+        } | self.trainer_sets
+        args = ["train"]
+        for key, value in values.items():
+            args += ["--set", f"{key}={json.dumps(value)}"]
+        if resume:
+            args.append("--resume")
+        self.trainer = self._start(
+            "trainer",
+            args,
+            {
+                "DELTARL_TRAINER_COORDINATOR_URL": self.url,
+                "DELTARL_TRAINER_TOKEN": TRAINER_TOKEN,
+                "DELTARL_TRAINER_DEVICE": "cpu",
+            },
+        )
+        return self.trainer
+
+    def kill(self, child: Child, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to the child's process group and wait for its exit code."""
+        self._ended.add(child.name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, sig)
+        return child.proc.wait(timeout=30)
+
+    def stop(self, child: Child, timeout: float = 30.0) -> int:
+        """SIGTERM and wait (SIGKILL after ``timeout``)."""
+        self._ended.add(child.name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, signal.SIGTERM)
+        try:
+            return child.proc.wait(timeout=timeout)
+        except Exception:
+            return self.kill(child)
+
+    def close(self) -> None:
+        self.client.close()
+        clients = {
+            c.name for c in self.group.children if not c.name.startswith(("coordinator", "env"))
+        }
+        self.group.stop_all(timeout_s=15.0, first=clients)
+
+    def check_alive(self) -> None:
+        """Fail with the log's tail if a current child died."""
+        for child in [self.coordinator, self.env, self.trainer, *self.workers.values()]:
+            if (
+                child is not None
+                and child.name not in self._ended
+                and child.exit_code() is not None
+            ):
+                raise AssertionError(
+                    f"{child.name} exited with {child.exit_code()}:\n{tail(child.log, 40)}"
+                )
+
+    # ------------------------------------------------------------------ reads
+
+    def status(self) -> StatusSummary:
+        return self.client.status()
+
+    def worker(self, wid: str) -> WorkerInfo | None:
+        try:
+            return self.client.worker(wid)
+        except CoordinatorError:
+            return None
+
+    def latest(self) -> int | None:
+        rec = self.client.latest_version()
+        return None if rec is None else rec.version
+
+    def ledger(self) -> Ledger:
+        return Ledger.read(self.client)
+
+    def wait_versions(self, at_least: int, timeout: float = 60.0) -> int:
+        """Wait until the coordinator records a version >= ``at_least``."""
+
+        def newer() -> int | None:
+            self.check_alive()
+            v = self.latest()
+            return v if v is not None and v >= at_least else None
+
+        return int(wait_for(newer, timeout, f"no version >= {at_least}"))
+
+    def wait_accepted(self, at_least: int, timeout: float = 60.0) -> Ledger:
+        def enough() -> Ledger | None:
+            self.check_alive()
+            led = self.ledger()
+            return led if led.accepted >= at_least else None
+
+        return wait_for(enough, timeout, f"fewer than {at_least} groups accepted")  # type: ignore[no-any-return]
+
+    def wait_verified(
+        self, wid: str, version: int | None = None, timeout: float = 60.0, min_rejoins: int = 0
+    ) -> WorkerInfo:
+        """Wait until ``wid`` reports weights verified by the coordinator at ``version`` (or at
+        the latest version at each poll)."""
+
+        def ok() -> WorkerInfo | None:
+            self.check_alive()
+            w = self.worker(wid)
+            want = version if version is not None else self.latest()
+            if w is None or w.applied_version is None or w.applied_version != want:
+                return None
+            if w.rejoins < min_rejoins:  # still the record of a killed incarnation
+                return None
+            return w if w.weights_verified is True and w.state == "active" else None
+
+        return wait_for(  # type: ignore[no-any-return]
+            ok, timeout, lambda: f"{wid} not verified at v{version}: {self.worker(wid)}"
+        )
+
+    def submissions(self) -> list[tuple[str, str, int, int]]:
+        """(worker id, group id, version_min, version_max) of every accepted group (SQLite
+        store only: rows are kept after the ack, without their payloads)."""
+        con = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=10)
+        try:
+            rows = con.execute(
+                "SELECT worker_id, group_id, version_min, version_max FROM submissions"
+            ).fetchall()
+        finally:
+            con.close()
+        return [(str(a), str(b), int(c), int(d)) for a, b, c, d in rows]
+
+
+class FaultReport:
+    """What every scenario lost (must be zero), gathered into one JSON file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.t0 = time.monotonic()
+        self.scenarios: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, **values: Any) -> str:
+        """Record a scenario; returns the JSON text (for assertion messages)."""
+        self.scenarios[name] = values
+        self.write()
+        return json.dumps(values, sort_keys=True, default=str)
+
+    def write(self) -> None:
+        body = {"elapsed_s": round(time.monotonic() - self.t0, 1), "scenarios": self.scenarios}
+        self.path.write_text(json.dumps(body, indent=2, sort_keys=True, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------- fault points
+
+
+def arm(fault_dir: Path, point: str) -> None:
+    """Make the worker block at ``point`` (rollout/fault_points.py) the next time it gets there."""
+    (fault_dir / f"{point}.reached").unlink(missing_ok=True)
+    (fault_dir / f"{point}.hold").write_text("")
+
+
+def reached(fault_dir: Path, point: str) -> dict[str, Any] | None:
+    path = fault_dir / f"{point}.reached"
+    if not path.is_file():
+        return None
+    return dict(json.loads(path.read_text()))
+
+
+def disarm(fault_dir: Path, point: str) -> None:
+    (fault_dir / f"{point}.hold").unlink(missing_ok=True)
+    (fault_dir / f"{point}.reached").unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------- worker logs
+
+_VERIFIED = re.compile(r"weights at v(\d+) via (anchor|delta) \((\d+) bytes\)")
+_SYNC = re.compile(
+    r"sync v(\S+) -> v(\d+): planned (\d+) bytes, downloaded (\d+) bytes, (\d+) failure"
+)
+
+
+def verified_versions(logs: list[Path]) -> set[int]:
+    """Versions a worker applied and verified, from its logs (every incarnation)."""
+    out: set[int] = set()
+    for log in logs:
+        if log.is_file():
+            out |= {int(m.group(1)) for m in _VERIFIED.finditer(log.read_text(errors="replace"))}
+    return out
+
+
+def sync_lines(log: Path) -> list[dict[str, int | None]]:
+    """Every ``sync ... planned ... downloaded ...`` line of a worker log."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return [
+        {
+            "from": None if m.group(1) == "None" else int(m.group(1)),
+            "to": int(m.group(2)),
+            "planned": int(m.group(3)),
+            "downloaded": int(m.group(4)),
+            "failures": int(m.group(5)),
+        }
+        for m in _SYNC.finditer(text)
+    ]
+
+
+def unverified_submissions(cluster: Cluster) -> list[tuple[str, str, int, int]]:
+    """Accepted groups that cite a version their worker never verified (from the store's
+    submission rows and the workers' logs)."""
+    logs: dict[str, list[Path]] = {}
+    for child in cluster.group.children:
+        wid = child.name.rsplit(".", 1)[0]
+        if wid in cluster.workers:
+            logs.setdefault(wid, []).append(child.log)
+    verified = {wid: verified_versions(paths) for wid, paths in logs.items()}
+    return [
+        row for row in cluster.submissions() if not {row[2], row[3]} <= verified.get(row[0], set())
+    ]
+
+
+def health_ok(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+    except httpx.TransportError:
+        return False
