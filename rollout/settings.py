@@ -95,7 +95,7 @@ class RolloutSettings(ServiceSettings):
     engine: Literal["transformers", "vllm"] = Field(
         default="transformers",
         description="Inference engine: 'transformers' (embedded, CPU or GPU) or 'vllm' "
-        "(not implemented yet).",
+        "(vLLM 0.33.0 in this process, one CUDA GPU, the 'vllm' extra; docs/vllm.md).",
     )
     model: str | None = Field(
         default=None,
@@ -208,7 +208,12 @@ class RolloutSettings(ServiceSettings):
         them)."""
         model, gguf = self.model_source()
         if self.engine == "vllm":
-            return VllmEngineSettings(model=model)
+            if gguf is not None:
+                raise ValueError(
+                    "the vllm engine needs a Hugging Face model id or directory (safetensors "
+                    "config), not a GGUF file: set DELTARL_ROLLOUT_MODEL"
+                )
+            return VllmEngineSettings(model=model, dtype=self.dtype, seed=self.engine_seed)
         return TransformersEngineSettings(
             model=model,
             gguf_file=gguf,

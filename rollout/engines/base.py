@@ -196,12 +196,35 @@ class TransformersEngineSettings(BaseModel):
 
 
 class VllmEngineSettings(BaseModel):
-    """vLLM serving the policy (not implemented yet: see docs/rollout.md for what it needs)."""
+    """vLLM 0.33.0 serving the policy in this process, one GPU (see docs/vllm.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     type: Literal["vllm"] = "vllm"
-    model: str = Field(description="Hugging Face model id or local directory.")
+    model: str = Field(description="Hugging Face model id or local directory (its config).")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weight dtype; must match the trainer's published state."
+    )
+    model_impl: Literal["auto", "vllm", "transformers"] = Field(
+        default="auto",
+        description="vLLM's model implementation; both fuse projections, which the engine maps "
+        "(docs/vllm.md).",
+    )
+    load_format: Literal["dummy", "auto"] = Field(
+        default="dummy",
+        description="'dummy': random weights, which the weight sync replaces with the bucket's "
+        "anchor (no checkpoint download); 'auto': vLLM loads the checkpoint's weights.",
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0.0, le=1.0, description="Share of the GPU's memory vLLM may take."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="Longest sequence (tokens); None: the model's own."
+    )
+    enforce_eager: bool = Field(
+        default=False, description="Disable CUDA graphs (slower; for debugging)."
+    )
+    seed: int = Field(default=0, description="Seed of vLLM's sampler when a call gives none.")
 
 
 EngineSettings = Annotated[
@@ -217,7 +240,8 @@ def make_engine(settings: TransformersEngineSettings | VllmEngineSettings) -> En
         assert isinstance(settings, TransformersEngineSettings)
         return TransformersEngine.from_settings(settings)
     if settings.type == "vllm":
-        raise NotImplementedError(
-            "the vllm engine is not implemented yet (see docs/rollout.md); use type='transformers'"
-        )
+        from .vllm_engine import VllmEngine
+
+        assert isinstance(settings, VllmEngineSettings)
+        return VllmEngine.from_settings(settings)
     raise ValueError(f"unknown engine type {settings.type!r}; choose 'transformers' or 'vllm'")

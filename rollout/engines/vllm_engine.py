@@ -1,0 +1,300 @@
+"""The ``vllm`` engine: vLLM 0.33.0 generating in this process, its weights patched in place.
+
+Why in-process (``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) rather than an
+external ``vllm serve``: :class:`~deltarl.rollout.weights.WeightSync` owns the weights through
+:meth:`Engine.named_parameters` (live tensors it stages into, scatters into during a pause and
+hashes to verify) and is the gate of every forward step. In-process, vLLM's scheduler step *is*
+our forward step: :meth:`VllmEngine.generate` drives ``llm_engine.step()`` itself, entering the
+gate around each one, exactly like the transformers engine's decode loop, so the pause is the
+same ``apply_staged`` between two steps (vLLM's ``/pause?mode=keep`` equivalent: requests keep
+their KV cache), the stamps say which weights sampled which token, and the shared delta code
+(stage, apply, verify, host mirror, anchors) runs unchanged on vLLM's own GPU tensors. An
+external server would put a process boundary between the weights and ``WeightSync``: every
+apply would become an RPC and the per-step gate an HTTP pause/resume round trip.
+
+How the tensors are reached: vLLM's worker builds our weight-transfer backend (``backend
+"deltarl"``, :mod:`.vllm_backend`) with its model; ``init_weight_transfer_engine`` hands it the
+Hugging Face tensor list (from the model's config, on the meta device), and the backend maps each
+name onto a contiguous view of vLLM's fused parameters (:mod:`.vllm_mapping`); the worker
+extension's ``deltarl_views`` RPC returns those live views (in-process: the objects themselves).
+The same backend also takes deltas through vLLM's own ``update_weights`` route
+(:mod:`.vllm_transfer`), for a vLLM that runs in another process.
+
+Sampling (one vLLM request per prompt): ``temperature``, ``top_p``, ``top_k`` (0: off), stop
+tokens as given and nothing else (``ignore_eos``; ``generation_config="vllm"`` so the model's
+generation config adds no defaults), ``logprobs=0`` with ``logprobs_mode="processed_logprobs"``:
+the logprob of the sampled token under the distribution sampled from (after temperature and
+top-k/top-p, renormalized), as the transformers engine returns. Greedy (temperature 0) reports
+0.0 (a point mass), like the transformers engine, not vLLM's log-softmax of the raw logits. A
+call's ``seed`` gives request ``i`` the seed ``seed + i`` (reproducible on the same GPU, not the
+transformers engine's tokens). Prefix caching is off (a cached prefix could hold KV computed by
+older weights) and async scheduling too (one ``step()`` = one forward whose tokens it returns).
+
+Every completion's ``first`` stamp is that of the call's first step (its prompt may have been
+prefilled then, in chunks), ``last`` that of the step that sampled its last token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .base import (
+    UNMANAGED,
+    Completion,
+    Engine,
+    FinishReason,
+    SamplingParams,
+    VllmEngineSettings,
+    WeightsGate,
+    WeightsStamp,
+)
+from .vllm_mapping import TensorSpec, specs_of
+from .vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
+
+logger = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.33.0"
+INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def import_vllm() -> Any:
+    """``import vllm``, or a ``ModuleNotFoundError`` that says what to install."""
+    try:
+        import vllm
+    except ModuleNotFoundError as err:
+        if err.name != "vllm":
+            raise
+        raise ModuleNotFoundError(
+            f"the vllm engine needs vLLM {VLLM_VERSION} and a CUDA GPU: pip install "
+            "'deltarl[vllm]' (it pins torch 2.14.0), or use engine 'transformers'",
+            name="vllm",
+        ) from err
+    if vllm.__version__ != VLLM_VERSION:
+        raise ModuleNotFoundError(
+            f"the vllm engine is written against vLLM {VLLM_VERSION}, found {vllm.__version__}: "
+            "pip install 'deltarl[vllm]'",
+            name="vllm",
+        )
+    return vllm
+
+
+def hf_specs(model: str, dtype: str) -> list[TensorSpec]:
+    """The trainer's tensors: the Hugging Face model's parameters (tied ones once), built on
+    the meta device from ``model``'s config (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return specs_of(dict(hf.named_parameters()))
+
+
+def request_params(params: SamplingParams, index: int) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``SamplingParams`` for prompt ``index`` of a call."""
+    return {
+        "n": 1,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": True,
+        "logprobs": 0,
+        "seed": None if params.seed is None else params.seed + index,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+class VllmEngine(Engine):
+    """An in-process vLLM ``LLM`` behind :class:`Engine` (see the module docstring).
+
+    Build it with :meth:`from_settings`. The constructor takes the pieces (``llm``: a
+    ``vllm.LLM``; ``views``: the backend's Hugging Face-named views; ``make_params``: vLLM's
+    ``SamplingParams`` with ``output_kind`` DELTA) so that the step loop is testable without vLLM.
+    """
+
+    type = "vllm"
+
+    def __init__(
+        self,
+        llm: Any,
+        views: Mapping[str, torch.Tensor],
+        *,
+        vocab_size: int,
+        make_params: Callable[..., Any],
+    ) -> None:
+        if not views:
+            raise ValueError("no weights mapped onto the vLLM model")
+        devices = {t.device for t in views.values()}
+        if len(devices) != 1:
+            raise ValueError(f"weights on several devices: {sorted(map(str, devices))}")
+        self._llm = llm
+        self._views = dict(views)
+        self._device = devices.pop()
+        self._vocab = vocab_size
+        self._make_params = make_params
+        self._busy = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: VllmEngineSettings) -> VllmEngine:
+        """Start vLLM in this process with the deltarl backend and map the weights."""
+        if os.environ.setdefault(INPROC_ENV, "0") != "0":
+            raise ValueError(
+                f"the vllm engine runs vLLM in this process: unset {INPROC_ENV} or set it to 0"
+            )
+        vllm = import_vllm()
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.sampling_params import RequestOutputKind
+
+        register()  # in case the entry point is not installed (e.g. a source checkout)
+        specs = hf_specs(settings.model, settings.dtype)
+        llm = vllm.LLM(
+            model=settings.model,
+            dtype=settings.dtype,
+            seed=settings.seed,
+            tensor_parallel_size=1,
+            model_impl=settings.model_impl,
+            load_format=settings.load_format,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            skip_tokenizer_init=True,  # token ids in and out; the worker has its tokenizer
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        llm.init_weight_transfer_engine({"init_info": {"tensors": [s.to_json() for s in specs]}})
+        (views,) = llm.collective_rpc("deltarl_views")
+        vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        logger.info(
+            "vllm engine: %s (%s, model_impl=%s, load_format=%s), %d tensors mapped",
+            settings.model,
+            settings.dtype,
+            settings.model_impl,
+            settings.load_format,
+            len(views),
+        )
+
+        def make_params(**kwargs: Any) -> Any:
+            return vllm.SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+
+        return cls(llm, views, vocab_size=vocab, make_params=make_params)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def llm(self) -> Any:
+        """The ``vllm.LLM`` (for vLLM's own calls: ``collective_rpc``, the weight-update
+        lifecycle); generating through it directly bypasses the weights gate."""
+        return self._llm
+
+    def named_parameters(self) -> Mapping[str, torch.Tensor]:
+        return self._views
+
+    def _check(self, prompts: Sequence[Sequence[int]]) -> None:
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: give at least one token id")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self._vocab:
+                raise ValueError(
+                    f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary "
+                    f"0..{self._vocab - 1}"
+                )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> list[Completion]:
+        self._check(prompts)
+        engine = self._llm.llm_engine
+        call = uuid.uuid4().hex[:12]
+        ids = [f"deltarl-{call}-{i}" for i in range(len(prompts))]
+        row = {rid: i for i, rid in enumerate(ids)}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        reasons: list[FinishReason] = ["length"] * len(prompts)
+        last: list[WeightsStamp] = [UNMANAGED] * len(prompts)
+        first: WeightsStamp | None = None
+        pending: set[str] = set()  # requests vLLM holds for this call
+        with self._busy:
+            try:
+                for rid, prompt in zip(ids, prompts, strict=True):
+                    engine.add_request(
+                        rid,
+                        {"prompt_token_ids": list(prompt)},
+                        self._make_params(**request_params(params, row[rid])),
+                    )
+                    pending.add(rid)
+                while pending:
+                    ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
+                    with ctx as stamp:
+                        outputs = engine.step()
+                        if self._device.type == "cuda":
+                            torch.cuda.synchronize(self._device)
+                    first = stamp if first is None else first
+                    for out in outputs:
+                        i = row.get(out.request_id)
+                        if i is None:
+                            continue
+                        self._take(out, params, tokens[i], logprobs[i])
+                        if out.outputs and out.outputs[0].token_ids:
+                            last[i] = stamp
+                        if out.finished:
+                            pending.discard(out.request_id)
+                            if out.outputs and out.outputs[0].finish_reason == "stop":
+                                reasons[i] = "stop"
+            finally:
+                if pending:
+                    engine.abort_request(sorted(pending))
+        assert first is not None
+        return [
+            Completion(tokens[i], logprobs[i], reasons[i], first, last[i])
+            for i in range(len(prompts))
+        ]
+
+    @staticmethod
+    def _take(out: Any, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> None:
+        """Append the new tokens of one DELTA ``RequestOutput`` and their processed logprobs."""
+        if not out.outputs:
+            return
+        seq = out.outputs[0]
+        new = list(seq.token_ids)
+        if params.temperature == 0.0:
+            lps = [0.0] * len(new)
+        else:
+            got = seq.logprobs or []
+            if len(got) != len(new):
+                raise RuntimeError(f"vLLM returned {len(got)} logprobs for {len(new)} tokens")
+            lps = [float(pos[t].logprob) for pos, t in zip(got, new, strict=True)]
+        tokens.extend(new)
+        logprobs.extend(lps)
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down (frees the GPU memory it holds)."""
+        shutdown = getattr(self._llm.llm_engine, "engine_core", None)
+        if shutdown is not None:
+            shutdown.shutdown()

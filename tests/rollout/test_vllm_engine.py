@@ -1,0 +1,610 @@
+"""The vllm engine (docs/vllm.md) without vLLM, plus tests against vLLM's real classes.
+
+vLLM cannot be installed here (CUDA build, torch 2.14), so:
+
+* CPU tests build a model laid out like vLLM's Llama at TP=1 (fused ``qkv_proj`` and
+  ``gate_up_proj``, vocabulary padded to 64 rows, a loader that narrows row blocks and copies)
+  and drive our side: the name mapping, the wire message, the apply through the shared delta
+  code, ``WeightSync`` following a bucket through the engine's views, the step loop, refusals;
+* vLLM's source is checked with ``ast`` from the wheel when it lies at ``VLLM_WHEEL`` (nothing is
+  downloaded): our backend implements every abstract method of its ``WeightTransferEngine``;
+* tests that import vLLM are skipped unless it is installed (``importorskip``; the GPU one is
+  marked ``gpu`` too).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_config, tiny_engine
+
+from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, WeightsStamp, make_engine
+from deltarl.rollout.engines.vllm_engine import VllmEngine, hf_specs, request_params
+from deltarl.rollout.engines.vllm_mapping import (
+    MappingError,
+    TensorSpec,
+    check_disjoint,
+    probe_views,
+    specs_of,
+)
+from deltarl.rollout.engines.vllm_transfer import (
+    DeltaReceiver,
+    check_supported,
+    decode_message,
+    encode_message,
+)
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.weights import WeightSync
+from deltarl.services.weightsync.delta import compute_delta
+from deltarl.services.weightsync.digest import state_digest
+from deltarl.services.weightsync.errors import (
+    BaseMismatchError,
+    CorruptDeltaError,
+    VerificationError,
+)
+from deltarl.services.weightsync.publish import BucketReader
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_WHEEL = Path(
+    os.environ.get(
+        "DELTARL_VLLM_WHEEL", "/tmp/vllm-wheel/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    )
+)
+
+# ------------------------------------------------------------------ a vLLM-shaped model
+
+
+def _put(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)
+
+
+STACKED: dict[
+    str, tuple[str, str | int]
+] = {  # checkpoint piece -> (fused runtime name, shard), as vLLM's Llama declares
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class FusedLlama(torch.nn.Module):
+    """vLLM Llama's runtime layout at TP=1 with random weights (``load_format="dummy"``).
+
+    ``tp=2`` plays rank 0 of two (the loader keeps half of each column-parallel tensor);
+    ``scale_norms`` stores norms as ``w * 1`` (a transforming loader).
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        tp: int = 1,
+        scale_norms: bool = False,
+        seed: int = 123,
+    ) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        d, inter = cfg.hidden_size, cfg.intermediate_size
+        hd = d // cfg.num_attention_heads
+        self.q, self.kv = cfg.num_attention_heads * hd // tp, cfg.num_key_value_heads * hd // tp
+        self.inter = inter // tp
+        self.tp, self.scale_norms, self.tied = tp, scale_norms, cfg.tie_word_embeddings
+        vocab = -(-cfg.vocab_size // 64) * 64 + 64  # padded, with padding rows even at 128
+
+        def p(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype), False)
+
+        _put(self, "model.embed_tokens.weight", p(vocab, d))
+        for i in range(cfg.num_hidden_layers):
+            pre = f"model.layers.{i}"
+            _put(self, f"{pre}.self_attn.qkv_proj.weight", p(self.q + 2 * self.kv, d))
+            _put(self, f"{pre}.self_attn.o_proj.weight", p(d, self.q))
+            _put(self, f"{pre}.mlp.gate_up_proj.weight", p(2 * self.inter, d))
+            _put(self, f"{pre}.mlp.down_proj.weight", p(d, self.inter))
+            _put(self, f"{pre}.input_layernorm.weight", p(d))
+            _put(self, f"{pre}.post_attention_layernorm.weight", p(d))
+        _put(self, "model.norm.weight", p(d))
+        if self.tied:
+            _put(self, "lm_head.weight", self.get_parameter("model.embed_tokens.weight"))
+        else:
+            _put(self, "lm_head.weight", p(vocab, d))
+
+    def _shard(self, shard: str | int) -> tuple[int, int]:
+        sizes = {"q": (0, self.q), "k": (self.q, self.kv), "v": (self.q + self.kv, self.kv)}
+        return sizes[shard] if isinstance(shard, str) else (shard * self.inter, self.inter)
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = set()
+        for name, w in weights:
+            if self.tied and name.startswith("lm_head."):
+                continue
+            for piece, (fused, shard) in STACKED.items():
+                if piece in name:
+                    target = name.replace(piece, fused)
+                    offset, size = self._shard(shard)
+                    w = w.narrow(0, 0, size)  # rank 0's rows (all of them at tp=1)
+                    self.get_parameter(target).data.narrow(0, offset, size).copy_(w)
+                    break
+            else:
+                target = name
+                param = self.get_parameter(name)
+                if "embed_tokens" in name or "lm_head" in name:
+                    param.data[: w.shape[0]].copy_(w)
+                    param.data[w.shape[0] :].fill_(0)
+                elif "norm" in name and self.scale_norms:
+                    param.data.copy_(w * 1)
+                else:
+                    param.data.copy_(w)
+            loaded.add(target)
+        return loaded
+
+
+def hf_state(seed: int = 0, *, tied: bool = False) -> dict[str, torch.Tensor]:
+    return clone_state(dict(tiny_engine(seed=seed, tied=tied).named_parameters()))
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def load_into(views: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, t in views.items():
+            t.copy_(state[name])
+
+
+# ------------------------------------------------------------------ the name mapping
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_probe_maps_hf_names_onto_fused_row_blocks_without_writing(tied: bool) -> None:
+    cfg = tiny_config(tied=tied)
+    model = FusedLlama(cfg)
+    before = snapshot(model)
+    specs = specs_of(hf_state(tied=tied))
+    views = probe_views(model, specs)
+    assert same_bits(snapshot(model), before)  # probing wrote nothing, padding rows included
+    assert [s.name for s in specs] == list(views)
+    assert all(tuple(views[s.name].shape) == s.shape for s in specs)
+    qkv = model.get_parameter("model.layers.1.self_attn.qkv_proj.weight")
+    q, k, v = (views[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv")
+    row = qkv.shape[1] * qkv.element_size()
+    assert q.data_ptr() == qkv.data_ptr()
+    assert k.data_ptr() == qkv.data_ptr() + model.q * row
+    assert v.data_ptr() == qkv.data_ptr() + (model.q + model.kv) * row
+    up = views["model.layers.0.mlp.up_proj.weight"]
+    gate_up = model.get_parameter("model.layers.0.mlp.gate_up_proj.weight")
+    assert up.data_ptr() == gate_up.data_ptr() + model.inter * row
+    emb = views["model.embed_tokens.weight"]
+    assert (
+        emb.shape[0] == cfg.vocab_size < model.get_parameter("model.embed_tokens.weight").shape[0]
+    )
+    assert ("lm_head.weight" in views) is not tied
+
+
+def test_probe_refuses_what_cannot_be_patched_in_place() -> None:
+    cfg = tiny_config()
+    specs = specs_of(hf_state())
+    with pytest.raises(MappingError, match=r"TP=1 only"):
+        probe_views(FusedLlama(cfg, tp=2), specs)
+    with pytest.raises(MappingError, match=r"transformed copy"):
+        probe_views(FusedLlama(cfg, scale_norms=True), specs)
+    with pytest.raises(MappingError, match=r"float16"):
+        probe_views(FusedLlama(cfg, torch.float16), specs)
+    tied = FusedLlama(tiny_config(tied=True))
+    lm_head = TensorSpec("lm_head.weight", "bfloat16", (128, 32))
+    with pytest.raises(MappingError, match=r"lm_head.weight: .* stored it nowhere.*ties"):
+        probe_views(tied, [*specs_of(hf_state(tied=True)), lm_head])
+    rows = torch.zeros(4, 2, dtype=torch.bfloat16)
+    with pytest.raises(MappingError, match=r"share runtime bytes"):
+        check_disjoint({"a": rows[:3], "b": rows[2:]})
+    with pytest.raises(AttributeError):  # an unknown name: the loader's own error
+        probe_views(FusedLlama(cfg), [TensorSpec("model.nope.weight", "bfloat16", (2,))])
+    with pytest.raises(MappingError, match=r"no load_weights"):
+        probe_views(torch.nn.Linear(2, 2), specs)
+
+
+def test_unsupported_vllm_configs_are_refused() -> None:
+    def config(tp: int = 1, pp: int = 1, quantization: str | None = None) -> Any:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            model_config=SimpleNamespace(quantization=quantization),
+        )
+
+    check_supported(config())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=1"):
+        check_supported(config(tp=2))
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=1"):
+        check_supported(config(pp=2))
+    with pytest.raises(ValueError, match=r"unquantized"):
+        check_supported(config(quantization="fp8"))
+
+
+# ------------------------------------------------------------------ message and apply
+
+
+def test_message_is_json_and_round_trips() -> None:
+    old = hf_state()
+    new = perturb(old, seed=3)
+    delta = compute_delta(old, new, 4, 5)
+    message = json.loads(json.dumps(encode_message(delta)))  # plain JSON, no pickle
+    back = decode_message(message)
+    assert (back.base_version, back.version, back.changed) == (4, 5, delta.changed)
+    assert back.result_digest == delta.result_digest
+    for name, p in delta.patches.items():
+        assert (back.patches[name].index == p.index).all()
+        assert (back.patches[name].value == p.value).all()
+    empty = decode_message(encode_message(compute_delta(old, old, 5, 6)))
+    assert empty.changed == 0 and len(empty.patches) == len(old)
+
+
+def test_malformed_messages_are_refused() -> None:
+    old = hf_state()
+    message = encode_message(compute_delta(old, perturb(old, seed=3), 0, 1))
+    with pytest.raises(CorruptDeltaError, match=r"format"):
+        decode_message({**message, "format": "pickle"})
+    with pytest.raises(CorruptDeltaError, match=r"malformed"):
+        decode_message({**message, "payload": "not base64!"})
+    with pytest.raises(CorruptDeltaError, match=r"no listed tensor"):
+        decode_message({**message, "tensors": message["tensors"][1:]})
+    with pytest.raises(CorruptDeltaError, match=r"malformed"):
+        decode_message({k: v for k, v in message.items() if k != "tensors"})
+
+
+def fused_receiver(state: dict[str, torch.Tensor]) -> tuple[FusedLlama, DeltaReceiver]:
+    model = FusedLlama(tiny_config())
+    receiver = DeltaReceiver(model, torch.device("cpu"))
+    load_into(receiver.bind(specs_of(state)), state)
+    return model, receiver
+
+
+def test_receiver_applies_deltas_bit_exactly_into_fused_parameters() -> None:
+    v0 = hf_state()
+    model, receiver = fused_receiver(v0)
+    pad_before = model.get_parameter("model.embed_tokens.weight")[128:].clone()
+    v1, v2 = perturb(v0, seed=1), None
+    report = receiver.apply(encode_message(compute_delta(v0, v1, 0, 1)))
+    v2 = perturb(v1, seed=2)
+    report = receiver.apply(encode_message(compute_delta(v1, v2, 1, 2)))
+    assert report.verified and report.version == 2 and report.state_digest == state_digest(v2)
+    assert receiver.last_report == report
+    assert receiver.views is not None and same_bits(receiver.views, v2)
+    qkv = model.get_parameter("model.layers.0.self_attn.qkv_proj.weight")
+    expect = torch.cat([v2[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(qkv.view(torch.int16), expect.view(torch.int16))
+    gate_up = model.get_parameter("model.layers.1.mlp.gate_up_proj.weight")
+    expect = torch.cat([v2[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")])
+    assert torch.equal(gate_up.view(torch.int16), expect.view(torch.int16))
+    assert torch.equal(model.get_parameter("model.embed_tokens.weight")[128:], pad_before)
+
+
+def test_receiver_refuses_a_wrong_base_and_reports_a_failed_verification() -> None:
+    v0 = hf_state()
+    model, receiver = fused_receiver(v0)
+    v1 = perturb(v0, seed=1)
+    message = encode_message(compute_delta(v0, v1, 0, 1))
+    receiver.apply(message)
+    before = snapshot(model)
+    with pytest.raises(BaseMismatchError, match=r"applied twice"):
+        receiver.apply(message)  # a second apply: refused before writing
+    assert same_bits(snapshot(model), before)
+    bad = encode_message(compute_delta(v1, perturb(v1, seed=2), 1, 2))
+    bad["tensors"][0]["result_digest"] = "0" * 32
+    with pytest.raises(VerificationError, match=r"vLLM worker: after applying v2"):
+        receiver.apply(bad)
+    assert receiver.last_report is not None and receiver.last_report.version == 1
+
+
+def test_receiver_maps_lazily_from_the_first_update() -> None:
+    v0 = hf_state()
+    model = FusedLlama(tiny_config())
+    receiver = DeltaReceiver(model, torch.device("cpu"))
+    views = probe_views(model, specs_of(v0))
+    load_into(views, v0)  # the worker's weights are v0 (e.g. vLLM loaded that checkpoint)
+    v1 = perturb(v0, seed=1)
+    assert receiver.apply(encode_message(compute_delta(v0, v1, 0, 1))).version == 1
+    assert same_bits(views, v1)
+
+
+# ------------------------------------------------------------------ the engine, minus vLLM
+
+
+class FakeLLMEngine:
+    """vLLM's ``LLMEngine`` surface the engine uses: one token per request per ``step()``."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Any] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
+        self.requests[rid] = SimpleNamespace(prompt=prompt["prompt_token_ids"], p=params, n=0)
+
+    def step(self) -> list[Any]:
+        self.steps += 1
+        outs = []
+        for rid, r in list(self.requests.items()):
+            token = (len(r.prompt) + r.n) % 7 + 1
+            r.n += 1
+            stop = token in r.p.stop_token_ids
+            done = stop or r.n == r.p.max_tokens
+            lp = {token: SimpleNamespace(logprob=-0.25 * token)}
+            seq = SimpleNamespace(
+                token_ids=[token], logprobs=[lp], finish_reason="stop" if stop else "length"
+            )
+            outs.append(SimpleNamespace(request_id=rid, outputs=[seq], finished=done))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, ids: list[str]) -> None:
+        self.aborted += ids
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+
+def fake_engine(state: dict[str, torch.Tensor]) -> tuple[VllmEngine, FakeLLMEngine, FusedLlama]:
+    model = FusedLlama(tiny_config())
+    views = probe_views(model, specs_of(state))
+    core = FakeLLMEngine()
+    llm = SimpleNamespace(llm_engine=core)
+    return VllmEngine(llm, views, vocab_size=128, make_params=SimpleNamespace), core, model
+
+
+class StepGate:
+    """A gate whose stamp moves to v2 after ``switch`` steps and that raises at ``fail``."""
+
+    def __init__(self, switch: int, fail: int | None = None) -> None:
+        self.n, self.switch, self.fail = 0, switch, fail
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[WeightsStamp]:
+        self.n += 1
+        if self.fail is not None and self.n >= self.fail:
+            raise RuntimeError("weights unhealthy")
+        yield WeightsStamp(1, 1) if self.n <= self.switch else WeightsStamp(2, 2)
+
+
+def test_engine_step_loop_records_tokens_logprobs_and_stamps() -> None:
+    engine, _, _ = fake_engine(hf_state())
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(5,), seed=9)
+    out = engine.generate([[1, 2], [3], [1, 2, 3, 4, 5]], params, gate=StepGate(switch=2))
+    assert [c.token_ids for c in out] == [[3, 4, 5], [2, 3, 4, 5], [6, 7, 1, 2]]
+    assert out[0].logprobs == [-0.75, -1.0, -1.25]
+    assert [c.finish_reason for c in out] == ["stop", "stop", "length"]
+    assert all(c.version_min == 1 and c.version_max == 2 for c in out)
+    greedy = engine.generate([[1]], SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert greedy[0].logprobs == [0.0, 0.0] and greedy[0].version_min is None
+    assert request_params(params, 2)["seed"] == 11 and request_params(params, 0)["ignore_eos"]
+    with pytest.raises(ValueError, match=r"outside the vocabulary"):
+        engine.generate([[1, 128]], params)
+    with pytest.raises(ValueError, match=r"empty"):
+        engine.generate([[]], params)
+
+
+def test_a_gate_error_aborts_the_requests_left() -> None:
+    engine, core, _ = fake_engine(hf_state())
+    with pytest.raises(RuntimeError, match=r"unhealthy"):
+        engine.generate([[1], [2]], SamplingParams(max_new_tokens=8), gate=StepGate(9, fail=3))
+    assert len(core.aborted) == 2 and not core.requests
+
+
+def test_weight_sync_follows_the_bucket_through_the_engine_views(bucket: Any) -> None:
+    trainer = FakeTrainer(bucket, hf_state(seed=1))
+    engine, _, model = fake_engine(hf_state(seed=2))
+    sync = WeightSync(engine, BucketReader(bucket), host_mirror=True)
+    sync.sync_to()
+    for _ in range(3):
+        trainer.step()
+    report = sync.sync_to()
+    assert report.version == 3 and [s.kind for s in report.steps] == ["delta"] * 3
+    assert same_bits(dict(engine.named_parameters()), trainer.states[3])
+    qkv = model.get_parameter("model.layers.0.self_attn.qkv_proj.weight")
+    expect = torch.cat(
+        [trainer.states[3][f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"]
+    )
+    assert torch.equal(qkv.view(torch.int16), expect.view(torch.int16))
+    out = sync.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert out[0].version_min == out[0].version_max == 3 and sync.check(out[0]) == "verified"
+
+
+# ------------------------------------------------------------------ settings and imports
+
+
+def test_hf_specs_are_the_transformers_engine_names(tmp_path: Path) -> None:
+    for tied in (False, True):
+        tiny_config(tied=tied).save_pretrained(tmp_path)
+        specs = hf_specs(str(tmp_path), "bfloat16")
+        assert specs == specs_of(hf_state(tied=tied))
+
+
+def test_vllm_engine_setting_and_missing_vllm() -> None:
+    s = RolloutSettings(engine="vllm", model="org/m", dtype="float16", engine_seed=3)
+    es = s.engine_settings()
+    assert isinstance(es, VllmEngineSettings) and (es.dtype, es.seed) == ("float16", 3)
+    assert es.load_format == "dummy"
+    with pytest.raises(ValueError, match=r"not a GGUF"):
+        RolloutSettings(engine="vllm", model="d", gguf_file="m.gguf").engine_settings()
+    if "vllm" not in sys.modules:
+        with pytest.raises(ModuleNotFoundError, match=r"deltarl\[vllm\]"):
+            make_engine(VllmEngineSettings(model="x"))
+
+
+def test_deltarl_never_imports_vllm() -> None:
+    code = (
+        "import sys; import deltarl.rollout.engines, deltarl.rollout.engines.vllm_engine, "
+        "deltarl.rollout.engines.vllm_transfer, deltarl.rollout.worker; "
+        "assert 'vllm' not in sys.modules, 'vllm imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_plugin_entry_point_and_extra_are_declared() -> None:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    plugins = project["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"deltarl": "deltarl.rollout.engines.vllm_transfer:register"}
+    extras = project["optional-dependencies"]
+    assert "vllm==0.33.0" in extras["vllm"]
+    assert not any("vllm" in dep for name in ("all", "dev") for dep in extras[name])
+
+
+# ------------------------------------------------------------------ vLLM's real source (wheel)
+
+
+def wheel_source(path: str) -> ast.Module:
+    if not VLLM_WHEEL.is_file():
+        pytest.skip(f"no vLLM 0.33.0 wheel at {VLLM_WHEEL} (set DELTARL_VLLM_WHEEL)")
+    with zipfile.ZipFile(VLLM_WHEEL) as wheel:
+        return ast.parse(wheel.read(path).decode())
+
+
+def class_def(tree: ast.Module, name: str) -> ast.ClassDef:
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def methods(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_backend_implements_every_abstract_method_of_vllms_weight_transfer_engine() -> None:
+    base = class_def(
+        wheel_source("vllm/distributed/weight_transfer/base.py"), "WeightTransferEngine"
+    )
+    abstract = {
+        name
+        for name, fn in methods(base).items()
+        if any(
+            getattr(d, "id", getattr(d, "attr", None)) == "abstractmethod"
+            for d in fn.decorator_list
+        )
+    }
+    assert abstract == {
+        "init_transfer_engine",
+        "start_weight_update",
+        "finish_weight_update",
+        "receive_weights",
+        "shutdown",
+    }
+    ours_tree = ast.parse((REPO / "rollout/engines/vllm_backend.py").read_text())
+    ours = class_def(ours_tree, "DeltarlWeightTransferEngine")
+    assert abstract <= set(methods(ours))
+    for name in abstract:  # same positional parameters as vLLM's
+        theirs = [a.arg for a in methods(base)[name].args.args]
+        assert [a.arg for a in methods(ours)[name].args.args] == theirs, name
+    init = [a.arg for a in methods(ours)["__init__"].args.args]
+    assert init == [a.arg for a in methods(base)["__init__"].args.args]
+    assigned = {
+        t.id
+        for n in ours.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    assert {"init_info_cls", "update_info_cls"} <= assigned
+
+
+def test_the_vllm_hooks_we_rely_on_exist_in_the_wheel() -> None:
+    factory = class_def(
+        wheel_source("vllm/distributed/weight_transfer/factory.py"), "WeightTransferEngineFactory"
+    )
+    register = methods(factory)["register_engine"]
+    assert [a.arg for a in register.args.args] == [
+        "cls",
+        "name",
+        "module_path_or_cls",
+        "class_name",
+    ]
+    plugins = ast.unparse(wheel_source("vllm/plugins/__init__.py"))
+    assert "DEFAULT_PLUGINS_GROUP = 'vllm.general_plugins'" in plugins
+    worker = ast.unparse(wheel_source("vllm/v1/worker/gpu_worker.py"))
+    assert "WeightTransferEngineFactory.create_engine" in worker
+    assert "self.model_runner.get_model()" in worker
+    engine_args = ast.unparse(wheel_source("vllm/engine/arg_utils.py"))
+    for field in ("weight_transfer_config", "worker_extension_cls", "logprobs_mode", "model_impl"):
+        assert f"    {field}:" in engine_args, field
+
+
+# ------------------------------------------------------------------ with vLLM installed
+
+
+def test_backend_against_vllms_real_classes() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from deltarl.rollout.engines.vllm_backend import DeltarlWeightTransferEngine
+    from deltarl.rollout.engines.vllm_transfer import register
+
+    register()
+    register()  # vLLM may run plugins more than once per process
+    v0 = hf_state()
+    model = FusedLlama(tiny_config())
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(quantization=None),
+    )
+    backend = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="deltarl"), vllm_config, torch.device("cpu"), model
+    )
+    assert isinstance(backend, DeltarlWeightTransferEngine)
+    backend.init_transfer_engine(
+        backend.parse_init_info({"tensors": [s.to_json() for s in specs_of(v0)]})
+    )
+    views = backend.receiver.views
+    assert views is not None
+    load_into(views, v0)
+    v1 = perturb(v0, seed=1)
+    backend.start_weight_update()
+    backend.receive_weights(backend.parse_update_info(encode_message(compute_delta(v0, v1, 0, 1))))
+    backend.finish_weight_update()
+    assert same_bits(views, v1)
+    report = backend.receiver.last_report
+    assert report is not None and report.state_digest == state_digest(v1)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_vllm_engine_end_to_end_on_a_gpu(tmp_path: Path, bucket: Any) -> None:
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cfg = tiny_config()
+    cfg.save_pretrained(tmp_path)
+    trainer = FakeTrainer(bucket, hf_state(seed=1))
+    engine = make_engine(
+        VllmEngineSettings(model=str(tmp_path), enforce_eager=True, gpu_memory_utilization=0.3)
+    )
+    try:
+        sync = WeightSync(engine, BucketReader(bucket))
+        sync.sync_to()
+        trainer.step()
+        future = sync.sync_in_background()
+        out = sync.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=16, seed=0))
+        future.result()
+        assert same_bits(dict(engine.named_parameters()), trainer.states[1])
+        assert all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for c in out)
+    finally:
+        engine.close()
