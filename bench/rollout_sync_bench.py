@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--baseline-s", type=float, default=10.0, help="generation without syncing first"
     )
+    ap.add_argument(
+        "--decode-process",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="decode in a child process (auto: when the engine is on a GPU)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -110,7 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     publisher = WeightPublisher(bucket, PublishSettings(anchor_every=0, background=False))
     publisher.publish(publishable_state(trainer))  # version 0: the anchor
     engine = TransformersEngine(engine_model, seed=0)
-    ws = WeightSync(engine, BucketReader(bucket))
+    ws = WeightSync(
+        engine,
+        BucketReader(bucket),
+        decode_process={"auto": None, "on": True, "off": False}[args.decode_process],
+        host_mirror=True if args.decode_process == "on" else None,
+    )
     ws.sync_to()
     print(
         f"# rollout sync benchmark: {args.model} on {name}; engine at version {ws.version}",
@@ -170,9 +181,17 @@ def main(argv: list[str] | None = None) -> None:
         },
         "wait_for_step_ms": {"p50": statistics.median([1e3 * t.wait_s for t in deltas])},
         "publish_to_applied_s": {"p50": statistics.median(p2a), "max": max(p2a)} if p2a else None,
+        "decode_process": ws._decoder is not None,
         "download_decode_stage_s": {
             "p50": statistics.median([t.download_s + t.decode_s + t.stage_s for t in deltas])
         },
+        "download_s": {"p50": statistics.median([t.download_s for t in deltas])},
+        "decode_s": {
+            "p50": statistics.median([t.decode_s for t in deltas]),
+            "max": max(t.decode_s for t in deltas),
+        },
+        "stage_s": {"p50": statistics.median([t.stage_s for t in deltas])},
+        "pause_ms_all": [round(x, 3) for x in pause_ms],
         "verify_s": {"p50": statistics.median([t.verify_s for t in deltas])},
         "tokens_per_s": {"no_sync": baseline, "while_syncing": during},
         "sequences_per_s_no_sync": baseline / args.new_tokens,

@@ -45,6 +45,7 @@ Timings of every step are kept in :attr:`WeightSync.timings` (:class:`StepTiming
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import threading
@@ -79,6 +80,7 @@ from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
 from deltarl.services.weightsync.publish import BucketReader
 
 from . import fault_points
+from .decode_process import DecodeProcess, DecodeProcessError, SharedMirror
 from .engines.base import Completion, Engine, SamplingParams, WeightsStamp
 from .sync_records import (
     StepTiming,
@@ -116,6 +118,9 @@ class WeightSync:
     ``host_mirror``: keep a CPU copy of the weights to decode against (None: only when the
     engine is not on the CPU; a CPU engine's own tensors serve as the mirror, no second copy).
     ``decode_threads``: threads of the compact decoder (None: its default).
+    ``decode_process``: decode in a child process against a shared-memory host mirror
+    (:mod:`~deltarl.rollout.decode_process`), so that the engine's Python threads cannot slow
+    decoding down through the GIL (None: whenever there is a host mirror).
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class WeightSync:
         full_verify: bool = False,
         host_mirror: bool | None = None,
         decode_threads: int | None = None,
+        decode_process: bool | None = None,
         max_attempts: int = 4,
         history: int = 1000,
     ) -> None:
@@ -140,6 +146,11 @@ class WeightSync:
         self.full_verify = full_verify
         self.host_mirror = engine.device.type != "cpu" if host_mirror is None else host_mirror
         self.decode_threads = decode_threads
+        use_process = self.host_mirror if decode_process is None else decode_process
+        if use_process and not self.host_mirror:
+            raise ValueError("decode_process needs host_mirror: the child decodes against it")
+        self._decoder = DecodeProcess(decode_threads) if use_process else None
+        self._shared: SharedMirror | None = None  # the mirror's shared block (with _decoder)
         self.max_attempts = max_attempts
         self.timings: deque[StepTiming] = deque(maxlen=history)
         # gate state (guarded by _cond)
@@ -194,9 +205,15 @@ class WeightSync:
             finally:
                 self._writers_waiting -= 1
             self._writer = True
+        # No garbage collection inside the pause: a full collection of a process holding a
+        # model's object graph takes milliseconds, longer than the apply itself.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             yield time.perf_counter() - t0
         finally:
+            if gc_was_enabled:
+                gc.enable()
             with self._cond:
                 self._writer = False
                 self._cond.notify_all()
@@ -270,10 +287,22 @@ class WeightSync:
         return self._executor.submit(self.sync_to, target)
 
     def close(self) -> None:
-        """Stop the background sync thread (waits for a running sync)."""
+        """Stop the background sync thread (waits for a running sync) and the decoding child."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        with self._sync_lock:
+            if self._decoder is not None:
+                self._decoder.close()
+            self._drop_shared()
+
+    def _drop_shared(self) -> None:
+        """Forget the shared mirror block (the child stops using it at its next attach)."""
+        if self._shared is not None:
+            if self._mirror is self._shared.tensors:
+                self._mirror = None
+            self._shared.close()
+            self._shared = None
 
     def sync_to(self, target: int | None = None) -> SyncReport:
         """Bring the engine to ``target`` (default: the latest published version).
@@ -414,13 +443,7 @@ class WeightSync:
         data = self.reader.fetch(ref)
         t1 = time.perf_counter()
         try:
-            delta = decode_delta(
-                data,
-                self._host_state(),
-                check_base=True,
-                base_digests=self._digests,
-                threads=self.decode_threads,
-            )
+            delta = self._decode(data)
         except CorruptDeltaError as err:
             # The bytes passed the manifest's size and xxh3 check, so a decode that fails is
             # evidence against the local weights it decodes against (compact codes values
@@ -472,7 +495,9 @@ class WeightSync:
                 for patch in delta.patches.values():
                     scatter_patch(self._mirror[patch.name], patch)
             except BaseException:
-                self._mirror = None  # half-patched: decode against the engine's tensors instead
+                # half-patched: decode against the engine's tensors (in process) instead
+                self._drop_shared()
+                self._mirror = None
                 raise
         return StepTiming(
             version=ref.version,
@@ -490,6 +515,21 @@ class WeightSync:
             mirror_s=time.perf_counter() - tm,
             publish_to_applied_s=None if created is None else applied - created,
             publish_to_verified_s=None if created is None else verified - created,
+        )
+
+    def _decode(self, data: bytes) -> Delta:
+        """Decode against the host state: in the child when there is one, else here."""
+        if self._decoder is not None and self._shared is not None:
+            try:
+                return self._decoder.decode(data, self._digests)
+            except DecodeProcessError as err:
+                logger.warning("decoding child failed (%s); decoding in process this time", err)
+        return decode_delta(
+            data,
+            self._host_state(),
+            check_base=True,
+            base_digests=self._digests,
+            threads=self.decode_threads,
         )
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
@@ -556,7 +596,17 @@ class WeightSync:
         done = time.time()
         self._version, self._digests = ref.version, digests
         self._verified_state = (ref.version, combine_digests(digests))
+        self._drop_shared()
         self._mirror = state if self.host_mirror else None
+        if self._decoder is not None:
+            shared = SharedMirror(state)
+            try:
+                self._decoder.attach(shared)
+            except (DecodeProcessError, DeltaError) as err:
+                logger.warning("decoding child cannot map the mirror (%s); decoding here", err)
+                shared.close()
+            else:
+                self._shared, self._mirror = shared, shared.tensors
         return StepTiming(
             version=ref.version,
             base_version=None,
