@@ -24,7 +24,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -429,6 +429,95 @@ def test_weight_sync_follows_the_bucket_through_the_engine_views(bucket: Any) ->
     assert out[0].version_min == out[0].version_max == 3 and sync.check(out[0]) == "verified"
 
 
+class FakeLLM:
+    """Stands in for ``vllm.LLM`` in-process: the worker's backend on a fused model."""
+
+    created: ClassVar[list[FakeLLM]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        import transformers
+
+        self.kwargs = kwargs
+        self.model = FusedLlama(transformers.AutoConfig.from_pretrained(kwargs["model"]))
+        self.receiver = DeltaReceiver(self.model, torch.device("cpu"))
+        self.llm_engine = FakeLLMEngine()
+        self.llm_engine.model_config = SimpleNamespace(get_vocab_size=lambda: 128)  # type: ignore[attr-defined]
+        FakeLLM.created.append(self)
+
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        self.receiver.bind([TensorSpec.from_json(t) for t in request["init_info"]["tensors"]])
+
+    def collective_rpc(self, method: str) -> list[Any]:
+        assert method == "deltarl_views"
+        return [self.receiver.views]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Importable modules named like vLLM's, holding what ``from_settings`` touches."""
+    import types
+
+    registry: dict[str, Any] = {}
+
+    class Factory:
+        _registry = registry
+
+        @classmethod
+        def register_engine(cls, name: str, module: str, class_name: str) -> None:
+            assert name not in registry
+            registry[name] = (module, class_name)
+
+    mods: dict[str, dict[str, Any]] = {
+        "vllm": {"__version__": "0.33.0", "LLM": FakeLLM, "SamplingParams": SimpleNamespace},
+        "vllm.config": {},
+        "vllm.config.weight_transfer": {"WeightTransferConfig": SimpleNamespace},
+        "vllm.sampling_params": {"RequestOutputKind": SimpleNamespace(DELTA="delta")},
+        "vllm.distributed": {},
+        "vllm.distributed.weight_transfer": {},
+        "vllm.distributed.weight_transfer.factory": {"WeightTransferEngineFactory": Factory},
+    }
+    for name, attrs in mods.items():
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        for key, value in attrs.items():
+            setattr(sys.modules[name], key, value)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    FakeLLM.created.clear()
+    return SimpleNamespace(registry=registry, module=sys.modules["vllm"])
+
+
+def test_from_settings_starts_vllm_in_process_with_our_backend(
+    fake_vllm: Any, tmp_path: Path, bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny_config().save_pretrained(tmp_path)
+    engine = make_engine(VllmEngineSettings(model=str(tmp_path), seed=4))
+    assert isinstance(engine, VllmEngine) and engine.type == "vllm"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert fake_vllm.registry == {
+        "deltarl": ("deltarl.rollout.engines.vllm_backend", "DeltarlWeightTransferEngine")
+    }
+    kwargs = FakeLLM.created[0].kwargs
+    assert kwargs["weight_transfer_config"].backend == "deltarl"
+    assert kwargs["worker_extension_cls"].endswith("vllm_backend.DeltarlWorkerExtension")
+    assert (kwargs["tensor_parallel_size"], kwargs["logprobs_mode"]) == (1, "processed_logprobs")
+    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
+    assert (kwargs["load_format"], kwargs["seed"], kwargs["dtype"]) == ("dummy", 4, "bfloat16")
+    trainer = FakeTrainer(bucket, hf_state(seed=1))
+    sync = WeightSync(engine, BucketReader(bucket))
+    sync.sync_to()
+    trainer.step()
+    sync.sync_to()
+    assert same_bits(dict(engine.named_parameters()), trainer.states[1])
+    out = sync.generate([[5, 6]], SamplingParams(max_new_tokens=3))
+    assert out[0].version_min == 1 and len(out[0].token_ids) == 3
+    monkeypatch.setattr(fake_vllm.module, "__version__", "0.34.0")
+    with pytest.raises(ModuleNotFoundError, match=r"0\.33\.0, found 0\.34\.0"):
+        make_engine(VllmEngineSettings(model=str(tmp_path)))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ValueError, match=r"in this process"):
+        make_engine(VllmEngineSettings(model=str(tmp_path)))
+
+
 # ------------------------------------------------------------------ settings and imports
 
 
@@ -545,6 +634,36 @@ def test_the_vllm_hooks_we_rely_on_exist_in_the_wheel() -> None:
     engine_args = ast.unparse(wheel_source("vllm/engine/arg_utils.py"))
     for field in ("weight_transfer_config", "worker_extension_cls", "logprobs_mode", "model_impl"):
         assert f"    {field}:" in engine_args, field
+
+
+def annotated_fields(cls: ast.ClassDef) -> set[str]:
+    return {
+        n.target.id
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+
+
+def test_every_argument_we_pass_to_vllm_exists_in_the_wheel() -> None:
+    ours = ast.parse((REPO / "rollout/engines/vllm_engine.py").read_text())
+    call = next(
+        n
+        for n in ast.walk(ours)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "LLM"
+    )
+    passed = {k.arg for k in call.keywords if k.arg is not None}
+    llm_init = methods(class_def(wheel_source("vllm/entrypoints/llm.py"), "LLM"))["__init__"]
+    explicit = {a.arg for a in [*llm_init.args.args, *llm_init.args.kwonlyargs]}
+    assert llm_init.args.kwarg is not None  # the rest goes to EngineArgs(**kwargs)
+    engine_args = annotated_fields(
+        class_def(wheel_source("vllm/engine/arg_utils.py"), "EngineArgs")
+    )
+    assert passed - explicit - engine_args == set()
+    sampling = annotated_fields(
+        class_def(wheel_source("vllm/sampling_params.py"), "SamplingParams")
+    )
+    keys = set(request_params(SamplingParams(max_new_tokens=1), 0)) | {"output_kind"}
+    assert keys - sampling == set()
 
 
 # ------------------------------------------------------------------ with vLLM installed
