@@ -7,7 +7,8 @@ Order of operations (:func:`run_demo`):
    ``coordinator.sqlite3``;
 2. prepare the model directory once (:mod:`deltarl.demo_model`, cached in ``--cache-dir``);
 3. start the coordinator (embedded SQLite, trainer and worker tokens generated for this run) and
-   the Wordle env server (a token too) on free loopback ports and wait for their health checks;
+   the env server (``--task``: Wordle, or the charset task; a token too) on free loopback ports
+   and wait for their health checks;
 4. start the rollout workers (transformers engine, CPU) and the trainer, which publishes version
    0 (an anchor) and one delta per optimizer step to the bucket;
 5. poll the coordinator every second for the live view, and the children for an unexpected exit
@@ -25,6 +26,7 @@ proof) and the clients are imported inside :func:`demo`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,13 +36,15 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import typer
 
 from .demo_model import ModelKind
 
-__all__ = ["DemoPlan", "demo", "demo_environment", "new_token"]
+__all__ = ["DemoPlan", "DemoTask", "demo", "demo_environment", "new_token"]
+
+DemoTask = Literal["wordle", "charset"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,9 @@ class DemoPlan:
     model_kind: ModelKind
     steps: int
     workers: int
+    task: DemoTask = "wordle"
+    # worker i samples with engine seed seed * workers + i; the trainer gets this seed too
+    seed: int = 0
     group_size: int = 6
     groups_per_step: int = 2
     max_new_tokens: int = 32
@@ -70,8 +77,37 @@ class DemoPlan:
     anchor_every: int = 0  # only version 0 carries an anchor
 
     @classmethod
-    def for_model(cls, tiny: bool, steps: int | None, workers: int) -> DemoPlan:
-        """The default experiment of SmolLM2 (``tiny`` false) or of the tiny random model."""
+    def for_model(
+        cls, tiny: bool, steps: int | None, workers: int, task: DemoTask = "wordle"
+    ) -> DemoPlan:
+        """The default experiment of SmolLM2 (``tiny`` false) or of the tiny random model, on
+        Wordle or on the charset task."""
+        if task == "charset" and tiny:
+            # A random Llama over bytes: a reply of 16 byte tokens, about 10% of them in the
+            # target set a-z at first. lr 1e-2 (not SmolLM2's 1e-6): a random 91k-parameter
+            # model has no pretrained knowledge to preserve, and AdamW moves each weight by
+            # about lr per step, so 1e-2 shifts a logit by O(0.1-1) per step and the reward
+            # rises within a few dozen steps (1e-3 needs hundreds).
+            return cls(
+                model_kind="tiny-bytes",
+                steps=steps if steps is not None else 30,
+                workers=workers,
+                task="charset",
+                group_size=8,
+                groups_per_step=2,
+                max_new_tokens=16,
+                max_turns=1,
+                lr=1e-2,
+            )
+        if task == "charset":
+            return cls(
+                model_kind="smollm2",
+                steps=steps if steps is not None else 8,
+                workers=workers,
+                task="charset",
+                max_new_tokens=32,
+                max_turns=1,
+            )
         if tiny:
             return cls(
                 model_kind="tiny",
@@ -95,6 +131,7 @@ class DemoPlan:
         values: dict[str, Any] = {
             "model": str(model_dir),
             "run_dir": str(trainer_dir),
+            "seed": self.seed,
             "max_steps": self.steps,
             "optimizer.lr": self.lr,
             "optimizer.weight_decay": self.weight_decay,
@@ -138,12 +175,27 @@ def _quiet_console_logging(log_file: Path) -> None:
 
 def demo(
     tiny: bool = typer.Option(
-        False, "--tiny", help="A random tiny Llama (SmolLM2's tokenizer): fast, learns nothing."
+        False,
+        "--tiny",
+        help="A random tiny Llama (SmolLM2's tokenizer; with --task charset a byte-level "
+        "tokenizer): fast; learns nothing on Wordle, learns the charset task.",
+    ),
+    task: str = typer.Option(
+        "wordle",
+        "--task",
+        help="Environment task: 'wordle', or 'charset' (one reply, scored by its share of "
+        "a-z characters: a tiny model learns it within a few dozen steps).",
     ),
     steps: int | None = typer.Option(
-        None, "--steps", min=1, help="Optimizer steps (default: 8, or 3 with --tiny)."
+        None,
+        "--steps",
+        min=1,
+        help="Optimizer steps (default: 8, or 3 with --tiny, 30 with --tiny --task charset).",
     ),
     workers: int = typer.Option(2, "--workers", min=1, max=8, help="Rollout workers."),
+    seed: int = typer.Option(
+        0, "--seed", min=0, help="Sampling seeds of the workers (seed x workers + i) and trainer."
+    ),
     run_dir: Path | None = typer.Option(
         None, "--run-dir", help="Run directory (default: runs/demo-<timestamp>)."
     ),
@@ -168,7 +220,10 @@ def demo(
     from rich.console import Console
 
     console = Console(soft_wrap=True)
-    plan = DemoPlan.for_model(tiny, steps, workers)
+    if task not in ("wordle", "charset"):
+        raise typer.BadParameter(f"unknown task {task!r}: choose wordle or charset")
+    plan = DemoPlan.for_model(tiny, steps, workers, "charset" if task == "charset" else "wordle")
+    plan = dataclasses.replace(plan, seed=seed)
     rd = _run_dir(run_dir)
     (rd / "logs").mkdir(exist_ok=True)
     _quiet_console_logging(rd / "logs" / "demo.log")

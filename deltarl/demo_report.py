@@ -215,6 +215,7 @@ def draw_reward_curve(
     path: Path,
     trained: list[tuple[int, float]],
     by_version: list[tuple[int, float]],
+    task: str = "wordle",
 ) -> str:
     """Write the reward curve as a PNG; returns the renderer used ('matplotlib' or 'plain').
 
@@ -237,7 +238,7 @@ def draw_reward_curve(
         ax.plot(*zip(*by_version, strict=True), marker="s", label="generated (by policy version)")
     ax.set_xlabel("optimizer step / policy version")
     ax.set_ylabel("mean reward")
-    ax.set_title("deltarl demo: Wordle reward")
+    ax.set_title(f"deltarl demo: {'Wordle' if task == 'wordle' else task} reward")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -135,13 +135,7 @@ def _run(
     env = group.start(
         "env",
         ["env", "--host", HOST, "--port", str(env_port)],
-        common
-        | {
-            "DELTARL_ENV_TOKEN": env_token,
-            "DELTARL_ENV_MAX_GUESSES": str(plan.env_max_guesses),
-            "DELTARL_ENV_MAX_INVALID_MOVES": str(plan.max_turns - 1),
-            "DELTARL_ENV_ALLOW_NON_WORDS": "true",
-        },
+        common | {"DELTARL_ENV_TOKEN": env_token} | _env_settings(plan),
     )
     wait_healthy(f"{coord_url}/health", coordinator)
     wait_healthy(f"{env_url}/health", env)
@@ -161,7 +155,7 @@ def _run(
                 "DELTARL_ROLLOUT_WORKER_ID": wid,
                 "DELTARL_ROLLOUT_MODEL": str(model_dir),
                 "DELTARL_ROLLOUT_DEVICE": "cpu",
-                "DELTARL_ROLLOUT_ENGINE_SEED": str(i),
+                "DELTARL_ROLLOUT_ENGINE_SEED": str(plan.seed * plan.workers + i),
                 "DELTARL_ROLLOUT_GROUP_SIZE": str(plan.group_size),
                 "DELTARL_ROLLOUT_MAX_TURNS": str(plan.max_turns),
                 "DELTARL_ROLLOUT_MAX_NEW_TOKENS": str(plan.max_new_tokens),
@@ -238,6 +232,18 @@ def _run(
     (rd / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
     return summary
+
+
+def _env_settings(plan: DemoPlan) -> dict[str, str]:
+    """The env server's task settings."""
+    if plan.task == "charset":
+        return {"DELTARL_ENV_TASK": "charset"}  # target a-z, full marks from 8 characters
+    return {
+        "DELTARL_ENV_TASK": "wordle",
+        "DELTARL_ENV_MAX_GUESSES": str(plan.env_max_guesses),
+        "DELTARL_ENV_MAX_INVALID_MOVES": str(plan.max_turns - 1),
+        "DELTARL_ENV_ALLOW_NON_WORDS": "true",
+    }
 
 
 def _timeout_message(final: int | None, workers: list[WorkerInfo], timeout_s: float) -> str:
@@ -341,7 +347,7 @@ def _summarize(
     trained = reward_series(trainer_dir)
     by_version = [(r.version, r.mean_reward) for r in (status.rewards if status else [])]
     image = rd / "reward.png"
-    renderer = draw_reward_curve(image, trained, by_version)
+    renderer = draw_reward_curve(image, trained, by_version, task=plan.task)
     full_model = record.full_bytes
     return {
         "ok": len(identical) == len(logs),
@@ -364,6 +370,8 @@ def _summarize(
         },
         "workers_identical": identical,
         "workers": list(logs),
+        # each worker's last reported weights_digest (None: it reports none)
+        "worker_digests": {i: by_id[i].weights_digest for i in logs},
         "proof": proof,
         "reward": {"trained": trained, "by_version": by_version},
         "reward_image": str(image),
