@@ -93,8 +93,8 @@ def _extra_vars(items: list[str]) -> dict[str, dict[str, str]]:
         known = service_vars(service)
         if name not in known:
             raise typer.BadParameter(
-                f"{name} is not read by the {service} service; see `deltarl "
-                f"{'env' if service == 'env' else service} --help` for its settings",
+                f"{name} is not read by the {service} service; `deltarl {service} --help` "
+                "lists its settings",
                 param_hint="--set-var",
             )
         if any(w in name for w in ("TOKEN", "SECRET", "PASSWORD", "KEY")):
@@ -191,21 +191,18 @@ def deploy(
         None,
         "--trainer-token",
         envvar="DELTARL_COORDINATOR_TRAINER_TOKEN",
-        show_envvar=False,
         help="Coordinator trainer token (default: the secrets file's, else generated).",
     ),
     worker_token: str | None = typer.Option(
         None,
         "--worker-token",
         envvar="DELTARL_COORDINATOR_WORKER_TOKEN",
-        show_envvar=False,
         help="Coordinator worker token (default: the secrets file's, else generated).",
     ),
     env_token: str | None = typer.Option(
         None,
         "--env-token",
         envvar="DELTARL_ENV_TOKEN",
-        show_envvar=False,
         help="Env server token (default: the secrets file's, else generated).",
     ),
     secrets_file: Path | None = typer.Option(
@@ -236,6 +233,10 @@ def deploy(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     hardware = _check_hardware(rollout_hardware)
+    if sleep_time is not None and sleep_time != -1 and sleep_time <= 0:
+        raise typer.BadParameter(
+            "give seconds > 0, or -1 to never sleep", param_hint="--rollout-sleep-time"
+        )
     extra = _extra_vars(set_var)
     out_dir = out or Path("spaces-dry-run" if dry_run else "spaces-deploy")
     secrets_path = secrets_file or out_dir / SECRETS_NAME
@@ -246,6 +247,11 @@ def deploy(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     hub_token = None if dry_run else _hub_token(token)
+    if hub_token and not worker_hf_token:
+        logger.warning(
+            "the rollout Space gets your deploy token as HF_TOKEN; a fine-grained read-only "
+            "token (--worker-hf-token) limits what a leak of that Space could do"
+        )
     # A dry run needs no token: the plan shows where it would go (its value is redacted anyway).
     worker_hub = worker_hf_token or hub_token or token or DRY_RUN_HUB_TOKEN
 
@@ -282,10 +288,16 @@ def deploy(
         if not isinstance(exc, HfHubHTTPError):
             raise
         last = api.calls[-1]["method"] if api.calls else "the first call"
+        status = getattr(exc.response, "status_code", None)
+        hint = (
+            f"Check that the token can write to {namespace} (create buckets and Spaces, set "
+            "their secrets and hardware; paid hardware needs a payment method on the account)."
+            if status in (401, 402, 403)
+            else "Check the message above; the Hub may also be busy (retry)."
+        )
         typer.echo(
-            f"Error: the Hub refused {last}: {exc}\nCheck that the token can write to "
-            f"{namespace} (and create buckets and Spaces there). The calls made so far are in "
-            f"{plan_path}; re-running is safe.",
+            f"Error: the Hub refused {last}: {exc}\n{hint} The calls made so far are in "
+            f"{plan_path}; re-running is safe (every call creates or updates).",
             err=True,
         )
         raise typer.Exit(1) from exc

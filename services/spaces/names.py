@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from deltarl.services.buckets.base import validate_key
 from deltarl.services.client_headers import SPACES_APP_DOMAIN
 
 HUB_URL = "https://huggingface.co"
@@ -29,8 +30,6 @@ MAX_REPO_NAME = 96  # the Hub's limit on the name part of a repo id
 _NAMESPACE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,40}[A-Za-z0-9])?$")
 # Repo names (Space names, bucket names): letters, digits, '-', '_', '.', not at either end.
 _REPO_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?$")
-# Bucket path prefixes: '/'-separated repo-name-like parts.
-_PATH_PART = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 def check_namespace(namespace: str, option: str = "--namespace") -> str:
@@ -109,12 +108,13 @@ def parse_bucket(value: str, default_prefix: str) -> BucketRef:
         )
     namespace = check_namespace(parts[0], "--bucket's namespace")
     name = check_repo_name(parts[1], "bucket name", "--bucket")
-    path = parts[2:]
-    for part in path:
-        if not _PATH_PART.fullmatch(part) or part in (".", ".."):
-            raise ValueError(
-                f"--bucket {value!r}: path part {part!r} may hold only letters, digits, '-', "
-                "'_' and '.' (and is not '.' or '..')"
-            )
-    prefix = "/".join(path) if path else default_prefix
+    prefix = "/".join(parts[2:]) or default_prefix
+    try:
+        validate_key(prefix)  # the bucket backends' own rule for object keys
+    except ValueError as exc:
+        raise ValueError(
+            f"--bucket {value!r}: the path {prefix!r} is not a valid object key prefix ({exc}); "
+            "use '/'-separated parts of letters, digits and ._+=- starting with a letter, digit "
+            "or '_'"
+        ) from None
     return BucketRef(f"{namespace}/{name}", prefix)
