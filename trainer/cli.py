@@ -8,12 +8,19 @@ then imports torch and transformers.
 ``<run_dir>/checkpoints``): weights, optimizer, scheduler, RNG and step come from it, and its
 weights are published as a fresh anchor. SIGINT/SIGTERM finish the current step, checkpoint and
 exit with 128 + the signal number; a second signal stops at once.
+
+Under ``torchrun --nproc_per_node N -m deltarl train ...`` every rank parses the same settings;
+rank 0 writes them, talks to the coordinator, publishes and reports, the other ranks train their
+share of each step as DDP replicas (:mod:`.distributed`). Without torchrun: one process, as
+before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from pydantic import ValidationError
@@ -21,7 +28,19 @@ from pydantic import ValidationError
 from deltarl.services.settings import settings_help
 
 from .reporting import check_trackers
-from .settings import CHECKPOINT_POINTER, ExperimentSettings, TrainerDeployment
+from .settings import (
+    CHECKPOINT_POINTER,
+    RESOLVED_NAME,
+    ExperimentSettings,
+    TrainerDeployment,
+)
+
+if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
+    import torch
+
+    from .checkpoint import Checkpoint, Checkpointer
+    from .distributed import DistContext
+    from .loop import GracefulStop
 
 logger = logging.getLogger(__name__)
 
@@ -58,37 +77,68 @@ def train(
         check_trackers(list(settings.report.to))
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="report.to") from exc
-    resolved = settings.write_resolved()
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's; the process group comes later
+    resolved = settings.write_resolved() if rank == 0 else Path(settings.run_dir) / RESOLVED_NAME
     logger.info("settings resolved into %s", resolved)
     if dry_run:
         typer.echo(str(resolved))
         return
+    code = _run(settings, deploy, resume=resume)
+    if code:
+        raise typer.Exit(code)
 
+
+def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: bool) -> int:
+    """Load the model and train (rank 0: the loop; other torchrun ranks: a replica); return
+    the exit code (128 + signal after a stop request, else 0)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .checkpoint import Checkpointer, CheckpointError
+    from .distributed import init_distributed
+    from .loop import GracefulStop
+    from .replica import train_replica
+
+    ctx, device = init_distributed(deploy.device, timeout_s=deploy.dist_timeout_s)
+    try:
+        checkpointer = Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
+        try:
+            checkpoint = checkpointer.load() if resume else None
+        except CheckpointError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--resume") from exc
+        torch.manual_seed(settings.seed)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            settings.model, dtype=torch.float32
+        )
+        model.to(device)  # fp32 master weights; bf16 compute comes from autocast
+        with GracefulStop() as stopper:
+            if ctx.is_main:
+                _run_main(model, settings, deploy, stopper, checkpointer, checkpoint, ctx)
+            else:  # rank 0 decides when to stop; a signal here only sets the exit code
+                train_replica(model, settings, ctx, resume=checkpoint)
+    finally:
+        if ctx.enabled:
+            torch.distributed.destroy_process_group()
+    return 0 if stopper.signum is None else 128 + stopper.signum
+
+
+def _run_main(
+    model: torch.nn.Module,
+    settings: ExperimentSettings,
+    deploy: TrainerDeployment,
+    stopper: GracefulStop,
+    checkpointer: Checkpointer,
+    checkpoint: Checkpoint | None,
+    ctx: DistContext,
+) -> None:
+    """Rank 0 (or the only process): coordinator client, publisher, reporter, the loop."""
     from deltarl.services.buckets import open_bucket
     from deltarl.services.coordinator.client import CoordinatorClient
 
-    from .checkpoint import Checkpointer, CheckpointError
-    from .loop import GracefulStop
     from .loop import train as run_loop
     from .publisher import WeightPublisher
     from .reporting import build_reporter
 
-    checkpointer = Checkpointer(ckpt_dir, keep=settings.checkpoint.keep)
-    try:
-        checkpoint = checkpointer.load() if resume else None
-    except CheckpointError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--resume") from exc
-    torch.manual_seed(settings.seed)
-    device = deploy.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        settings.model, dtype=torch.float32
-    )
-    model.to(device)  # fp32 master weights; bf16 compute comes from autocast
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None
     with CoordinatorClient(deploy.coordinator_url, token) as client:
@@ -98,7 +148,7 @@ def train(
             register=client.publish_version,
             tmp_dir=Path(settings.run_dir),
         )
-        with GracefulStop() as stopper, build_reporter(settings) as reporter:
+        with build_reporter(settings) as reporter:
             last = run_loop(
                 model,
                 settings,
@@ -109,6 +159,7 @@ def train(
                 stop=stopper.event,
                 checkpointer=checkpointer,
                 resume=checkpoint,
+                dist=ctx,
             )
     if stopper.signum is not None:
         logger.warning(
@@ -116,8 +167,8 @@ def train(
             stopper.signum,
             last,
         )
-        raise typer.Exit(128 + stopper.signum)
-    logger.info("done: version %d published to %s", last, bucket.uri)
+    else:
+        logger.info("done: version %d published to %s", last, bucket.uri)
 
 
 train.__doc__ = (

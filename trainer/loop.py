@@ -45,6 +45,7 @@ from deltarl.services.weightsync.publish import BucketReader
 
 from .batch import collate, filter_stale
 from .checkpoint import Checkpoint, Checkpointer
+from .distributed import DistContext, broadcast, wrap_ddp
 from .leases import LeaseKeeper
 from .metrics import MetricsSink
 from .optim import build_optimizer
@@ -231,6 +232,7 @@ def train(
     max_publish_failures: int = 3,
     checkpointer: Checkpointer | None = None,
     resume: Checkpoint | None = None,
+    dist: DistContext | None = None,
 ) -> int:
     """Run optimizer steps up to ``settings.max_steps``; return the last published version.
 
@@ -249,7 +251,14 @@ def train(
     ``checkpointer``: where checkpoints go (``settings.checkpoint.every``; see the module
     docstring); None: no checkpoints. ``resume``: a loaded checkpoint to continue from: training
     resumes at its ``step + 1`` with its optimizer, scheduler and RNG states.
+
+    ``dist``: under ``torchrun`` this is rank 0's side (see :mod:`.distributed`): it alone
+    pulls, publishes, acks, reports and checkpoints, sends each step's batch to the other ranks
+    (which run :func:`~.replica.train_replica`) and trains on its share with DDP.
     """
+    ctx = dist if dist is not None else DistContext()
+    if not ctx.is_main:
+        raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     failures = 0  # consecutive failed publications
     step = groups_trained = 0
@@ -269,6 +278,7 @@ def train(
         publisher.wait()
         logger.info("published the starting weights as version %d", version)
     saved = step  # step of the newest checkpoint (or of the start: nothing new to save)
+    step_model = wrap_ddp(model, ctx)
 
     def save() -> None:
         nonlocal saved
@@ -295,7 +305,7 @@ def train(
         while step < settings.max_steps:
             if stop is not None and stop.is_set():
                 logger.warning("stop requested: stopping after step %d", step)
-                break
+                break  # the other ranks are told after the loop
             t_step = time.perf_counter()
             try:
                 pulled = pull_groups(
@@ -308,10 +318,11 @@ def train(
                     stop=stop,
                     keeper=keeper,
                 )
-            except TimeoutError:
+            except TimeoutError as err:
                 if stop is not None and stop.is_set():
                     logger.warning("stop requested while waiting for data after step %d", step)
                     break
+                broadcast(("timeout", str(err)), ctx)
                 save()  # between steps: the state is consistent
                 raise
             step += 1
@@ -321,7 +332,10 @@ def train(
                 scale=settings.loss.advantage_scale,
                 eps=settings.loss.advantage_eps,
             )
-            metrics = train_step(model, opt, sched, batch, settings, ref_model=ref_model)
+            broadcast(("step", (batch, version)), ctx)
+            metrics = train_step(
+                step_model, opt, sched, batch, settings, ref_model=ref_model, dist=ctx
+            )
             waited = publisher.waited_s
             failed = False
             try:
@@ -364,6 +378,7 @@ def train(
                 sink(step, metrics)
             if every and step % every == 0:
                 save()
+        broadcast(("stop", version), ctx)
         save()  # the end, or a stop request
     finally:
         keeper.close()

@@ -366,3 +366,9 @@ class TrainerDeployment(ServiceSettings):
         description="Give up when a step's groups take longer than this to arrive (seconds); "
         "unset: wait forever (a warning is logged every 30 s).",
     )
+    dist_timeout_s: float = Field(
+        default=6 * 3600.0,
+        gt=0,
+        description="Under torchrun: limit of every collective (seconds), including the other "
+        "ranks' wait while rank 0 waits for data; keep it above data_timeout_s.",
+    )

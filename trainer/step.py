@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .batch import TrainBatch, batch_metrics, micro_batches
+from .distributed import DistContext, gather_stats, shard_rows
 from .loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from .optim import clip_gradients
 from .settings import ExperimentSettings
@@ -99,6 +101,49 @@ def _on(device: torch.device, t: Tensor) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
+def _micro_step(
+    model: torch.nn.Module,
+    part: TrainBatch,
+    settings: ExperimentSettings,
+    normalizer: float,
+    scale: float,
+    stats: LossStats,
+    ref_model: torch.nn.Module | None,
+    entropy: bool,
+) -> LossStats:
+    """Forward and backward of one micro-batch; returns ``stats`` with its statistics merged."""
+    device = next(model.parameters()).device
+    temp = settings.sampling.temperature
+    tokens, attn = _on(device, part.tokens), _on(device, part.attention_mask)
+    behaviour, mask = _on(device, part.behaviour_logprobs), _on(device, part.loss_mask)
+    with _autocast(device, settings.precision):
+        logits = forward_logits(model, tokens, attn)
+        ref_lp = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logits = forward_logits(ref_model, tokens, attn)
+                ref_lp = token_logprobs(ref_logits, tokens, temperature=temp)
+    logprobs = token_logprobs(logits, tokens, temperature=temp)
+    out = grpo_loss(
+        logprobs,
+        behaviour,
+        _on(device, part.advantages),
+        mask,
+        settings.loss,
+        ref_logprobs=ref_lp,
+        logits=logits.detach() if entropy else None,
+        normalizer=normalizer,
+        temperature=temp,
+    )
+    (out.loss * scale if scale != 1.0 else out.loss).backward()
+    stats = stats.merge(out.stats)
+    with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ
+        onpolicy = mask.bool() & (_on(device, part.staleness) == 0)[:, None]
+        d = (logprobs.detach() - behaviour.float())[onpolicy]
+        stats.add_values("mismatch/kl_onpolicy", torch.exp(d) - d - 1.0)
+    return stats
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -108,11 +153,15 @@ def train_step(
     *,
     ref_model: torch.nn.Module | None = None,
     entropy: bool = True,
+    dist: DistContext | None = None,
 ) -> dict[str, float]:
     """Train on ``batch`` for one optimizer step; return the step's metrics (floats).
 
     ``ref_model``: the frozen reference policy, required when ``settings.loss.kl_coef > 0``.
     ``entropy``: also compute the policy entropy metric (one extra pass over the logits).
+    ``dist``: with several ranks (:mod:`.distributed`), ``model`` is wrapped in DDP, every rank
+    gets the whole ``batch`` and trains on its share of the rows; the metrics are those of the
+    whole batch on every rank.
     Metrics: every :class:`~.loss.LossStats` entry, ``advantage_metrics``, ``batch_metrics``,
     ``step/grad_norm``, ``step/lr`` (the lr this step used), ``step/skipped`` (1 when the
     gradient was not finite), ``time/compute_s`` and ``step/tokens_per_s``.
@@ -120,41 +169,20 @@ def train_step(
     if settings.loss.kl_coef > 0 and ref_model is None:
         raise ValueError("loss.kl_coef > 0 needs ref_model (the frozen reference policy)")
     t0 = time.perf_counter()
-    device = next(model.parameters()).device
     model.train()
     optimizer.zero_grad(set_to_none=True)
     normalizer = step_normalizer(batch, settings)
-    temp = settings.sampling.temperature
+    ctx = dist if dist is not None else DistContext()
+    # DDP averages gradients over ranks: scale by the world size to keep the whole step's sum
+    scale = float(ctx.world_size)
+    parts = micro_batches(shard_rows(batch, ctx), settings.batch.micro_batch_size)
     stats = LossStats()
-    for part in micro_batches(batch, settings.batch.micro_batch_size):
-        tokens, attn = _on(device, part.tokens), _on(device, part.attention_mask)
-        behaviour, mask = _on(device, part.behaviour_logprobs), _on(device, part.loss_mask)
-        with _autocast(device, settings.precision):
-            logits = forward_logits(model, tokens, attn)
-            ref_lp = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref_logits = forward_logits(ref_model, tokens, attn)
-                    ref_lp = token_logprobs(ref_logits, tokens, temperature=temp)
-        logprobs = token_logprobs(logits, tokens, temperature=temp)
-        out = grpo_loss(
-            logprobs,
-            behaviour,
-            _on(device, part.advantages),
-            mask,
-            settings.loss,
-            ref_logprobs=ref_lp,
-            logits=logits.detach() if entropy else None,
-            normalizer=normalizer,
-            temperature=temp,
-        )
-        out.loss.backward()
-        stats = stats.merge(out.stats)
-        with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ
-            onpolicy = mask.bool() & (_on(device, part.staleness) == 0)[:, None]
-            d = (logprobs.detach() - behaviour.float())[onpolicy]
-            stats.add_values("mismatch/kl_onpolicy", torch.exp(d) - d - 1.0)
-        del logits, logprobs, out
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        with sync:
+            stats = _micro_step(model, part, settings, normalizer, scale, stats, ref_model, entropy)
+    stats = gather_stats(stats, ctx)
     check_onpolicy_mismatch(stats, settings)
     lr = optimizer.param_groups[0]["lr"]
     grad_norm = clip_gradients(model.parameters(), settings.optimizer)

@@ -1,0 +1,161 @@
+"""Data-parallel training over several processes (``torchrun``): one replica per rank, DDP.
+
+Roles: **rank 0** alone talks to the coordinator (leases, extensions, acks), publishes versions
+and writes metrics and checkpoints; every rank holds a full replica of the fp32 master weights
+and the AdamW state. Per step, in this order:
+
+1. rank 0 pulls the step's groups and collates them into one :class:`~.batch.TrainBatch`
+   (advantages over whole groups, the whole step's loss normaliser);
+2. :func:`broadcast` sends it to every rank (a control message: ``("step", batch)``, or
+   ``("stop", None)`` / ``("timeout", message)``, so every rank leaves the loop together);
+3. each rank trains on its contiguous share of the rows (:func:`shard_rows`), micro-batch by
+   micro-batch; DDP all-reduces the gradients during the last backward (the earlier ones run
+   under ``no_sync``). DDP averages over ranks; the loss is multiplied by the world size so the
+   gradient is the *sum* over the whole batch, as in one process (exact for power-of-two world
+   sizes: scaling by 2^k never rounds);
+4. the loss statistics are gathered (:func:`gather_stats`) so every rank sees the same metrics
+   and the same on-policy check; every rank clips the same global norm and takes the same AdamW
+   step, so replicas stay identical;
+5. rank 0 publishes from its own replica (its bf16 cast is what every rank holds) and acks.
+
+Equivalence: with 2 ranks and one micro-batch per rank, the reduced gradient is ``g0 + g1``,
+the same single addition a 1-rank run with those two micro-batches makes, so the published
+weights are bit-identical (tested on CPU with gloo). With more ranks or more micro-batches per
+rank the summation order differs (ring all-reduce vs sequential accumulation): equal up to fp32
+rounding of the gradient (relative ~1e-7), which the bf16 cast hides for almost every element.
+
+Not FSDP: each rank holds the whole model (12 bytes per parameter with AdamW, plus the bf16
+host mirror and snapshot on rank 0, see docs/trainer.md for the FSDP2 trade-off).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from .batch import TrainBatch
+from .loss import LossStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DistContext",
+    "broadcast",
+    "gather_stats",
+    "init_distributed",
+    "shard_rows",
+    "wrap_ddp",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DistContext:
+    """This process's place in the job. ``world_size == 1``: a plain single-process run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that talks to the coordinator and publishes."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_env(cls) -> DistContext:
+        """From ``torchrun``'s ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (absent: 1 process)."""
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        )
+
+
+def init_distributed(device: str, timeout_s: float = 6 * 3600) -> tuple[DistContext, str]:
+    """Join the process group when started by ``torchrun`` (``WORLD_SIZE > 1``); return the
+    context and the device of this rank.
+
+    ``device``: ``"auto"`` (CUDA if present), ``"cpu"`` or ``"cuda"``: under torchrun each rank
+    takes ``cuda:<LOCAL_RANK>``. Backend: NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every
+    collective, including the other ranks' wait while rank 0 waits for data: keep it above the
+    longest data wait you accept (``DELTARL_TRAINER_DATA_TIMEOUT_S``).
+    """
+    ctx = DistContext.from_env()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not ctx.enabled:
+        return ctx, device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(ctx.local_rank)
+        device = f"cuda:{ctx.local_rank}"
+    if not tdist.is_initialized():
+        tdist.init_process_group(
+            backend="nccl" if device.startswith("cuda") else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    logger.info("rank %d of %d on %s", ctx.rank, ctx.world_size, device)
+    return ctx, device
+
+
+def broadcast(obj: Any, ctx: DistContext) -> Any:
+    """``obj`` of rank 0 on every rank (pickled by torch; the objects are our own)."""
+    if not ctx.enabled:
+        return obj
+    box = [obj if ctx.is_main else None]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shard_rows(batch: TrainBatch, ctx: DistContext) -> TrainBatch:
+    """This rank's contiguous share of the rows (sizes differ by at most one)."""
+    if not ctx.enabled:
+        return batch
+    n = len(batch)
+    if n < ctx.world_size:
+        raise ValueError(
+            f"a step of {n} trajectories cannot feed {ctx.world_size} ranks: raise "
+            "batch.groups_per_step or batch.group_size"
+        )
+    lo, hi = n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size
+    return batch.select(slice(lo, hi))
+
+
+def gather_stats(stats: LossStats, ctx: DistContext) -> LossStats:
+    """Every rank's statistics merged, on every rank (in rank order, so identically)."""
+    if not ctx.enabled:
+        return stats
+    cpu = LossStats(
+        {k: v.cpu() for k, v in stats.sums.items()},
+        {k: (s.cpu(), c.cpu()) for k, (s, c) in stats.means.items()},
+        {k: v.cpu() for k, v in stats.mins.items()},
+        {k: v.cpu() for k, v in stats.maxs.items()},
+    )
+    parts: list[Any] = [None] * ctx.world_size
+    tdist.all_gather_object(parts, cpu)
+    merged = LossStats()
+    for part in parts:
+        merged = merged.merge(part)
+    return merged
+
+
+def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """``model`` in :class:`~torch.nn.parallel.DistributedDataParallel` when there are several
+    ranks (a collective: every rank calls it at the same point; rank 0's weights and buffers
+    are broadcast), else ``model`` itself."""
+    if not ctx.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)

@@ -1,0 +1,58 @@
+"""The side of ranks 1..N-1 in a ``torchrun`` job (see :mod:`.distributed` for the protocol).
+
+A replica never talks to the coordinator or the bucket and writes nothing: it receives each
+step's batch from rank 0, trains on its share of the rows inside DDP (gradients all-reduced with
+every other rank) and takes the same optimizer step, so its weights stay identical to rank 0's,
+which publishes them. It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
+``"timeout"`` (rank 0 gave up waiting for data: :class:`TimeoutError` here too).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .checkpoint import Checkpoint
+from .distributed import DistContext, broadcast, wrap_ddp
+from .optim import build_optimizer
+from .settings import ExperimentSettings
+from .step import train_step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["train_replica"]
+
+
+def train_replica(
+    model: torch.nn.Module,
+    settings: ExperimentSettings,
+    dist: DistContext,
+    *,
+    ref_model: torch.nn.Module | None = None,
+    resume: Checkpoint | None = None,
+) -> int:
+    """Follow rank 0's steps until it stops; return the last version rank 0 reported.
+
+    ``model``: this rank's replica (fp32, on this rank's device), built like rank 0's.
+    ``resume``: the checkpoint rank 0 resumes from (every rank loads it: the optimizer state
+    is per rank).
+    """
+    if dist.is_main or not dist.enabled:
+        raise ValueError("train_replica is for ranks 1..N-1 of a distributed job")
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+    if resume is not None:
+        resume.restore(model, opt, sched)
+    step_model = wrap_ddp(model, dist)
+    steps = 0
+    while True:
+        kind, payload = broadcast(None, dist)
+        if kind == "stop":
+            logger.info("rank %d: rank 0 stopped after %d steps here", dist.rank, steps)
+            return int(payload)
+        if kind == "timeout":
+            raise TimeoutError(f"rank 0: {payload}")
+        assert kind == "step", kind
+        batch, _version = payload  # the version these weights have (rank 0's count)
+        train_step(step_model, opt, sched, batch, settings, ref_model=ref_model, dist=dist)
+        steps += 1
