@@ -32,15 +32,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .names import BucketRef, space_app_url, space_page_url, space_subdomain
-from .templates import TEMPLATES, copy_source, dockerfile, front_matter
+from deltarl.services.client_headers import HF_PROXY_TOKEN_ENV
+
+from .names import (
+    MAX_DNS_LABEL,
+    SPACES_APP_DOMAIN,
+    BucketRef,
+    space_app_url,
+    space_page_url,
+    space_subdomain,
+)
+from .templates import TEMPLATES, check_source, copy_source, dockerfile, front_matter
 from .tokens import Tokens
 
 logger = logging.getLogger(__name__)
 
 REDACTED = "<redacted>"
 ORDER = ("coordinator", "env", "rollout")
-PROXY_TOKEN_VAR = "DELTARL_HF_PROXY_TOKEN"
+PROXY_TOKEN_VAR = HF_PROXY_TOKEN_ENV  # read by every client (services/client_headers.py)
 BUCKET_TOKEN_VAR = "HF_TOKEN"
 CPU_FLAVORS = ("cpu-basic", "cpu-upgrade")
 
@@ -79,6 +88,8 @@ class SpaceResult:
 
 @dataclass(slots=True)
 class Deployment:
+    """The outcome: each Space by service, the bucket URI, every call made (redacted)."""
+
     spaces: dict[str, SpaceResult]
     bucket_uri: str
     calls: list[dict[str, Any]]
@@ -140,7 +151,7 @@ class DryRunApi:
         self.private = private
 
     def space_info(self, repo_id: str, **_: Any) -> _Info:
-        return _Info(host=f"{space_subdomain(repo_id)}.hf.space", private=self.private)
+        return _Info(host=f"{space_subdomain(repo_id)}.{SPACES_APP_DOMAIN}", private=self.private)
 
     def __getattr__(self, method: str) -> Callable[..., None]:
         return lambda *args, **kwargs: None
@@ -242,6 +253,7 @@ def deploy(
     description shown in the Space's settings (the settings classes' field descriptions).
     """
     descriptions = descriptions or {}
+    check_source(source_root)  # before anything is sent
     api.create_bucket(options.bucket.bucket_id, private=True, exist_ok=True)
     hosts: dict[str, str | None] = {}
     private: dict[str, bool] = {}
@@ -252,6 +264,15 @@ def deploy(
         )
         info = api.space_info(repo_id)
         hosts[service] = getattr(info, "host", None) or None
+        if hosts[service] is None and len(space_subdomain(repo_id)) > MAX_DNS_LABEL:
+            logger.warning(
+                "%s: the predicted subdomain %s is longer than a DNS label (%d characters); "
+                "the Hub assigns another: check the Space page's 'Embed this Space' URL, or "
+                "choose a shorter --prefix",
+                repo_id,
+                space_subdomain(repo_id),
+                MAX_DNS_LABEL,
+            )
         is_private = bool(getattr(info, "private", options.private))
         if options.private and not is_private:
             logger.warning("%s exists and is public: making it private (--private)", repo_id)

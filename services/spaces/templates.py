@@ -217,6 +217,18 @@ def front_matter(template: ServiceTemplate, *, suggested_hardware: str | None = 
     return "\n".join(lines) + "\n"
 
 
+def check_source(source_root: Path) -> Path:
+    """``source_root`` if it is a deltarl checkout (``pyproject.toml`` and ``deltarl/``), else
+    ValueError saying what to pass."""
+    package = source_root / "deltarl"
+    if not (source_root / "pyproject.toml").is_file() or not (package / "__init__.py").is_file():
+        raise ValueError(
+            f"{source_root} is not a deltarl checkout (no pyproject.toml and deltarl/): run "
+            "from the repository's virtual environment, or pass --source /path/to/deltarl"
+        )
+    return source_root
+
+
 def copy_source(source_root: Path, dest: Path) -> list[str]:
     """Copy deltarl's source from a checkout at ``source_root`` into ``dest`` (replaced).
 
@@ -224,12 +236,7 @@ def copy_source(source_root: Path, dest: Path) -> list[str]:
     tree that ``pip wheel`` packages as ``deltarl.<folder>``. Returns the copied paths, relative
     to ``dest``, sorted.
     """
-    package = source_root / "deltarl"
-    if not (source_root / "pyproject.toml").is_file() or not (package / "__init__.py").is_file():
-        raise ValueError(
-            f"{source_root} is not a deltarl checkout (no pyproject.toml and deltarl/): run "
-            "from the repository, or pass --source /path/to/deltarl"
-        )
+    package = check_source(source_root) / "deltarl"
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)

@@ -537,6 +537,16 @@ def test_hub_refusal_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert (out / "secrets.env").is_file()  # tokens kept for the retry
 
 
+def test_no_checkout_is_refused_before_any_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeHfApi()
+    monkeypatch.setattr(spaces_cli, "make_hub_api", lambda token: fake)
+    result = runner.invoke(root_app, [*deploy_args(tmp_path / "out"), "--source", str(tmp_path)])
+    assert result.exit_code == 2 and "is not a deltarl checkout" in plain(result.output)
+    assert fake.calls == []
+
+
 def test_pause_and_delete(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeHfApi()
     monkeypatch.setattr(spaces_cli, "make_hub_api", lambda token: fake)
