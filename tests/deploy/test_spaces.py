@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import stat
 import subprocess
@@ -25,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -341,6 +343,27 @@ def test_source_snapshot_is_a_plain_tree(dry_run: tuple[Path, str]) -> None:
         assert not path.is_symlink(), path
         assert not path.name.startswith("."), path
         assert path.name != "__pycache__" and path.suffix != ".pyc", path
+
+
+def test_space_source_builds_the_wheel(dry_run: tuple[Path, str], tmp_path: Path) -> None:
+    """``pip wheel`` on a Space's ``src/``, as its Dockerfile does, packages every service."""
+    out, _ = dry_run
+    src = tmp_path / "src"
+    shutil.copytree(out / "deltarl-rollout" / "src", src)
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    done = subprocess.run(
+        [*pip, str(src), "-w", str(tmp_path / "w")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = (tmp_path / "w").glob("deltarl-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for needed in (
+        "deltarl/services/coordinator/static/index.html",
+        "deltarl/services/spaces/worker_space.py",
+        "deltarl/env_server/data/answers.txt",
+        "deltarl/rollout/settings.py",
+    ):
+        assert needed in names, f"the wheel lacks {needed}"
 
 
 # ---------------------------------------------------------------------------------------------
