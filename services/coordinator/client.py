@@ -7,6 +7,9 @@ Every answer's status code is checked: anything but the expected 2xx raises
 ``Model.model_validate``. Calls that are safe to repeat (everything except ``lease``) are retried
 on connection errors and 502/503/504, with a short backoff; ``submit`` is safe because of the
 group's idempotency key, ``publish_version`` because an identical re-publish is accepted.
+A *refused* connection (nothing listening: the coordinator is restarting) never reached a
+server, so every call, ``lease`` included, waits for it with backoff for up to
+``refused_wait_s`` (30 s by default; not with ``retries=0``), which rides out a restart.
 
 Example (a worker)::
 
@@ -57,6 +60,24 @@ from deltarl.services.tls import client_verify
 T = TypeVar("T")
 MSGPACK = "application/msgpack"
 _RETRY_STATUS = {502, 503, 504}
+
+
+def _refused(exc: BaseException) -> bool:
+    """True when the connection was refused (no server listening): the request was never
+    sent, so repeating any call is safe. TLS failures and resets are not refusals."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return isinstance(exc, httpx.ConnectError) and "Connection refused" in str(exc)
+
+
+def _refused_delay(waited: int) -> float:
+    """Backoff between attempts on a refused connection (0.1 s doubling to 1 s)."""
+    return min(0.1 * 2**waited, 1.0)
 
 
 class CoordinatorError(Exception):
@@ -250,11 +271,13 @@ class CoordinatorClient:
         *,
         timeout: float = 10.0,
         retries: int = 2,
+        refused_wait_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
         verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
+        self.refused_wait_s = refused_wait_s if retries > 0 else 0.0
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=client_headers(self.base_url, token),
@@ -274,7 +297,9 @@ class CoordinatorClient:
 
     def _run(self, call: _Call[T]) -> T:
         attempts = 1 + (self.retries if call.retry else 0)
-        for attempt in range(attempts):
+        refused_until = time.monotonic() + self.refused_wait_s
+        attempt = refusals = 0
+        while True:
             try:
                 r = self._http.request(
                     call.method,
@@ -284,17 +309,22 @@ class CoordinatorClient:
                     content=call.content,
                     headers=call.headers,
                 )
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if _refused(exc) and time.monotonic() < refused_until:
+                    time.sleep(_refused_delay(refusals))  # a restart: not a failed attempt
+                    refusals += 1
+                    continue
                 if attempt + 1 >= attempts:
                     raise
                 time.sleep(0.1 * 2**attempt)
+                attempt += 1
                 continue
             if r.status_code in _RETRY_STATUS and attempt + 1 < attempts:
                 time.sleep(0.1 * 2**attempt)
+                attempt += 1
                 continue
             _raise_for(r, call.ok)
             return call.parse(r)
-        raise AssertionError("unreachable")
 
     # reads
     def health(self) -> Health:
@@ -400,11 +430,13 @@ class AsyncCoordinatorClient:
         *,
         timeout: float = 10.0,
         retries: int = 2,
+        refused_wait_s: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
         verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
+        self.refused_wait_s = refused_wait_s if retries > 0 else 0.0
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=client_headers(self.base_url, token),
@@ -424,7 +456,9 @@ class AsyncCoordinatorClient:
 
     async def _run(self, call: _Call[T]) -> T:
         attempts = 1 + (self.retries if call.retry else 0)
-        for attempt in range(attempts):
+        refused_until = time.monotonic() + self.refused_wait_s
+        attempt = refusals = 0
+        while True:
             try:
                 r = await self._http.request(
                     call.method,
@@ -434,17 +468,22 @@ class AsyncCoordinatorClient:
                     content=call.content,
                     headers=call.headers,
                 )
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if _refused(exc) and time.monotonic() < refused_until:
+                    await asyncio.sleep(_refused_delay(refusals))  # a restart: not an attempt
+                    refusals += 1
+                    continue
                 if attempt + 1 >= attempts:
                     raise
                 await asyncio.sleep(0.1 * 2**attempt)
+                attempt += 1
                 continue
             if r.status_code in _RETRY_STATUS and attempt + 1 < attempts:
                 await asyncio.sleep(0.1 * 2**attempt)
+                attempt += 1
                 continue
             _raise_for(r, call.ok)
             return call.parse(r)
-        raise AssertionError("unreachable")
 
     async def health(self) -> Health:
         return await self._run(_Calls.health())
