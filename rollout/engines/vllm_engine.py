@@ -175,9 +175,15 @@ class VllmEngine(Engine):
             weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
             worker_extension_cls=WORKER_EXTENSION,
         )
-        llm.init_weight_transfer_engine({"init_info": {"tensors": [s.to_json() for s in specs]}})
-        (views,) = llm.collective_rpc("deltarl_views")
-        vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        try:  # map the checkpoint tensors onto vLLM's parameters (MappingError if impossible)
+            llm.init_weight_transfer_engine(
+                {"init_info": {"tensors": [s.to_json() for s in specs]}}
+            )
+            (views,) = llm.collective_rpc("deltarl_views")
+            vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        except BaseException:
+            _shutdown(llm)  # release the GPU memory vLLM took
+            raise
         logger.info(
             "vllm engine: %s (%s, model_impl=%s, load_format=%s), %d tensors mapped",
             settings.model,
@@ -295,6 +301,10 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         """Shut vLLM's engine core down (frees the GPU memory it holds)."""
-        shutdown = getattr(self._llm.llm_engine, "engine_core", None)
-        if shutdown is not None:
-            shutdown.shutdown()
+        _shutdown(self._llm)
+
+
+def _shutdown(llm: Any) -> None:
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()

@@ -442,7 +442,12 @@ class FakeLLM:
         self.receiver = DeltaReceiver(self.model, torch.device("cpu"))
         self.llm_engine = FakeLLMEngine()
         self.llm_engine.model_config = SimpleNamespace(get_vocab_size=lambda: 128)  # type: ignore[attr-defined]
+        self.shut = 0
+        self.llm_engine.engine_core = SimpleNamespace(shutdown=self._shutdown)  # type: ignore[attr-defined]
         FakeLLM.created.append(self)
+
+    def _shutdown(self) -> None:
+        self.shut += 1
 
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         self.receiver.bind([TensorSpec.from_json(t) for t in request["init_info"]["tensors"]])
@@ -510,6 +515,16 @@ def test_from_settings_starts_vllm_in_process_with_our_backend(
     assert same_bits(dict(engine.named_parameters()), trainer.states[1])
     out = sync.generate([[5, 6]], SamplingParams(max_new_tokens=3))
     assert out[0].version_min == 1 and len(out[0].token_ids) == 3
+    engine.close()
+    assert FakeLLM.created[0].shut == 1
+
+    def unmappable(self: FakeLLM, request: dict[str, Any]) -> None:
+        raise MappingError("model.norm.weight: the loader keeps only part of it")
+
+    monkeypatch.setattr(FakeLLM, "init_weight_transfer_engine", unmappable)
+    with pytest.raises(MappingError, match=r"keeps only part"):
+        make_engine(VllmEngineSettings(model=str(tmp_path)))
+    assert FakeLLM.created[-1].shut == 1  # vLLM released when the mapping fails
     monkeypatch.setattr(fake_vllm.module, "__version__", "0.34.0")
     with pytest.raises(ModuleNotFoundError, match=r"0\.33\.0, found 0\.34\.0"):
         make_engine(VllmEngineSettings(model=str(tmp_path)))
