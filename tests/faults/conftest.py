@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,9 +36,22 @@ def fault_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServe
     server.stop()
 
 
+_REPORTS: list[FaultReport] = []
+
+
 @pytest.fixture(scope="session")
 def fault_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultReport]:
+    """The suite's JSON summary: ``<pytest's base temp>/faults-summary.json``, also copied to
+    ``$DELTARL_FAULTS_SUMMARY`` when set, and printed at the end of the run."""
     report = FaultReport(tmp_path_factory.getbasetemp() / "faults-summary.json")
+    _REPORTS.append(report)
     yield report
     report.write()
-    print(f"\nfault suite summary ({report.path}):\n{report.path.read_text()}")
+    if copy := os.environ.get("DELTARL_FAULTS_SUMMARY"):
+        Path(copy).write_text(report.path.read_text())
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for report in _REPORTS:
+        terminalreporter.write_sep("-", f"fault suite: what each scenario lost ({report.path})")
+        terminalreporter.write_line(report.path.read_text().rstrip())
