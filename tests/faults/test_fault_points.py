@@ -40,3 +40,34 @@ def test_an_armed_point_reports_and_blocks_until_disarmed(
     t.join(5)
     assert not t.is_alive()
     assert json.loads(json.dumps(info))  # plain JSON
+
+
+def test_the_auditors_count_what_is_wrong(tmp_path: Path) -> None:
+    """The counts the scenarios assert to be zero do become non-zero on a bad run."""
+    import subprocess
+
+    from deltarl.demo_procs import Child
+    from tests.faults.harness import Cluster, Ledger, sync_lines, verified_versions
+
+    assert Ledger(5, 2, 1, 1, {}, 0).lost == 1  # one accepted group is nowhere
+    assert Ledger(4, 2, 1, 1, {}, 3).lost == 0
+    log = tmp_path / "w.1.log"
+    log.write_text(
+        "x INFO deltarl.rollout.weights: weights at v0 via anchor (100 bytes): paused 1 ms\n"
+        "x INFO deltarl.rollout.weights: weights at v2 via delta (10 bytes): paused 1 ms\n"
+        "x INFO deltarl.rollout.weights: sync vNone -> v2: planned 110 bytes, downloaded 120 "
+        "bytes, 1 failure(s)\n"
+    )
+    assert verified_versions([log]) == {0, 2}
+    assert sync_lines(log) == [
+        {"from": None, "to": 2, "planned": 110, "downloaded": 120, "failures": 1}
+    ]
+    c = Cluster(tmp_path / "c", tmp_path)
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    c.workers["w"] = Child("w.1", proc, log)
+    c.group.children.append(c.workers["w"])
+    rows = [("w", "g1", 0, 2), ("w", "g2", 1, 2), ("other", "g3", 0, 0)]
+    # v1 was never verified by w; "other" has no log at all
+    assert c.unverified(rows) == [("w", "g2", 1, 2), ("other", "g3", 0, 0)]
+    c.client.close()
