@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--decode-process",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="decode in a child process (auto: when the engine is on a GPU)",
+        choices=["on", "off"],
+        default="off",
+        help="decode in a child process (WeightSync's decode_process)",
     )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ws = WeightSync(
         engine,
         BucketReader(bucket),
-        decode_process={"auto": None, "on": True, "off": False}[args.decode_process],
+        decode_process=args.decode_process == "on",
         host_mirror=True if args.decode_process == "on" else None,
     )
     ws.sync_to()

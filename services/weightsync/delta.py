@@ -324,6 +324,12 @@ def stage_delta(
 ) -> StagedDelta:
     """Copy every non-empty patch of ``delta`` to ``device`` (pinned, asynchronous on CUDA).
 
+    On CUDA all indices travel as one pinned buffer and the values as one buffer per bit width
+    (a handful of host-to-device copies, not two per tensor); each part is a view into them.
+    Why: every copy call releases the GIL, and a generating thread in the same process then
+    holds it for up to the switch interval (5 ms), so 2 copies x ~300 tensors took 1.3-1.5 s on
+    an H200 while generation ran, instead of milliseconds.
+
     With ``state`` (the tensors the delta will be applied to), names, dtypes, shapes and devices
     are checked now and the targets bound, so that :func:`apply_staged` on that state does nothing
     but the scatters.
@@ -331,20 +337,70 @@ def stage_delta(
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    parts = []
-    for p in iter_changed_tensors(delta):
-        idx = torch.from_numpy(np.ascontiguousarray(p.index))
-        val = torch.from_numpy(np.ascontiguousarray(p.value))
-        if dev.type == "cuda":
-            idx, val = idx.pin_memory(), val.pin_memory()
-        parts.append((p.name, idx.to(dev, non_blocking=True), val.to(dev, non_blocking=True)))
+    patches = list(iter_changed_tensors(delta))
     if dev.type == "cuda":
+        parts = _stage_batched(patches, dev)
         torch.cuda.synchronize(dev)
+    else:
+        parts = [
+            (
+                p.name,
+                torch.from_numpy(np.ascontiguousarray(p.index)).to(dev),
+                torch.from_numpy(np.ascontiguousarray(p.value)).to(dev),
+            )
+            for p in patches
+        ]
     staged = StagedDelta(delta=delta, device=dev, parts=parts)
     if state is not None:
         staged.targets = _targets(state, staged)
         staged.bound_to = state
     return staged
+
+
+def _host_concat(arrays: list[np.ndarray], dtype: np.dtype, pin: bool) -> torch.Tensor:
+    """One (pinned) host tensor holding ``arrays`` back to back (a single numpy copy)."""
+    total = sum(int(a.size) for a in arrays)
+    out = torch.empty(total, dtype=_TORCH_OF_NUMPY[dtype], pin_memory=pin)
+    if total:
+        np.concatenate(arrays, out=out.numpy())
+    return out
+
+
+_TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int16): torch.int16,
+}
+
+
+def _stage_batched(
+    patches: list[TensorPatch], dev: torch.device, *, pin: bool = True
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Parts of :class:`StagedDelta` as views into one index buffer and one value buffer per
+    bit width on ``dev`` (asynchronous copies: synchronize before using them)."""
+    if not patches:
+        return []
+    index_dev = _host_concat(
+        [np.asarray(p.index, np.int64) for p in patches], np.dtype(np.int64), pin
+    ).to(dev, non_blocking=True)
+    by_width: dict[np.dtype, list[int]] = {}
+    for i, p in enumerate(patches):
+        by_width.setdefault(np.dtype(p.value.dtype), []).append(i)
+    values: list[torch.Tensor | None] = [None] * len(patches)
+    for dtype, ids in by_width.items():
+        buf = _host_concat([patches[i].value for i in ids], dtype, pin).to(dev, non_blocking=True)
+        at = 0
+        for i in ids:
+            k = patches[i].changed
+            values[i] = buf[at : at + k]
+            at += k
+    parts = []
+    at = 0
+    for p, val in zip(patches, values, strict=True):
+        assert val is not None
+        parts.append((p.name, index_dev[at : at + p.changed], val))
+        at += p.changed
+    return parts
 
 
 def _targets(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> list[torch.Tensor]:

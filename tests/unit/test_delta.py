@@ -169,6 +169,28 @@ def test_staged_apply_is_bit_exact(state, bind):
     assert verify_result(s, d) == {k: tensor_digest(v) for k, v in new.items()}
 
 
+def test_batched_staging_views_match_each_patch(state):
+    """The CUDA path's layout (one index buffer, one value buffer per bit width), run on CPU:
+    every part is exactly its patch, in order, across mixed dtypes."""
+    from deltarl.services.weightsync.delta import _stage_batched, iter_changed_tensors
+
+    mixed = dict(state) | {"fp32.extra": torch.randn(33, 7)}
+    new = perturb(mixed, 0.05)
+    new["fp32.extra"] = mixed["fp32.extra"] + (torch.rand(33, 7) < 0.2) * 1e-3
+    d = compute_delta(mixed, new, 0, 1)
+    patches = list(iter_changed_tensors(d))
+    assert {p.value.dtype for p in patches} == {np.dtype(np.int16), np.dtype(np.int32)}
+    parts = _stage_batched(patches, torch.device("cpu"), pin=False)
+    assert [name for name, _, _ in parts] == [p.name for p in patches]
+    for (_, idx, val), p in zip(parts, patches, strict=True):
+        assert np.array_equal(idx.numpy(), p.index) and np.array_equal(val.numpy(), p.value)
+    s = clone(mixed)
+    from deltarl.services.weightsync.delta import StagedDelta, apply_staged
+
+    apply_staged(s, StagedDelta(delta=d, device=torch.device("cpu"), parts=parts))
+    assert bits_equal(s, new)
+
+
 def test_staged_apply_refuses_a_different_state(state):
     from deltarl.services.weightsync import apply_staged, stage_delta
 
