@@ -67,7 +67,7 @@ def test_workers_killed_mid_episode_and_mid_sync(
     info = {
         wid: wait_for(
             lambda wid=wid, point=point: c.check_alive() or reached(c.fault_dirs[wid], point),
-            60,
+            90,  # the queue may be full: a group starts once the trainer takes one
             f"{wid} never reached {point}",
         )
         for wid, point in points.items()
@@ -97,7 +97,7 @@ def test_workers_killed_mid_episode_and_mid_sync(
         # the restarted worker contributes again
         wait_for(
             lambda wid=wid: c.check_alive() or c.worker(wid).submitted > after[wid].submitted,  # type: ignore[union-attr]
-            60,
+            90,
             f"{wid} submitted nothing after its restart",
         )
     values = c.losses(before)
