@@ -71,3 +71,31 @@ def test_the_auditors_count_what_is_wrong(tmp_path: Path) -> None:
     # v1 was never verified by w; "other" has no log at all
     assert c.unverified(rows) == [("w", "g2", 1, 2), ("other", "g3", 0, 0)]
     c.client.close()
+
+
+def test_a_trainer_killed_by_a_coordinator_restart_is_recognised(tmp_path: Path) -> None:
+    """The known trainer bug (a transport error out of pull_groups) is told apart from any
+    other trainer exit, which must fail the scenario instead."""
+    import subprocess
+
+    from deltarl.demo_procs import Child
+    from tests.faults.harness import Cluster
+
+    c = Cluster(tmp_path / "c", tmp_path)
+    proc = subprocess.Popen(["false"])
+    proc.wait()
+    log = tmp_path / "trainer.1.log"
+    c.trainer = Child("trainer.1", proc, log)
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        '  File "/x/deltarl/trainer/loop.py", line 131, in pull_groups\n'
+        "    leased = source.lease(want - len(out.groups), settings.lease_s, poll_s)\n"
+        "httpx.RemoteProtocolError: Server disconnected without sending a response.\n"
+    )
+    why = c.trainer_outage_death()
+    assert why is not None and "RemoteProtocolError" in why and "loop.py" in why
+    assert c.trainer_outage_death() is None  # reported once, then ended on purpose
+    c.trainer = Child("trainer.2", proc, log)
+    log.write_text("Traceback (most recent call last):\nValueError: something else\n")
+    assert c.trainer_outage_death() is None
+    c.client.close()
