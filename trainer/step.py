@@ -18,6 +18,7 @@ caller publishes right after this function returns.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from typing import Any
@@ -31,6 +32,8 @@ from .distributed import DistContext, gather_stats, shard_rows
 from .loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from .optim import clip_gradients
 from .settings import ExperimentSettings
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SamplingMismatchError",
@@ -81,6 +84,15 @@ def check_onpolicy_mismatch(stats: LossStats, settings: ExperimentSettings) -> N
         return
     total, count = stats.means["mismatch/kl_onpolicy"]
     kl = float(total / count) if float(count) else 0.0
+    if kl > limit / 5:
+        logger.warning(
+            "on-policy mismatch KL %.4f nats/token over %d tokens (refused above %s): is "
+            "sampling.temperature (%s) the workers' temperature?",
+            kl,
+            int(count),
+            limit,
+            settings.sampling.temperature,
+        )
     if kl > limit:
         raise SamplingMismatchError(
             f"the trainer's logprobs of {int(count)} on-policy tokens (sampled by the weights "
