@@ -355,6 +355,18 @@ class Cluster:
 
         return wait_for(enough, timeout, f"fewer than {at_least} groups accepted")  # type: ignore[no-any-return]
 
+    def wait_submitted(self, wid: str, more_than: int, timeout: float = 60.0) -> WorkerInfo:
+        """Wait until ``wid`` had more than ``more_than`` groups accepted."""
+
+        def more() -> WorkerInfo | None:
+            self.check_alive()
+            w = self.worker(wid)
+            return w if w is not None and w.submitted > more_than else None
+
+        return wait_for(  # type: ignore[no-any-return]
+            more, timeout, lambda: f"{wid} submitted nothing new: {self.worker(wid)}"
+        )
+
     def wait_verified(
         self, wid: str, version: int | None = None, timeout: float = 60.0, min_rejoins: int = 0
     ) -> WorkerInfo:

@@ -45,13 +45,15 @@ LATE = 50
 
 
 def step(state: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, torch.Tensor]:
-    """A new bf16 state: ``density`` of each tensor's elements moved by one ULP (up or down),
-    like an optimizer step; cheap enough to publish 50 versions in a few seconds."""
+    """A new bf16 state: about ``density`` of each tensor's non-zero elements moved by one ULP
+    (up or down, never across zero: no NaN, no infinity), like an optimizer step; cheap enough
+    to publish 50 versions in a few seconds."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in state.items():
         bits = t.view(torch.int16).clone().reshape(-1)
         idx = torch.randint(bits.numel(), (max(1, int(bits.numel() * density)),), generator=g)
+        idx = idx[(bits[idx] & 0x7FFF) != 0]  # never +-0 (one ULP below is a NaN pattern)
         bits[idx] += torch.randint(0, 2, idx.shape, generator=g).to(torch.int16) * 2 - 1
         out[name] = bits.view(t.shape).view(torch.bfloat16)
     return out
@@ -123,7 +125,12 @@ class Versions:
 def published(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path
 ) -> Iterator[tuple[Cluster, Versions]]:
-    c = Cluster(tmp_path_factory.mktemp("faults-bucket"), model_dir)
+    c = Cluster(
+        tmp_path_factory.mktemp("faults-bucket"),
+        model_dir,
+        # no trainer drains the queue here: room for every group the workers play
+        coordinator_env={"DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": "1000"},
+    )
     try:
         c.start_coordinator()
         c.start_env()
@@ -176,6 +183,8 @@ def test_damaged_delta_recovered_through_anchor(
     damage(c.bucket, delta.key, how)
     versions.register(manifest)
     after = c.wait_verified(wid, manifest.version, timeout=60)
+    # a group played with the recovered weights is accepted (and audited below)
+    c.wait_submitted(wid, after.submitted)
 
     text = log.read_text(errors="replace")
     detected = [
@@ -223,8 +232,9 @@ def test_workers_fifty_versions_late_download_what_the_plan_promised(
     final = versions.version
     assert final == base + LATE
     b2 = c.start_worker("b2", seed=5)
-    c.wait_verified("b1", final, timeout=90)
-    c.wait_verified("b2", final, timeout=90)
+    for wid in ("b1", "b2"):
+        w = c.wait_verified(wid, final, timeout=90)
+        c.wait_submitted(wid, w.submitted)  # and plays with those weights
 
     chain = c.client.plan(base, final)  # b1: the 50 deltas
     fresh = c.client.plan(None, final)  # b2: the anchor at `base` + the 50 deltas
