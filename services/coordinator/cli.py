@@ -103,7 +103,10 @@ def status(
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     try:
-        with CoordinatorClient(url, token or os.environ.get("DELTARL_TOKEN")) as client:
+        # a one-shot probe: say at once that nothing answers (no waiting for a restart)
+        with CoordinatorClient(
+            url, token or os.environ.get("DELTARL_TOKEN"), refused_wait_s=0.0
+        ) as client:
             summary = client.status(workers=workers)
     except CoordinatorError as exc:
         raise typer.BadParameter(f"{url}: {exc}") from exc
