@@ -377,6 +377,9 @@ class RolloutWorker:
     def _deregister(self) -> None:
         if not self._registered:
             return
+        # best effort at shutdown: a coordinator that is down is not waited for (the client
+        # would wait up to refused_wait_s for a restart); it reports the worker lost instead
+        self.coordinator.refused_wait_s = 0.0
         try:
             self.coordinator.remove_worker(self.worker_id)
             logger.info("deregistered %s", self.worker_id)
