@@ -221,11 +221,19 @@ def plot(summary: dict[str, Any], rd: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, series in summary["per_step"].items():
-        if k.count("/") > 2 or not any(v is not None for v in series):
+    shown = {
+        "reward/mean": "reward (trained on)",
+        "reward/format/mean": "format: a [5-letter word]",
+        "reward/invalid/mean": "invalid move",
+        "reward/greens/mean": "greens / 5",
+        "reward/yellows/mean": "yellows / 5",
+    }
+    for k, label in shown.items():
+        series = summary["per_step"].get(k)
+        if not series:
             continue
         ys = [math.nan if v is None else float(v) for v in series]
-        ax.plot(range(1, len(ys) + 1), ys, label=k, linewidth=1)
+        ax.plot(range(1, len(ys) + 1), ys, label=label, linewidth=1)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean over the step's batch")
     ax.set_title("SmolLM2-135M-Instruct on Wordle (GPU, deltarl)")
