@@ -159,6 +159,8 @@ def _run(
                 "DELTARL_ROLLOUT_GROUP_SIZE": str(plan.group_size),
                 "DELTARL_ROLLOUT_MAX_TURNS": str(plan.max_turns),
                 "DELTARL_ROLLOUT_MAX_NEW_TOKENS": str(plan.max_new_tokens),
+                # charset: the env's own instructions only, not the Wordle player prompt
+                **({"DELTARL_ROLLOUT_SYSTEM_PROMPT": ""} if plan.task == "charset" else {}),
                 "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": "1",
                 "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
                 "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "10",

