@@ -351,12 +351,12 @@ def test_sigterm_finishes_in_flight_groups_and_deregisters(
                 proc.poll() is not None
                 or ((i := info(coordinator, "w-sub")) is not None and i.submitted >= 1)
             ),
-            12,
+            60,  # a fresh interpreter imports torch + transformers: seconds on a loaded box
             "the worker process submitted nothing",
         )
         assert proc.poll() is None, proc.communicate()[0]
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=10)
+        out, _ = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
