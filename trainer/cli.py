@@ -95,11 +95,12 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     from transformers import AutoModelForCausalLM
 
     from .checkpoint import Checkpointer, CheckpointError
-    from .distributed import init_distributed
+    from .distributed import init_distributed, shutdown_distributed
     from .loop import GracefulStop
     from .replica import train_replica
 
     ctx, device = init_distributed(deploy.device, timeout_s=deploy.dist_timeout_s)
+    clean = False
     try:
         checkpointer = Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
         try:
@@ -116,9 +117,9 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
                 _run_main(model, settings, deploy, stopper, checkpointer, checkpoint, ctx)
             else:  # rank 0 decides when to stop; a signal here only sets the exit code
                 train_replica(model, settings, ctx, resume=checkpoint)
+        clean = True
     finally:
-        if ctx.enabled:
-            torch.distributed.destroy_process_group()
+        shutdown_distributed(ctx, clean=clean)
     return 0 if stopper.signum is None else 128 + stopper.signum
 
 

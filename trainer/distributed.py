@@ -50,6 +50,7 @@ __all__ = [
     "gather_stats",
     "init_distributed",
     "shard_rows",
+    "shutdown_distributed",
     "wrap_ddp",
 ]
 
@@ -81,14 +82,17 @@ class DistContext:
         )
 
 
-def init_distributed(device: str, timeout_s: float = 6 * 3600) -> tuple[DistContext, str]:
+def init_distributed(
+    device: str, timeout_s: float = 6 * 3600, init_method: str | None = None
+) -> tuple[DistContext, str]:
     """Join the process group when started by ``torchrun`` (``WORLD_SIZE > 1``); return the
     context and the device of this rank.
 
     ``device``: ``"auto"`` (CUDA if present), ``"cpu"`` or ``"cuda"``: under torchrun each rank
     takes ``cuda:<LOCAL_RANK>``. Backend: NCCL on CUDA, gloo on CPU. ``timeout_s`` bounds every
     collective, including the other ranks' wait while rank 0 waits for data: keep it above the
-    longest data wait you accept (``DELTARL_TRAINER_DATA_TIMEOUT_S``).
+    longest data wait you accept (``DELTARL_TRAINER_DATA_TIMEOUT_S``). ``init_method``: the
+    rendezvous (None: torchrun's ``MASTER_ADDR``/``MASTER_PORT``; tests use ``file://``).
     """
     ctx = DistContext.from_env()
     if device == "auto":
@@ -102,9 +106,23 @@ def init_distributed(device: str, timeout_s: float = 6 * 3600) -> tuple[DistCont
         tdist.init_process_group(
             backend="nccl" if device.startswith("cuda") else "gloo",
             timeout=datetime.timedelta(seconds=timeout_s),
+            init_method=init_method,
+            rank=ctx.rank if init_method else -1,
+            world_size=ctx.world_size if init_method else -1,
         )
     logger.info("rank %d of %d on %s", ctx.rank, ctx.world_size, device)
     return ctx, device
+
+
+def shutdown_distributed(ctx: DistContext, *, clean: bool = True) -> None:
+    """Leave the process group. ``clean`` (every rank got here normally): wait for all ranks
+    first, so no rank tears down its connections while another still uses them (gloo aborts the
+    process then); after a failure, leave at once."""
+    if not ctx.enabled or not tdist.is_initialized():
+        return
+    if clean:
+        tdist.barrier()
+    tdist.destroy_process_group()
 
 
 def broadcast(obj: Any, ctx: DistContext) -> Any:

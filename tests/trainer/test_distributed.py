@@ -16,7 +16,12 @@ from test_step import Bigram
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate
-from deltarl.trainer.distributed import DistContext, init_distributed, shard_rows
+from deltarl.trainer.distributed import (
+    DistContext,
+    init_distributed,
+    shard_rows,
+    shutdown_distributed,
+)
 from deltarl.trainer.loop import train
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.replica import train_replica
@@ -50,18 +55,11 @@ def run_rank0(model: Bigram, root: Path, dist: DistContext | None) -> tuple[int,
     return last, len(coordinator.manifests)
 
 
-def rank_main(rank: int, root: str, port: int) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+def rank_main(rank: int, root: str) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
     torch.set_num_threads(1)
-    ctx, device = init_distributed("cpu", timeout_s=120)
+    # a file rendezvous: no port to race for with other processes on this machine
+    ctx, device = init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
     assert device == "cpu" and ctx.world_size == 2
     torch.manual_seed(0)
     model = Bigram()
@@ -73,13 +71,11 @@ def rank_main(rank: int, root: str, port: int) -> None:
         last, registered = train_replica(model, make_settings(out / "run"), ctx), 0
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / "final.pt")
     (out / "result.json").write_text(json.dumps({"last": last, "registered": registered}))
-    torch.distributed.destroy_process_group()
+    shutdown_distributed(ctx)
 
 
 @pytest.mark.slow
 def test_two_ranks_publish_bit_identical_weights_to_one(tmp_path: Path) -> None:
-    from tests.coordinator.conftest import free_port
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -90,7 +86,7 @@ def test_two_ranks_publish_bit_identical_weights_to_one(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
     assert last == STEPS and registered == STEPS + 1
 
-    mp.spawn(rank_main, args=(str(tmp_path), free_port()), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}" / "result.json").read_text()) for r in (0, 1)]
     assert results == [{"last": STEPS, "registered": STEPS + 1}, {"last": STEPS, "registered": 0}]
     # only rank 0 published: rank 1 has no bucket at all
