@@ -4,8 +4,11 @@ Order per optimizer step (``v`` is the version of the weights being trained):
 
 1. **pull** (:func:`pull_groups`): lease groups from the coordinator until ``groups_per_step``
    groups within ``max_staleness`` of ``v`` are held; staler ones are dropped and counted (the
-   coordinator drops at lease time too, but ``v`` moves on meanwhile);
-2. **train**: :func:`~.step.train_step` on the collated groups;
+   coordinator drops at lease time too, but ``v`` moves on meanwhile); from the moment a lease
+   is taken until its ack, a :class:`~.leases.LeaseKeeper` extends it every ``lease_s / 3``, so
+   a step slower than the lease never loses its groups to the queue;
+2. **train**: :func:`~.step.train_step` on the collated groups (under ``torchrun``: the batch
+   goes to every rank first, each trains its share with DDP; see :mod:`.distributed`);
 3. **publish**: :meth:`WeightPublisher.publish` snapshots the weights as version ``v + 1``
    (after waiting for version ``v`` to be committed and registered) and uploads in the
    background while the next step pulls and computes;
