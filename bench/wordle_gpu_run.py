@@ -67,6 +67,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--anchor-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--window", type=int, default=10, help="steps per window in the summary")
+    ap.add_argument("--task", choices=["wordle", "charset"], default="wordle")
+    ap.add_argument("--model-kind", choices=["smollm2", "tiny-bytes"], default="smollm2")
+    ap.add_argument(
+        "--trainer-nproc", type=int, default=1, help="trainer ranks (torchrun, one GPU each)"
+    )
+    ap.add_argument("--max-turns", type=int, default=None, help="default: guesses + invalid")
     return ap.parse_args(argv)
 
 
@@ -101,16 +107,20 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
             "DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": str(2 * a.groups_per_step),
         },
     )
-    env = group.start(
-        "env",
-        ["env", "--host", HOST, "--port", str(eport)],
-        common
-        | {
-            "DELTARL_ENV_TOKEN": env_token,
+    task_env = (
+        {"DELTARL_ENV_TASK": "charset"}
+        if a.task == "charset"
+        else {
+            "DELTARL_ENV_TASK": "wordle",
             "DELTARL_ENV_MAX_GUESSES": str(a.max_guesses),
             "DELTARL_ENV_MAX_INVALID_MOVES": str(a.max_invalid),
             "DELTARL_ENV_ALLOW_NON_WORDS": "true",
-        },
+        }
+    )
+    env = group.start(
+        "env",
+        ["env", "--host", HOST, "--port", str(eport)],
+        common | {"DELTARL_ENV_TOKEN": env_token} | task_env,
     )
     wait_healthy(f"{curl}/health", coord)
     wait_healthy(f"{eurl}/health", env)
@@ -130,7 +140,11 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
                 "DELTARL_ROLLOUT_DEVICE": a.device,
                 "DELTARL_ROLLOUT_ENGINE_SEED": str(a.seed * a.workers + i),
                 "DELTARL_ROLLOUT_GROUP_SIZE": str(a.group_size),
-                "DELTARL_ROLLOUT_MAX_TURNS": str(a.max_guesses + a.max_invalid),
+                "DELTARL_ROLLOUT_MAX_TURNS": str(
+                    a.max_turns if a.max_turns is not None else a.max_guesses + a.max_invalid
+                ),
+                # charset: the env's own instructions, not the Wordle player prompt
+                **({"DELTARL_ROLLOUT_SYSTEM_PROMPT": ""} if a.task == "charset" else {}),
                 "DELTARL_ROLLOUT_MAX_NEW_TOKENS": str(a.max_new_tokens),
                 "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": str(a.in_flight_groups),
                 "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
@@ -152,6 +166,9 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
         "checkpoint.every": 0,
         "checkpoint.keep": 1,
     }
+    launcher: list[str] = []
+    if a.trainer_nproc > 1:
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(a.trainer_nproc)]
     group.start(
         "trainer",
         ["train", *_set(overrides)],
@@ -161,8 +178,36 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
             "DELTARL_TRAINER_TOKEN": trainer_token,
             "DELTARL_TRAINER_DEVICE": a.device,
         },
+        python_args=launcher,
     )
     return group, curl
+
+
+def final_check(curl: str, status: Any, timeout_s: float = 90.0) -> Any:
+    """Wait until every worker reports the final version with verified weights; record them."""
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, Any] = {"status": status}
+    while time.monotonic() < deadline:
+        try:
+            latest = httpx.get(f"{curl}/v1/versions/latest", timeout=5).json()
+            workers = httpx.get(f"{curl}/v1/workers", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            time.sleep(2)
+            continue
+        out["final_version"] = latest.get("version")
+        out["workers"] = [
+            {k: w.get(k) for k in ("worker_id", "applied_version", "weights_verified")}
+            for w in workers
+        ]
+        if workers and all(
+            w.get("applied_version") == latest.get("version") and w.get("weights_verified")
+            for w in workers
+        ):
+            out["all_workers_verified_at_final"] = True
+            return out
+        time.sleep(2)
+    out["all_workers_verified_at_final"] = False
+    return out
 
 
 def window_means(rows: list[dict[str, Any]], key: str, w: int) -> list[float]:
@@ -246,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     a = _args(argv)
     rd = a.run_dir.resolve()
     rd.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model("smollm2", a.cache_dir)
+    model_dir = prepare_model(a.model_kind, a.cache_dir)
     t0 = time.monotonic()
     group, curl = start_all(a, rd, model_dir)
     trainer = next(c for c in group.children if c.name == "trainer")
@@ -266,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         if trainer.exit_code() is None:
             os.kill(trainer.proc.pid, signal.SIGTERM)
             trainer.proc.wait(timeout=120)
+        status = final_check(curl, status)
     finally:
         elapsed = time.monotonic() - t0
         group.stop_all(timeout_s=30.0, first=[c.name for c in group.children if "worker" in c.name])

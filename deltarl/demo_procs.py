@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,14 +76,21 @@ class ProcessGroup:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, args: list[str], env: Mapping[str, str]) -> Child:
-        """Start ``python -m deltarl <args>`` with ``env`` added to this process's environment."""
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        env: Mapping[str, str],
+        python_args: Sequence[str] = (),
+    ) -> Child:
+        """Start ``python [python_args] -m deltarl <args>`` with ``env`` added to this process's
+        environment (``python_args``: e.g. ``-m torch.distributed.run --nproc_per_node 2``)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         full_env = {**os.environ, **env}
         with log.open("ab") as fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "deltarl", *args],
+                [sys.executable, *python_args, "-m", "deltarl", *args],
                 stdin=subprocess.DEVNULL,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
