@@ -279,6 +279,33 @@ class Cluster:
                     f"{child.name} exited with {child.exit_code()}:\n{tail(child.log, 40)}"
                 )
 
+    def restart_coordinator(self) -> tuple[Ledger, Ledger]:
+        """``kill -9`` the coordinator and start it again on the same port, with the workers
+        frozen (SIGSTOP) meanwhile, so that no submission changes the count of accepted groups
+        around the restart (the trainer keeps running). Returns the ledger read just before the
+        kill (once two reads in a row agree) and just after the restart."""
+        assert self.coordinator is not None
+        frozen = [w for w in self.workers.values() if w.exit_code() is None]
+        for w in frozen:
+            os.killpg(w.proc.pid, signal.SIGSTOP)
+        try:
+            last: list[int] = []
+
+            def settled() -> Ledger | None:
+                led = self.ledger()
+                same = bool(last) and last[-1] == led.accepted
+                last.append(led.accepted)
+                return led if same else None
+
+            before: Ledger = wait_for(settled, 10, "the accepted count did not settle")
+            assert self.kill(self.coordinator, signal.SIGKILL) == -signal.SIGKILL
+            self.start_coordinator()
+            after = self.ledger()
+        finally:
+            for w in frozen:
+                os.killpg(w.proc.pid, signal.SIGCONT)
+        return before, after
+
     def trainer_outage_death(self) -> str | None:
         """If the trainer process died of a coordinator outage (a known trainer bug: its loop
         lets the client's transport errors escape), the error line of its log; else None."""

@@ -116,24 +116,19 @@ def test_workers_killed_mid_episode_and_mid_sync(
 
 
 def test_coordinator_restart_sqlite(cluster: Cluster, fault_report: FaultReport) -> None:
-    """kill -9 the coordinator (SQLite store) and restart it on the same port: the trainer and
-    workers carry on, every accepted group is still accounted for."""
+    """kill -9 the coordinator (SQLite store) and restart it on the same port: every group
+    accepted before is still there (accepted before == after, the workers frozen meanwhile),
+    the trainer and workers carry on."""
     c = cluster
-    assert c.coordinator is not None
     v_before = c.latest()
-    before = c.ledger()
-    assert c.kill(c.coordinator, signal.SIGKILL) == -signal.SIGKILL
-    c.start_coordinator()
-    restored = c.ledger()
-    # nothing accepted before the crash is gone (counts can only have grown since: the others
-    # were still running while we read `before`)
-    assert restored.accepted >= before.accepted and restored.acked >= before.acked, (
-        before,
-        restored,
-    )
-    # the run continues: new versions, new groups, workers following and proving their weights
-    assert v_before is not None
-    trainer_died = c.wait_progress_after_restart(v_before)
+    before, restored = c.restart_coordinator()
+    assert restored.accepted == before.accepted, (before, restored)
+    assert restored.acked >= before.acked, (before, restored)  # the trainer kept acking
+    # the run continues: a version newer than any before the restart (the trainer took a step
+    # after it), new groups, workers following and proving their weights
+    v_restart = c.latest()
+    assert v_before is not None and v_restart is not None and v_restart >= v_before
+    trainer_died = c.wait_progress_after_restart(v_restart)
     c.wait_accepted(restored.accepted + 1, timeout=90)
     for wid in WORKERS:
         c.wait_verified(wid, timeout=60)
