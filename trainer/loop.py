@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
+import httpx
 import torch
 
+from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.schemas import LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.publish import BucketReader
 
@@ -58,7 +60,7 @@ from .step import train_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchSource", "GracefulStop", "Pulled", "pull_groups", "train"]
+__all__ = ["BatchSource", "GracefulStop", "Pulled", "pull_groups", "train", "transient_error"]
 
 
 class BatchSource(Protocol):
@@ -84,6 +86,7 @@ class Pulled:
     batch_ids: list[str] = field(default_factory=list)
     dropped_by_coordinator: int = 0  # groups beyond the staleness bound at lease time
     dropped_by_trainer: int = 0  # groups that became too stale after the lease
+    lease_errors: int = 0  # lease requests that failed transiently (retried)
     wait_s: float = 0.0
 
 
@@ -107,16 +110,24 @@ def pull_groups(
     set, gives up: the leases taken so far are nacked (their groups return to the queue at once)
     and ``TimeoutError`` is raised. Logs a warning every 30 s of waiting (a silent hang is the
     worst failure of an asynchronous trainer).
+
+    A coordinator that is restarting or unreachable (a transport error, or a 5xx answer: see
+    :func:`transient_error`) is waited for: the lease request is retried with a backoff from 0.1
+    to 5 s, under the same ``timeout_s`` and ``stop``; the leases already held are kept (and
+    extended once it answers again: its store is durable). A lease whose answer was lost in the
+    outage is never acked, so its groups return to the queue when it expires. Any other error is
+    raised.
     """
     out = Pulled()
     t0 = last_warn = time.perf_counter()
+    failing = 0  # consecutive failed lease requests
     while len(out.groups) < want:
         now = time.perf_counter()
         if (stop is not None and stop.is_set()) or (timeout_s is not None and now - t0 > timeout_s):
             for bid in out.batch_ids:
                 if keeper is not None:
                     keeper.release(bid)
-                source.nack(bid)
+                _nack(source, bid)
             why = "stop requested" if stop is not None and stop.is_set() else "timed out"
             raise TimeoutError(
                 f"{why} after {now - t0:.1f} s with {len(out.groups)}/{want} groups for version "
@@ -131,7 +142,25 @@ def pull_groups(
                 policy_version,
             )
             last_warn = now
-        leased = source.lease(want - len(out.groups), settings.lease_s, poll_s)
+        try:
+            leased = source.lease(want - len(out.groups), settings.lease_s, poll_s)
+        except Exception as err:
+            if not transient_error(err):
+                raise
+            out.lease_errors += 1
+            failing += 1
+            if failing == 1 or now - last_warn > 30:
+                logger.warning("the coordinator did not answer a lease (%s); retrying", err)
+                last_warn = now
+            delay = min(0.1 * 2 ** (failing - 1), 5.0)  # 0.1, 0.2, 0.4, ... 5 s
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+            continue
+        if failing:
+            logger.warning("the coordinator answers again after %d failed lease requests", failing)
+            failing = 0
         out.dropped_by_coordinator += leased.lease.dropped_stale
         if not leased.lease.items:
             continue
@@ -143,6 +172,27 @@ def pull_groups(
         out.dropped_by_trainer += kept.dropped_groups
     out.wait_s = time.perf_counter() - t0
     return out
+
+
+def transient_error(err: BaseException) -> bool:
+    """True for a coordinator that is unreachable or restarting (a transport error, a 5xx
+    answer): worth retrying. 4xx answers and everything else are real errors."""
+    if isinstance(err, httpx.TransportError):
+        return True
+    return isinstance(err, CoordinatorError) and err.status_code >= 500
+
+
+def _nack(source: BatchSource, batch_id: str) -> None:
+    """Return a lease; if the coordinator cannot take it back now, the lease expires instead
+    (its groups return to the queue then: nothing is lost)."""
+    try:
+        source.nack(batch_id)
+    except Exception as err:
+        if not (transient_error(err) or isinstance(err, CoordinatorError)):
+            raise
+        logger.warning(
+            "returning batch %s failed (%s): it returns when its lease expires", batch_id, err
+        )
 
 
 class GracefulStop:
@@ -371,6 +421,7 @@ def train(
                     "batch/dropped_stale_coordinator": float(pulled.dropped_by_coordinator),
                     "batch/dropped_stale_trainer": float(pulled.dropped_by_trainer),
                     "batch/ack_failures": float(ack_failures),
+                    "batch/lease_errors": float(pulled.lease_errors),
                     "lease/extensions": float(keeper.extensions),
                     "lease/extend_failures": float(keeper.failures),
                     "publish/failed": float(failed),

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from test_publisher import FakeCoordinator, assert_bit_identical
@@ -16,6 +17,7 @@ from test_step import Bigram, rollout
 
 from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.schemas import BatchItem, BatchLease, LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.anchor import decode_anchor
 from deltarl.services.weightsync.codec import decode_delta
@@ -207,3 +209,64 @@ def test_loop_reanchors_after_a_failed_publication(tmp_path: Path) -> None:
     assert queue.replica is not None
     want = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}
     assert_bit_identical(queue.replica, want)
+
+
+class FlakyQueue(FakeQueue):
+    """A coordinator that restarts: the first lease requests fail with ``errors``."""
+
+    def __init__(self, bucket: LocalBucket, errors: list[Exception]) -> None:
+        super().__init__(bucket)
+        self.errors = errors
+
+    def lease(
+        self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
+    ) -> LeasedBatch:
+        if self.errors:
+            raise self.errors.pop(0)
+        return super().lease(max_groups, lease_s, wait_s)
+
+    def nack(self, batch_id: str) -> None:
+        raise httpx.ConnectError("connection refused")
+
+
+def test_pull_waits_out_a_coordinator_restart_and_raises_real_errors(tmp_path: Path) -> None:
+    bucket = LocalBucket(tmp_path / "bucket")
+    with WeightPublisher(bucket) as pub:
+        pub.publish(Bigram().state_dict())
+    outage: list[Exception] = [
+        httpx.ConnectError("connection refused"),
+        httpx.RemoteProtocolError("Server disconnected without sending a response."),
+        CoordinatorError(503, "unavailable", "starting"),
+    ]
+    queue = FlakyQueue(bucket, outage)
+    pulled = pull_groups(queue, 0, BatchSettings(), 2, poll_s=0.0)
+    assert len(pulled.groups) == 2 and pulled.lease_errors == 3 and not outage
+    for err in (CoordinatorError(422, "bad_batch_size", "no"), ValueError("corrupt batch")):
+        with pytest.raises(type(err)):
+            pull_groups(FlakyQueue(bucket, [err]), 0, BatchSettings(), 2, poll_s=0.0)
+    # giving up while the coordinator is down: the nack fails, the lease will expire instead
+    with pytest.raises(TimeoutError, match="timed out"):
+        pull_groups(
+            EmptyAfterOne(FlakyQueue(bucket, [])), 0, BatchSettings(), 3, poll_s=0.0, timeout_s=0.05
+        )
+
+
+class EmptyAfterOne:
+    """One lease with a group, then empty answers; returning leases fails (coordinator down)."""
+
+    def __init__(self, inner: FlakyQueue) -> None:
+        self.inner, self.done = inner, False
+
+    def lease(
+        self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
+    ) -> LeasedBatch:
+        if self.done:
+            return LeasedBatch(lease=self.inner._lease("", []), groups=[])
+        self.done = True
+        return self.inner.lease(1, lease_s, wait_s)
+
+    def ack(self, batch_id: str) -> None:
+        self.inner.ack(batch_id)
+
+    def nack(self, batch_id: str) -> None:
+        self.inner.nack(batch_id)
