@@ -519,6 +519,7 @@ def assert_nothing_lost(report: FaultReport, name: str, values: dict[str, Any]) 
         "acked_but_untrained",
         "trained_twice",
         "workers_not_identical",
+        "chain_inconsistent",
     ):
         assert values.get(key, 0) == 0, f"{name}: {key} = {values.get(key)}: {text}"
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from deltarl.demo_report import rebuild_digest
+from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import WorkerInfo
+from deltarl.services.weightsync.planner import reachable_versions
+from deltarl.services.weightsync.publish import BucketReader
 from tests.faults.harness import (
     TRAINER_OUTAGE_BUG,
     Cluster,
@@ -158,6 +161,24 @@ def _trainer_at_safe_point(c: Cluster) -> dict[str, object] | None:
     return None
 
 
+def chain_check(c: Cluster) -> dict[str, list[int]]:
+    """Every version the coordinator recorded is published in the bucket with the same state
+    digest, and every published version can be rebuilt from nothing through the planner."""
+    reader = BucketReader(LocalBucket(c.bucket))
+    manifests = reader.manifests()
+    records = c.client.versions(limit=500)
+    reachable = reachable_versions(manifests)
+    return {
+        "versions": sorted(manifests),
+        "digest_differs": [
+            r.version
+            for r in records
+            if r.version not in manifests or manifests[r.version].state_digest != r.state_digest
+        ],
+        "unreachable": sorted(set(manifests) - reachable),
+    }
+
+
 def test_trainer_killed_and_resumed(cluster: Cluster, fault_report: FaultReport) -> None:
     """kill -9 the trainer while it holds a leased batch, restart it with --resume: it
     publishes its checkpoint's weights as a fresh anchor, the leased groups come back when the
@@ -196,9 +217,12 @@ def test_trainer_killed_and_resumed(cluster: Cluster, fault_report: FaultReport)
         wid: c.wait_verified(wid, final, timeout=60).weights_digest == final_digest
         for wid in WORKERS
     }
+    chain = chain_check(c)
     led = c.ledger()
     values = c.losses() | {
         "fault": "kill -9 trainer holding a lease, restart with --resume",
+        "chain": chain,
+        "chain_inconsistent": len(chain["digest_differs"]) + len(chain["unreachable"]),
         "killed_at_version": v_killed,
         "checkpoint_step_at_kill": ckpt["step"],
         "resumed_anchor_version": resumed,
