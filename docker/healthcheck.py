@@ -3,18 +3,22 @@
     python /opt/deltarl/healthcheck.py http://127.0.0.1:8700/health [--tls-env VAR]
     python /opt/deltarl/healthcheck.py --url-env VAR [--path /health]
 
-Exit status 0 when the URL answers 200 within 4 s, else 1 (Docker's convention).
+Exit status 0 when the URL answers 200 within 4 s, else 1 (Docker's convention); an error
+answer's status and the start of its body are printed (``docker inspect`` keeps them).
 
-* Services (coordinator, env server) check their own ``/health`` on loopback. ``--tls-env VAR``:
-  when the environment variable VAR is set (the service's ``..._TLS_CERTFILE``), the service
-  serves HTTPS and the check uses ``https://`` instead; the certificate is not verified, since
-  this only asks whether the local process answers.
-* Workers (trainer, rollout) serve no HTTP. ``--url-env VAR`` reads the coordinator's base URL
-  from VAR (``DELTARL_TRAINER_COORDINATOR_URL``, ``DELTARL_ROLLOUT_COORDINATOR_URL``) and checks
-  that its ``/health`` answers from this container, verifying its certificate with
-  ``DELTARL_CA_BUNDLE`` (or ``DELTARL_ROLLOUT_CA_BUNDLE``) when set: a worker cut off from its
-  coordinator is reported unhealthy. (That the worker process itself runs, Docker knows: it is
-  the container's main process.)
+* Services check their own ``/health`` on loopback: the coordinator (8700), the env server
+  (8001) and the rollout worker (8702: 200 only while its weights are verified, 503 with the
+  reason while it starts, i.e. before the trainer's first version reached it, or while its
+  weights are unhealthy). ``--tls-env VAR``: when the environment variable VAR is set (the
+  service's ``..._TLS_CERTFILE``), the service serves HTTPS and the check uses ``https://``
+  instead; the certificate is not verified, since this only asks whether the local process
+  answers.
+* The trainer serves no HTTP. ``--url-env VAR`` reads the coordinator's base URL from VAR
+  (``DELTARL_TRAINER_COORDINATOR_URL``) and checks that its ``/health`` answers from this
+  container, verifying its certificate with ``DELTARL_CA_BUNDLE`` (or
+  ``DELTARL_ROLLOUT_CA_BUNDLE``) when set: a trainer cut off from its coordinator is reported
+  unhealthy. (That the trainer process itself runs, Docker knows: it is the container's main
+  process.)
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import argparse
 import os
 import ssl
 import sys
+import urllib.error
 import urllib.request
 
 TIMEOUT_S = 4.0
+BODY_CHARS = 300  # of an error answer, in the message
 
 
 def check(url: str, verify: bool, cafile: str | None) -> str | None:
@@ -40,6 +46,9 @@ def check(url: str, verify: bool, cafile: str | None) -> str | None:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=context) as response:
             if response.status != 200:
                 return f"{url}: HTTP {response.status}"
+    except urllib.error.HTTPError as exc:  # 4xx/5xx: say why (the worker's 503 names a reason)
+        body = exc.read(BODY_CHARS).decode(errors="replace").strip()
+        return f"{url}: HTTP {exc.code} {body}".rstrip()
     except Exception as exc:  # any failure means unhealthy; say which
         return f"{url}: {exc}"
     return None

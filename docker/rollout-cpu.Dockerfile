@@ -5,7 +5,10 @@
 # tokenizer of the default model; the weights come from the bucket's anchor).
 # The same image runs the trainer on CPU (compose's `cpu` profile: entrypoint deltarl train).
 # Build from the repository root:  docker build -f docker/rollout-cpu.Dockerfile -t deltarl-rollout-cpu .
-# The worker serves no HTTP: no port. Its health check asks whether the coordinator answers.
+# Health: the worker's own GET /health on 127.0.0.1:8702 (DELTARL_ROLLOUT_PORT, set here so that a
+# taken port stops the worker instead of moving it): 200 once its weights are verified, 503 while
+# it starts (before the trainer's first version) or while they are unhealthy. Not EXPOSEd: the
+# default host is loopback (DELTARL_ROLLOUT_HOST=0.0.0.0 to be scraped; docker/README.md).
 
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -37,10 +40,12 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/data \
     HF_HOME=/data/.cache/huggingface \
     DELTARL_ROLLOUT_DEVICE=cpu \
+    DELTARL_ROLLOUT_PORT=8702 \
     DELTARL_TRAINER_DEVICE=cpu
 USER 1000
 WORKDIR /data
-HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "/opt/deltarl/healthcheck.py", "--url-env", "DELTARL_ROLLOUT_COORDINATOR_URL"]
+# start period: model load + the trainer's first anchor (a CPU trainer loads and publishes it)
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "/opt/deltarl/healthcheck.py", "http://127.0.0.1:8702/health", "--tls-env", "DELTARL_ROLLOUT_TLS_CERTFILE"]
 ENTRYPOINT ["deltarl", "rollout"]
 CMD []

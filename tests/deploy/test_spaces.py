@@ -6,8 +6,10 @@ The Hub is not reachable where deltarl is developed. These tests run the real co
 run's output: README front matter is a valid Docker Space configuration, Dockerfiles run as UID
 1000 on ``app_port`` with an entry point the ``deltarl`` command has, each Space's variables and
 secrets are fields of its service's settings classes (and validate), no token value leaks into
-a log, the plan or a Space folder. Also: the client-side Hugging Face proxy header and the
-rollout Space's health endpoint.
+a log, the plan or a Space folder; the rollout Space's Dockerfiles keep docker/'s base (vLLM's
+image at pyproject's pin), install steps and worker defaults. Also: the client-side Hugging Face
+proxy header and the rollout Space's launcher (its health endpoint reports the worker's own
+``/health``, which it reaches on the loopback port it gives the worker).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from deltarl.cli import SUBCOMMANDS
 from deltarl.cli import app as root_app
 from deltarl.env_server.client import SyncEnvClient
 from deltarl.env_server.settings import EnvSettings
-from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.engines.base import VllmEngineSettings
+from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
 from deltarl.services.buckets.hf import parse_hf_uri
 from deltarl.services.buckets.settings import BucketSettings
 from deltarl.services.client_headers import HF_PROXY_HEADER, HF_PROXY_TOKEN_ENV, client_headers
@@ -54,8 +57,15 @@ from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.schemas.common import TOKEN_HEADER
 from deltarl.services.spaces import cli as spaces_cli
+from deltarl.services.spaces import worker_space
 from deltarl.services.spaces.names import parse_bucket, space_app_url, space_subdomain
-from deltarl.services.spaces.templates import TORCH_IMAGE
+from deltarl.services.spaces.templates import (
+    APP_PORT,
+    ROLLOUT,
+    VLLM_IMAGE,
+    WORKER_PORT,
+)
+from deltarl.services.spaces.templates import dockerfile as space_dockerfile
 from deltarl.services.spaces.tokens import read_secrets_file
 from deltarl.services.spaces.worker_space import run_worker
 from deltarl.trainer.settings import ExperimentSettings
@@ -317,14 +327,46 @@ def test_dockerfile_serves_app_port_as_uid_1000(dry_run: tuple[Path, str], servi
                 assert (folder / src).exists(), f"{service}: COPY {src} is not in the Space"
 
 
+def _pin_steps(text: str) -> list[str]:
+    """The commands of the RUN that pins the base's torch and vLLM, extras left out."""
+    joined = text.replace("\\\n", " ")
+    (run,) = [line for line in joined.splitlines() if "/tmp/pins.txt" in line]
+    steps = [" ".join(step.split()) for step in run.removeprefix("RUN ").split(" && ")]
+    return [re.sub(r"(deltarl-\*\.whl\))\[[\w,]+\]", r"\1[...]", step) for step in steps]
+
+
+def _vllm_pin() -> str:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (pin,) = [r for r in extras["optional-dependencies"]["vllm"] if r.startswith("vllm==")]
+    return pin.removeprefix("vllm==")
+
+
 def test_rollout_dockerfiles_follow_docker_dir(dry_run: tuple[Path, str]) -> None:
-    """The Space images use the bases of docker/ (a test-enforced derivation)."""
+    """The Space images use the bases, install steps and worker defaults of docker/ (a
+    test-enforced derivation)."""
     out, _ = dry_run
-    gpu = (out / "deltarl-rollout" / "Dockerfile").read_text()
+    gpu_path = out / "deltarl-rollout" / "Dockerfile"
+    gpu = gpu_path.read_text()
+    docker_gpu = (ROOT / "docker/rollout-gpu.Dockerfile").read_text()
+    assert f"vllm/vllm-openai:v{_vllm_pin()}" == VLLM_IMAGE  # pyproject's `vllm` pin
+    assert f"ARG VLLM_IMAGE={VLLM_IMAGE}\n" in docker_gpu
+    assert f"ARG VLLM_IMAGE={VLLM_IMAGE}\n" in gpu
+    assert _pin_steps(gpu) == _pin_steps(docker_gpu)  # same pins, same check, same python link
+    assert "[vllm]" in gpu  # the vllm extra (a Hugging Face bucket: no s3)
+    space_env = dockerfile_env(dockerfile(gpu_path)["ENV*"])
+    docker_env = dockerfile_env(dockerfile(ROOT / "docker/rollout-gpu.Dockerfile")["ENV*"])
+    for var in ("DELTARL_ROLLOUT_ENGINE", "DELTARL_ROLLOUT_PORT", "VLLM_NO_USAGE_STATS"):
+        assert space_env[var] == docker_env[var], var
+    cpu_path = out / "cpu.Dockerfile"
+    cpu_path.write_text(space_dockerfile(ROLLOUT, gpu=False))
+    docker_cpu = dockerfile(ROOT / "docker/rollout-cpu.Dockerfile")
     assert (
-        f"ARG TORCH_IMAGE={TORCH_IMAGE}\n" in (ROOT / "docker/rollout-gpu.Dockerfile").read_text()
+        dockerfile_env(dockerfile(cpu_path)["ENV*"])["DELTARL_ROLLOUT_PORT"]
+        == (dockerfile_env(docker_cpu["ENV*"])["DELTARL_ROLLOUT_PORT"])
     )
-    assert f"ARG TORCH_IMAGE={TORCH_IMAGE}\n" in gpu
+    assert docker_env["DELTARL_ROLLOUT_PORT"] == str(WORKER_PORT) == str(DEFAULT_PORT)
     light = (out / "deltarl-coordinator" / "Dockerfile").read_text()
     base = re.search(r"^FROM (\S+)", (ROOT / "docker/coordinator.Dockerfile").read_text(), re.M)
     assert base and f"FROM {base.group(1)}\n" in light
@@ -425,6 +467,10 @@ def test_space_environment_validates(
         assert parse_hf_uri(rollout.bucket_uri or "") == ("alice/weights", "deltarl")
         assert rollout.model == ExperimentSettings.model_fields["model"].default
         assert secrets.keys() >= {"HF_TOKEN", HF_PROXY_TOKEN_ENV}  # private: the proxy token
+        # the GPU image's engine, on the model the Space is given (a Hub id, as vLLM needs)
+        assert rollout.engine == "vllm" and rollout.port == WORKER_PORT
+        engine = rollout.engine_settings()
+        assert isinstance(engine, VllmEngineSettings) and engine.model == rollout.model
 
 
 def test_no_secret_leaks(dry_run: tuple[Path, str]) -> None:
@@ -648,26 +694,88 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_worker_space_health_follows_the_worker() -> None:
-    port = _free_port()
+# A stand-in worker: serves /health where the launcher told it to (DELTARL_ROLLOUT_HOST/PORT),
+# 503 "starting" for its first second, then 200; exits with status 3 after 3 s.
+FAKE_WORKER = """
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+start = time.monotonic()
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = time.monotonic() - start > 1.0
+        body = json.dumps({"status": "ok" if ok else "starting", "healthy": ok,
+                           "host": os.environ["DELTARL_ROLLOUT_HOST"]}).encode()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+time.sleep(0.3)  # the port opens late, as after a model load
+server = HTTPServer((os.environ["DELTARL_ROLLOUT_HOST"], int(os.environ["DELTARL_ROLLOUT_PORT"])), H)
+server.timeout = 0.05
+while time.monotonic() - start < 3.0:
+    server.handle_request()
+sys.exit(3)
+"""
+
+
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_worker_space_reports_the_workers_health() -> None:
+    port, wport = _free_port(), _free_port()
     result: list[int] = []
-    child = [sys.executable, "-c", "import time, sys; time.sleep(1.5); sys.exit(3)"]
-    thread = threading.Thread(target=lambda: result.append(run_worker(port, child, "127.0.0.1")))
+    child = [sys.executable, "-c", FAKE_WORKER]
+    # a Space variable asking for 0.0.0.0 does not move the worker off loopback
+    environ = {**os.environ, "DELTARL_ROLLOUT_PORT": str(wport), "DELTARL_ROLLOUT_HOST": "0.0.0.0"}
+    environ.pop("DELTARL_ROLLOUT_TLS_CERTFILE", None)
+    thread = threading.Thread(
+        target=lambda: result.append(run_worker(port, child, "127.0.0.1", environ))
+    )
     thread.start()
-    states = []
-    deadline = time.monotonic() + 5
-    while "running" not in states and time.monotonic() < deadline:
+    seen: list[tuple[int, str, bool, int | None, int]] = []
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and not (seen and seen[-1][2]):
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                assert r.status == 200
-                body = json.loads(r.read())
-                assert body["service"] == "rollout"
-                states.append(body["state"])
+            status, body = _get(f"http://127.0.0.1:{port}/health")
+            ready_status, ready = _get(f"http://127.0.0.1:{port}/ready")
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.05)
-    assert "running" in states and set(states) <= {"starting", "running"}
+            continue
+        assert body["service"] == "rollout"
+        seen.append(
+            (status, body["state"], body["ready"], body["worker_http_status"], ready_status)
+        )
+        if body["worker"] is not None:
+            assert body["worker"]["host"] == "127.0.0.1"  # the launcher pinned it
+            assert ready == body["worker"] or ready["status"] != body["worker"]["status"]
+        time.sleep(0.05)
+    running = [x for x in seen if x[1] == "running"]
+    assert running and all(x[0] == 200 for x in running), seen  # live while the worker runs
+    assert any(x[3] is None and x[4] == 503 for x in running), seen  # port not open yet
+    assert any(x[3] == 503 and not x[2] and x[4] == 503 for x in running), seen  # starting
+    assert running[-1][2] and running[-1][3] == 200 and running[-1][4] == 200, seen  # ready
     thread.join(10)
     assert result == [3]  # the worker's exit status is the Space's
+
+
+def test_worker_space_port_rules() -> None:
+    assert worker_space.DEFAULT_WORKER_PORT == DEFAULT_PORT == WORKER_PORT
+    assert worker_space.worker_port({}) == DEFAULT_PORT
+    assert worker_space.worker_port({"DELTARL_ROLLOUT_PORT": "9000"}) == 9000
+    for bad in ("0", "x", "70000"):
+        with pytest.raises(ValueError, match="DELTARL_ROLLOUT_PORT"):
+            worker_space.worker_port({"DELTARL_ROLLOUT_PORT": bad})
+    with pytest.raises(ValueError, match="launcher's own port"):
+        run_worker(APP_PORT, ["false"], "127.0.0.1", {"DELTARL_ROLLOUT_PORT": str(APP_PORT)})
+    env = worker_space.child_environment({"DELTARL_ROLLOUT_HOST": "0.0.0.0", "A": "1"}, 8702)
+    assert env == {"DELTARL_ROLLOUT_HOST": "127.0.0.1", "DELTARL_ROLLOUT_PORT": "8702", "A": "1"}
 
 
 def test_worker_command_is_registered() -> None:
