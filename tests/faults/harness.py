@@ -39,9 +39,9 @@ GROUPS_PER_STEP = 1
 
 
 TRAINER_OUTAGE_BUG = (
-    "known trainer bug (trainer/loop.py, not fixed here): a coordinator restart while the "
-    "trainer's lease request is in flight raises an httpx transport error out of pull_groups "
-    "and the trainer process exits with code 1; restarted with --resume, nothing was lost"
+    "the trainer died of the coordinator restart (a transport error escaped its loop; "
+    "pull_groups retries lease requests through an outage since this was fixed); restarted "
+    "with --resume, nothing was lost"
 )
 
 
@@ -307,8 +307,9 @@ class Cluster:
         return before, after
 
     def trainer_outage_death(self) -> str | None:
-        """If the trainer process died of a coordinator outage (a known trainer bug: its loop
-        lets the client's transport errors escape), the error line of its log; else None."""
+        """If the trainer process died of a coordinator outage (a transport error escaping its
+        loop: fixed, so the restart scenarios fail on it), the error line of its log; else
+        None."""
         t = self.trainer
         if t is None or t.name in self._ended or t.exit_code() is None:
             return None
@@ -332,7 +333,7 @@ class Cluster:
     def wait_progress_after_restart(self, version: int, timeout: float = 120.0) -> str | None:
         """Wait for a version newer than ``version``. A trainer that died of the coordinator's
         restart (:meth:`trainer_outage_death`) is restarted with ``--resume`` (what an operator
-        would do) and the reason returned, so the caller can report the known bug."""
+        would do) and the reason returned, so the caller can fail with it."""
         died: list[str] = []
 
         def newer() -> bool:

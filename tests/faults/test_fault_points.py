@@ -74,7 +74,7 @@ def test_the_auditors_count_what_is_wrong(tmp_path: Path) -> None:
 
 
 def test_a_trainer_killed_by_a_coordinator_restart_is_recognised(tmp_path: Path) -> None:
-    """The known trainer bug (a transport error out of pull_groups) is told apart from any
+    """A trainer killed by a transport error out of pull_groups (the old bug) is told apart from any
     other trainer exit, which must fail the scenario instead."""
     import subprocess
 

@@ -145,7 +145,7 @@ def test_coordinator_restart_sqlite(cluster: Cluster, fault_report: FaultReport)
     }
     assert_nothing_lost(fault_report, "coordinator_restart_sqlite", values)
     if trainer_died:
-        pytest.xfail(f"{TRAINER_OUTAGE_BUG}: {trainer_died}")
+        pytest.fail(f"{TRAINER_OUTAGE_BUG}: {trainer_died}")
 
 
 def _trainer_at_safe_point(c: Cluster) -> dict[str, object] | None:

@@ -66,4 +66,4 @@ def test_coordinator_restart_redis(redis_cluster: Cluster, fault_report: FaultRe
     }
     assert_nothing_lost(fault_report, "coordinator_restart_redis", values)
     if trainer_died:
-        pytest.xfail(f"{TRAINER_OUTAGE_BUG}: {trainer_died}")
+        pytest.fail(f"{TRAINER_OUTAGE_BUG}: {trainer_died}")
