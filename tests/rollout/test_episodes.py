@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from episode_helpers import ScriptedEngine, WordleServer, smollm2_tokenizer
+from episode_helpers import ScriptedEngine, WordleServer
 from rollout_helpers import FakeTrainer, clone_state
 
 from deltarl.env_server.client import AsyncEpisode, EnvClient
@@ -41,11 +41,6 @@ pytestmark = pytest.mark.network
 IM_END = 2  # SmolLM2's <|im_end|>: end of turn and EOS
 SEED = 11
 WRONG = ["crane", "slate", "pious", "dumpy", "fight", "blown", "tulip"]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from episode_helpers import WordleServer, smollm2_tokenizer
+from episode_helpers import WordleServer
 from rollout_helpers import same_bits
 from typer.testing import CliRunner
 from worker_helpers import (
@@ -42,23 +42,6 @@ from deltarl.services.weightsync.publish import BucketReader
 from tests.tls_helpers import make_ca_and_server_cert
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return smollm2_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[WordleServer]:
-    with WordleServer() as s:
-        yield s
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[CoordinatorServer]:
-    with CoordinatorServer(tmp_path) as s:
-        yield s
 
 
 @pytest.fixture

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from episode_helpers import WordleServer, smollm2_tokenizer
+from episode_helpers import WordleServer
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
@@ -25,23 +24,6 @@ from deltarl.services.tls import client_verify
 from tests.tls_helpers import make_ca_and_server_cert
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return smollm2_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[WordleServer]:
-    with WordleServer() as s:
-        yield s
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[CoordinatorServer]:
-    with CoordinatorServer(tmp_path) as s:
-        yield s
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
