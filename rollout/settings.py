@@ -149,6 +149,15 @@ class RolloutSettings(TLSServerSettings):
         default=1.0, gt=0.0, le=1.0, description="Nucleus mass (keep 1.0 for training)."
     )
     top_k: int = Field(default=0, ge=0, description="Most likely tokens kept (0: all).")
+    gpu_memory_utilization: float = Field(
+        default=0.85,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "vllm engine: share of the GPU's memory vLLM may take (weights + KV cache); lower "
+            "it when the trainer or another worker shares the GPU."
+        ),
+    )
     system_prompt: str | None = Field(
         default=None,
         description=(
@@ -238,7 +247,12 @@ class RolloutSettings(TLSServerSettings):
                     "the vllm engine needs a Hugging Face model id or directory (safetensors "
                     "config), not a GGUF file: set DELTARL_ROLLOUT_MODEL"
                 )
-            return VllmEngineSettings(model=model, dtype=self.dtype, seed=self.engine_seed)
+            return VllmEngineSettings(
+                model=model,
+                dtype=self.dtype,
+                seed=self.engine_seed,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            )
         return TransformersEngineSettings(
             model=model,
             gguf_file=gguf,

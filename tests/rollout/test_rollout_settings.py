@@ -14,3 +14,12 @@ def test_system_prompt_setting() -> None:
     assert RolloutSettings(system_prompt="Be brief.").episode_settings().system_prompt == (
         "Be brief."
     )
+
+
+def test_vllm_memory_share_reaches_the_engine_settings() -> None:
+    from deltarl.rollout.engines.base import VllmEngineSettings
+
+    for given, want in ((0.4, 0.4), (None, 0.85)):
+        kw = {} if given is None else {"gpu_memory_utilization": given}
+        es = RolloutSettings(engine="vllm", model="org/m", **kw).engine_settings()
+        assert isinstance(es, VllmEngineSettings) and es.gpu_memory_utilization == want
