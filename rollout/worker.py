@@ -129,8 +129,14 @@ class RolloutWorker:
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()
         self._verify = client_verify(settings.ca_bundle)
+        # The worker's own loops retry registration, heartbeats and reads with a backoff that a
+        # stop request interrupts, so the client need not ride out a restart itself: a short
+        # refused wait keeps SIGTERM prompt while the coordinator is down (30 s otherwise).
         self.coordinator = CoordinatorClient(
-            settings.coordinator_url, _secret(settings.worker_token), verify=self._verify
+            settings.coordinator_url,
+            _secret(settings.worker_token),
+            verify=self._verify,
+            refused_wait_s=2.0,
         )
         self.follower = VersionFollower(
             sync,

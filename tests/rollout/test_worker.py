@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -383,3 +384,48 @@ def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:
         RolloutSettings(ca_bundle="/nonexistent/ca.pem")
     settings = RolloutSettings.model_validate({"worker_id": "", "worker_token": ""})
     assert settings.worker_id.endswith(f"-{os.getpid()}") and settings.worker_token is None
+
+
+def test_sigterm_is_prompt_while_the_coordinator_is_down(
+    bucket: LocalBucket, tok: Any, tmp_path: Path
+) -> None:
+    """A worker retrying its registration against a coordinator that refuses connections stops
+    within seconds of SIGTERM (the client's own refused wait is short; the worker's retry loop
+    is what rides out an outage, and a stop request interrupts it)."""
+    import socket
+
+    model_dir = tmp_path / "model"
+    tiny_llama(len(tok)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env_vars = {
+        **os.environ,
+        "DELTARL_ROLLOUT_COORDINATOR_URL": dead,
+        "DELTARL_ROLLOUT_WORKER_TOKEN": WORKER_TOKEN,
+        "DELTARL_ROLLOUT_ENV_URL": dead,
+        "DELTARL_ROLLOUT_BUCKET_URI": str(bucket.root),
+        "DELTARL_ROLLOUT_WORKER_ID": "w-down",
+        "DELTARL_ROLLOUT_MODEL": str(model_dir),
+        "DELTARL_ROLLOUT_DEVICE": "cpu",
+        "DELTARL_ROLLOUT_PORT": "0",
+    }
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltarl.rollout"], env=env_vars, stdout=out, stderr=out
+        )
+    try:
+        wait_for(lambda: "register:" in log.read_text(), 90, "no registration attempt logged")
+        time.sleep(1.0)  # the next attempt (after a 0.2 s backoff) is now waiting on the client
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, log.read_text()[-2000:]
+    assert took < 10, f"SIGTERM took {took:.1f} s with the coordinator down"
