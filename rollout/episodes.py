@@ -261,6 +261,7 @@ class Episode:
     reward: float = 0.0
     done: bool = False
     truncated: Truncation | None = None
+    temperature: float | None = None  # sampling temperature of its turns (None: greedy)
 
     @property
     def num_turns(self) -> int:
@@ -667,7 +668,9 @@ class EpisodeRunner:
         batcher.live += 1
         try:
             async with self.env.episode(seed=seed, episode_id=f"{group_id}/{index}") as session:
-                ep = await self._play(session, Episode(group_id, index, seed), abort)
+                t = self.sampling.temperature
+                ep = Episode(group_id, index, seed, temperature=t if t > 0 else None)
+                ep = await self._play(session, ep, abort)
             if self.metrics is not None:
                 self.metrics.episode_finished(ep)
             return ep

@@ -91,6 +91,7 @@ def to_trajectory(ep: Episode, *, reward: float | None = None) -> Trajectory:
         signals=episode_signals(ep),
         version_min=lo,
         version_max=hi,
+        temperature=ep.temperature,
     )
 
 

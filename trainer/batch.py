@@ -66,6 +66,14 @@ class TrainBatch:
     signals: dict[str, Tensor]  # name -> [B] float32, NaN where a trajectory lacks the signal
     group_index: Tensor  # [B] int64: index of the trajectory's group in this batch
     staleness: Tensor  # [B] int64: policy_version - version_min (0 without a policy version)
+    temperature: Tensor | None = None  # [B] float32 sampling temperature, NaN: not reported
+
+    def temperatures(self, default: float) -> Tensor:
+        """[B] float32: each trajectory's reported sampling temperature, ``default`` where
+        none was reported."""
+        if self.temperature is None:
+            return torch.full((len(self),), float(default), dtype=torch.float32)
+        return torch.nan_to_num(self.temperature, nan=float(default))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -88,6 +96,7 @@ class TrainBatch:
             signals={k: v[rows] for k, v in self.signals.items()},
             group_index=self.group_index[rows],
             staleness=self.staleness[rows],
+            temperature=None if self.temperature is None else self.temperature[rows],
         )
 
 
@@ -129,6 +138,12 @@ def collate(
         [0 if policy_version is None else policy_version - t.version_min for _, t in trajs],
         dtype=torch.int64,
     )
+    reported = [t.temperature for _, t in trajs]
+    temperature = (
+        torch.tensor([math.nan if v is None else v for v in reported], dtype=torch.float32)
+        if any(v is not None for v in reported)
+        else None
+    )
     return TrainBatch(
         tokens=tokens,
         attention_mask=attention,
@@ -139,6 +154,7 @@ def collate(
         signals=signals,
         group_index=group_index,
         staleness=staleness,
+        temperature=temperature,
     )
 
 

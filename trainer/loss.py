@@ -43,7 +43,6 @@ an importance-sampling mode it is the current policy, detached (one update per b
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,9 +143,25 @@ def advantage_metrics(rewards: Tensor, group_ids: Tensor, advantages: Tensor) ->
 # logprobs and entropy from logits
 
 
-def _rows(logits: Tensor, tokens: Tensor | None, fn: Callable[..., Tensor]) -> Tensor:
+Temperature = float | Tensor
+"""One sampling temperature for every row, or a [B] tensor of one per row (sequence)."""
+
+
+def _rows(
+    logits: Tensor, tokens: Tensor | None, fn: Callable[..., Tensor], temperature: Temperature
+) -> Tensor:
     """Apply ``fn`` one sequence at a time (bounds the float32 copy of the logits to [T, V])."""
-    out = [fn(logits[b], None if tokens is None else tokens[b]) for b in range(logits.shape[0])]
+    temps = (
+        temperature.tolist()
+        if isinstance(temperature, Tensor)
+        else [float(temperature)] * logits.shape[0]
+    )
+    if len(temps) != logits.shape[0]:
+        raise ValueError(f"{len(temps)} temperatures for {logits.shape[0]} sequences")
+    out = [
+        fn(logits[b], None if tokens is None else tokens[b], temps[b])
+        for b in range(logits.shape[0])
+    ]
     return torch.stack(out) if out else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
 
 
@@ -167,22 +182,27 @@ def _row_entropy(logits: Tensor, _: Tensor | None, temperature: float = 1.0) -> 
     return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
+def _check_temperature(temperature: Temperature) -> None:
+    ok = (
+        bool((temperature > 0).all()) and bool(torch.isfinite(temperature).all())
+        if isinstance(temperature, Tensor)
+        else temperature > 0
+    )
+    if not ok:
         raise ValueError(
             f"temperature must be > 0, got {temperature} (greedy samples carry no logprobs to "
-            "correct with)"
+            "train on)"
         )
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: Temperature = 1.0) -> Tensor:
     """Logprob of each token under a causal LM: [B, T] float32 (nats), with gradient.
 
     ``logits`` [B, T, V] is the model's output for ``tokens`` [B, T] (position ``t`` predicts
     token ``t + 1``). Position ``t`` of the result holds ``log p(tokens[t] | tokens[:t])``;
     position 0 (nothing predicts it) holds 0. Same alignment as the workers' logprobs.
     ``temperature``: the distribution is ``softmax(logits / temperature)`` (in float32), the
-    one the workers sampled from at that temperature.
+    one the workers sampled from at that temperature; a [B] tensor gives each sequence its own.
     """
     if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(
@@ -190,11 +210,11 @@ def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) 
             f"{list(tokens.shape)}"
         )
     _check_temperature(temperature)
-    return _rows(logits, tokens, functools.partial(_row_logprobs, temperature=temperature))
+    return _rows(logits, tokens, _row_logprobs, temperature)
 
 
 @torch.no_grad()
-def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+def token_entropy(logits: Tensor, *, temperature: Temperature = 1.0) -> Tensor:
     """Entropy (nats) of the distribution that produced each token: [B, T] float32, no grad.
 
     Aligned as :func:`token_logprobs`: position ``t`` holds the entropy of the prediction made at
@@ -203,7 +223,7 @@ def token_entropy(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V]; got {list(logits.shape)}")
     _check_temperature(temperature)
-    return _rows(logits, None, functools.partial(_row_entropy, temperature=temperature))
+    return _rows(logits, None, _row_entropy, temperature)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +344,7 @@ def grpo_loss(
     ref_logprobs: Tensor | None = None,
     logits: Tensor | None = None,
     normalizer: float | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
 ) -> LossOutput:
     """The GRPO loss of one (micro-)batch and its metrics (see the module docstring).
 
@@ -338,7 +358,8 @@ def grpo_loss(
         ref_logprobs: [B, T] logprobs of the reference policy; required when ``kl_coef > 0``.
         logits: [B, T, V] model output for the same tokens; only used for the entropy metric.
         temperature: the sampling temperature ``logits`` are divided by for the entropy metric
-            (``logprobs`` must already be those of ``softmax(logits / temperature)``).
+            (``logprobs`` must already be those of ``softmax(logits / temperature)``); a float
+            or a [B] tensor (one per sequence).
         normalizer: overrides the denominator of the aggregation: the number of trained tokens
             (``token_mean``) or of sequences (``sequence_mean``) of the *whole optimizer step*,
             or the constant of ``sum``. Pass it when accumulating gradients over micro-batches,

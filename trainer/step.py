@@ -125,7 +125,12 @@ def _micro_step(
 ) -> LossStats:
     """Forward and backward of one micro-batch; returns ``stats`` with its statistics merged."""
     device = next(model.parameters()).device
-    temp = settings.sampling.temperature
+    # each trajectory's own sampling temperature where its worker reported one
+    temp_arg: float | torch.Tensor = (
+        settings.sampling.temperature
+        if part.temperature is None
+        else part.temperatures(settings.sampling.temperature)
+    )
     tokens, attn = _on(device, part.tokens), _on(device, part.attention_mask)
     behaviour, mask = _on(device, part.behaviour_logprobs), _on(device, part.loss_mask)
     with _autocast(device, settings.precision):
@@ -134,8 +139,8 @@ def _micro_step(
         if ref_model is not None:
             with torch.no_grad():
                 ref_logits = forward_logits(ref_model, tokens, attn)
-                ref_lp = token_logprobs(ref_logits, tokens, temperature=temp)
-    logprobs = token_logprobs(logits, tokens, temperature=temp)
+                ref_lp = token_logprobs(ref_logits, tokens, temperature=temp_arg)
+    logprobs = token_logprobs(logits, tokens, temperature=temp_arg)
     out = grpo_loss(
         logprobs,
         behaviour,
@@ -145,7 +150,7 @@ def _micro_step(
         ref_logprobs=ref_lp,
         logits=logits.detach() if entropy else None,
         normalizer=normalizer,
-        temperature=temp,
+        temperature=temp_arg,
     )
     (out.loss * scale if scale != 1.0 else out.loss).backward()
     stats = stats.merge(out.stats)

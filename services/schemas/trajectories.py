@@ -13,7 +13,8 @@ Wire format ``deltarl-traj-v1`` (``Content-Type: application/msgpack``), one msg
          "mask":     bin,  # uint8 [n]: 1 = token sampled from the policy (trained on), 0 = prompt/env
          "prompt_len": int,
          "reward": float64, "signals": {str: float64},
-         "version_min": int, "version_max": int}, ...]}
+         "version_min": int, "version_max": int,
+         "temperature": float64}, ...]}  # optional: the sampling temperature (absent: unknown)
 
 Arrays travel as raw little-endian bytes (the trainer can ``torch.frombuffer`` them); scalars as
 msgpack float64/int. Logprobs are float32: ``decode(encode(g))`` returns each logprob rounded to
@@ -62,6 +63,13 @@ class Trajectory(WireModel):
     )
     version_min: int = Field(ge=0, description="Oldest policy version that sampled any token.")
     version_max: int = Field(ge=0, description="Newest policy version that sampled any token.")
+    temperature: float | None = Field(
+        default=None,
+        gt=0,
+        description="Sampling temperature of the completion tokens (the logprobs are of "
+        "softmax(logits / temperature)); None: not reported (greedy, or an older worker): the "
+        "trainer assumes its own sampling.temperature.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
@@ -77,6 +85,8 @@ class Trajectory(WireModel):
             raise ValueError(f"version_min {self.version_min} > version_max {self.version_max}")
         if not math.isfinite(self.reward) or not all(map(math.isfinite, self.signals.values())):
             raise ValueError("reward and signals must be finite numbers")
+        if self.temperature is not None and not math.isfinite(self.temperature):
+            raise ValueError("temperature must be a finite number > 0")
         return self
 
 
@@ -149,6 +159,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                 "signals": {k: float(v) for k, v in t.signals.items()},
                 "version_min": t.version_min,
                 "version_max": t.version_max,
+                **({} if t.temperature is None else {"temperature": float(t.temperature)}),
             }
         )
     body = {
@@ -186,6 +197,7 @@ def _decode_trajectory(i: int, raw: Any) -> Trajectory:
         "signals",
         "version_min",
         "version_max",
+        "temperature",
     }
     if extra:
         raise ValueError(f"trajectories[{i}]: unknown fields {sorted(extra)}")
@@ -201,6 +213,7 @@ def _decode_trajectory(i: int, raw: Any) -> Trajectory:
             "signals": raw.get("signals", {}),
             "version_min": raw.get("version_min"),
             "version_max": raw.get("version_max"),
+            "temperature": raw.get("temperature"),
         },
         strict=False,
     )

@@ -54,6 +54,21 @@ def test_logprobs_round_to_float32() -> None:
     assert back.trajectories[0].logprobs[3] != -0.1  # float32, documented
 
 
+def test_sampling_temperature_travels_when_reported() -> None:
+    g = group("k1", n=2)
+    plain = encode_group(g)
+    assert "temperature" not in msgpack.unpackb(plain)["trajectories"][0]  # absent, not null
+    assert decode_group(plain).trajectories[0].temperature is None
+    g.trajectories[0].temperature = 0.7
+    back = decode_group(encode_group(g))
+    assert back.trajectories[0].temperature == 0.7 and back.trajectories[1].temperature is None
+    for bad in (0.0, -1.0, float("nan"), "hot"):
+        body = msgpack.unpackb(plain)
+        body["trajectories"][0]["temperature"] = bad
+        with pytest.raises(ValueError, match="temperature"):
+            decode_group(msgpack.packb(body, use_bin_type=True))
+
+
 def _mutate(data: bytes, **changes: object) -> bytes:
     body = msgpack.unpackb(data)
     t = body["trajectories"][0]

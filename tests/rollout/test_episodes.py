@@ -246,6 +246,9 @@ def test_versions_span_a_sync(server: WordleServer, tok: Any) -> None:
     assert (ep.version_min, ep.version_max) == (3, 4)
     traj = to_submission(group, "w1").trajectories[0]
     assert (traj.version_min, traj.version_max) == (3, 4)
+    # the sampling temperature travels with the trajectory (greedy: none to report)
+    assert ep.temperature == settings.sampling.temperature
+    assert traj.temperature == (settings.sampling.temperature or None)
 
     # an engine without a weight gate: the runner reads policy_version around each call
     unmanaged = ScriptedEngine(tok, lambda row, turn: f"[{words[turn]}]", stop=IM_END)

@@ -42,9 +42,10 @@ def rollout(
     size: int,
     version: int,
     temperature: float = 1.0,
+    report_temperature: bool = False,
 ) -> list[TrajectoryGroup]:
     """Sample completions at ``temperature``; reward = share of completion tokens equal to
-    TARGET."""
+    TARGET. ``report_temperature``: the trajectories carry it, as deltarl workers send it."""
     out = []
     for g in range(groups):
         trajs = []
@@ -67,6 +68,7 @@ def rollout(
                     signals={"hits": float(hits)},
                     version_min=version,
                     version_max=version,
+                    temperature=temperature if report_temperature else None,
                 )
             )
         out.append(
@@ -195,6 +197,45 @@ def test_the_ratio_uses_the_workers_temperature_and_a_mismatch_stops(worker_t: f
     # stale samples are not checked (their mismatch includes the policy change)
     metrics = train_step(model, opt, sched, collate(groups, 4), wrong)
     assert metrics["mismatch/kl"] > 0.1 and "mismatch/kl_onpolicy" not in metrics
+
+
+def test_a_reported_temperature_is_used_per_trajectory() -> None:
+    """Trajectories that carry their sampling temperature are scored at it, whatever
+    sampling.temperature says; a batch mixing temperatures is exact row by row."""
+    torch.manual_seed(0)
+    model = Bigram()
+    torch.nn.init.normal_(model.table.weight, std=2.0)
+    gen = torch.Generator().manual_seed(2)
+    hot = rollout(model, gen, 2, 8, 3, temperature=2.0, report_temperature=True)
+    cold = rollout(model, gen, 2, 8, 3, temperature=0.5, report_temperature=True)
+    batch = collate(hot + cold, 3)
+    assert batch.temperature is not None
+    assert batch.temperatures(1.0).tolist() == [2.0] * 16 + [0.5] * 16
+    settings = ExperimentSettings.load(None, ["precision=fp32"])  # T = 1 for unreported ones
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, 10)
+    metrics = train_step(model, opt, sched, batch, settings)
+    assert metrics["mismatch/kl_onpolicy"] < 1e-6  # no refusal: each row at its own T
+    # unreported: the setting applies (and the mismatch check catches it)
+    plain = rollout(model, gen, 2, 8, 3, temperature=2.0)
+    assert collate(plain, 3).temperature is None
+    with pytest.raises(ValueError, match=r"sampling\.temperature"):
+        train_step(model, opt, sched, collate(plain, 3), settings)
+
+
+def test_per_row_temperatures_equal_row_by_row_scalars() -> None:
+    logits = torch.randn(3, 5, 7)
+    tokens = torch.randint(0, 7, (3, 5))
+    temps = torch.tensor([0.5, 1.0, 1.7])
+    got = token_logprobs(logits, tokens, temperature=temps)
+    ent = token_entropy(logits, temperature=temps)
+    for b, t in enumerate(temps.tolist()):
+        one = token_logprobs(logits[b : b + 1], tokens[b : b + 1], temperature=t)
+        assert torch.equal(got[b], one[0])
+        assert torch.equal(ent[b], token_entropy(logits[b : b + 1], temperature=t)[0])
+    with pytest.raises(ValueError, match="greedy"):
+        token_logprobs(logits, tokens, temperature=torch.tensor([0.5, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="2 temperatures for 3"):
+        token_logprobs(logits, tokens, temperature=torch.tensor([0.5, 1.0]))
 
 
 def test_token_logprobs_divide_by_the_temperature() -> None:
