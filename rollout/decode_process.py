@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from deltarl.services.weightsync import errors as delta_errors
+from deltarl.services.weightsync.bits import float_format
 from deltarl.services.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,6 @@ logger = logging.getLogger(__name__)
 FRAME = struct.Struct("<Q")
 ALIGN = 64
 MAX_FRAME = 1 << 36  # 64 GiB: a length beyond this is a broken stream, not a delta
-
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 
 
 def _widen_pipe(fd: int) -> None:
@@ -77,15 +72,6 @@ def _widen_pipe(fd: int) -> None:
 
 class DecodeProcessError(RuntimeError):
     """The decoding child died, timed out or broke the protocol (not the delta's fault)."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    for name, d in _DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(
-        f"the decode process handles bfloat16, float16 and float32 tensors, not {dtype}"
-    )
 
 
 class SharedMirror:
@@ -104,7 +90,7 @@ class SharedMirror:
             layout.append(
                 {
                     "name": name,
-                    "dtype": _dtype_name(t.dtype),
+                    "dtype": float_format(t.dtype).name,
                     "shape": list(t.shape),
                     "offset": offset,
                     "nbytes": nbytes,
@@ -135,7 +121,7 @@ def _views(
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for entry in layout:
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = float_format(entry["dtype"]).torch_dtype
         shape = tuple(int(s) for s in entry["shape"])
         if entry["nbytes"] == 0:
             out[entry["name"]] = torch.empty(shape, dtype=dtype)

@@ -162,6 +162,22 @@ class Engine(ABC):
         """Release the engine's resources (default: nothing to do)."""
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """The ``ValueError`` every engine's :meth:`Engine.generate` raises for no prompt, an empty
+    prompt or a token id outside ``0 .. vocab_size - 1``."""
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: give at least one token id")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary "
+                f"0..{vocab_size - 1}"
+            )
+
+
 class TransformersEngineSettings(BaseModel):
     """The embedded default engine: a Hugging Face causal LM in this process, CPU or GPU."""
 

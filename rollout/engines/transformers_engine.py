@@ -40,6 +40,7 @@ from .base import (
     TransformersEngineSettings,
     WeightsGate,
     WeightsStamp,
+    check_prompts,
 )
 
 logger = logging.getLogger(__name__)
@@ -175,17 +176,7 @@ class TransformersEngine(Engine):
         return self._params
 
     def _batch(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not prompts:
-            raise ValueError("generate needs at least one prompt")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty: give at least one token id")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self._vocab:
-                raise ValueError(
-                    f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary "
-                    f"0..{self._vocab - 1}"
-                )
+        check_prompts(prompts, self._vocab)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)

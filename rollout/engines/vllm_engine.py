@@ -55,6 +55,7 @@ from .base import (
     VllmEngineSettings,
     WeightsGate,
     WeightsStamp,
+    check_prompts,
 )
 from .vllm_mapping import TensorSpec, specs_of
 from .vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
@@ -215,19 +216,6 @@ class VllmEngine(Engine):
     def named_parameters(self) -> Mapping[str, torch.Tensor]:
         return self._views
 
-    def _check(self, prompts: Sequence[Sequence[int]]) -> None:
-        if not prompts:
-            raise ValueError("generate needs at least one prompt")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty: give at least one token id")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self._vocab:
-                raise ValueError(
-                    f"prompt {i} has token id {lo if lo < 0 else hi} outside the vocabulary "
-                    f"0..{self._vocab - 1}"
-                )
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -235,7 +223,7 @@ class VllmEngine(Engine):
         *,
         gate: WeightsGate | None = None,
     ) -> list[Completion]:
-        self._check(prompts)
+        check_prompts(prompts, self._vocab)
         engine = self._llm.llm_engine
         call = uuid.uuid4().hex[:12]
         ids = [f"deltarl-{call}-{i}" for i in range(len(prompts))]

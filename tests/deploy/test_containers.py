@@ -43,7 +43,6 @@ from typing import Any
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
-from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
 from deltarl.cli import SUBCOMMANDS
@@ -52,6 +51,7 @@ from deltarl.services.buckets.settings import BucketSettings
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.tls import CA_BUNDLE_ENV
 from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
+from tests.deploy.settings_env import env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -79,21 +79,6 @@ SETTINGS_BY_COMMAND: dict[str, tuple[Any, ...]] = {
     "train": (TrainerDeployment, BucketSettings),
     "rollout": (_rollout_settings, BucketSettings),
 }
-
-
-def env_names(cls: type[BaseSettings]) -> set[str]:
-    """Every environment variable name a settings class reads (prefix + field, or its aliases)."""
-    prefix = str(cls.model_config.get("env_prefix", ""))
-    names: set[str] = set()
-    for name, f in cls.model_fields.items():
-        alias = f.validation_alias
-        if isinstance(alias, AliasChoices):
-            names |= {c.upper() for c in alias.choices if isinstance(c, str)}
-        elif isinstance(alias, str):
-            names.add(alias.upper())
-        else:
-            names.add((prefix + name).upper())
-    return names
 
 
 def command_vars(command: str) -> set[str]:

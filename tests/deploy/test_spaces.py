@@ -40,7 +40,6 @@ from dockerfile_parse import DockerfileParser
 from huggingface_hub import HfApi, SpaceCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
-from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 from typer.testing import CliRunner
 
@@ -69,6 +68,7 @@ from deltarl.services.spaces.templates import dockerfile as space_dockerfile
 from deltarl.services.spaces.tokens import read_secrets_file
 from deltarl.services.spaces.worker_space import run_worker
 from deltarl.trainer.settings import ExperimentSettings
+from tests.deploy.settings_env import env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("coordinator", "env", "rollout")
@@ -81,21 +81,6 @@ SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
 }
 CLIENT_VARS = {HF_PROXY_TOKEN_ENV}  # read by every client, outside the settings classes
 runner = CliRunner()
-
-
-def env_names(cls: type[BaseSettings]) -> set[str]:
-    """Every environment variable a settings class reads (prefix + field, or its aliases)."""
-    prefix = str(cls.model_config.get("env_prefix", ""))
-    names: set[str] = set()
-    for name, f in cls.model_fields.items():
-        alias = f.validation_alias
-        if isinstance(alias, AliasChoices):
-            names |= {c.upper() for c in alias.choices if isinstance(c, str)}
-        elif isinstance(alias, str):
-            names.add(alias.upper())
-        else:
-            names.add((prefix + name).upper())
-    return names
 
 
 def spaces_commands() -> set[str]:

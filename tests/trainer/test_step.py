@@ -4,6 +4,7 @@ staleness filter -> collate -> micro-batched GRPO step -> published versions, re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,10 +148,11 @@ def test_kl_needs_a_reference_and_bad_models_are_refused() -> None:
         forward_logits(WrongShape(), batch.tokens, batch.attention_mask)
 
 
-def test_a_hugging_face_model_trains_and_publishes(tmp_path: Path) -> None:
+def tiny_llama_config(vocab: int = VOCAB) -> Any:
+    """A one-layer Llama over ``vocab`` token ids (transformers imported lazily)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+    return transformers.LlamaConfig(
+        vocab_size=vocab,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
@@ -158,6 +160,11 @@ def test_a_hugging_face_model_trains_and_publishes(tmp_path: Path) -> None:
         num_key_value_heads=1,
         max_position_embeddings=32,
     )
+
+
+def test_a_hugging_face_model_trains_and_publishes(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = tiny_llama_config()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     settings = ExperimentSettings.load(None, ["max_steps=3", "precision=bf16"])

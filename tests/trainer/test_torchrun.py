@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_step import tiny_llama_config
 
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
@@ -33,17 +34,8 @@ VOCAB = 16
 
 def tiny_llama(path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    transformers.AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB)).save_pretrained(path)
 
 
 def feed(worker: CoordinatorClient, groups: int, stop: threading.Event) -> None:
