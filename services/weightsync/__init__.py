@@ -4,6 +4,7 @@ Public surface (import from here; submodules load lazily so that torch-free part
 manifest and the planner can be imported without torch):
 
 * :class:`Delta`, :class:`TensorPatch`, :func:`compute_delta`, :func:`apply_delta`, :func:`compose`
+* :class:`DeltaContext`: what a receiver keeps of its last delta to decode chained deltas
 * digests: :func:`tensor_digest`, :func:`state_digest`
 * errors: :class:`DeltaError` and its subclasses
 """
@@ -24,11 +25,13 @@ _EXPORTS = {
     "StagedDelta": "delta",
     "stage_delta": "delta",
     "apply_staged": "delta",
+    "DeltaContext": "context",
     "combine_digests": "digest",
     "state_digest": "digest",
     "state_digests": "digest",
     "tensor_digest": "digest",
     "BaseMismatchError": "errors",
+    "ContextMismatchError": "errors",
     "CorruptDeltaError": "errors",
     "DeltaError": "errors",
     "StateMismatchError": "errors",

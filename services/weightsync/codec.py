@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from . import compact, trl_format
+from .context import DeltaContext
 from .delta import Delta
 from .errors import CorruptDeltaError
 
@@ -39,12 +40,19 @@ def encode_delta(
     fmt: str = "compact",
     *,
     threads: int | None = None,
+    context: DeltaContext | None = None,
 ) -> bytes:
-    """Serialize ``delta`` in format ``fmt`` (``base`` is required for ``compact``)."""
+    """Serialize ``delta`` in format ``fmt`` (``base`` is required for ``compact``).
+
+    ``context``: make a *chained* compact delta, coded against the moves of the delta that
+    produced ``base`` (:class:`~.context.DeltaContext`); only the compact format has one.
+    """
+    if context is not None and fmt != "compact":
+        raise ValueError(f"only the compact format can be chained on a context, not {fmt!r}")
     if fmt == "compact":
         if base is None:
             raise ValueError("the compact format needs the base state to encode against")
-        return compact.encode_compact(delta, base, threads=threads)
+        return compact.encode_compact(delta, base, threads=threads, context=context)
     if fmt == "trl-raw":
         return trl_format.encode_trl(delta, "raw")
     if fmt == "trl-gap":
@@ -69,16 +77,23 @@ def decode_delta(
     check_base: bool = True,
     base_digests: Mapping[str, str] | None = None,
     threads: int | None = None,
+    context: DeltaContext | None = None,
 ) -> Delta:
     """Decode a delta of any format against ``base`` (the state it will be applied to).
 
     With ``check_base`` a compact delta refuses a wrong base before decoding; for TRL files the
-    base is checked by :func:`~.delta.apply_delta`.
+    base is checked by :func:`~.delta.apply_delta`. ``context``: the context of the delta that
+    produced ``base``, needed by a chained compact delta (ignored by every other delta).
     """
     kind = detect_format(data)
     if kind == "compact":
         return compact.decode_compact(
-            data, base, check_base=check_base, base_digests=base_digests, threads=threads
+            data,
+            base,
+            check_base=check_base,
+            base_digests=base_digests,
+            threads=threads,
+            context=context,
         )
     return trl_format.decode_trl(data, like=base)
 
@@ -87,7 +102,8 @@ def describe(data: bytes) -> dict[str, object]:
     """Check a delta's own integrity (checksums, header) without its base, and describe it.
 
     Returns ``format``, ``base_version``, ``version``, ``result_digest`` (the state digest the
-    delta produces, ``None`` for a plain TRL file without digests).
+    delta produces, ``None`` for a plain TRL file without digests), and for a compact delta
+    ``context`` (what a chained delta is chained on, None for a standalone one).
     """
     kind = detect_format(data)
     if kind == "compact":
@@ -98,6 +114,7 @@ def describe(data: bytes) -> dict[str, object]:
             "format": FORMAT_TAGS["compact"],
             "base_version": footer.get("base_version"),
             "version": footer.get("version"),
+            "context": compact.context_of(footer),
             "result_digest": combine_digests(
                 {t["name"]: t["result_digest"] for t in footer["tensors"]}
             ),
@@ -119,12 +136,16 @@ def squash_chain(
     fmt: str = "compact",
     *,
     threads: int | None = None,
+    context: DeltaContext | None = None,
 ) -> tuple[Delta, bytes]:
     """Squash serialized deltas v -> v+1 -> ... -> v+k into one v -> v+k delta and encode it.
 
     ``base`` is the state at version v (CPU tensors; left untouched). Each delta is decoded
     against a working copy of the state it applies to, applied and verified, so a broken chain is
-    refused with the error of the first bad link. Memory: one copy of the model plus the deltas.
+    refused with the error of the first bad link. Chained deltas may be mixed in: each link
+    gets the context of the one before (the first gets ``context``, that of the delta that
+    produced ``base``, if any). The squashed delta is standalone. Memory: one copy of the model
+    plus the deltas.
     """
     if not blobs:
         raise ValueError("squash needs at least one delta")
@@ -135,7 +156,8 @@ def squash_chain(
     digests = state_digests(state)
     deltas = []
     for blob in blobs:
-        d = decode_delta(blob, state, base_digests=digests, threads=threads)
+        d = decode_delta(blob, state, base_digests=digests, threads=threads, context=context)
+        context = DeltaContext.of(d, state)
         digests = apply_delta(state, d, state_digests=digests)
         deltas.append(d)
     squashed = compose(deltas)

@@ -39,15 +39,17 @@ import zstandard
 from . import kernels
 from .bits import bits_numpy, float_format
 from .compact_chunks import (
-    N_KEYS,
     ChunkAnalysis,
     ChunkRef,
+    Prediction,
     analyse_chunk,
     choose_own_tables,
     code_chunk,
     decode_chunk,
+    n_keys,
     shared_tables,
 )
+from .context import RHO16_DEFAULT, ContextMismatchError, DeltaContext
 from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
 from .digest import combine_digests, state_digests
 from .entropy import ALPHABET, VarintReader, read_table, table_bytes, varints
@@ -91,9 +93,15 @@ def encode_compact(
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     threads: int | None = None,
+    context: DeltaContext | None = None,
+    rho16: int = RHO16_DEFAULT,
 ) -> bytes:
     """Serialize ``delta`` in the compact format, using ``base`` (the state at the delta's base
     version; GPU tensors are copied to CPU one at a time) as side information.
+
+    With ``context`` (the :class:`~.context.DeltaContext` of the delta that produced ``base``)
+    the delta is *chained*: values are coded against an extrapolation of each element's
+    previous move, and only a receiver holding the same context can decode it.
 
     Phase A analyses every chunk in parallel (contexts, ranks, symbols); then the value tables are
     chosen for the whole delta (shared per old exponent, or a context's own where that is cheaper
@@ -103,6 +111,11 @@ def encode_compact(
     if chunk_elems < 1:
         raise ValueError("chunk_elems must be positive")
     threads = threads or default_threads()
+    if context is not None:
+        _check_context_dtypes(context, delta)
+        if not 0 <= rho16 <= 32:
+            raise ValueError(f"rho16 must be in [0, 32], got {rho16}")
+    chained = context is not None
     jobs = _chunks(delta.patches, chunk_elems)
     olds: dict[str, np.ndarray] = {}
     for name in {j[0] for j in jobs}:
@@ -117,20 +130,27 @@ def encode_compact(
         lo, hi = np.searchsorted(p.index, [start, start + count])
         fmt = float_format(p.dtype)
         old = olds[name][start : start + count]
-        return analyse_chunk(name, start, old, p.index[lo:hi] - start, p.value[lo:hi], fmt)
+        prev = _prediction(context, name, start, count, rho16)
+        return analyse_chunk(name, start, old, p.index[lo:hi] - start, p.value[lo:hi], fmt, prev)
 
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))
-        table_of_key, shared = shared_tables(analyses, use_own=False)
+        table_of_key, shared = shared_tables(analyses, use_own=False, chained=chained)
         for a in analyses:
             choose_own_tables(a, table_of_key, shared)
-        table_of_key, shared = shared_tables(analyses, use_own=True)
+        table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
         coded = list(pool.map(lambda a: code_chunk(a, table_of_key, shared), analyses))
 
+    # the shared tables, then which value context uses which: (key gap, table) pairs
     used = np.flatnonzero(table_of_key >= 0)
-    index = bytearray(varints([int(used.size)]))
-    for b in used:
-        index += varints([int(b)]) + table_bytes(shared[table_of_key[b]])
+    index = bytearray(varints([int(shared.shape[0])]))
+    for f in shared:
+        index += table_bytes(f)
+    index += varints([int(used.size)])
+    prev_key = -1
+    for b in used.tolist():
+        index += varints([b - prev_key - 1, int(table_of_key[b])])
+        prev_key = b
     chunk_meta: dict[str, list[list[int]]] = {}
     changed: dict[str, int] = {}
     for a in analyses:
@@ -164,6 +184,7 @@ def encode_compact(
         "index": index_meta,
         # one digest for the whole base (per-tensor base digests follow from it, see decode)
         "base_digest": delta.base_digest,
+        **({"context": {**context.describe(), "rho16": rho16}} if context is not None else {}),
         "tensors": [
             {
                 "name": p.name,
@@ -181,6 +202,61 @@ def encode_compact(
     out += packed
     out += TRAILER.pack(len(packed), xxhash.xxh3_64_intdigest(packed), TRAILER_MAGIC)
     return bytes(out)
+
+
+def _prediction(
+    context: DeltaContext | None, name: str, start: int, count: int, rho16: int
+) -> Prediction | None:
+    if context is None:
+        return None
+    index, before = context.chunk(name, start, count)
+    return Prediction(index, before, rho16)
+
+
+def _check_context_dtypes(context: DeltaContext, delta: Delta) -> None:
+    for name, dtype in context.dtypes.items():
+        p = delta.patches.get(name)
+        if p is None or p.dtype != dtype:
+            raise ContextMismatchError(
+                f"context delta {context.base_version} -> {context.version} has tensor {name!r} "
+                f"({dtype}), which this delta "
+                + ("does not have" if p is None else f"holds as {p.dtype}")
+            )
+
+
+def context_of(footer: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The context a compact delta's footer names (None: a standalone delta)."""
+    ctx = footer.get("context")
+    if ctx is None:
+        return None
+    if not isinstance(ctx, dict) or not isinstance(ctx.get("digest"), str):
+        raise CorruptDeltaError("deltarl-compact footer: malformed context record")
+    rho16 = ctx.get("rho16")
+    if not isinstance(rho16, int) or isinstance(rho16, bool) or not 0 <= rho16 <= 32:
+        raise CorruptDeltaError(f"deltarl-compact footer: bad extrapolation factor {rho16!r}")
+    return ctx
+
+
+def check_context(footer: Mapping[str, Any], context: DeltaContext | None) -> int | None:
+    """Refuse (:class:`ContextMismatchError`) a chained delta without its context; return the
+    extrapolation factor (None for a standalone delta, which ignores ``context``)."""
+    need = context_of(footer)
+    if need is None:
+        return None
+    what = f"delta {footer.get('base_version')} -> {footer.get('version')}"
+    wanted = f"delta {need.get('base_version')} -> {need.get('version')}"
+    if context is None:
+        raise ContextMismatchError(
+            f"{what} is chained on {wanted}: it decodes only with that delta's context, and "
+            "none was given (use the standalone delta); nothing was decoded"
+        )
+    if context.digest != need["digest"]:
+        raise ContextMismatchError(
+            f"{what} is chained on {wanted}, but the context given is of delta "
+            f"{context.base_version} -> {context.version} (digest {context.digest[:12]}, not "
+            f"{need['digest'][:12]}); nothing was decoded"
+        )
+    return int(need["rho16"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +300,9 @@ def _read_index(
 ) -> tuple[np.ndarray, np.ndarray, bytes]:
     """Check and unpack the index: shared tables, then every chunk's header.
 
-    Returns ``(table_of_key [N_KEYS], shared freq [S, ALPHABET], decompressed index bytes)``.
+    Returns ``(table_of_key [n_keys], shared freq [S, ALPHABET], decompressed index bytes)``.
     """
+    nk = n_keys(context_of(footer) is not None)
     if footer.get("prob_bits") != kernels.PROB_BITS:
         raise CorruptDeltaError(f"unsupported probability precision {footer.get('prob_bits')!r}")
     try:
@@ -245,16 +322,22 @@ def _read_index(
         raise CorruptDeltaError("index has the wrong length")
     r = VarintReader(index, "shared tables")
     n = r.varint()
-    if n > N_KEYS:
+    if n > nk:
         raise CorruptDeltaError(f"shared tables: {n} tables")
-    table_of_key = np.full(N_KEYS, -1, np.int64)
     freq = np.zeros((n, ALPHABET), np.int64)
     for i in range(n):
-        key = r.varint()
-        if key >= N_KEYS or table_of_key[key] >= 0:
-            raise CorruptDeltaError("shared tables: bad or repeated key")
-        table_of_key[key] = i
         freq[i] = read_table(r)
+    n_used = r.varint()
+    if n_used > nk:
+        raise CorruptDeltaError(f"shared tables: {n_used} contexts")
+    table_of_key = np.full(nk, -1, np.int64)
+    key = -1
+    for _ in range(n_used):
+        key += r.varint() + 1
+        table = r.varint()
+        if key >= nk or table >= n:
+            raise CorruptDeltaError("shared tables: bad context or table number")
+        table_of_key[key] = table
     return table_of_key, freq, index
 
 
@@ -300,15 +383,19 @@ def decode_compact(
     check_base: bool = True,
     base_digests: Mapping[str, str] | None = None,
     threads: int | None = None,
+    context: DeltaContext | None = None,
 ) -> Delta:
     """Decode a compact delta against ``base`` (tensors at the delta's base version).
 
-    Order: trailer, footer and every checksum are verified first; then (with ``check_base``, the
-    default) the base digests, so a wrong base is refused with :class:`BaseMismatchError` instead
-    of decoding garbage (``base_digests`` are trusted digests of ``base`` that save hashing it);
+    Order: trailer, footer and every checksum are verified first; then a chained delta's
+    context (:class:`~.context.ContextMismatchError` unless ``context`` is the one it was coded
+    against; a standalone delta ignores ``context``); then (with ``check_base``, the default)
+    the base digests, so a wrong base is refused with :class:`BaseMismatchError` instead of
+    decoding garbage (``base_digests`` are trusted digests of ``base`` that save hashing it);
     then the chunks are decoded in parallel. Nothing is written anywhere.
     """
     footer = read_footer(data)
+    rho16 = check_context(footer, context)
     buf = memoryview(data)
     body_end = _body_end(buf)
     patches: dict[str, TensorPatch] = {}
@@ -338,6 +425,13 @@ def decode_compact(
     # it, each tensor's base digest is the base's own (a different tensor would change the
     # combination), so the patches get full per-tensor base digests without storing them.
     check_compatible(base, patches)
+    if context is not None and rho16 is not None:
+        for name, dtype in context.dtypes.items():
+            if name not in patches or patches[name].dtype != dtype:
+                raise CorruptDeltaError(
+                    f"chained delta: its context names tensor {name!r} ({dtype}) that the "
+                    "delta does not hold as such"
+                )
     have = dict(base_digests) if base_digests is not None else state_digests(base)
     is_base = combine_digests(have) == base_state_digest
     if check_base and not is_base:
@@ -362,7 +456,12 @@ def decode_compact(
     def run(ref: ChunkRef) -> tuple[np.ndarray, np.ndarray]:
         fmt = float_format(patches[ref.tensor].dtype)
         old = olds[ref.tensor][ref.start : ref.start + ref.count]
-        idx, val = decode_chunk(ref, old, fmt, table_of_key, shared)
+        prev = (
+            _prediction(context, ref.tensor, ref.start, ref.count, rho16)
+            if rho16 is not None
+            else None
+        )
+        idx, val = decode_chunk(ref, old, fmt, table_of_key, shared, prev)
         return idx + ref.start, val
 
     with ThreadPoolExecutor(threads or default_threads()) as pool:
@@ -409,6 +508,7 @@ def footer_summary(data: bytes | memoryview) -> dict[str, Any]:
         "format": f"{FORMAT_NAME}-v{FORMAT_VERSION}",
         "base_version": f.get("base_version"),
         "version": f.get("version"),
+        "context": context_of(f),
         "tensors": {
             t["name"]: {"changed": t["changed"], "dtype": t["dtype"], "shape": t["shape"]}
             for t in f["tensors"]
@@ -420,7 +520,9 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "check_context",
     "check_integrity",
+    "context_of",
     "decode_compact",
     "encode_compact",
     "footer_summary",

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import kernels
 from .bits import FloatFormat
+from .context import N_MOVE_BUCKETS, predict, skip_forbidden, unskip_forbidden
 from .entropy import (
     ALPHABET,
     TOP_BITS,
@@ -40,17 +41,18 @@ class ChunkAnalysis:
     tensor: str
     start: int
     count: int
-    ctx_ids: np.ndarray  # int64 [C], contexts with changes, ascending
-    kc: np.ndarray  # int64 [C], changes per context
-    key: np.ndarray  # int64 [C], shared-table key per context (its old exponent)
-    counts: np.ndarray  # int64 [C, ALPHABET], symbol counts per context
+    ctx_ids: np.ndarray  # int64 [C], position contexts (old exponents) with changes, ascending
+    kc: np.ndarray  # int64 [C], changes per position context
+    key: np.ndarray  # int64 [V], value contexts with changes, ascending (= shared-table keys)
+    counts: np.ndarray  # int64 [V, ALPHABET], symbol counts per value context
     gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
     kparams: np.ndarray  # uint8, Rice parameter of each gap
     symbols: np.ndarray  # uint16, one per changed element in index order
-    sym_ctx: np.ndarray  # int32, position in ctx_ids of each symbol's context
+    sym_ctx: np.ndarray  # int32, position in ``key`` of each symbol's value context
     extra: np.ndarray  # uint32 extra-bit values
     widths: np.ndarray  # uint8 extra-bit widths
-    own: np.ndarray | None = None  # bool [C]: context codes its values with its own table
+    chained: bool = False  # values coded against a prediction from a context delta
+    own: np.ndarray | None = None  # bool [V]: value context codes with its own table
 
 
 def context_layout(fmt: FloatFormat) -> tuple[int, int]:
@@ -58,10 +60,58 @@ def context_layout(fmt: FloatFormat) -> tuple[int, int]:
     return fmt.mantissa_bits, fmt.exponent_mask
 
 
-def analyse_chunk(
-    tensor: str, start: int, old: np.ndarray, index: np.ndarray, value: np.ndarray, fmt: FloatFormat
-) -> ChunkAnalysis:
+def position_contexts(
+    old: np.ndarray, fmt: FloatFormat, prediction: Prediction | None
+) -> tuple[np.ndarray, int, int]:
+    """``(keys, shift, mask)`` such that ``(keys >> shift) & mask`` is each element's position
+    context: its old exponent, and in a chained chunk also whether the context delta moved it
+    (``2 exponent + moved``), which makes a change likelier."""
     shift, emask = context_layout(fmt)
+    if prediction is None:
+        return old, shift, emask
+    keys = ((old.astype(np.int32) >> shift) & emask) << 1
+    keys[prediction.index] |= 1
+    return keys, 0, (emask << 1) | 1
+
+
+def value_residuals(
+    old: np.ndarray,
+    index: np.ndarray,
+    ctx: np.ndarray,
+    fmt: FloatFormat,
+    prev: Prediction | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the values are coded against: ``(reference bits, forbidden residual, value context)``
+    per changed element. Standalone: the old value, no forbidden residual, the old exponent.
+    Chained: the prediction from the context delta, the residual of "unchanged", and
+    ``exponent * N_MOVE_BUCKETS + move bucket`` (``ctx`` holds ``2 exponent + moved``)."""
+    if prev is None:
+        ref = old[index]
+        return ref, np.zeros(index.size, np.int64), ctx
+    ref, buckets = predict(old, index, prev.index, prev.before, fmt, prev.rho16)
+    forbidden = wrapped_diff(old[index], ref, fmt.width)
+    return ref, forbidden, (ctx >> 1) * N_MOVE_BUCKETS + buckets
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A chunk's slice of a :class:`~.context.DeltaContext` and the extrapolation factor."""
+
+    index: np.ndarray  # chunk-local sorted indices the context delta changed
+    before: np.ndarray  # their bit patterns before it
+    rho16: int
+
+
+def analyse_chunk(
+    tensor: str,
+    start: int,
+    old: np.ndarray,
+    index: np.ndarray,
+    value: np.ndarray,
+    fmt: FloatFormat,
+    prediction: Prediction | None = None,
+) -> ChunkAnalysis:
+    keys, shift, emask = position_contexts(old, fmt, prediction)
     nctx = emask + 1
     real = value != old[index]  # a composed delta may hold elements that changed back
     if not bool(real.all()):
@@ -70,7 +120,7 @@ def analyse_chunk(
     hist = np.zeros(nctx, np.int64)
     ctx = np.empty(k, np.int64)
     rank = np.empty(k, np.int64)
-    kernels.scan_contexts(old, index, shift, emask, hist, ctx, rank)
+    kernels.scan_contexts(keys, index, shift, emask, hist, ctx, rank)
     kc_all = np.bincount(ctx, minlength=nctx)
     present = np.flatnonzero(kc_all)
     comp = 2 * kc_all > hist
@@ -98,20 +148,19 @@ def analyse_chunk(
     coded = np.where(comp, hist - kc_all, kc_all)
     kparams = rice_parameter(hist, coded)[gc]
 
-    d = wrapped_diff(value, old[index], fmt.width)
+    ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+    d = skip_forbidden(wrapped_diff(value, ref, fmt.width), forbidden)
     symbols, extra, widths = diff_to_symbols(d)
-    pos_of_ctx = np.zeros(nctx, np.int64)
-    pos_of_ctx[present] = np.arange(present.size)
-    sym_ctx = pos_of_ctx[ctx]
-    counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=present.size * ALPHABET)
+    vkeys, sym_ctx = np.unique(vctx, return_inverse=True)
+    counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=vkeys.size * ALPHABET)
     return ChunkAnalysis(
         tensor=tensor,
         start=start,
         count=old.size,
         ctx_ids=present,
         kc=kc_all[present],
-        key=present,
-        counts=counts.reshape(present.size, ALPHABET),
+        key=vkeys,
+        counts=counts.reshape(vkeys.size, ALPHABET),
         # compact dtypes: this is held for every changed element until the chunk is coded
         gaps=gaps.astype(np.uint32),
         kparams=kparams.astype(np.uint8),
@@ -119,39 +168,89 @@ def analyse_chunk(
         sym_ctx=sym_ctx.astype(np.int32),
         extra=extra.astype(np.uint32),
         widths=widths.astype(np.uint8),
+        chained=prediction is not None,
     )
 
 
 N_KEYS = 256  # shared tables are keyed by the old exponent (8 bits at most)
+N_KEYS_CHAINED = N_KEYS * N_MOVE_BUCKETS  # chained: (old exponent, previous move)
 
 
-def shared_tables(analyses: list[ChunkAnalysis], use_own: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Quantized shared tables per old exponent, from the contexts of all chunks that use them
-    (the same exponent behaves alike across tensors: its ULP is the same size).
+def n_keys(chained: bool) -> int:
+    return N_KEYS_CHAINED if chained else N_KEYS
 
-    Returns ``(table_of_key [N_KEYS], freq [S, ALPHABET])``.
+
+TABLE_COST_BITS = (8, 18)  # ~bits of a serialized table: fixed + per non-zero symbol
+
+
+def shared_tables(
+    analyses: list[ChunkAnalysis], use_own: bool, chained: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Quantized shared tables of the value contexts, from all chunks that use them (the same
+    exponent behaves alike across tensors: its ULP is the same size).
+
+    Neighbouring exponents of the same move bucket share one table where that is cheaper,
+    the table's own size included (:func:`cluster_keys`).
+
+    Returns ``(table_of_key [n_keys(chained)], freq [S, ALPHABET])``.
     """
-    counts = np.zeros((N_KEYS, ALPHABET), np.int64)
+    nk = n_keys(chained)
+    counts = np.zeros((nk, ALPHABET), np.int64)
     for a in analyses:
-        sel = ~a.own if (use_own and a.own is not None) else np.ones(a.kc.size, bool)
+        sel = ~a.own if (use_own and a.own is not None) else np.ones(a.key.size, bool)
         np.add.at(counts, a.key[sel], a.counts[sel])
-    used = np.flatnonzero(counts.sum(axis=1))
-    table_of_key = np.full(N_KEYS, -1, np.int64)
-    table_of_key[used] = np.arange(used.size)
-    freq = np.zeros((used.size, ALPHABET), np.int64)
-    for i, b in enumerate(used):
-        freq[i] = quantize_frequencies(counts[b])
+    families = N_MOVE_BUCKETS if chained else 1
+    table_of_key = np.full(nk, -1, np.int64)
+    pooled: list[np.ndarray] = []
+    for fam in range(families):
+        keys = np.arange(fam, nk, families)
+        keys = keys[counts[keys].sum(axis=1) > 0]
+        for seg in cluster_keys(counts[keys]):
+            table_of_key[keys[seg]] = len(pooled)
+            pooled.append(counts[keys[seg]].sum(axis=0))
+    freq = np.zeros((len(pooled), ALPHABET), np.int64)
+    for i, c in enumerate(pooled):
+        freq[i] = quantize_frequencies(c)
     return table_of_key, freq
+
+
+def cluster_keys(counts: np.ndarray) -> list[slice]:
+    """Split consecutive rows of ``counts`` into runs that share a table, minimizing the coded
+    size (empirical entropy of each run's pooled counts plus its table's cost): an exact
+    dynamic program over run boundaries, with runs of at most 32 rows."""
+    n = counts.shape[0]
+    if n == 0:
+        return []
+    prefix = np.zeros((n + 1, counts.shape[1]), np.int64)
+    np.cumsum(counts, axis=0, out=prefix[1:])
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(n + 1, np.int64)
+    fixed, per_symbol = TABLE_COST_BITS
+    for j in range(1, n + 1):
+        i0 = max(0, j - 32)
+        pooled = prefix[j] - prefix[i0:j]  # runs [i, j) for i in i0..j-1
+        cost = entropy_bits(pooled) + fixed + per_symbol * (pooled > 0).sum(axis=1)
+        total = best[i0:j] + cost
+        i = int(np.argmin(total))
+        best[j], cut[j] = total[i], i0 + i
+    runs: list[slice] = []
+    j = n
+    while j > 0:
+        runs.append(slice(int(cut[j]), j))
+        j = int(cut[j])
+    return runs[::-1]
 
 
 def choose_own_tables(a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray) -> None:
     """Give a context its own table where that costs fewer bits, table included (MDL)."""
-    if a.kc.size == 0:
+    if a.key.size == 0:
         a.own = np.zeros(0, bool)
         return
     shared_cost = coding_cost_bits(a.counts, shared[table_of_key[a.key]])
     nnz = (a.counts > 0).sum(axis=1)
-    own_cost = entropy_bits(a.counts) + 8 * (1 + 2 * nnz) + 0.002 * a.kc * kernels.PROB_BITS
+    n = a.counts.sum(axis=1)
+    own_cost = entropy_bits(a.counts) + 8 * (1 + 2 * nnz) + 0.002 * n * kernels.PROB_BITS
     a.own = own_cost < shared_cost
 
 
@@ -160,8 +259,11 @@ def code_chunk(
 ) -> tuple[bytes, bytes, list[int]]:
     """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
 
-    The header lists the contexts with changes as varints ``(context gap, 2 k + own)`` followed
-    by the chunk's own frequency tables; headers of all chunks are compressed together.
+    The header lists the position contexts with changes as varints ``(context gap, 2 k + own)``
+    followed by the chunk's own frequency tables; headers of all chunks are compressed
+    together. Standalone, value contexts are the position contexts, so ``own`` flags them; a
+    chained chunk has more value contexts: its ``own`` bits are 0 and a list
+    ``(count, value-context gaps...)`` of those with their own table precedes the tables.
     """
     assert a.own is not None
     own_pos = np.flatnonzero(a.own)
@@ -172,9 +274,16 @@ def code_chunk(
     )
     header = [int(a.ctx_ids.size)]
     prev = -1
-    for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), a.own.tolist(), strict=True):
+    own_flags = a.own.tolist() if not a.chained else [False] * a.ctx_ids.size
+    for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), own_flags, strict=True):
         header += [c - prev - 1, 2 * kcount + int(own)]
         prev = c
+    if a.chained:
+        header.append(int(own_pos.size))
+        prev = -1
+        for key in a.key[own_pos].tolist():
+            header.append(key - prev - 1)
+            prev = key
     head = varints(header) + b"".join(table_bytes(f) for f in own_freq)
 
     rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
@@ -203,9 +312,14 @@ class ChunkRef:
 
 
 def decode_chunk(
-    ref: ChunkRef, old: np.ndarray, fmt: FloatFormat, table_of_key: np.ndarray, shared: np.ndarray
+    ref: ChunkRef,
+    old: np.ndarray,
+    fmt: FloatFormat,
+    table_of_key: np.ndarray,
+    shared: np.ndarray,
+    prediction: Prediction | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    shift, emask = context_layout(fmt)
+    keys, shift, emask = position_contexts(old, fmt, prediction)
     nctx = emask + 1
     rice_len, rans_len, _ = ref.streams
     raw = np.frombuffer(ref.body, np.uint8)
@@ -223,7 +337,21 @@ def decode_chunk(
         if c >= nctx or v < 2:
             raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
         ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
-    n_own = int(own.sum())
+    own_keys = ctx_ids[own]
+    if prediction is not None:
+        if own.any():
+            raise CorruptDeltaError(f"{ref.tensor}: chained chunk header is malformed")
+        n_own = r.varint()
+        if n_own > N_KEYS_CHAINED:
+            raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_own} own tables")
+        own_keys = np.empty(n_own, np.int64)
+        key = -1
+        for i in range(n_own):
+            key += r.varint() + 1
+            if key >= (nctx >> 1) * N_MOVE_BUCKETS:
+                raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
+            own_keys[i] = key
+    n_own = int(own_keys.size)
     own_freq = (
         np.stack([read_table(r) for _ in range(n_own)])
         if n_own
@@ -232,7 +360,7 @@ def decode_chunk(
     r.done()
 
     hist = np.zeros(nctx, np.int64)
-    kernels.context_histogram(old, shift, emask, hist)
+    kernels.context_histogram(keys, shift, emask, hist)
     kc = np.zeros(nctx, np.int64)
     kc[ctx_ids] = kc_present
     if np.any(kc > hist):
@@ -262,16 +390,18 @@ def decode_chunk(
     k = int(kc.sum())
     index = np.empty(k, np.int64)
     ctx = np.empty(k, np.int64)
-    m = kernels.select_changed(old, shift, emask, ranks, starts, ends, comp, index, ctx)
+    m = kernels.select_changed(keys, shift, emask, ranks, starts, ends, comp, index, ctx)
     if m != k:
         raise CorruptDeltaError(
             f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
         )
 
-    ctx_table = np.full(nctx, -1, np.int64)
-    ctx_table[ctx_ids] = table_of_key[ctx_ids]
-    ctx_table[ctx_ids[own]] = shared.shape[0] + np.arange(n_own)
-    tid = ctx_table[ctx]
+    ref_bits, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+    nv = (nctx >> 1) * N_MOVE_BUCKETS if prediction is not None else nctx
+    ctx_table = np.full(nv, -1, np.int64)
+    ctx_table[:] = table_of_key[:nv]
+    ctx_table[own_keys] = shared.shape[0] + np.arange(n_own)
+    tid = ctx_table[vctx]
     if tid.size and tid.min() < 0:
         raise CorruptDeltaError(
             f"{ref.tensor}: chunk refers to a frequency table the delta does not hold"
@@ -289,5 +419,5 @@ def decode_chunk(
     extra = np.empty(k, np.int64)
     if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
         raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
-    d = symbols_to_diff(symbols, extra)
-    return index, wrapped_add(old[index], d, fmt)
+    d = unskip_forbidden(symbols_to_diff(symbols, extra), forbidden)
+    return index, wrapped_add(ref_bits, d, fmt)

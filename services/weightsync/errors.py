@@ -22,3 +22,8 @@ class VerificationError(DeltaError):
 
     The state that was written to must be considered poisoned: reload an anchor.
     """
+
+
+class ContextMismatchError(DeltaError):
+    """A chained delta needs the context of a different delta than the one given (or none was
+    given). Nothing was decoded or written: use the standalone delta of the same version."""

@@ -126,6 +126,13 @@ class ObjectRef(BaseModel):
         ge=0,
         description="Delta: number of elements whose bits differ from base. Anchor: None.",
     )
+    context_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="Chained delta: it decodes only for a replica whose last applied delta was "
+        "context_version -> base_version (it codes values against that delta's moves). None: "
+        "a standalone delta, usable from any replica at base_version.",
+    )
 
     @field_validator("key")
     @classmethod
@@ -145,9 +152,24 @@ class ObjectRef(BaseModel):
                     f"delta {self.key}: base_version {self.base_version} must be older than "
                     f"version {self.version}"
                 )
-        elif self.base_version is not None or self.base_digest is not None:
-            raise ValueError(f"anchor {self.key}: base_version and base_digest must be None")
+            if self.context_version is not None and self.context_version >= self.base_version:
+                raise ValueError(
+                    f"delta {self.key}: context_version {self.context_version} must be older "
+                    f"than base_version {self.base_version}"
+                )
+        elif (
+            self.base_version is not None
+            or self.base_digest is not None
+            or self.context_version is not None
+        ):
+            raise ValueError(
+                f"anchor {self.key}: base_version, base_digest and context_version must be None"
+            )
         return self
+
+    @property
+    def chained(self) -> bool:
+        return self.context_version is not None
 
 
 class VersionManifest(BaseModel):

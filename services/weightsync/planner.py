@@ -4,6 +4,8 @@ Torch-free. The graph: one node per version plus a start node for the replica's 
 (``None`` = it holds nothing). Edges:
 
 * every delta ``base -> version`` (cost: its size), usable when the replica is at ``base``;
+  a *chained* delta (``context_version`` set) only when the replica got to ``base`` by applying
+  a delta from ``context_version`` (so nodes are (version, how the replica got there));
 * every anchor ``* -> version`` (cost: its size), usable from any state, including nothing.
 
 Dijkstra from the start node gives the cheapest plan; ties go to fewer steps (then the first
@@ -63,7 +65,12 @@ class CatchUpPlan(BaseModel):
         return [s.version for s in self.steps]
 
 
-_START = -1  # node id of the replica's current state when it holds nothing
+Node = tuple[int, int | None]
+"""A replica's state in the plan graph: (version, base version of the delta it applied last to
+get there, or None after an anchor or when unknown). The second part decides which chained
+deltas it can use."""
+
+_START: Node = (-1, None)  # the replica holds nothing
 
 
 @dataclass(slots=True)
@@ -88,38 +95,44 @@ def _graph(manifests: Mapping[int, VersionManifest], formats: Collection[str] | 
     return g
 
 
-def _dijkstra(
-    g: _Graph, start: int, *, use_anchors: bool, stop: int | None = None
-) -> dict[int, tuple[int, int, int, ObjectRef | None]]:
-    """Shortest paths from ``start``: node -> (bytes, steps, predecessor, object)."""
-    best: dict[int, tuple[int, int, int, ObjectRef | None]] = {start: (0, 0, start, None)}
-    heap: list[tuple[int, int, int, int]] = [(0, 0, -start, start)]
-    done: set[int] = set()
+Tree = dict[Node, tuple[int, int, Node, ObjectRef | None]]
 
-    def relax(node: int, cost: int, steps: int, prev: int, ref: ObjectRef) -> None:
+
+def _dijkstra(g: _Graph, start: Node, *, use_anchors: bool, stop: int | None = None) -> Tree:
+    """Shortest paths from ``start``: node -> (bytes, steps, predecessor, object). With
+    ``stop``, ends at the first node of that version (the cheapest way to reach it)."""
+    best: Tree = {start: (0, 0, start, None)}
+    heap: list[tuple[int, int, int, int, Node]] = [(0, 0, -start[0], -1, start)]
+    done: dict[Node, None] = {}
+
+    def relax(node: Node, cost: int, steps: int, prev: Node, ref: ObjectRef) -> None:
         old = best.get(node)
         if old is None or (cost, steps) < (old[0], old[1]):
             best[node] = (cost, steps, prev, ref)
-            heapq.heappush(heap, (cost, steps, -node, node))
+            tie = -1 if node[1] is None else node[1]
+            heapq.heappush(heap, (cost, steps, -node[0], tie, node))
 
     while heap:
-        cost, steps, _, node = heapq.heappop(heap)
+        cost, steps, _, _, node = heapq.heappop(heap)
         if node in done:
             continue
-        done.add(node)
-        if node == stop:
+        done[node] = None
+        if node[0] == stop:
             break
         if use_anchors and node == start:
             for v, ref in g.anchors.items():
-                if v != start:
-                    relax(v, cost + ref.size, steps + 1, node, ref)
+                if v != start[0]:
+                    relax((v, None), cost + ref.size, steps + 1, node, ref)
         if node != _START:
-            for ref in g.deltas.get(node, ()):
-                relax(ref.version, cost + ref.size, steps + 1, node, ref)
+            version, via = node
+            for ref in g.deltas.get(version, ()):
+                if ref.context_version is not None and ref.context_version != via:
+                    continue  # chained on a delta this replica did not apply last
+                relax((ref.version, version), cost + ref.size, steps + 1, node, ref)
     return {n: best[n] for n in done}
 
 
-def _path(tree: Mapping[int, tuple[int, int, int, ObjectRef | None]], node: int) -> list[ObjectRef]:
+def _path(tree: Tree, node: Node) -> list[ObjectRef]:
     steps: list[ObjectRef] = []
     while True:
         _, _, prev, ref = tree[node]
@@ -129,6 +142,12 @@ def _path(tree: Mapping[int, tuple[int, int, int, ObjectRef | None]], node: int)
         node = prev
     steps.reverse()
     return steps
+
+
+def _reached(tree: Tree, version: int) -> Node | None:
+    """The cheapest node of ``version`` in ``tree`` (None: not reached)."""
+    nodes = [n for n in tree if n[0] == version]
+    return min(nodes, key=lambda n: (tree[n][0], tree[n][1])) if nodes else None
 
 
 def _as_index(
@@ -145,18 +164,25 @@ def plan_catch_up(
     target: int,
     *,
     formats: Collection[str] | None = None,
+    context: int | None = None,
 ) -> CatchUpPlan:
     """The cheapest plan (by bytes) from ``current`` (None: nothing) to ``target``.
 
     ``manifests``: the published manifests (``BucketReader.manifests()``), by version or as an
-    iterable. ``formats``: only objects in these formats are used (None: all). ``current`` need
-    not have a manifest any more (it may have been garbage-collected): deltas based on it are
-    still used. Raises ``ValueError`` if ``target`` has no manifest and
-    :class:`UnreachableVersionError` if no path reaches it.
+    iterable. ``formats``: only objects in these formats are used (None: all). ``context``: the
+    base version of the delta the replica applied last to reach ``current`` (None: it has no
+    delta context, e.g. after an anchor): a chained delta is planned only where the replica
+    will hold its context, i.e. as the first step when ``context`` is its ``context_version``,
+    and after a delta from its ``context_version``. ``current`` need not have a manifest any
+    more (it may have been garbage-collected): deltas based on it are still used. Raises
+    ``ValueError`` if ``target`` has no manifest and :class:`UnreachableVersionError` if no
+    path reaches it.
     """
     index = _as_index(manifests)
     if current is not None and (not isinstance(current, int) or current < 0):
         raise ValueError(f"current must be None or a non-negative int, got {current!r}")
+    if context is not None and (current is None or not 0 <= context < current):
+        raise ValueError(f"context must be None or a version older than current, got {context!r}")
     if target not in index:
         avail = sorted(index)
         span = f"{avail[0]}..{avail[-1]} ({len(avail)} versions)" if avail else "none"
@@ -167,9 +193,10 @@ def plan_catch_up(
         return CatchUpPlan(
             current=current, target=target, steps=(), total_bytes=0, anchor_chain_bytes=anchor_chain
         )
-    start = _START if current is None else current
+    start: Node = _START if current is None else (current, context)
     tree = _dijkstra(g, start, use_anchors=True, stop=target)
-    if target not in tree:
+    end = _reached(tree, target)
+    if end is None:
         which = "nothing" if current is None else f"version {current}"
         fmt = f" in formats {sorted(formats)}" if formats is not None else ""
         anchored = sorted(v for v in g.anchors if v <= target)
@@ -177,12 +204,12 @@ def plan_catch_up(
             f"cannot reach version {target} from {which}{fmt}: no anchor at or before it leads "
             f"there (anchors at {anchored[-5:] or 'none'}) and no delta chain from {which}"
         )
-    steps = _path(tree, target)
+    steps = _path(tree, end)
     return CatchUpPlan(
         current=current,
         target=target,
         steps=tuple(steps),
-        total_bytes=tree[target][0],
+        total_bytes=tree[end][0],
         anchor_chain_bytes=anchor_chain,
     )
 
@@ -193,10 +220,11 @@ def _anchor_chain_bytes(g: _Graph, target: int) -> int | None:
     if not anchored:
         return None
     a = max(anchored)
-    tree = _dijkstra(g, a, use_anchors=False, stop=target)
-    if target not in tree:
+    tree = _dijkstra(g, (a, None), use_anchors=False, stop=target)
+    end = _reached(tree, target)
+    if end is None:
         return None
-    return g.anchors[a].size + tree[target][0]
+    return g.anchors[a].size + tree[end][0]
 
 
 def reachable_versions(
@@ -208,8 +236,8 @@ def reachable_versions(
     """Every published version some plan from ``current`` (None: nothing) can reach."""
     index = _as_index(manifests)
     g = _graph(index, formats)
-    start = _START if current is None else current
+    start: Node = _START if current is None else (current, None)
     tree = _dijkstra(g, start, use_anchors=True)
-    return {v for v in tree if v in index and v != start} | (
+    return {v for v, _ in tree if v in index and v != start[0]} | (
         {current} if current is not None and current in index else set()
     )
