@@ -218,10 +218,10 @@ def predict(
     b = np.where(hit, prev_before[pos].astype(o.dtype), o)
     prev = wrapped_diff(o, b, fmt.width)
     buckets = move_buckets(prev)
-    of = _to_float64(o, fmt)
-    bf = _to_float64(b, fmt)
     ok = (prev != 0) & _normal(o, fmt) & _normal(b, fmt)
     with np.errstate(over="ignore", invalid="ignore"):
+        of = _to_float64(o, fmt)
+        bf = _to_float64(b, fmt)
         p64 = of + (of - bf) * (rho16 / 16.0)
         tiny = 2.0 ** (2 - (1 << (fmt.exponent_bits - 1)))  # smallest normal of the format
         ok &= np.abs(np.where(ok, p64, 1.0)) >= tiny
