@@ -188,7 +188,7 @@ def test_squash_chain_decodes_chained_links():
     for i in (1, 2):
         ctx = DeltaContext.of(deltas[i - 1], states[i - 1])
         blobs.append(encode_delta(deltas[i], states[i], context=ctx))
-    squashed, blob = squash_chain(states[0], blobs)
+    _, blob = squash_chain(states[0], blobs)
     assert describe(blob)["context"] is None
     assert same_after(states[0], decode_delta(blob, states[0]), states[3])
     # without the context of the delta before, a chain starting with a chained link fails
@@ -246,7 +246,7 @@ def test_cluster_keys_is_no_worse_than_either_extreme():
     counts = rng.integers(0, 50, size=(12, 30)) * (rng.random((12, 30)) < 0.3)
     counts[counts.sum(axis=1) == 0, 0] = 1
     runs = cluster_keys(counts)
-    assert [r.start for r in runs][0] == 0 and runs[-1].stop == 12
+    assert runs[0].start == 0 and runs[-1].stop == 12
     assert all(a.stop == b.start for a, b in itertools.pairwise(runs))
 
     def cost(segs):
