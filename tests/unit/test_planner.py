@@ -36,7 +36,9 @@ def anchor(v: int, size: int, fmt: str = "safetensors") -> ObjectRef:
     )
 
 
-def delta(base: int, v: int, size: int, fmt: str = "deltarl-compact-v1") -> ObjectRef:
+def delta(
+    base: int, v: int, size: int, fmt: str = "deltarl-compact-v1", context: int | None = None
+) -> ObjectRef:
     return ObjectRef(
         key=f"objects/v{v:012d}/d{next(_counter)}.bin",
         kind="delta",
@@ -48,6 +50,7 @@ def delta(base: int, v: int, size: int, fmt: str = "deltarl-compact-v1") -> Obje
         base_digest=digest(base),
         result_digest=digest(v),
         changed=1,
+        context_version=context,
     )
 
 
@@ -217,3 +220,72 @@ def test_matches_brute_force(objs: list[ObjectRef], data: st.DataObject) -> None
         assert s.kind == "anchor" or s.base_version == at, (i, hops(plan))
         at = s.version
     assert at == target
+
+
+# --- chained deltas: usable only where the replica holds the context -----------------------
+
+CHAINED = [
+    anchor(0, 1000),
+    delta(0, 1, 10),
+    delta(1, 2, 10),
+    delta(1, 2, 8, context=0),
+    delta(2, 3, 10),
+    delta(2, 3, 8, context=1),
+]
+
+
+def test_chained_deltas_follow_a_delta_from_their_context() -> None:
+    plan = plan_catch_up(build(CHAINED), 0, 3)
+    assert hops(plan) == [(0, 1), (1, 2), (2, 3)]
+    assert [s.context_version for s in plan.steps] == [None, 0, 1] and plan.total_bytes == 26
+
+
+def test_chained_first_step_needs_the_replicas_context() -> None:
+    no_ctx = plan_catch_up(build(CHAINED), 1, 3)  # e.g. loaded v1 from an anchor
+    assert [s.context_version for s in no_ctx.steps] == [None, 1] and no_ctx.total_bytes == 18
+    ctx = plan_catch_up(build(CHAINED), 1, 3, context=0)  # applied 0 -> 1 last
+    assert [s.context_version for s in ctx.steps] == [0, 1] and ctx.total_bytes == 16
+    wrong = plan_catch_up(build(CHAINED), 1, 3, context=None)
+    assert wrong.steps[0].context_version is None
+
+
+def test_no_chained_step_after_an_anchor_or_a_squashed_delta() -> None:
+    objs = [*CHAINED, anchor(2, 5), delta(0, 2, 12)]
+    from_nothing = plan_catch_up(build(objs), None, 3)
+    assert hops(from_nothing) == [(None, 2), (2, 3)]
+    assert from_nothing.steps[1].context_version is None  # the anchor leaves no context
+    squashed = plan_catch_up(build([*CHAINED, delta(0, 2, 11)]), 0, 3)
+    # squashed 0 -> 2 (11) + standalone 2 -> 3 (10) = 21 beats the chain 10 + 8 + 8 = 26;
+    # the chained 2 -> 3 (context 1) is not usable after the squashed delta
+    assert hops(squashed) == [(0, 2), (2, 3)] and squashed.steps[1].context_version is None
+    assert squashed.total_bytes == 21
+
+
+def test_a_cheap_chained_delta_can_make_a_longer_path_win() -> None:
+    # 1 -> 3 squashed costs 17; going 1 -> 2 -> 3 costs 10 + 6 (chained) = 16 from context 0
+    objs = [*CHAINED[:-1], delta(2, 3, 6, context=1), delta(1, 3, 17)]
+    assert plan_catch_up(build(objs), 1, 3, context=0).total_bytes == 14  # 8 + 6
+    assert hops(plan_catch_up(build(objs), 1, 3)) == [(1, 2), (2, 3)]  # 10 + 6 = 16 < 17
+
+
+def test_context_must_be_older_than_current() -> None:
+    with pytest.raises(ValueError, match="context"):
+        plan_catch_up(build(CHAINED), 1, 3, context=1)
+    with pytest.raises(ValueError, match="context"):
+        plan_catch_up(build(CHAINED), None, 3, context=0)
+
+
+def test_object_ref_validates_context_version() -> None:
+    with pytest.raises(ValueError, match="context_version"):
+        delta(2, 3, 5, context=2)
+    with pytest.raises(ValueError, match="context_version"):
+        ObjectRef(
+            key="objects/v000000000003/x.bin",
+            kind="anchor",
+            format="safetensors",
+            size=1,
+            xxh3_128="0" * 32,
+            version=3,
+            result_digest=digest(3),
+            context_version=1,
+        )
