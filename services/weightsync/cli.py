@@ -18,6 +18,14 @@ app = typer.Typer(
 
 OLD = typer.Argument(..., exists=True, dir_okay=False, help="Old state (.safetensors).")
 NEW = typer.Argument(..., exists=True, dir_okay=False, help="New state (.safetensors).")
+PREVIOUS = typer.Option(
+    None,
+    "--previous",
+    exists=True,
+    dir_okay=False,
+    help="The state before OLD/BASE (.safetensors): chain the compact delta on the delta "
+    "PREVIOUS -> OLD (values predicted from that delta's moves; decoding needs --previous too).",
+)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -35,10 +43,24 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _sizes(delta: Any, old: dict[str, Any]) -> dict[str, int]:
+def _sizes(delta: Any, old: dict[str, Any], context: Any = None) -> dict[str, int]:
     from deltarl.services.weightsync.codec import DELTA_FORMATS, encode_delta
 
-    return {f: len(encode_delta(delta, old, f)) for f in DELTA_FORMATS}
+    sizes = {f: len(encode_delta(delta, old, f)) for f in DELTA_FORMATS}
+    if context is not None:
+        sizes["compact-chained"] = len(encode_delta(delta, old, "compact", context=context))
+    return sizes
+
+
+def _context(previous: Path | None, old: dict[str, Any], base_version: int | None = None) -> Any:
+    """The context of the delta PREVIOUS -> OLD (None without --previous)."""
+    if previous is None:
+        return None
+    from deltarl.services.weightsync import DeltaContext, compute_delta
+
+    prev = _load(previous)
+    before = None if base_version is None or base_version < 1 else base_version - 1
+    return DeltaContext.of(compute_delta(prev, old, before, base_version), prev)
 
 
 @app.command()
@@ -46,18 +68,22 @@ def stats(
     old: Path = OLD,
     new: Path = NEW,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    previous: Path | None = PREVIOUS,
 ) -> None:
-    """Density, bytes per format, bits per changed element and the entropy floors."""
+    """Density, bytes per format, bits per changed element and the entropy floors.
+
+    With --previous, also the size of the chained compact delta ("compact-chained")."""
     from deltarl.services.weightsync import DeltaError, compute_delta
     from deltarl.services.weightsync.stats import delta_stats
 
     o, n = _load(old), _load(new)
     try:
         delta = compute_delta(o, n)
+        context = _context(previous, o)
     except DeltaError as e:
         _fail(str(e))
     s = delta_stats(delta, o)
-    sizes = _sizes(delta, o)
+    sizes = _sizes(delta, o, context)
     out: dict[str, Any] = s.as_dict()
     out["bytes"] = sizes
     out["bits_per_changed"] = {
@@ -96,6 +122,7 @@ def encode(
         None, help="Version number of OLD, recorded in the delta."
     ),
     version: int | None = typer.Option(None, help="Version number of NEW, recorded in the delta."),
+    previous: Path | None = PREVIOUS,
 ) -> None:
     """Write the delta that turns OLD into NEW."""
     from deltarl.services.weightsync import DeltaError, compute_delta
@@ -103,14 +130,17 @@ def encode(
 
     if fmt not in DELTA_FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
+    if previous is not None and fmt != "compact":
+        raise typer.BadParameter("--previous (a chained delta) needs --format compact")
     o, n = _load(old), _load(new)
     try:
         delta = compute_delta(o, n, base_version, version)
-        blob = encode_delta(delta, o, fmt)
+        blob = encode_delta(delta, o, fmt, context=_context(previous, o, base_version))
     except DeltaError as e:
         _fail(str(e))
     output.write_bytes(blob)
-    typer.echo(f"wrote {output} ({len(blob):,} bytes, {delta.changed:,} changed elements, {fmt})")
+    kind = f"{fmt}, chained on {previous}" if previous is not None else fmt
+    typer.echo(f"wrote {output} ({len(blob):,} bytes, {delta.changed:,} changed elements, {kind})")
 
 
 @app.command()
@@ -125,6 +155,7 @@ def apply(
     unchecked: bool = typer.Option(
         False, help="Apply a delta that carries no digests (plain TRL)."
     ),
+    previous: Path | None = PREVIOUS,
 ) -> None:
     """Apply a delta to BASE and write the verified result."""
     from safetensors.torch import save_file
@@ -134,7 +165,8 @@ def apply(
 
     state = _load(base)
     try:
-        delta = decode_delta(delta_path.read_bytes(), state)
+        context = _context(previous, state)
+        delta = decode_delta(delta_path.read_bytes(), state, context=context)
         apply_delta(state, delta, check_base=not unchecked, verify=not unchecked)
     except DeltaError as e:
         _fail(str(e))
@@ -154,6 +186,7 @@ def squash(
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Squashed delta file to write."),
     fmt: str = typer.Option("compact", "--format", help="compact | trl-raw | trl-gap"),
+    previous: Path | None = PREVIOUS,
 ) -> None:
     """Squash consecutive deltas into one (what a replica lagging several versions fetches)."""
     from deltarl.services.weightsync import DeltaError
@@ -162,7 +195,10 @@ def squash(
     if fmt not in DELTA_FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
     try:
-        squashed, blob = squash_chain(_load(base), [p.read_bytes() for p in deltas], fmt)
+        state = _load(base)
+        squashed, blob = squash_chain(
+            state, [p.read_bytes() for p in deltas], fmt, context=_context(previous, state)
+        )
     except DeltaError as e:
         _fail(str(e))
     output.write_bytes(blob)
@@ -186,6 +222,7 @@ def verify(
         dir_okay=False,
         help="Check this state equals the delta's result.",
     ),
+    previous: Path | None = PREVIOUS,
 ) -> None:
     """Check a delta's integrity, and optionally that BASE is its base and RESULT its result.
 
@@ -197,14 +234,20 @@ def verify(
     data = delta_path.read_bytes()
     try:
         info = describe(data)
+        chained = info.get("context")
+        on = (
+            f", chained on delta {chained['base_version']} -> {chained['version']}"
+            if isinstance(chained, dict)
+            else ""
+        )
         typer.echo(
-            f"{delta_path}: {info['format']}, version {info['base_version']} -> {info['version']}, "
-            "integrity ok"
+            f"{delta_path}: {info['format']}, version {info['base_version']} -> {info['version']}"
+            f"{on}, integrity ok"
         )
         want = info["result_digest"]
         if base is not None:
             state = _load(base)
-            delta = decode_delta(data, state)
+            delta = decode_delta(data, state, context=_context(previous, state))
             apply_delta(state, delta)
             want = delta.result_digest
             typer.echo(f"base matches; applied in memory, result digest {want} verified")

@@ -237,14 +237,18 @@ def context_of(footer: Mapping[str, Any]) -> dict[str, Any] | None:
     return ctx
 
 
+def _v(version: object) -> str:
+    return "?" if version is None else str(version)
+
+
 def check_context(footer: Mapping[str, Any], context: DeltaContext | None) -> int | None:
     """Refuse (:class:`ContextMismatchError`) a chained delta without its context; return the
     extrapolation factor (None for a standalone delta, which ignores ``context``)."""
     need = context_of(footer)
     if need is None:
         return None
-    what = f"delta {footer.get('base_version')} -> {footer.get('version')}"
-    wanted = f"delta {need.get('base_version')} -> {need.get('version')}"
+    what = f"delta {_v(footer.get('base_version'))} -> {_v(footer.get('version'))}"
+    wanted = f"delta {_v(need.get('base_version'))} -> {_v(need.get('version'))}"
     if context is None:
         raise ContextMismatchError(
             f"{what} is chained on {wanted}: it decodes only with that delta's context, and "
@@ -253,7 +257,7 @@ def check_context(footer: Mapping[str, Any], context: DeltaContext | None) -> in
     if context.digest != need["digest"]:
         raise ContextMismatchError(
             f"{what} is chained on {wanted}, but the context given is of delta "
-            f"{context.base_version} -> {context.version} (digest {context.digest[:12]}, not "
+            f"{_v(context.base_version)} -> {_v(context.version)} (digest {context.digest[:12]}, not "
             f"{need['digest'][:12]}); nothing was decoded"
         )
     return int(need["rho16"])

@@ -120,3 +120,33 @@ def test_squash_equals_the_chain(tmp_path):
     assert r.returncode == 0, r.stderr
     r = run("squash", str(paths[0]), deltas[0], deltas[2], "-o", str(out))  # a gap in the chain
     assert r.returncode == 2 and "not the base" in r.stderr
+
+
+def test_chained_encode_apply_verify(tmp_path):
+    s0 = make_state(seed=8)
+    s1 = perturb(s0, 0.05, seed=30)
+    s2 = perturb(s1, 0.05, seed=31)
+    p = []
+    for i, s in enumerate((s0, s1, s2)):
+        p.append(tmp_path / f"s{i}.safetensors")
+        save_file(s, str(p[-1]))
+    d, out = tmp_path / "d12", tmp_path / "out.safetensors"
+    r = run("encode", str(p[1]), str(p[2]), "-o", str(d), "--previous", str(p[0]))
+    assert r.returncode == 0, r.stderr
+    assert "chained on" in r.stdout
+    r = run("apply", str(p[1]), str(d), "-o", str(out))  # without its context: refused
+    assert r.returncode == 2 and "chained on delta" in r.stderr and not out.exists()
+    r = run("apply", str(p[1]), str(d), "-o", str(out), "--previous", str(p[2]))  # wrong one
+    assert r.returncode == 2 and "chained on delta" in r.stderr and not out.exists()
+    r = run("apply", str(p[1]), str(d), "-o", str(out), "--previous", str(p[0]))
+    assert r.returncode == 0, r.stderr
+    got = load_file(str(out))
+    assert all(torch.equal(got[k].view(torch.int16), s2[k].view(torch.int16)) for k in s2)
+    r = run("verify", str(d), "--base", str(p[1]), "--previous", str(p[0]), "--result", str(out))
+    assert r.returncode == 0 and "chained on delta" in r.stdout, r.stderr
+    r = run("stats", str(p[1]), str(p[2]), "--previous", str(p[0]), "--json")
+    assert r.returncode == 0 and "compact-chained" in json.loads(r.stdout)["bytes"], r.stderr
+    r = run(
+        "encode", str(p[1]), str(p[2]), "-o", str(d), "--previous", str(p[0]), "--format", "trl-gap"
+    )
+    assert r.returncode == 2 and "--format compact" in r.stderr
