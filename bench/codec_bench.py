@@ -3,7 +3,9 @@
 For every optimizer step of every learning rate cached by ``bench/real_deltas.py`` (generated on
 first use), it prints: density, bytes and bits per changed element of the compact format, TRL raw
 and TRL gap_delta, the i.i.d. floor and the conditional floor (given tensor and old exponent),
-and the CPU time to compute + encode a step and to decode + apply + verify it.
+and the CPU time to compute + encode a step and to decode + apply + verify it. From step 2 on it
+also codes the step *chained* on the step before (what a worker that applied that step
+downloads; docs/weightsync.md) and reports the same numbers for it.
 
 Usage::
 
@@ -31,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import real_deltas
-from deltarl.services.weightsync import apply_delta, compute_delta, state_digests
+from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
 from deltarl.services.weightsync.compact import decode_compact, encode_compact
 from deltarl.services.weightsync.stats import delta_stats
 from deltarl.services.weightsync.trl_format import encode_trl
@@ -46,7 +48,10 @@ def warm_up() -> None:
     apply_delta({"w": old["w"].clone()}, decode_compact(encode_compact(d, old), old))
 
 
-def bench_step(old: dict, new: dict, step: int, threads: int) -> dict:
+def bench_step(
+    old: dict, new: dict, step: int, threads: int, context: DeltaContext | None = None
+) -> tuple[dict, DeltaContext]:
+    """Numbers of one step, and the context of its delta (for the next step's chained one)."""
     old_digests = state_digests(old)  # the trainer remembers these from its previous publish
     t0 = time.perf_counter()
     delta = compute_delta(old, new, step - 1, step, old_digests=old_digests)
@@ -60,10 +65,36 @@ def bench_step(old: dict, new: dict, step: int, threads: int) -> dict:
     apply_delta(state, back, check_base=False)  # base checked by decode; result verified here
     t5 = time.perf_counter()
     assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    t6 = time.perf_counter()
+    next_context = DeltaContext.of(delta, old)  # what a worker keeps after applying this step
+    t7 = time.perf_counter()
     s = delta_stats(delta, old)
     raw, gap = len(encode_trl(delta, "raw")), len(encode_trl(delta, "gap_delta"))
     k = max(s.changed, 1)
-    return {
+    chained = None
+    if context is not None:
+        t8 = time.perf_counter()
+        cblob = encode_compact(delta, old, threads=threads, context=context)
+        t9 = time.perf_counter()
+        state = {k: v.clone() for k, v in old.items()}
+        t10 = time.perf_counter()
+        back = decode_compact(
+            cblob, state, base_digests=old_digests, threads=threads, context=context
+        )
+        apply_delta(state, back, check_base=False)
+        t11 = time.perf_counter()
+        assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+        chained = {
+            "bytes": len(cblob),
+            "bits_per_changed": len(cblob) * 8 / k,
+            "vs_conditional_floor": len(cblob) * 8 / k / s.conditional_floor_bits
+            if s.changed
+            else None,
+            "smaller_than_trl_gap": gap / len(cblob),
+            "vs_standalone": len(cblob) / len(blob),
+            "time_s": {"encode": t9 - t8, "decode_apply_verify": t11 - t10},
+        }
+    result = {
         "step": step,
         "density": s.density,
         "changed": s.changed,
@@ -85,8 +116,11 @@ def bench_step(old: dict, new: dict, step: int, threads: int) -> dict:
             "decode": t4 - t3,
             "apply_and_verify": t5 - t4,
             "decode_apply_verify": t5 - t3,
+            "keep_context": t7 - t6,
         },
+        "chained": chained,
     }
+    return result, next_context
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,21 +152,31 @@ def main(argv: list[str] | None = None) -> None:
         paths = real_deltas.step_paths(lr)[: args.steps + 1]
         print(f"## lr {lr:g}\n")
         print(
-            "| step | density | compact B | bits/chg | TRL raw | TRL gap | cond. floor | vs floor | x vs gap | enc s | dec+apply s |"
+            "| step | density | compact B | bits/chg | TRL raw | TRL gap | cond. floor | vs floor | x vs gap | enc s | dec+apply s "
+            "| chained B | bits/chg | vs floor | x vs gap | enc s | dec+apply s |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         rows = []
         prev = _load(paths[0])
+        context = None
         for i, p in enumerate(paths[1:], start=1):
             cur = _load(p)
-            r = bench_step(prev, cur, i, args.threads)
+            r, context = bench_step(prev, cur, i, args.threads, context)
             rows.append(r)
             b = r["bits_per_changed"]
+            c = r["chained"]
+            chained_cols = (
+                f"{c['bytes']:,} | {c['bits_per_changed']:.2f} | {c['vs_conditional_floor']:.3f} | "
+                f"{c['smaller_than_trl_gap']:.2f}x | {c['time_s']['encode']:.2f} | "
+                f"{c['time_s']['decode_apply_verify']:.2f}"
+                if c
+                else "- | - | - | - | - | -"
+            )
             print(
                 f"| {i} | {r['density']:.3%} | {r['bytes']['compact']:,} | {b['compact']:.2f} | {b['trl_raw']:.1f} | "
                 f"{b['trl_gap']:.1f} | {r['conditional_floor_bits']:.2f} | {r['vs_conditional_floor']:.3f} | "
                 f"{r['smaller_than_trl_gap']:.2f}x | {r['time_s']['compute_and_encode']:.2f} | "
-                f"{r['time_s']['decode_apply_verify']:.2f} |",
+                f"{r['time_s']['decode_apply_verify']:.2f} | {chained_cols} |",
                 flush=True,
             )
             prev = cur
@@ -150,6 +194,22 @@ def main(argv: list[str] | None = None) -> None:
             f"smaller than TRL gap_delta; worst {worst_floor:.3f}x the conditional floor; "
             f"slowest encode {enc:.2f} s, slowest decode+apply+verify {dec:.2f} s"
         )
+        ch = [r["chained"] for r in in_band if r["chained"]]
+        if ch:
+            best = [
+                max(r["smaller_than_trl_gap"], (r["chained"] or {}).get("smaller_than_trl_gap", 0))
+                for r in in_band
+            ]
+            print(
+                f"chained (the {len(ch)} of them with a step before): mean "
+                f"{sum(c['smaller_than_trl_gap'] for c in ch) / len(ch):.2f}x smaller than TRL gap_delta; "
+                f"worst {max(c['bits_per_changed'] for c in ch):.2f} bits/changed, "
+                f"{max(c['vs_conditional_floor'] for c in ch):.3f}x the conditional floor; "
+                f"slowest encode {max(c['time_s']['encode'] for c in ch):.2f} s, decode+apply+verify "
+                f"{max(c['time_s']['decode_apply_verify'] for c in ch):.2f} s\n"
+                f"what a steady-state worker downloads (chained where available, {len(in_band)} steps): "
+                f"mean {sum(best) / len(best):.2f}x smaller than TRL gap_delta"
+            )
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=2))
 

@@ -155,23 +155,15 @@ def encode_compact(
     changed: dict[str, int] = {}
     for a in analyses:
         changed[a.tensor] = changed.get(a.tensor, 0) + int(a.symbols.size)
+    # chunks follow each other in footer order (tensors by name, chunks by start), so their
+    # body and header offsets are running sums of the lengths listed there
     out = bytearray(MAGIC)
     for a, (head, body, lengths) in zip(analyses, coded, strict=True):
-        # [start, count, body offset, header offset in index, header bytes, rice, rans, extra bytes,
-        #  xxh3-64 of the body]
-        chunk_meta.setdefault(a.tensor, []).append(
-            [
-                a.start,
-                a.count,
-                len(out),
-                len(index),
-                len(head),
-                *lengths,
-                xxhash.xxh3_64_intdigest(body),
-            ]
-        )
+        # [start, count, header bytes, rice, rans, extra bytes]
+        chunk_meta.setdefault(a.tensor, []).append([a.start, a.count, len(head), *lengths])
         index += head
         out += body
+    body_digest = xxhash.xxh3_64_intdigest(memoryview(out)[len(MAGIC) :])
     packed_index = zstandard.ZstdCompressor(level=19).compress(bytes(index))
     index_meta = [len(out), len(packed_index), len(index), xxhash.xxh3_64_intdigest(packed_index)]
     out += packed_index
@@ -182,6 +174,7 @@ def encode_compact(
         "version": delta.version,
         "prob_bits": kernels.PROB_BITS,
         "index": index_meta,
+        "body_xxh3": body_digest,  # xxh3-64 of every chunk body, end to end
         # one digest for the whole base (per-tensor base digests follow from it, see decode)
         "base_digest": delta.base_digest,
         **({"context": {**context.describe(), "rho16": rho16}} if context is not None else {}),
@@ -348,31 +341,44 @@ def _read_index(
 def _chunk_refs(
     buf: memoryview, footer: dict[str, Any], body_end: int, index: bytes
 ) -> list[ChunkRef]:
-    """Locate and checksum every chunk (no base needed)."""
+    """Locate every chunk and check the bodies' checksum (no base needed)."""
     refs = []
+    off = len(MAGIC)
+    hoff = len(index) - sum(int(m[2]) for t in footer["tensors"] for m in t["chunks"])
+    if hoff < 0:
+        raise CorruptDeltaError("chunk headers do not fit the index")
     for t in footer["tensors"]:
         name = t["name"]
         numel = int(np.prod(t["shape"], dtype=np.int64))
         for meta in t["chunks"]:
             try:
-                start, count, off, hoff, hlen, rl, al, el, digest = (int(x) for x in meta)
+                start, count, hlen, rl, al, el = (int(x) for x in meta)
             except (TypeError, ValueError):
                 raise CorruptDeltaError(f"{name}: malformed chunk entry in the footer") from None
             length = rl + al + el
-            if min(hoff, hlen, rl, al, el) < 0 or off < len(MAGIC) or off + length > body_end:
+            if min(hlen, rl, al, el) < 0 or off + length > body_end:
                 raise CorruptDeltaError(f"{name}: chunk at byte {off} lies outside the object")
-            if hoff + hlen > len(index):
-                raise CorruptDeltaError(f"{name}: chunk header lies outside the index")
             if start < 0 or count <= 0 or start + count > numel:
                 raise CorruptDeltaError(
                     f"{name}: chunk [{start}, {start + count}) lies outside the tensor"
                 )
-            body = buf[off : off + length]
-            if xxhash.xxh3_64_intdigest(body) != digest:
-                raise CorruptDeltaError(
-                    f"{name}: chunk at byte {off} is damaged (checksum mismatch)"
+            refs.append(
+                ChunkRef(
+                    name,
+                    start,
+                    count,
+                    index[hoff : hoff + hlen],
+                    buf[off : off + length],
+                    (rl, al, el),
                 )
-            refs.append(ChunkRef(name, start, count, index[hoff : hoff + hlen], body, (rl, al, el)))
+            )
+            off += length
+            hoff += hlen
+    index_off = int(footer["index"][0])
+    if off != index_off:
+        raise CorruptDeltaError("chunk bodies do not end where the index starts")
+    if xxhash.xxh3_64_intdigest(buf[len(MAGIC) : off]) != footer.get("body_xxh3"):
+        raise CorruptDeltaError("chunk bodies are damaged (checksum mismatch)")
     return refs
 
 
