@@ -245,9 +245,14 @@ class _Calls:
 
     @staticmethod
     def plan(
-        from_version: int | None, to_version: int | None, formats: list[str] | None
+        from_version: int | None,
+        to_version: int | None,
+        formats: list[str] | None,
+        context: int | None = None,
     ) -> _Call[CatchUpPlan]:
         params: dict[str, Any] = {}
+        if context is not None:
+            params["context"] = context
         if from_version is not None:
             params["from"] = from_version
         if to_version is not None:
@@ -353,8 +358,9 @@ class CoordinatorClient:
         from_version: int | None,
         to_version: int | None = None,
         formats: list[str] | None = None,
+        context: int | None = None,
     ) -> CatchUpPlan:
-        return self._run(_Calls.plan(from_version, to_version, formats))
+        return self._run(_Calls.plan(from_version, to_version, formats, context))
 
     def metrics_text(self) -> str:
         return self._run(_Calls.metrics_text())
@@ -511,8 +517,9 @@ class AsyncCoordinatorClient:
         from_version: int | None,
         to_version: int | None = None,
         formats: list[str] | None = None,
+        context: int | None = None,
     ) -> CatchUpPlan:
-        return await self._run(_Calls.plan(from_version, to_version, formats))
+        return await self._run(_Calls.plan(from_version, to_version, formats, context))
 
     async def metrics_text(self) -> str:
         return await self._run(_Calls.metrics_text())

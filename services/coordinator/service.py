@@ -173,7 +173,11 @@ class Coordinator:
         return None if latest is None else latest - self.settings.max_staleness
 
     def plan(
-        self, from_version: int | None, to_version: int | None, formats: list[str] | None
+        self,
+        from_version: int | None,
+        to_version: int | None,
+        formats: list[str] | None,
+        context: int | None = None,
     ) -> CatchUpPlan:
         target = self.latest_number() if to_version is None else to_version
         if target is None:
@@ -184,8 +188,16 @@ class Coordinator:
             raise invalid(
                 "bad_range", f"from={from_version} is newer than to={target}: cannot go back"
             )
+        if context is not None and (from_version is None or context >= from_version):
+            raise invalid(
+                "bad_context",
+                f"context={context} must be older than from={from_version} (it is the base "
+                "version of the delta the replica applied last)",
+            )
         try:
-            return plan_catch_up(self.versions.manifests(), from_version, target, formats=formats)
+            return plan_catch_up(
+                self.versions.manifests(), from_version, target, formats=formats, context=context
+            )
         except UnreachableVersionError as exc:
             raise conflict("unreachable_version", str(exc)) from exc
 

@@ -493,6 +493,24 @@ def test_plan_uses_the_weightsync_planner(server: LiveServer) -> None:
     assert e.value.code == "unknown_version"
 
 
+def test_plan_uses_chained_deltas_only_with_the_context(server: LiveServer) -> None:
+    trainer, _, anon = clients(server)
+    trainer.publish_version(manifest(0))
+    trainer.publish_version(manifest(1))
+    m2 = manifest(2)
+    chained = m2.objects[0].model_copy(
+        update={"key": "objects/v000000000002/c1.dlt", "size": 600, "context_version": 0}
+    )
+    trainer.publish_version(m2.model_copy(update={"objects": (*m2.objects, chained)}))
+    assert anon.plan(from_version=1).total_bytes == 1000  # no context: the standalone delta
+    p = anon.plan(from_version=1, context=0)
+    assert p.total_bytes == 600 and p.steps[0].context_version == 0
+    assert anon.plan(from_version=0).total_bytes == 1600  # 0 -> 1, then chained on it
+    with pytest.raises(CoordinatorError) as e:
+        anon.plan(from_version=1, context=1)
+    assert e.value.code == "bad_context"
+
+
 def test_openapi_lists_every_route(server: LiveServer) -> None:
     spec = httpx.get(server.url + "/openapi.json").json()
     assert {

@@ -1,4 +1,4 @@
-"""``GET /v1/plan?from=&to=``: what a replica fetches to reach a version (cheapest by bytes)."""
+"""``GET /v1/plan?from=&to=&context=``: what a replica fetches to reach a version (cheapest by bytes)."""
 
 from __future__ import annotations
 
@@ -26,5 +26,13 @@ async def plan(
     formats: Annotated[
         list[str] | None, Query(alias="format", description="Only objects in these formats.")
     ] = None,
+    context: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            description="Base version of the delta the replica applied last to reach `from`; "
+            "chained deltas are planned only with it.",
+        ),
+    ] = None,
 ) -> CatchUpPlan:
-    return await coordinator.run(coordinator.plan, from_version, to_version, formats)
+    return await coordinator.run(coordinator.plan, from_version, to_version, formats, context)
