@@ -28,6 +28,7 @@ _HEADLINE = (
     ("step/grad_norm", "gnorm", "{:.3f}"),
     ("step/tokens_per_s", "tok_s", "{:.0f}"),
     ("publish/delta_bytes", "delta_B", "{:.0f}"),
+    ("publish/chained_bytes", "chained_B", "{:.0f}"),
     ("publish/density", "density", "{:.4f}"),
     ("time/data_wait_s", "wait_data", "{:.2f}s"),
     ("time/compute_s", "compute", "{:.2f}s"),

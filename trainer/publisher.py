@@ -10,7 +10,12 @@
 3. **encode**: the delta in the configured format (``compact`` by default), and an anchor when
    due: the first version of this publisher (so always on resume), every ``anchor_every``
    versions, on :meth:`~WeightPublisher.request_anchor` or ``publish(..., anchor=True)``; an
-   anchor of a model larger than ``anchor_in_memory_max_bytes`` is streamed to a temp file;
+   anchor of a model larger than ``anchor_in_memory_max_bytes`` is streamed to a temp file.
+   With the compact format and ``chained_deltas``, a delta ``v -> w`` whose base ``v`` was
+   itself published by a delta ``u -> v`` of this publisher (the previous publish succeeded)
+   is also encoded *chained* on that delta (``context_version=u``, see
+   :mod:`~deltarl.services.weightsync.context`): a second (usually smaller) object next to
+   the standalone one, for replicas whose last applied delta was ``u -> v``;
 4. **upload**: :meth:`Publisher.publish <deltarl.services.weightsync.publish.Publisher.publish>`
    (objects, manifest, then the ``latest.json`` commit);
 5. **register**: the manifest is handed to ``register`` (``CoordinatorClient.publish_version``),
@@ -57,6 +62,7 @@ import torch
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor, write_anchor
 from deltarl.services.weightsync.codec import FORMAT_TAGS, encode_delta
+from deltarl.services.weightsync.context import DeltaContext
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
@@ -100,9 +106,10 @@ class PublishReport:
     """What publishing one version cost. Times in seconds, sizes in bytes.
 
     Example: ``PublishReport(version=12, step=12, base_version=11, anchor=False,
-    delta_format="deltarl-compact-v1", delta_bytes=301_220, anchor_bytes=None, changed=1_402_113,
-    numel=134_515_008, full_bytes=269_030_016, snapshot_s=0.02, diff_s=0.11, encode_s=0.35,
-    anchor_s=0.0, upload_s=0.05, register_s=0.004, total_s=0.52)``.
+    delta_format="deltarl-compact-v1", delta_bytes=301_220, chained_bytes=282_410,
+    anchor_bytes=None, changed=1_402_113, numel=134_515_008, full_bytes=269_030_016,
+    snapshot_s=0.02, diff_s=0.11, encode_s=0.65, anchor_s=0.0, upload_s=0.05, register_s=0.004,
+    total_s=0.82)``.
     """
 
     version: int
@@ -110,14 +117,15 @@ class PublishReport:
     base_version: int | None  # the delta's base; None when the version has no delta
     anchor: bool  # the version carries an anchor
     delta_format: str | None  # format tag of the delta; None without delta
-    delta_bytes: int | None
+    delta_bytes: int | None  # the standalone delta
+    chained_bytes: int | None  # the delta chained on the previous one; None without one
     anchor_bytes: int | None
     changed: int | None  # elements whose bits changed since base_version; None without delta
     numel: int  # elements of the whole state
     full_bytes: int  # raw bytes of the whole bf16 state
     snapshot_s: float  # in the trainer's thread: cast + copy to host
     diff_s: float  # delta and digests of the new state
-    encode_s: float  # delta encoding
+    encode_s: float  # delta encoding (standalone and chained, with the context capture)
     anchor_s: float  # anchor encoding (0 without anchor)
     upload_s: float  # objects, manifest and latest pointer
     register_s: float  # coordinator registration (0 without coordinator)
@@ -131,7 +139,7 @@ class PublishReport:
     def metrics(self, prefix: str = "publish/") -> dict[str, float]:
         """Flat numeric view for the metrics log (absent values are left out)."""
         out: dict[str, float] = {"version": float(self.version), "anchor": float(self.anchor)}
-        for key in ("delta_bytes", "anchor_bytes", "changed", "density"):
+        for key in ("delta_bytes", "chained_bytes", "anchor_bytes", "changed", "density"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = float(value)
@@ -188,6 +196,9 @@ class WeightPublisher:
         self._spare: dict[str, torch.Tensor] | None = None  # reusable snapshot buffers
         self._last_version: int | None = None
         self._last_report: PublishReport | None = None
+        # Context of the last published delta (into _last_version), for the next chained delta;
+        # None after an anchor-only version, a failure, on resume or when chaining is off.
+        self._context: DeltaContext | None = None
         self._failed = False
         self._bucket_latest = self._publisher.reader.latest_version()
         self.waited_s = 0.0
@@ -323,6 +334,7 @@ class WeightPublisher:
             report = self._run(snap, version, step, anchor)
         except BaseException as err:
             self._failed = True
+            self._context = None
             # Where the bucket stands decides the next version number (a failure after the
             # commit, e.g. in registration, used this one up); if the bucket cannot even be
             # read now, keep the last known value: the next publish re-checks anyway.
@@ -365,9 +377,12 @@ class WeightPublisher:
         t1 = time.perf_counter()
         objects: list[NewObject] = []
         fmt = self.settings.format
-        delta_bytes = None
+        chain = fmt == "compact" and self.settings.chained_deltas
+        delta_bytes = chained_bytes = None
+        context = None  # of this version's delta, kept for the next one if the publish succeeds
         if delta is not None and base is not None:
-            blob = encode_delta(delta, base, fmt, threads=self.settings.codec_threads)
+            threads = self.settings.codec_threads
+            blob = encode_delta(delta, base, fmt, threads=threads)
             delta_bytes = len(blob)
             objects.append(
                 NewObject(
@@ -379,6 +394,24 @@ class WeightPublisher:
                     changed=delta.changed,
                 )
             )
+            prev = self._context
+            if chain and prev is not None and prev.version == base_version:
+                chained = encode_delta(delta, base, fmt, threads=threads, context=prev)
+                chained_bytes = len(chained)
+                objects.append(
+                    NewObject(
+                        "delta",
+                        FORMAT_TAGS[fmt],
+                        chained,
+                        base_version=base_version,
+                        base_digest=delta.base_digest,
+                        changed=delta.changed,
+                        context_version=prev.base_version,
+                    )
+                )
+            if chain:
+                # before ``base`` is recycled as the next snapshot's buffers
+                context = DeltaContext.of(delta, base)
         t2 = time.perf_counter()
         with_anchor = anchor or delta is None or self._publisher.should_anchor(version)
         tmp: Path | None = None
@@ -411,6 +444,7 @@ class WeightPublisher:
         # Success: the new state becomes the base; the old base's buffers are reused.
         self._spare, self._base, self._base_digests = base, new, digests
         self._last_version, self._failed = version, False
+        self._context = context
         report = PublishReport(
             version=version,
             step=step,
@@ -418,6 +452,7 @@ class WeightPublisher:
             anchor=with_anchor,
             delta_format=FORMAT_TAGS[fmt] if delta is not None else None,
             delta_bytes=delta_bytes,
+            chained_bytes=chained_bytes,
             anchor_bytes=anchor_bytes,
             changed=delta.changed if delta is not None else None,
             numel=numel,
@@ -435,7 +470,8 @@ class WeightPublisher:
             "upload %.3f, register %.3f)",
             version,
             ", ".join(
-                f"{o.kind} {len(o.source) if isinstance(o.source, bytes) else 'file'}"
+                f"{'chained ' if o.context_version is not None else ''}{o.kind} "
+                f"{len(o.source) if isinstance(o.source, bytes) else 'file'}"
                 for o in objects
             ),
             100 * (report.density or 0.0),

@@ -5,7 +5,9 @@ Torch-free: objects arrive already encoded (bytes or a local file) from the code
 Publication protocol for version ``v`` (:meth:`Publisher.publish`), in this order:
 
 1. Check: ``v`` is newer than ``latest.json``; each delta's base version is published and its
-   ``base_digest`` equals that version's ``state_digest``; the first version has an anchor.
+   ``base_digest`` equals that version's ``state_digest``; the first version has an anchor; a
+   chained delta (``context_version`` set) has an older context than its base and comes with a
+   standalone delta from the same base, so no replica ever depends on the chained one alone.
 2. Upload every object under a fresh unique key ``objects/v.../<uuid>.<ext>`` (never overwritten).
 3. Write the manifest ``manifests/v....json`` (size + xxh3-128 of each object). It may only
    replace a leftover manifest of the same version from a crashed attempt that never reached
@@ -70,7 +72,8 @@ class NewObject:
     """One encoded object handed to :meth:`Publisher.publish` by the codec.
 
     Example: ``NewObject("delta", "deltarl-compact-v1", blob, base_version=11,
-    base_digest=delta.base_digest, changed=delta.changed)``.
+    base_digest=delta.base_digest, changed=delta.changed)``; a chained delta adds
+    ``context_version=10`` (it decodes only after the delta 10 -> 11).
     """
 
     kind: ObjectKind  # "anchor" or "delta"
@@ -79,6 +82,7 @@ class NewObject:
     base_version: int | None = None  # delta: version it applies to; anchor: None
     base_digest: str | None = None  # delta: state digest of base_version; anchor: None
     changed: int | None = None  # delta: changed elements; anchor: None
+    context_version: int | None = None  # chained delta: base of the delta it is chained on
 
 
 def _is_digest(value: object) -> bool:
@@ -318,6 +322,8 @@ class Publisher:
             if not isinstance(o.source, bytes | Path):
                 raise ValueError(f"source must be bytes or a pathlib.Path, got {type(o.source)}")
             if o.kind == "anchor":
+                if o.context_version is not None:
+                    raise ValueError(f"version {version}: an anchor has no context_version")
                 continue
             if o.base_version is None or o.base_digest is None:
                 raise ValueError(f"version {version}: a delta needs base_version and base_digest")
@@ -329,6 +335,8 @@ class Publisher:
                 raise ValueError(
                     f"delta base_version {o.base_version} must be older than version {version}"
                 )
+            if o.context_version is not None:
+                self._check_chained(version, o, objects)
             if o.base_version not in bases:
                 try:
                     bases[o.base_version] = self.reader.manifest(o.base_version, latest=latest)
@@ -341,6 +349,30 @@ class Publisher:
                     f"published state digest {expected} of version {o.base_version}"
                 )
         return bases
+
+    @staticmethod
+    def _check_chained(version: int, o: NewObject, objects: Sequence[NewObject]) -> None:
+        ctx, base = o.context_version, o.base_version
+        if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 0:
+            raise ValueError(
+                f"delta {base} -> {version}: context_version must be None or a non-negative "
+                f"int, got {ctx!r}"
+            )
+        assert base is not None
+        if ctx >= base:
+            raise ValueError(
+                f"chained delta {base} -> {version}: context_version {ctx} must be older than "
+                f"its base_version {base} (it is chained on the delta {ctx} -> {base})"
+            )
+        if not any(
+            s.kind == "delta" and s.base_version == base and s.context_version is None
+            for s in objects
+        ):
+            raise ValueError(
+                f"chained delta {base} -> {version} (context {ctx}) needs a standalone delta "
+                f"from {base} in the same version: replicas without its context must have "
+                "another way from the same base"
+            )
 
     def _upload(self, version: int, state_digest: str, o: NewObject) -> ObjectRef:
         ext = FORMAT_EXTENSIONS.get(o.format, "bin")
@@ -371,6 +403,7 @@ class Publisher:
             base_digest=o.base_digest,
             result_digest=state_digest,
             changed=o.changed,
+            context_version=o.context_version,
         )
 
     def publish(
@@ -461,7 +494,10 @@ class Publisher:
             "published version %d to %s: %s (%d bytes)",
             version,
             self.bucket.uri,
-            ", ".join(f"{o.kind}:{o.format}" for o in refs),
+            ", ".join(
+                f"{o.kind}:{o.format}" + (f" chained on {o.context_version}" if o.chained else "")
+                for o in refs
+            ),
             manifest.total_bytes,
         )
         return manifest

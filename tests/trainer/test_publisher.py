@@ -14,9 +14,10 @@ from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import decode_anchor
 from deltarl.services.weightsync.codec import decode_delta
+from deltarl.services.weightsync.context import ContextMismatchError, DeltaContext
 from deltarl.services.weightsync.delta import apply_delta
 from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.manifest import VersionManifest
+from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.publisher import (
     PublishFailedError,
@@ -82,6 +83,16 @@ class TinyModel:
         for t in self.params.values():
             t.add_(torch.randn(t.shape, generator=self.gen).sign() * lr)
 
+    def drift(self, lr: float = 2e-4) -> None:
+        """A step along a fixed direction per element (like Adam's momentum): consecutive
+        deltas move the same elements alike, which chained deltas code more cheaply."""
+        if not hasattr(self, "direction"):
+            self.direction = {
+                n: torch.randn(t.shape, generator=self.gen) for n, t in self.params.items()
+            }
+        for n, t in self.params.items():
+            t.add_(self.direction[n] * lr)
+
     def bf16(self) -> dict[str, torch.Tensor]:
         return {n: t.to(torch.bfloat16) for n, t in self.params.items()}
 
@@ -89,22 +100,36 @@ class TinyModel:
 def rebuild(
     bucket: LocalBucket, current: dict[str, torch.Tensor] | None = None, at: int | None = None
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """What a fresh replica does: plan from ``at`` (None: nothing), fetch, apply, verify."""
+    """What a fresh replica does: plan from ``at`` (None: nothing), fetch, apply, verify.
+
+    Keeps the context of the last delta it applied, for chained deltas (kinds: ``"anchor"``,
+    ``"delta"`` or ``"chained"``)."""
     reader = BucketReader(bucket)
     plan = reader.plan(at)
     state = None if current is None else {n: t.clone() for n, t in current.items()}
+    context: DeltaContext | None = None
     kinds: list[str] = []
     for ref in plan.steps:
         data = reader.fetch(ref)
-        kinds.append(ref.kind)
+        kinds.append("chained" if ref.chained else ref.kind)
         if ref.kind == "anchor":
-            state = decode_anchor(data)[0]
+            state, context = decode_anchor(data)[0], None
         else:
             assert state is not None
-            apply_delta(state, decode_delta(data, state))
+            delta = decode_delta(data, state, context=context)
+            context = DeltaContext.of(delta, state)
+            apply_delta(state, delta)
     assert state is not None
     assert state_digest(state) == reader.manifest(plan.target).state_digest
     return state, kinds
+
+
+def deltas_of(manifest: VersionManifest) -> tuple[list[ObjectRef], list[ObjectRef]]:
+    """(standalone, chained) deltas of a version."""
+    return (
+        [o for o in manifest.deltas if not o.chained],
+        [o for o in manifest.deltas if o.chained],
+    )
 
 
 def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -337,3 +362,119 @@ def test_publishable_state_lists_tied_weights_once() -> None:
     state = publishable_state(Tied())
     assert list(state) == ["embed.weight"]
     assert {n for n, _ in Tied().named_parameters()} == set(state)
+
+
+def test_chained_deltas_published_and_decode_bit_identically(
+    bucket: FlakyBucket, coordinator: FakeCoordinator
+) -> None:
+    model = TinyModel()
+    reports: list[PublishReport] = []
+    settings = PublishSettings(anchor_every=0)
+    pub = WeightPublisher(bucket, settings, register=coordinator, on_report=reports.append)
+    states = []
+    for step in range(4):
+        pub.publish(model.params, step=step)
+        states.append(model.bf16())
+        model.drift()
+    pub.close()
+    reader = BucketReader(bucket)
+    # version 1, the first delta after the anchor-only start: nothing to chain on
+    standalone, chained = deltas_of(reader.manifest(1))
+    assert len(standalone) == 1 and chained == []
+    assert reports[1].chained_bytes is None and "publish/chained_bytes" not in reports[1].metrics()
+    for w in (2, 3):
+        manifest = reader.manifest(w)
+        standalone, chained = deltas_of(manifest)
+        assert len(standalone) == 1 and len(chained) == 1
+        ref = chained[0]
+        assert ref.base_version == w - 1 and ref.context_version == w - 2
+        assert ref.base_digest == standalone[0].base_digest and ref.changed == standalone[0].changed
+        assert ref.format == standalone[0].format == "deltarl-compact-v1"
+        assert reports[w].chained_bytes == ref.size and reports[w].delta_bytes == standalone[0].size
+        assert reports[w].metrics()["publish/chained_bytes"] == ref.size
+        assert ref.size < standalone[0].size  # the drift repeats the previous moves
+        # a replica at w-1 that got there by the delta w-2 -> w-1 decodes the chained delta
+        prev_ref = deltas_of(reader.manifest(w - 1))[0][0]
+        prev = decode_delta(reader.fetch(prev_ref), states[w - 2])
+        context = DeltaContext.of(prev, states[w - 2])
+        blob = reader.fetch(ref)
+        state = {n: t.clone() for n, t in states[w - 1].items()}
+        apply_delta(state, decode_delta(blob, state, context=context))
+        assert_bit_identical(state, states[w])
+        with pytest.raises(ContextMismatchError):
+            decode_delta(blob, states[w - 1])  # without the context: refused
+    assert coordinator.manifests[-1].deltas[-1].context_version == 1  # registered as well
+    # the planner takes the chained deltas where the replica holds their context
+    got, kinds = rebuild(bucket, states[0], at=0)
+    assert kinds == ["delta", "chained", "chained"]
+    assert_bit_identical(got, states[-1])
+
+
+def test_no_chained_delta_after_an_anchor_only_version_or_a_resume(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    with WeightPublisher(bucket, PublishSettings(anchor_every=3)) as pub:
+        for _ in range(4):
+            pub.publish(model.params)
+            model.drift()
+    reader = BucketReader(bucket)
+    assert [len(deltas_of(reader.manifest(v))[1]) for v in range(4)] == [0, 0, 1, 1]
+    assert reader.manifest(3).has_anchor  # an anchor next to the deltas keeps the chain going
+    with WeightPublisher(bucket, PublishSettings(anchor_every=0)) as resumed:
+        for _ in range(3):
+            resumed.publish(model.params)  # 4: anchor only; 5: delta; 6: delta + chained
+            last = model.bf16()
+            model.drift()
+    layout = [
+        (reader.manifest(v).has_anchor, [o.context_version for o in reader.manifest(v).deltas])
+        for v in (4, 5, 6)
+    ]
+    assert layout == [(True, []), (False, [None]), (False, [None, 4])]
+    got, kinds = rebuild(bucket)
+    assert kinds == ["anchor", "delta", "chained"]
+    assert_bit_identical(got, last)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "trl-gap"])
+def test_chained_deltas_can_be_switched_off(bucket: FlakyBucket, fmt: str) -> None:
+    model = TinyModel()
+    reports: list[PublishReport] = []
+    settings = PublishSettings(format=fmt, chained_deltas=fmt != "compact")  # type: ignore[arg-type]
+    with WeightPublisher(bucket, settings, on_report=reports.append) as pub:
+        for _ in range(4):
+            pub.publish(model.params)
+            last = model.bf16()
+            model.drift()
+    reader = BucketReader(bucket)
+    assert all(not o.chained for v in range(4) for o in reader.manifest(v).objects)
+    assert [len(reader.manifest(v).deltas) for v in range(4)] == [0, 1, 1, 1]
+    assert all(r.chained_bytes is None for r in reports)
+    assert_bit_identical(rebuild(bucket)[0], last)
+
+
+def test_no_chained_delta_after_a_failure(bucket: FlakyBucket) -> None:
+    model = TinyModel()
+    states = []
+    pub = WeightPublisher(bucket, PublishSettings(anchor_every=0))
+    for _ in range(3):
+        pub.publish(model.params)
+        states.append(model.bf16())
+        model.drift()
+    pub.wait()
+    bucket.fail_pattern = r"objects/v000000000003/.*"
+    pub.publish(model.params)  # version 3 fails
+    with pytest.raises(PublishFailedError):
+        pub.wait()
+    bucket.fail_pattern = None
+    pub.publish(model.params, anchor=True)  # 3 again: anchor only
+    model.drift()
+    for _ in range(2):
+        pub.publish(model.params)  # 4: delta only; 5: delta + chained on 3 -> 4
+        last = model.bf16()
+        model.drift()
+    pub.close()
+    reader = BucketReader(bucket)
+    contexts = {v: [o.context_version for o in reader.manifest(v).deltas] for v in range(6)}
+    assert contexts == {0: [], 1: [None], 2: [None, 0], 3: [], 4: [None], 5: [None, 3]}
+    got, kinds = rebuild(bucket, states[2], at=2)
+    assert kinds == ["anchor", "delta", "chained"]
+    assert_bit_identical(got, last)

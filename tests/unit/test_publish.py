@@ -46,6 +46,18 @@ def delta_obj(base: int, v: int, size: int = 20) -> NewObject:
     )
 
 
+def chained_obj(base: int, v: int, context: int, size: int = 15) -> NewObject:
+    return NewObject(
+        "delta",
+        "deltarl-compact-v1",
+        bytes([(v * 11) % 251]) * size,
+        base_version=base,
+        base_digest=digest(base),
+        changed=10,
+        context_version=context,
+    )
+
+
 def publish(pub: Publisher, v: int, *objs: NewObject) -> VersionManifest:
     return pub.publish(v, list(objs), state_digest=digest(v), numel=200, full_bytes=400, step=v)
 
@@ -178,6 +190,44 @@ def test_bad_input_writes_nothing(bucket: CrashingBucket) -> None:
             full_bytes=2,
         )
     assert [o.key for o in bucket.list()] == before
+
+
+def test_chained_delta_reaches_the_manifest(bucket: CrashingBucket) -> None:
+    pub = Publisher(bucket, anchor_every=0)
+    publish(pub, 0, anchor_obj(0))
+    publish(pub, 1, delta_obj(0, 1))
+    m = publish(pub, 2, delta_obj(1, 2), chained_obj(1, 2, context=0))
+    for manifest in (m, BucketReader(bucket).manifest(2)):
+        standalone, chained = manifest.deltas
+        assert standalone.context_version is None and not standalone.chained
+        assert chained.context_version == 0 and chained.chained
+        assert chained.base_version == 1 and chained.size == 15
+    # chained on a squashed delta, next to its standalone twin: fine too
+    m = publish(pub, 5, delta_obj(2, 5), chained_obj(2, 5, context=0))
+    assert [o.context_version for o in m.deltas] == [None, 0]
+
+
+def test_chained_delta_checks(bucket: CrashingBucket) -> None:
+    pub = Publisher(bucket)
+    publish(pub, 0, anchor_obj(0))
+    publish(pub, 1, delta_obj(0, 1))
+    before = [o.key for o in bucket.list()]
+    cases: list[tuple[list[NewObject], str]] = [
+        ([chained_obj(1, 2, context=0)], "needs a standalone delta from 1"),
+        ([delta_obj(0, 2), chained_obj(1, 2, context=0)], "needs a standalone delta from 1"),
+        ([delta_obj(1, 2), chained_obj(1, 2, context=1)], "must be older than its base_version"),
+        ([delta_obj(1, 2), chained_obj(1, 2, context=5)], "must be older than its base_version"),
+        ([delta_obj(1, 2), chained_obj(1, 2, context=-1)], "non-negative"),
+        (
+            [NewObject("anchor", "safetensors", b"x" * 4, context_version=0)],
+            "anchor has no context_version",
+        ),
+    ]
+    for objs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            publish(pub, 2, *objs)
+    assert [o.key for o in bucket.list()] == before  # nothing written
+    assert BucketReader(bucket).latest_version() == 1
 
 
 CRASH_POINTS = [
