@@ -23,7 +23,16 @@ Shape of the arrangement:
       .attach(mirror)                      # after every anchor load: the child maps the block
       .decode(data, base_digests) -> Delta # base checked by digest, every checksum verified
       ... parent applies, verifies, patches mirror in place, next decode ...
+      .decode(data, base_digests, context=ctx)   # a chained delta (if .holds(ctx))
       .close()
+
+* Chained deltas need the :class:`~deltarl.services.weightsync.context.DeltaContext` of the
+  delta applied before them (~10 bytes per changed element). It does not cross the pipe: after
+  each decode the child builds the context of the delta it just decoded itself, from the mirror
+  (still at the delta's base, the parent patches it only after verification), keeps the latest
+  :data:`KEPT_CONTEXTS` and names it by digest in its reply. A chained decode sends only the
+  digest of the parent's context; :meth:`DecodeProcess.holds` says whether the child has it
+  (when not, e.g. after a restart, the parent decodes in process).
 
 Guarantees: :meth:`DecodeProcess.decode` returns exactly what
 :func:`~deltarl.services.weightsync.codec.decode_delta` returns in process (same checks, same
@@ -53,6 +62,7 @@ import torch
 
 from deltarl.services.weightsync import errors as delta_errors
 from deltarl.services.weightsync.bits import float_format
+from deltarl.services.weightsync.context import DeltaContext
 from deltarl.services.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch
 
 logger = logging.getLogger(__name__)
@@ -60,6 +70,7 @@ logger = logging.getLogger(__name__)
 FRAME = struct.Struct("<Q")
 ALIGN = 64
 MAX_FRAME = 1 << 36  # 64 GiB: a length beyond this is a broken stream, not a delta
+KEPT_CONTEXTS = 2  # delta contexts the child keeps (the latest decoded deltas')
 
 
 def _widen_pipe(fd: int) -> None:
@@ -160,7 +171,9 @@ def _read_frame(f: IO[bytes]) -> Any:
     return msgpack.unpackb(_read_exact(f, n), raw=False)
 
 
-def _write_delta(f: IO[bytes], delta: Delta, decode_s: float) -> None:
+def _write_delta(
+    f: IO[bytes], delta: Delta, decode_s: float, context_digest: str | None = None
+) -> None:
     """Write every patch's indices then values into a fresh shared-memory block (which the
     parent copies out and unlinks) and answer with a header naming it: one copy, no pipe
     traffic proportional to the delta."""
@@ -198,6 +211,7 @@ def _write_delta(f: IO[bytes], delta: Delta, decode_s: float) -> None:
         "version": delta.version,
     }
     header |= {"patches": meta, "shm": shm.name, "nbytes": total, "decode_s": decode_s}
+    header["context_digest"] = context_digest
     _write_frame(f, header)
 
 
@@ -256,6 +270,7 @@ class DecodeProcess:
         self.timeout_s = timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._mirror: SharedMirror | None = None
+        self._contexts: list[str] = []  # digests of the contexts the child keeps, newest last
         self._start()
 
     def _start(self) -> None:
@@ -263,6 +278,7 @@ class DecodeProcess:
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._contexts = []  # a fresh child holds none
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self._proc.stdin is not None
         _widen_pipe(self._proc.stdin.fileno())  # the delta's bytes go in through it
@@ -312,21 +328,48 @@ class DecodeProcess:
             raise _error_from_reply(reply)
 
     def attach(self, mirror: SharedMirror) -> None:
-        """Decode against ``mirror`` from now on (the caller keeps and later closes it)."""
+        """Decode against ``mirror`` from now on (the caller keeps and later closes it). The
+        child forgets its delta contexts (they described the previous weights)."""
         self._mirror = mirror
+        self._contexts = []
         self._send_attach(mirror)
 
-    def decode(self, data: bytes | memoryview, base_digests: Mapping[str, str]) -> Delta:
-        """Decode ``data`` against the attached mirror, refusing a base whose digests differ."""
+    def holds(self, context: DeltaContext) -> bool:
+        """Whether the child keeps ``context`` (built by it from a delta it decoded)."""
+        return self.alive and context.digest in self._contexts
+
+    def decode(
+        self,
+        data: bytes | memoryview,
+        base_digests: Mapping[str, str],
+        *,
+        context: DeltaContext | None = None,
+    ) -> Delta:
+        """Decode ``data`` against the attached mirror, refusing a base whose digests differ.
+
+        ``context``: the context of the delta that brought the mirror to its state, for a
+        chained delta (only its digest is sent: the child must :meth:`hold <holds>` it, else
+        :class:`DecodeProcessError`). As in process, a chained delta whose context is not the
+        one given raises :class:`~deltarl.services.weightsync.errors.ContextMismatchError`.
+        """
         if self._mirror is None:
             raise RuntimeError("attach() a mirror before decoding")
-        reply, delta = self._call(
-            {"op": "decode", "data": bytes(data), "digests": dict(base_digests)}
-        )
+        if context is not None and not self.holds(context):
+            raise DecodeProcessError(
+                f"the decoding child does not hold the context of delta {context.base_version} "
+                f"-> {context.version}"
+            )
+        request: dict[str, Any] = {"op": "decode", "data": bytes(data)}
+        request |= {"digests": dict(base_digests)}
+        request["context"] = None if context is None else context.digest
+        reply, delta = self._call(request)
         if not reply.get("ok"):
             raise _error_from_reply(reply)
         if delta is None:
             raise DecodeProcessError("the decoding child answered a decode without a delta")
+        kept = reply.get("context_digest")
+        if isinstance(kept, str):
+            self._contexts = [*self._contexts, kept][-KEPT_CONTEXTS:]
         return delta
 
     def _kill(self) -> None:
@@ -368,11 +411,25 @@ def _attach_block(name: str) -> shared_memory.SharedMemory:
     return _untracked(shared_memory.SharedMemory(name=name))
 
 
+class _ContextUnavailable(Exception):
+    """The parent asked for a delta context the child does not keep (not the delta's fault:
+    the parent raises :class:`DecodeProcessError` and decodes in process)."""
+
+
+def _context_of(delta: Delta, mirror: Mapping[str, torch.Tensor]) -> DeltaContext | None:
+    try:
+        return DeltaContext.of(delta, mirror)
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:  # an optimization only
+        logger.warning("no delta context for %s -> %s: %s", delta.base_version, delta.version, err)
+        return None
+
+
 def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
     from deltarl.services.weightsync.codec import decode_delta
 
     shm: shared_memory.SharedMemory | None = None
     mirror: dict[str, torch.Tensor] = {}
+    contexts: dict[str, DeltaContext] = {}  # by digest, oldest first (KEPT_CONTEXTS at most)
     while True:
         try:
             req = _read_frame(inp)
@@ -384,6 +441,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
                 return
             if op == "attach":
                 mirror = {}
+                contexts = {}
                 if shm is not None:
                     try:
                         shm.close()
@@ -394,14 +452,26 @@ def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
                 _write_frame(out, {"ok": True})
             elif op == "decode":
                 t0 = time.perf_counter()
+                want = req.get("context")
+                if want is not None and want not in contexts:
+                    raise _ContextUnavailable(f"no kept delta context has digest {want}")
                 delta = decode_delta(
                     req["data"],
                     mirror,
                     check_base=True,
                     base_digests=req["digests"],
                     threads=threads,
+                    context=None if want is None else contexts[want],
                 )
-                _write_delta(out, delta, time.perf_counter() - t0)
+                decode_s = time.perf_counter() - t0
+                # the mirror is still at the delta's base: what a chained successor needs
+                ctx = _context_of(delta, mirror)
+                if ctx is not None:
+                    contexts.pop(ctx.digest, None)
+                    contexts[ctx.digest] = ctx
+                    while len(contexts) > KEPT_CONTEXTS:
+                        del contexts[next(iter(contexts))]
+                _write_delta(out, delta, decode_s, None if ctx is None else ctx.digest)
             else:
                 _write_frame(out, {"ok": False, "error": "ValueError", "message": f"op {op!r}?"})
         except Exception as err:  # reported to the parent, which raises it there

@@ -151,6 +151,11 @@ class RolloutMetrics:
             ["kind"],
             registry=r,
         )
+        self._chained = Counter(
+            P + "weight_chained_deltas",
+            "Deltas applied that were chained on the previous delta (also in weight_updates)",
+            registry=r,
+        )
         self._update_bytes = Counter(
             P + "weight_update_bytes", "Bytes of the objects applied, by kind", ["kind"], registry=r
         )
@@ -239,6 +244,8 @@ class RolloutMetrics:
         for t in timings[start:]:
             self._updates.labels(t.kind).inc()
             self._update_bytes.labels(t.kind).inc(t.bytes)
+            if t.chained:
+                self._chained.inc()
             self._pause_s.labels(t.kind).observe(t.pause_s)
             for phase in PHASES:
                 self._phase_s.labels(t.kind, phase).observe(getattr(t, f"{phase}_s"))

@@ -27,7 +27,8 @@ class StepTiming:
     ``wait_s``: waiting for the in-flight forward step before the pause; ``pause_s``: how long
     generation was paused (the apply, plus verification with ``verify_before_resume`` and for
     anchors); ``publish_to_*``: from the manifest's ``created_at`` (publisher's clock) to the
-    weights being applied / verified here.
+    weights being applied / verified here. ``chained``: a chained delta (decoded against the
+    context of the delta applied before it).
     """
 
     version: int
@@ -45,6 +46,7 @@ class StepTiming:
     mirror_s: float
     publish_to_applied_s: float | None
     publish_to_verified_s: float | None
+    chained: bool = False
 
 
 @dataclass(slots=True)

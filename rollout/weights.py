@@ -22,6 +22,15 @@ in other threads)::
     not decode against them) makes them unhealthy, and the object is only excluded from
     later plans if it fails again after a fresh anchor.
 
+Chained deltas (``ObjectRef.context_version`` set) decode only against the
+:class:`~deltarl.services.weightsync.context.DeltaContext` of the delta applied just before
+them. The sync keeps that context of the last delta it applied and verified (built from the host
+state after decoding, before the apply: ~10 bytes per changed element), plans with it (the
+planner then uses chained objects only where they are valid) and drops it on an anchor load or
+whenever the weights become unhealthy. A chained delta that refuses the context
+(``ContextMismatchError``: nothing was decoded) leaves the weights healthy: the context is
+dropped, the object excluded, and the re-plan uses standalone deltas.
+
 Guarantees:
 
 * Generation only ever runs with weights that are verified or pending verification of a delta
@@ -54,13 +63,14 @@ from collections import deque
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
 from deltarl.services.weightsync.anchor import decode_anchor
 from deltarl.services.weightsync.bits import bits_view
 from deltarl.services.weightsync.codec import FORMAT_TAGS, decode_delta
+from deltarl.services.weightsync.context import DeltaContext
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,
@@ -71,6 +81,7 @@ from deltarl.services.weightsync.delta import (
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import (
     BaseMismatchError,
+    ContextMismatchError,
     CorruptDeltaError,
     DeltaError,
     StateMismatchError,
@@ -124,7 +135,9 @@ class WeightSync:
     decoding down through the GIL. Off by default: on an H200 box (16 cores) decoding in
     process took 0.50 s p50 next to generation, 0.63 s in the child (which adds copies); the
     child pays off where few cores are shared with a Python-heavy engine (2 cores: 0.9 s in the
-    child vs 3.4-17 s in process next to a busy Python thread). Needs ``host_mirror``.
+    child vs 3.4-17 s in process next to a busy Python thread). Needs ``host_mirror``. Chained
+    deltas decode in the child too: it keeps the contexts of the deltas it decoded itself (they
+    never cross the pipe); one it lacks (a restarted child) means an in-process decode.
     """
 
     def __init__(
@@ -174,6 +187,8 @@ class WeightSync:
         self._verified_state: tuple[int, str] | None = None  # (_version, its state digest)
         self._mirror: dict[str, torch.Tensor] | None = None  # CPU copy at _version, if host_mirror
         self._bad_keys: set[str] = set()  # objects never to plan with again
+        # what the last applied and verified delta changed (chained deltas decode against it)
+        self._context: DeltaContext | None = None
         self._suspects: set[str] = set()  # objects that failed once
         self._executor: ThreadPoolExecutor | None = None
 
@@ -223,6 +238,7 @@ class WeightSync:
                 self._cond.notify_all()
 
     def _set_unhealthy(self, reason: str, seq: int | None = None) -> None:
+        self._context = None  # chained deltas only ever build on verified weights
         with self._cond:
             self._healthy = False
             self._reason = reason
@@ -391,8 +407,15 @@ class WeightSync:
                 )
                 for v, m in manifests.items()
             }
+        context = self._held_context()
         try:
-            return plan_catch_up(manifests, current, target, formats=self.formats)
+            return plan_catch_up(
+                manifests,
+                current,
+                target,
+                formats=self.formats,
+                context=None if context is None else context.base_version,
+            )
         except ValueError as err:
             report.version = self._version
             raise SyncError(
@@ -425,6 +448,27 @@ class WeightSync:
         except ValueError:
             return None
 
+    def _held_context(self) -> DeltaContext | None:
+        """The context of the delta that brought the verified weights to their version (None:
+        they came from an anchor, or it is unknown)."""
+        ctx = self._context
+        if ctx is None or not self.healthy or ctx.version != self._version:
+            return None
+        return ctx
+
+    def _context_of(self, delta: Delta, ref: ObjectRef) -> DeltaContext | None:
+        """The context of ``delta`` (read from the host state, before it is applied), for the
+        chained delta that may follow it; None where no chained delta could use it."""
+        if FORMAT_TAGS["compact"] not in self.formats:
+            return None  # chained deltas are compact ones
+        try:
+            ctx = DeltaContext.of(delta, self._host_state())
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:  # an optimization only
+            logger.warning("no delta context for v%d (%s): no chained delta next", ref.version, err)
+            return None
+        # the manifest's versions (a TRL delta may not record its own)
+        return replace(ctx, base_version=ref.base_version, version=ref.version)
+
     def _host_state(self) -> Mapping[str, torch.Tensor]:
         return self._mirror if self._mirror is not None else self.engine.named_parameters()
 
@@ -443,11 +487,19 @@ class WeightSync:
                 f"delta {ref.base_version} -> {ref.version}: the engine's state digest is not "
                 "the delta's base digest"
             )
+        # only a chained delta needs the context (standalone ones ignore it; in the child they
+        # must not wait for a context it may not hold)
+        context = self._held_context() if ref.context_version is not None else None
         t0 = time.perf_counter()
         data = self.reader.fetch(ref)
         t1 = time.perf_counter()
         try:
-            delta = self._decode(data)
+            delta = self._decode(data, context)
+        except ContextMismatchError:
+            # Nothing was decoded: the weights are fine, but this context is not the one the
+            # bucket chains on. Forget it: the next plan uses standalone deltas.
+            self._context = None
+            raise
         except CorruptDeltaError as err:
             # The bytes passed the manifest's size and xxh3 check, so a decode that fails is
             # evidence against the local weights it decodes against (compact codes values
@@ -459,6 +511,7 @@ class WeightSync:
             self._set_unhealthy(reason)
             raise CorruptDeltaError(reason) from err
         _check_delta_versions(delta, ref)
+        new_context = self._context_of(delta, ref)
         t2 = time.perf_counter()
         fault_points.hold("before_apply", version=ref.version, base_version=ref.base_version)
         params = self.engine.named_parameters()
@@ -491,6 +544,7 @@ class WeightSync:
         verified = time.time()
         self._version, self._digests = ref.version, digests
         self._verified_state = (ref.version, combine_digests(digests))
+        self._context = new_context
         with self._cond:
             self._verified_seq = seq
         tm = time.perf_counter()
@@ -519,21 +573,27 @@ class WeightSync:
             mirror_s=time.perf_counter() - tm,
             publish_to_applied_s=None if created is None else applied - created,
             publish_to_verified_s=None if created is None else verified - created,
+            chained=ref.context_version is not None,
         )
 
-    def _decode(self, data: bytes) -> Delta:
-        """Decode against the host state: in the child when there is one, else here."""
+    def _decode(self, data: bytes, context: DeltaContext | None) -> Delta:
+        """Decode against the host state: in the child when there is one (and it holds
+        ``context``, which it keeps itself: the arrays never cross the pipe), else here."""
         if self._decoder is not None and self._shared is not None:
-            try:
-                return self._decoder.decode(data, self._digests)
-            except DecodeProcessError as err:
-                logger.warning("decoding child failed (%s); decoding in process this time", err)
+            if context is None or self._decoder.holds(context):
+                try:
+                    return self._decoder.decode(data, self._digests, context=context)
+                except DecodeProcessError as err:
+                    logger.warning("decoding child failed (%s); decoding in process this time", err)
+            else:
+                logger.info("decoding child lacks the delta context; decoding in process")
         return decode_delta(
             data,
             self._host_state(),
             check_base=True,
             base_digests=self._digests,
             threads=self.decode_threads,
+            context=context,
         )
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
@@ -576,6 +636,7 @@ class WeightSync:
         _check_same_tensors(params, state)
         t2 = time.perf_counter()
         seq = self._stamp.seq + 1
+        self._context = None  # the weights are about to come from an anchor, not a delta
         with self._exclusive() as wait_s:
             tp = time.perf_counter()
             try:

@@ -160,11 +160,11 @@ def test_weightsync_follows_through_the_child_and_falls_back_when_it_fails(
     calls: list[str] = []
     real = decoder.decode
 
-    def flaky(data: bytes, digests: dict[str, str]) -> object:
+    def flaky(data: bytes, digests: dict[str, str], **kw: object) -> object:
         calls.append("child")
         if len(calls) == 2:
             raise DecodeProcessError("simulated: the child broke off")
-        return real(data, digests)
+        return real(data, digests, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(decoder, "decode", flaky)
     try:
