@@ -69,8 +69,8 @@ def position_contexts(
     shift, emask = context_layout(fmt)
     if prediction is None:
         return old, shift, emask
-    keys = ((old.astype(np.int32) >> shift) & emask) << 1
-    keys[prediction.index] |= 1
+    keys = np.empty(old.size, np.int16 if emask < 1 << 14 else np.int32)
+    kernels.moved_keys(old, shift, emask, prediction.index, keys)
     return keys, 0, (emask << 1) | 1
 
 

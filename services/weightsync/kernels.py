@@ -235,3 +235,13 @@ def rans_decode(buf, tables, freq, cum, out):  # pragma: no cover - jit
     if x != RANS_L:
         return -1
     return p
+
+
+@njit(nogil=True, cache=True)
+def moved_keys(old, shift, emask, moved, out):  # pragma: no cover - jit
+    """``out[i] = 2 * ((old[i] >> shift) & emask) + (i in moved)``; ``moved`` is sorted and
+    within ``old`` (chained chunks: position context = old exponent and "moved before")."""
+    for i in range(old.size):
+        out[i] = ((np.int64(old[i]) >> shift) & emask) << 1
+    for j in range(moved.size):
+        out[moved[j]] |= 1
