@@ -170,6 +170,7 @@ def rebuild_digest(bucket_uri: str, version: int) -> tuple[str, list[str]]:
     from deltarl.services.buckets import open_bucket
     from deltarl.services.weightsync.anchor import decode_anchor
     from deltarl.services.weightsync.codec import decode_delta
+    from deltarl.services.weightsync.context import DeltaContext
     from deltarl.services.weightsync.delta import apply_delta
     from deltarl.services.weightsync.digest import state_digest
     from deltarl.services.weightsync.publish import BucketReader
@@ -177,12 +178,15 @@ def rebuild_digest(bucket_uri: str, version: int) -> tuple[str, list[str]]:
     reader = BucketReader(open_bucket(bucket_uri))
     plan = reader.plan(None, version)
     state: dict[str, Any] = {}
+    context: DeltaContext | None = None  # of the delta applied last (chained deltas need it)
     for ref in plan.steps:
         data = reader.fetch(ref)
         if ref.kind == "anchor":
             state, _, _ = decode_anchor(data)
+            context = None
         else:
-            delta = decode_delta(data, state, check_base=True)
+            delta = decode_delta(data, state, check_base=True, context=context)
+            context = DeltaContext.of(delta, state)
             apply_delta(state, delta, check_base=True, verify=True)
     return state_digest(state), plan.keys
 
