@@ -198,13 +198,17 @@ class BucketReader:
         target: int | None = None,
         *,
         formats: Collection[str] | None = None,
+        context: int | None = None,
     ) -> CatchUpPlan:
-        """Cheapest plan from ``current`` to ``target`` (default: latest); see :mod:`.planner`."""
+        """Cheapest plan from ``current`` to ``target`` (default: latest); ``context``: base
+        version of the delta the replica applied last (see :mod:`.planner`)."""
         latest = self.latest_version()
         if latest is None:
             raise VersionNotFoundError(f"nothing is published in {self.bucket.uri} yet")
         target = latest if target is None else target
-        return plan_catch_up(self.manifests(latest=latest), current, target, formats=formats)
+        return plan_catch_up(
+            self.manifests(latest=latest), current, target, formats=formats, context=context
+        )
 
     def fetch(self, ref: ObjectRef) -> bytes:
         """The object's bytes, verified: CorruptDeltaError if missing, truncated or tampered."""
