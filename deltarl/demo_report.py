@@ -300,9 +300,24 @@ def plain_png(
 
 
 def bytes_summary(versions: list[VersionRecord], workers: int) -> dict[str, Any]:
-    """Bytes published (every object of every version) against full syncs of every version."""
+    """Bytes published, and what a follower that applies every version downloads, against full
+    syncs of every version.
+
+    A follower takes, per version, the cheapest delta from the version before (the chained one
+    where there is one), or else the cheapest anchor (the first version). ``published_bytes``
+    counts every object stored: anchors, standalone and chained deltas."""
     published = sum(o.size for v in versions for o in v.manifest.objects)
     anchors = sum(o.size for v in versions for o in v.manifest.objects if o.kind == "anchor")
+    follow_deltas = follow_anchors = delta_versions = 0
+    for i, cur in enumerate(versions):
+        prev = versions[i - 1].version if i else None
+        sizes = [o.size for o in cur.manifest.deltas if prev is not None and o.base_version == prev]
+        if sizes:
+            follow_deltas += min(sizes)
+            delta_versions += 1
+        else:
+            follow_anchors += min(o.size for o in cur.manifest.objects)
+    follow = follow_anchors + follow_deltas
     full_model = versions[-1].full_bytes if versions else 0
     full_per_version = full_model * len(versions)
     return {
@@ -310,18 +325,14 @@ def bytes_summary(versions: list[VersionRecord], workers: int) -> dict[str, Any]
         "anchors": sum(1 for v in versions if v.kind == "anchor"),
         "published_bytes": published,
         "anchor_bytes": anchors,
-        "delta_bytes": published - anchors,
+        "stored_delta_bytes": published - anchors,
+        "follower_bytes": follow,
+        "delta_bytes": follow_deltas,
         "full_model_bytes": full_model,
         "full_sync_bytes_per_version": full_per_version,
         "full_sync_bytes_all_workers": full_per_version * workers,
-        "ratio": full_per_version / published if published else None,
+        "ratio": full_per_version / follow if follow else None,
         # the versions a follower gets as deltas, against full syncs of those same versions
-        "delta_versions": len(versions) - sum(1 for v in versions if v.kind == "anchor"),
-        "delta_ratio": (
-            full_model
-            * (len(versions) - sum(1 for v in versions if v.kind == "anchor"))
-            / (published - anchors)
-            if published > anchors
-            else None
-        ),
+        "delta_versions": delta_versions,
+        "delta_ratio": full_model * delta_versions / follow_deltas if follow_deltas else None,
     }

@@ -392,10 +392,11 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
     )
     ratio = f"{b['ratio']:.1f}x less" if b["ratio"] else "-"
     console.print(
-        f"bytes published: {human_bytes(b['published_bytes'])} (anchors "
-        f"{human_bytes(b['anchor_bytes'])} + deltas {human_bytes(b['delta_bytes'])}) vs full "
-        f"syncs {human_bytes(b['full_sync_bytes_per_version'])} (full model "
-        f"{human_bytes(b['full_model_bytes'])} x {b['versions']} versions, per version): {ratio}",
+        f"bytes a follower of every version needs: {human_bytes(b['follower_bytes'])} (the "
+        f"first anchor + the cheapest delta of each later version) vs full syncs "
+        f"{human_bytes(b['full_sync_bytes_per_version'])} (full model "
+        f"{human_bytes(b['full_model_bytes'])} x {b['versions']} versions): {ratio}; stored "
+        f"{human_bytes(b['published_bytes'])} (standalone and chained deltas)",
         highlight=False,
     )
     if b["delta_versions"] and b["delta_ratio"]:
