@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         default="off",
         help="decode in a child process (WeightSync's decode_process)",
     )
+    ap.add_argument(
+        "--chained",
+        choices=["on", "off"],
+        default="on",
+        help="publish chained deltas next to the standalone ones (the trainer's default: on)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -113,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     tmp = tempfile.TemporaryDirectory()
     bucket = open_bucket(tmp.name)
-    publisher = WeightPublisher(bucket, PublishSettings(anchor_every=0, background=False))
+    publisher = WeightPublisher(
+        bucket,
+        PublishSettings(anchor_every=0, background=False, chained_deltas=args.chained == "on"),
+    )
     publisher.publish(publishable_state(trainer))  # version 0: the anchor
     engine = TransformersEngine(engine_model, seed=0)
     ws = WeightSync(
@@ -173,7 +182,16 @@ def main(argv: list[str] | None = None) -> None:
         "device": name,
         "versions": len(deltas),
         "density": [r.density for r in reports if r is not None],
-        "delta_bytes": [t.bytes for t in deltas],
+        "delta_bytes": [t.bytes for t in deltas],  # what the worker downloaded
+        "chained_steps": sum(t.chained for t in deltas),
+        "standalone_bytes": [r.delta_bytes for r in reports if r is not None],
+        "chained_bytes": [r.chained_bytes for r in reports if r is not None],
+        "publish_encode_s": {
+            "p50": statistics.median([r.encode_s for r in reports if r is not None]),
+        },
+        "publish_total_s": {
+            "p50": statistics.median([r.total_s for r in reports if r is not None]),
+        },
         "pause_ms": {
             "p50": statistics.median(pause_ms),
             "p99": pct(pause_ms, 0.99),
