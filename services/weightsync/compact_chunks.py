@@ -88,8 +88,7 @@ def value_residuals(
     if prev is None:
         ref = old[index]
         return ref, np.zeros(index.size, np.int64), ctx
-    ref, buckets = predict(old, index, prev.index, prev.before, fmt, prev.rho16)
-    forbidden = wrapped_diff(old[index], ref, fmt.width)
+    ref, forbidden, buckets = predict(old, index, prev.index, prev.before, fmt, prev.rho16)
     return ref, forbidden, (ctx >> 1) * N_MOVE_BUCKETS + buckets
 
 
@@ -198,7 +197,7 @@ def shared_tables(
     counts = np.zeros((nk, ALPHABET), np.int64)
     for a in analyses:
         sel = ~a.own if (use_own and a.own is not None) else np.ones(a.key.size, bool)
-        np.add.at(counts, a.key[sel], a.counts[sel])
+        counts[a.key[sel]] += a.counts[sel]  # a chunk's value contexts are distinct
     families = N_MOVE_BUCKETS if chained else 1
     table_of_key = np.full(nk, -1, np.int64)
     pooled: list[np.ndarray] = []

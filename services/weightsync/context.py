@@ -14,11 +14,12 @@ the index, 2 for a bf16 pattern) and is identified by the two versions and a dig
 chained delta records so that a receiver holding any other context is refused before anything
 is decoded (:class:`ContextMismatchError`).
 
-Prediction (:func:`predict`) uses float64 arithmetic, which is exact on the inputs and
-deterministic (IEEE-754 single operations, no fused multiply-add), then rounds to the tensor's
-format. Only normal, finite inputs and results are predicted; anything else (zeros, subnormals,
-infinities, NaNs, overflow) falls back to "no prediction", so a flush-to-zero floating-point
-mode or a platform's NaN payloads can never make the encoder and the decoder disagree.
+Prediction (:func:`predict`) decodes the patterns to exact float64 values, extrapolates with
+IEEE-754 float64 operations on exactly representable values (deterministic; no fused
+multiply-add), and rounds to the tensor's format with integer arithmetic. Only normal, finite
+inputs and results are predicted; anything else (zeros, subnormals, infinities, NaNs,
+overflow) falls back to "no prediction", so a flush-to-zero floating-point mode or a
+platform's NaN payloads can never make the encoder and the decoder disagree.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 import xxhash
 
+from . import kernels
 from .bits import FloatFormat, bits_view, float_format
 from .delta import Delta
 from .errors import ContextMismatchError
@@ -160,33 +162,9 @@ def context_digest(
 # prediction
 
 
-def _to_float64(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    if fmt.name == "bfloat16":
-        return (bits.astype(np.int64).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    if fmt.name == "float16":
-        return bits.astype(np.int16).view(np.float16).astype(np.float64)
-    return bits.astype(np.int32).view(np.float32).astype(np.float64)
-
-
-def _from_float64(x: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    """Round to ``fmt`` (round to nearest even); bit patterns as ``fmt.bits_dtype``."""
-    if fmt.name == "float16":
-        return x.astype(np.float16).view(np.int16)
-    f32 = x.astype(np.float32)
-    if fmt.name == "float32":
-        return f32.view(np.int32)
-    u = f32.view(np.uint32).astype(np.uint64)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return r.astype(np.uint16).view(np.int16)
-
-
-def _normal(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    e = (bits.astype(np.int64) >> fmt.mantissa_bits) & fmt.exponent_mask
-    return (e != 0) & (e != fmt.exponent_mask)
-
-
 def move_buckets(prev_diff: np.ndarray) -> np.ndarray:
-    """Context of each element from its previous move (signed, in bit-pattern units)."""
+    """Context of each element from its previous move (signed, in bit-pattern units): 0 for
+    none, else ``2 min(bitlen(|move|), 7) - 1 + [move < 0]`` (what ``predict`` computes)."""
     a = np.abs(prev_diff)
     length = np.minimum(np.frexp(np.maximum(a, 1).astype(np.float64))[1], 7).astype(np.int64)
     return np.where(a == 0, 0, 2 * length - 1 + (prev_diff < 0)).astype(np.int64)
@@ -199,35 +177,37 @@ def predict(
     prev_before: np.ndarray,
     fmt: FloatFormat,
     rho16: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Predicted bit patterns and move buckets for the elements ``index`` of a chunk.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Predicted bit patterns, forbidden residuals and move buckets of the elements ``index``
+    of a chunk (one compiled pass: ``kernels.predict_moves``).
 
     ``old``: the chunk's current bit patterns; ``index``: chunk-local indices of the elements
-    to predict (any order); ``prev_index``/``prev_before``: the context's chunk-local indices
-    (sorted) and bit patterns before its delta. Elements the context did not change are
-    predicted to stay (prediction = old, bucket 0).
+    to predict; ``prev_index``/``prev_before``: the context's chunk-local indices (sorted) and
+    bit patterns before its delta. An element the context moved, with both patterns normal
+    numbers, is predicted as ``o + (o - b) * rho16 / 16`` computed exactly in float64 and
+    rounded to nearest even in the format (no prediction if that is zero, subnormal or
+    overflows); any other element is predicted to stay (prediction = old, bucket 0 if it did
+    not move). ``forbidden = old - prediction`` (wrapped): the residual a changed element can
+    never have.
     """
-    from .entropy import wrapped_diff
-
-    o = old[index]
     k = index.size
-    if prev_index.size == 0 or k == 0:
-        return o.copy(), np.zeros(k, np.int64)
-    pos = np.minimum(np.searchsorted(prev_index, index), prev_index.size - 1)
-    hit = prev_index[pos] == index
-    b = np.where(hit, prev_before[pos].astype(o.dtype), o)
-    prev = wrapped_diff(o, b, fmt.width)
-    buckets = move_buckets(prev)
-    ok = (prev != 0) & _normal(o, fmt) & _normal(b, fmt)
-    with np.errstate(over="ignore", invalid="ignore"):
-        of = _to_float64(o, fmt)
-        bf = _to_float64(b, fmt)
-        p64 = of + (of - bf) * (rho16 / 16.0)
-        tiny = 2.0 ** (2 - (1 << (fmt.exponent_bits - 1)))  # smallest normal of the format
-        ok &= np.abs(np.where(ok, p64, 1.0)) >= tiny
-        p = _from_float64(np.where(ok, p64, 1.0), fmt)
-    ok &= _normal(p, fmt)
-    return np.where(ok, p, o).astype(o.dtype), buckets
+    pred = np.empty(k, fmt.bits_dtype)
+    forbidden = np.empty(k, np.int64)
+    buckets = np.empty(k, np.int64)
+    kernels.predict_moves(
+        old,
+        np.ascontiguousarray(index, dtype=np.int64),
+        np.ascontiguousarray(prev_index, dtype=np.int64),
+        np.ascontiguousarray(prev_before),
+        fmt.width,
+        fmt.mantissa_bits,
+        fmt.exponent_bits,
+        rho16,
+        pred,
+        forbidden,
+        buckets,
+    )
+    return pred, forbidden, buckets
 
 
 def skip_forbidden(d: np.ndarray, f: np.ndarray) -> np.ndarray:

@@ -15,6 +15,8 @@ Conventions:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -245,3 +247,87 @@ def moved_keys(old, shift, emask, moved, out):  # pragma: no cover - jit
         out[i] = ((np.int64(old[i]) >> shift) & emask) << 1
     for j in range(moved.size):
         out[moved[j]] |= 1
+
+
+@njit(nogil=True, cache=True)
+def predict_moves(
+    old, index, prev_index, prev_before, width, mbits, ebits, rho16, pred, forbidden, bucket
+):  # pragma: no cover - jit
+    """Chained deltas: for each changed element ``index[j]`` of a chunk, its predicted pattern
+    ``pred[j]`` (the previous move ``old - before`` extrapolated by ``rho16 / 16`` in float64
+    and rounded to nearest even in the format; ``old`` where there is no previous move or a
+    special value is involved), ``forbidden[j] = old - pred`` (wrapped) and its move bucket.
+
+    ``prev_index`` (sorted) and ``prev_before``: the context's chunk-local indices and their
+    patterns before the context delta. Exact and deterministic: only IEEE float64 operations on
+    exactly representable values, and integer rounding.
+    """
+    span = np.int64(1) << width
+    half = span >> 1
+    umask = span - 1
+    emask = (np.int64(1) << ebits) - 1
+    bias = (np.int64(1) << (ebits - 1)) - 1
+    top = np.int64(1) << mbits
+    m = prev_index.size
+    factor = rho16 / 16.0
+    for j in range(index.size):
+        i = index[j]
+        o = np.int64(old[i])
+        lo, hi = 0, m
+        while lo < hi:  # first prev_index >= i
+            mid = (lo + hi) >> 1
+            if prev_index[mid] < i:
+                lo = mid + 1
+            else:
+                hi = mid
+        p = o
+        b = np.int64(0)
+        if lo < m and prev_index[lo] == i:
+            b = np.int64(prev_before[lo])
+            move = (o - b) & umask
+            if move >= half:
+                move -= span
+        else:
+            move = 0
+        a = -move if move < 0 else move
+        if a == 0:
+            bucket[j] = 0
+        else:
+            length = 0
+            while a > 0 and length < 7:
+                a >>= 1
+                length += 1
+            bucket[j] = 2 * length - 1 + (1 if move < 0 else 0)
+        uo = o & umask
+        ub = b & umask
+        eo = (uo >> mbits) & emask
+        eb = (ub >> mbits) & emask
+        if move != 0 and 0 < eo < emask and 0 < eb < emask:
+            vo = math.ldexp(float(top | (uo & (top - 1))), int(eo - bias - mbits))
+            if uo >> (width - 1):
+                vo = -vo
+            vb = math.ldexp(float(top | (ub & (top - 1))), int(eb - bias - mbits))
+            if ub >> (width - 1):
+                vb = -vb
+            x = vo + (vo - vb) * factor
+            if math.isfinite(x) and x != 0.0:
+                neg = x < 0.0
+                fr, ex = math.frexp(-x if neg else x)  # x = fr * 2**ex, fr in [0.5, 1)
+                q = math.ldexp(fr, mbits + 1)  # in [2**mbits, 2**(mbits+1)), exact
+                r = math.floor(q)
+                rest = q - r
+                ri = np.int64(r)
+                if rest > 0.5 or (rest == 0.5 and (ri & 1) == 1):
+                    ri += 1
+                if ri == top << 1:
+                    ri = top
+                    ex += 1
+                e = np.int64(ex) - 1 + bias
+                if 0 < e < emask:
+                    u = (e << mbits) | (ri - top)
+                    if neg:
+                        u |= half
+                    p = u - span if u >= half else u
+        pred[j] = p
+        f = (o - p) & umask
+        forbidden[j] = f - span if f >= half else f

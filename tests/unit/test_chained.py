@@ -4,6 +4,7 @@ the right context, and smaller on momentum-like updates."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -211,15 +212,59 @@ def test_prediction_never_uses_special_values(dtype):
     before[:6] = torch.tensor([1.0] * 6).to(fmt.torch_dtype).view(INT[fmt.torch_dtype]).numpy()
     before[6:] = (old[6:].astype(np.int64) - 3).astype(old.dtype)
     idx = np.arange(old.size)
-    pred, buckets = predict(old, idx, idx, before, fmt, 14)
+    pred, _, buckets = predict(old, idx, idx, before, fmt, 14)
     assert np.array_equal(pred[:6], old[:6])  # zero, NaN, inf, subnormal: no prediction
     assert np.all(pred[6:] != old[6:]) and np.all(buckets[6:] > 0)
     # an overflowing extrapolation is not predicted either
     big = torch.tensor([3e38 if dtype != "float16" else 6e4]).to(fmt.torch_dtype)
     ob = big.view(INT[fmt.torch_dtype]).numpy().copy()
     bb = (big * 0.5).view(INT[fmt.torch_dtype]).numpy().copy()
-    p, _ = predict(ob, np.array([0]), np.array([0]), bb, fmt, 16)
+    p, _, _ = predict(ob, np.array([0]), np.array([0]), bb, fmt, 16)
     assert p[0] == ob[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_prediction_is_the_correctly_rounded_extrapolation(dtype):
+    """The compiled prediction equals a reference: exact float64 extrapolation, then round to
+    nearest even at the format's precision (Python's round() is round-half-even)."""
+    fmt = FLOAT_FORMATS[dtype]
+    rng = np.random.default_rng(3)
+    n = 20_000
+    scale = {"bfloat16": 1e-3, "float16": 1e-2, "float32": 1e-3}[dtype]
+    old_t = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * scale).to(fmt.torch_dtype)
+    old = old_t.view(INT[fmt.torch_dtype]).numpy().copy()
+    moves = rng.choice([-40, -7, -2, -1, 1, 2, 3, 9, 120], n)
+    before = (old.astype(np.int64) - moves).astype(old.dtype)
+    idx = np.arange(n)
+    pred, forbidden, buckets = predict(old, idx, idx, before, fmt, 14)
+
+    def as_float(bits):
+        return torch.from_numpy(bits.copy()).view(fmt.torch_dtype).double().numpy()
+
+    o, b = as_float(old), as_float(before)
+    tiny = 2.0 ** (2 - 2 ** (fmt.exponent_bits - 1))  # smallest normal
+    checked = 0
+    for j in range(n):
+        if min(abs(o[j]), abs(b[j])) < tiny or np.sign(o[j]) != np.sign(b[j]):
+            assert pred[j] == old[j] or np.sign(o[j]) != np.sign(b[j])
+            continue
+        x = o[j] + (o[j] - b[j]) * 0.875
+        m, e = math.frexp(x)
+        ref = math.ldexp(round(math.ldexp(m, fmt.mantissa_bits + 1)), e - fmt.mantissa_bits - 1)
+        if abs(ref) < tiny:
+            assert pred[j] == old[j]  # a subnormal prediction is not made
+            continue
+        want = torch.tensor([ref], dtype=torch.float64).to(fmt.torch_dtype)
+        assert pred[j] == want.view(INT[fmt.torch_dtype]).item(), (j, x, ref)
+        checked += 1
+    assert checked > n // 2
+    assert (
+        np.array_equal(
+            forbidden, (old.astype(np.int64) - pred.astype(np.int64) + 2**15) % 2**16 - 2**15
+        )
+        or fmt.width == 32
+    )
+    assert np.all(buckets > 0)
 
 
 def test_forbidden_residual_mapping_is_a_bijection():
