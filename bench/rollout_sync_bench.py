@@ -108,8 +108,16 @@ def main(argv: list[str] | None = None) -> None:
         default="on",
         help="publish chained deltas next to the standalone ones (the trainer's default: on)",
     )
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.2,
+        help="sys.setswitchinterval, as the rollout worker sets it (0: Python's 5 ms)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.switch_interval_ms > 0:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         "wait_for_step_ms": {"p50": statistics.median([1e3 * t.wait_s for t in deltas])},
         "publish_to_applied_s": {"p50": statistics.median(p2a), "max": max(p2a)} if p2a else None,
         "decode_process": ws._decoder is not None,
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
         "download_decode_stage_s": {
             "p50": statistics.median([t.download_s + t.decode_s + t.stage_s for t in deltas])
         },

@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -125,6 +126,8 @@ class RolloutWorker:
         self.sync = sync
         self.engine: Engine = sync.engine
         self.format = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
+        if settings.gil_switch_interval_ms > 0:  # process-wide: see the setting
+            sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
         self.model_name = model_name or (settings.model or "smollm2-135m-instruct")
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()

@@ -23,3 +23,29 @@ def test_vllm_memory_share_reaches_the_engine_settings() -> None:
         kw = {} if given is None else {"gpu_memory_utilization": given}
         es = RolloutSettings(engine="vllm", model="org/m", **kw).engine_settings()
         assert isinstance(es, VllmEngineSettings) and es.gpu_memory_utilization == want
+
+
+def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
+    """Decoding next to a Python-heavy generation thread needs a short switch interval."""
+    import sys
+
+    from deltarl.rollout.engines.transformers_engine import TransformersEngine
+    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.services.buckets.local import LocalBucket
+    from deltarl.services.weightsync.publish import BucketReader
+    from tests.rollout.episode_helpers import smollm2_tokenizer
+    from tests.rollout.worker_helpers import tiny_model
+
+    before = sys.getswitchinterval()
+    try:
+        sync = WeightSync(
+            TransformersEngine(tiny_model(64, seed=1), seed=0), BucketReader(LocalBucket(tmp_path))
+        )
+        for ms, want in ((0.5, 0.0005), (0, 0.0005)):  # 0: left as it is
+            settings = RolloutSettings(gil_switch_interval_ms=ms)
+            RolloutWorker(settings, sync, smollm2_tokenizer(), model_name="t")
+            assert abs(sys.getswitchinterval() - want) < 1e-9
+        assert RolloutSettings().gil_switch_interval_ms == 0.2
+    finally:
+        sys.setswitchinterval(before)
