@@ -53,6 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,7 @@ class WeightPublisher:
         # Context of the last published delta (into _last_version), for the next chained delta;
         # None after an anchor-only version, a failure, on resume or when chaining is off.
         self._context: DeltaContext | None = None
+        self._chain_pool = ThreadPoolExecutor(1, thread_name_prefix="deltarl-chained-encode")
         self._failed = False
         self._bucket_latest = self._publisher.reader.latest_version()
         self.waited_s = 0.0
@@ -284,6 +286,7 @@ class WeightPublisher:
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            self._chain_pool.shutdown(wait=True)
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -382,7 +385,20 @@ class WeightPublisher:
         context = None  # of this version's delta, kept for the next one if the publish succeeds
         if delta is not None and base is not None:
             threads = self.settings.codec_threads
-            blob = encode_delta(delta, base, fmt, threads=threads)
+            prev = self._context
+            chained_job = None
+            if chain and prev is not None and prev.version == base_version:
+                # the chained encode runs next to the standalone one: their serial parts
+                # (table choice, GIL hand-overs) overlap
+                chained_job = self._chain_pool.submit(
+                    encode_delta, delta, base, fmt, threads=threads, context=prev
+                )
+            try:
+                blob = encode_delta(delta, base, fmt, threads=threads)
+            except BaseException:
+                if chained_job is not None:  # it reads ``base``: let it finish first
+                    futures_wait([chained_job])
+                raise
             delta_bytes = len(blob)
             objects.append(
                 NewObject(
@@ -394,9 +410,11 @@ class WeightPublisher:
                     changed=delta.changed,
                 )
             )
-            prev = self._context
-            if chain and prev is not None and prev.version == base_version:
-                chained = encode_delta(delta, base, fmt, threads=threads, context=prev)
+            if chain:
+                # before ``base`` is recycled as the next snapshot's buffers
+                context = DeltaContext.of(delta, base)
+            if chained_job is not None and prev is not None:
+                chained = chained_job.result()
                 chained_bytes = len(chained)
                 objects.append(
                     NewObject(
@@ -409,9 +427,6 @@ class WeightPublisher:
                         context_version=prev.base_version,
                     )
                 )
-            if chain:
-                # before ``base`` is recycled as the next snapshot's buffers
-                context = DeltaContext.of(delta, base)
         t2 = time.perf_counter()
         with_anchor = anchor or delta is None or self._publisher.should_anchor(version)
         tmp: Path | None = None

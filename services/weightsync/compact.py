@@ -138,7 +138,8 @@ def encode_compact(
         table_of_key, shared = shared_tables(analyses, use_own=False, chained=chained)
         for a in analyses:
             choose_own_tables(a, table_of_key, shared)
-        table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
+        if any(a.own is not None and a.own.any() for a in analyses):
+            table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
         coded = list(pool.map(lambda a: code_chunk(a, table_of_key, shared), analyses))
 
     # the shared tables, then which value context uses which: (key gap, table) pairs

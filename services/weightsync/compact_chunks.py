@@ -241,10 +241,16 @@ def cluster_keys(counts: np.ndarray) -> list[slice]:
     return runs[::-1]
 
 
+OWN_TABLE_MIN = 16384
+
+
 def choose_own_tables(a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray) -> None:
-    """Give a context its own table where that costs fewer bits, table included (MDL)."""
-    if a.key.size == 0:
-        a.own = np.zeros(0, bool)
+    """Give a context its own table where that costs fewer bits, table included (MDL).
+
+    Chunks with fewer than ``OWN_TABLE_MIN`` changes are not considered: their tables would
+    not pay for themselves, and the check costs time per chunk."""
+    if a.key.size == 0 or a.symbols.size < OWN_TABLE_MIN:
+        a.own = np.zeros(a.key.size, bool)
         return
     shared_cost = coding_cost_bits(a.counts, shared[table_of_key[a.key]])
     nnz = (a.counts > 0).sum(axis=1)
