@@ -400,33 +400,27 @@ class WeightPublisher:
                     futures_wait([chained_job])
                 raise
             delta_bytes = len(blob)
-            objects.append(
-                NewObject(
+
+            def delta_object(data: bytes, context_version: int | None = None) -> NewObject:
+                assert delta is not None
+                return NewObject(
                     "delta",
                     FORMAT_TAGS[fmt],
-                    blob,
+                    data,
                     base_version=base_version,
                     base_digest=delta.base_digest,
                     changed=delta.changed,
+                    context_version=context_version,
                 )
-            )
+
+            objects.append(delta_object(blob))
             if chain:
                 # before ``base`` is recycled as the next snapshot's buffers
                 context = DeltaContext.of(delta, base)
             if chained_job is not None and prev is not None:
                 chained = chained_job.result()
                 chained_bytes = len(chained)
-                objects.append(
-                    NewObject(
-                        "delta",
-                        FORMAT_TAGS[fmt],
-                        chained,
-                        base_version=base_version,
-                        base_digest=delta.base_digest,
-                        changed=delta.changed,
-                        context_version=prev.base_version,
-                    )
-                )
+                objects.append(delta_object(chained, prev.base_version))
         t2 = time.perf_counter()
         with_anchor = anchor or delta is None or self._publisher.should_anchor(version)
         tmp: Path | None = None
