@@ -444,8 +444,14 @@ class Cluster:
     def losses(self, before: Ledger | None = None) -> dict[str, Any]:
         """What a scenario lost: the coordinator's counters, the store's rows, the workers'
         logs. Every count but the ledger must be 0."""
-        led = self.ledger()
-        keys, rows = self.store_rows()
+        # the workers keep submitting: compare the store with a ledger read on both sides of
+        # it that did not move meanwhile (the store's submit is one atomic script)
+        for _ in range(50):
+            led = self.ledger()
+            keys, rows = self.store_rows()
+            if self.ledger().accepted == led.accepted:
+                break
+            time.sleep(0.05)
         pairs = [(w, g) for w, g, _, _ in rows]
         unverified = self.unverified(rows)
         out: dict[str, Any] = {
