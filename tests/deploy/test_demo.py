@@ -213,3 +213,27 @@ def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every child is gone
+
+
+def test_bytes_summary_counts_what_a_follower_downloads() -> None:
+    """Per version the cheapest delta from the version before (a chained one where published),
+    the first version's anchor; everything stored is reported apart."""
+    from deltarl.demo_report import bytes_summary
+    from deltarl.services.coordinator.versions import summarize
+    from tests.coordinator.helpers import manifest
+
+    records = []
+    for v in range(4):
+        m = manifest(v, delta_size=1000, anchor_size=50_000)
+        if v >= 2:  # a chained twin, 600 bytes
+            twin = m.objects[-1].model_copy(
+                update={"key": f"{m.objects[-1].key}.c", "size": 600, "context_version": v - 2}
+            )
+            m = m.model_copy(update={"objects": (*m.objects, twin)})
+        records.append(summarize(m, records[-1] if records else None, 0.0))
+    b = bytes_summary(records, workers=2)
+    assert b["follower_bytes"] == 50_000 + 1000 + 600 + 600
+    assert b["delta_bytes"] == 2200 and b["delta_versions"] == 3
+    assert b["published_bytes"] == 50_000 + 3 * 1000 + 2 * 600
+    assert b["stored_delta_bytes"] == 4200
+    assert b["ratio"] == pytest.approx(4 * records[-1].full_bytes / 52_200)
