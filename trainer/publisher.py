@@ -14,8 +14,8 @@
    With the compact format and ``chained_deltas``, a delta ``v -> w`` whose base ``v`` was
    itself published by a delta ``u -> v`` of this publisher (the previous publish succeeded)
    is also encoded *chained* on that delta (``context_version=u``, see
-   :mod:`~deltarl.services.weightsync.context`): a second (usually smaller) object next to
-   the standalone one, for replicas whose last applied delta was ``u -> v``;
+   :mod:`~deltarl.services.weightsync.context`): a second object next to the standalone one,
+   for replicas whose last applied delta was ``u -> v``, published only if it is smaller;
 4. **upload**: :meth:`Publisher.publish <deltarl.services.weightsync.publish.Publisher.publish>`
    (objects, manifest, then the ``latest.json`` commit);
 5. **register**: the manifest is handed to ``register`` (``CoordinatorClient.publish_version``),
@@ -419,8 +419,9 @@ class WeightPublisher:
                 context = DeltaContext.of(delta, base)
             if chained_job is not None and prev is not None:
                 chained = chained_job.result()
-                chained_bytes = len(chained)
-                objects.append(delta_object(chained, prev.base_version))
+                if len(chained) < len(blob):  # else no replica would ever pick it
+                    chained_bytes = len(chained)
+                    objects.append(delta_object(chained, prev.base_version))
         t2 = time.perf_counter()
         with_anchor = anchor or delta is None or self._publisher.should_anchor(version)
         tmp: Path | None = None

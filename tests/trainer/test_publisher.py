@@ -6,6 +6,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -432,6 +433,31 @@ def test_no_chained_delta_after_an_anchor_only_version_or_a_resume(bucket: Flaky
     got, kinds = rebuild(bucket)
     assert kinds == ["anchor", "delta", "chained"]
     assert_bit_identical(got, last)
+
+
+def test_a_chained_delta_that_is_not_smaller_is_not_published(
+    bucket: FlakyBucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import deltarl.trainer.publisher as publisher_module
+
+    real = publisher_module.encode_delta
+
+    def bloated(*args: Any, **kwargs: Any) -> bytes:
+        blob = real(*args, **kwargs)
+        return blob + bytes(len(blob)) if kwargs.get("context") is not None else blob
+
+    monkeypatch.setattr(publisher_module, "encode_delta", bloated)
+    model = TinyModel()
+    reports: list[PublishReport] = []
+    with WeightPublisher(bucket, PublishSettings(anchor_every=0), on_report=reports.append) as pub:
+        for _ in range(4):
+            pub.publish(model.params)
+            last = model.bf16()
+            model.drift()
+    reader = BucketReader(bucket)
+    assert [len(reader.manifest(v).deltas) for v in range(4)] == [0, 1, 1, 1]
+    assert all(r.chained_bytes is None for r in reports)
+    assert_bit_identical(rebuild(bucket)[0], last)
 
 
 @pytest.mark.parametrize("fmt", ["compact", "trl-gap"])
