@@ -80,14 +80,13 @@ def value_residuals(
     ctx: np.ndarray,
     fmt: FloatFormat,
     prev: Prediction | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """What the values are coded against: ``(reference bits, forbidden residual, value context)``
-    per changed element. Standalone: the old value, no forbidden residual, the old exponent.
-    Chained: the prediction from the context delta, the residual of "unchanged", and
+    per changed element. Standalone: the old value, no forbidden residual (None), the old
+    exponent. Chained: the prediction from the context delta, the residual of "unchanged", and
     ``exponent * N_MOVE_BUCKETS + move bucket`` (``ctx`` holds ``2 exponent + moved``)."""
     if prev is None:
-        ref = old[index]
-        return ref, np.zeros(index.size, np.int64), ctx
+        return old[index], None, ctx
     ref, forbidden, buckets = predict(old, index, prev.index, prev.before, fmt, prev.rho16)
     return ref, forbidden, (ctx >> 1) * N_MOVE_BUCKETS + buckets
 
@@ -148,9 +147,14 @@ def analyse_chunk(
     kparams = rice_parameter(hist, coded)[gc]
 
     ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
-    d = skip_forbidden(wrapped_diff(value, ref, fmt.width), forbidden)
+    d = wrapped_diff(value, ref, fmt.width)
+    if forbidden is not None:
+        d = skip_forbidden(d, forbidden)
     symbols, extra, widths = diff_to_symbols(d)
-    vkeys, sym_ctx = np.unique(vctx, return_inverse=True)
+    vkeys = np.flatnonzero(np.bincount(vctx, minlength=1))  # value contexts present, ascending
+    pos_of_key = np.zeros(int(vkeys[-1]) + 1 if vkeys.size else 1, np.int64)
+    pos_of_key[vkeys] = np.arange(vkeys.size)
+    sym_ctx = pos_of_key[vctx]
     counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=vkeys.size * ALPHABET)
     return ChunkAnalysis(
         tensor=tensor,
@@ -424,5 +428,7 @@ def decode_chunk(
     extra = np.empty(k, np.int64)
     if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
         raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
-    d = unskip_forbidden(symbols_to_diff(symbols, extra), forbidden)
+    d = symbols_to_diff(symbols, extra)
+    if forbidden is not None:
+        d = unskip_forbidden(d, forbidden)
     return index, wrapped_add(ref_bits, d, fmt)

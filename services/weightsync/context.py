@@ -42,7 +42,6 @@ __all__ = [
     "ContextMismatchError",
     "DeltaContext",
     "context_digest",
-    "move_buckets",
     "predict",
 ]
 
@@ -160,14 +159,6 @@ def context_digest(
 
 # ---------------------------------------------------------------------------------------------
 # prediction
-
-
-def move_buckets(prev_diff: np.ndarray) -> np.ndarray:
-    """Context of each element from its previous move (signed, in bit-pattern units): 0 for
-    none, else ``2 min(bitlen(|move|), 7) - 1 + [move < 0]`` (what ``predict`` computes)."""
-    a = np.abs(prev_diff)
-    length = np.minimum(np.frexp(np.maximum(a, 1).astype(np.float64))[1], 7).astype(np.int64)
-    return np.where(a == 0, 0, 2 * length - 1 + (prev_diff < 0)).astype(np.int64)
 
 
 def predict(
