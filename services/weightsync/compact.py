@@ -437,12 +437,7 @@ def decode_compact(
     # combination), so the patches get full per-tensor base digests without storing them.
     check_compatible(base, patches)
     if context is not None and rho16 is not None:
-        for name, dtype in context.dtypes.items():
-            if name not in patches or patches[name].dtype != dtype:
-                raise CorruptDeltaError(
-                    f"chained delta: its context names tensor {name!r} ({dtype}) that the "
-                    "delta does not hold as such"
-                )
+        _check_context_dtypes(context, delta)
     have = dict(base_digests) if base_digests is not None else state_digests(base)
     is_base = combine_digests(have) == base_state_digest
     if check_base and not is_base:
