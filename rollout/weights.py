@@ -224,6 +224,10 @@ class WeightSync:
             finally:
                 self._writers_waiting -= 1
             self._writer = True
+        # Forward steps already launched on the device (an engine that schedules ahead, e.g.
+        # vLLM with async scheduling) finish on the weights they were launched with: the
+        # device is drained before anything is written (counted as waiting, not as pause).
+        self._sync_device()
         # No garbage collection inside the pause: a full collection of a process holding a
         # model's object graph takes milliseconds, longer than the apply itself.
         gc_was_enabled = gc.isenabled()

@@ -240,6 +240,12 @@ class VllmEngineSettings(BaseModel):
     enforce_eager: bool = Field(
         default=False, description="Disable CUDA graphs (slower; for debugging)."
     )
+    async_scheduling: bool = Field(
+        default=True,
+        description="vLLM's async scheduling: the next batch is launched before the last "
+        "one's outputs are processed (faster; stamps and pauses stay exact, docs/vllm.md). "
+        "False: one step = one forward, with the CPU work between forwards.",
+    )
     seed: int = Field(default=0, description="Seed of vLLM's sampler when a call gives none.")
 
 

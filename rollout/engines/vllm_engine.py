@@ -28,10 +28,19 @@ top-k/top-p, renormalized), as the transformers engine returns. Greedy (temperat
 0.0 (a point mass), like the transformers engine, not vLLM's log-softmax of the raw logits. A
 call's ``seed`` gives request ``i`` the seed ``seed + i`` (reproducible on the same GPU, not the
 transformers engine's tokens). Prefix caching is off (a cached prefix could hold KV computed by
-older weights) and async scheduling too (one ``step()`` = one forward whose tokens it returns).
+older weights).
+
+Async scheduling (vLLM's default, ``async_scheduling=True``): each ``step()`` launches the next
+batch on the GPU before it returns the outputs of the one launched before it, so the CPU's
+scheduling and output processing overlap the GPU's forward. Two things keep the guarantees:
+the stamp of a batch is the gate's stamp *when it was launched* (:class:`_Launches` follows
+vLLM's batch queue, so tokens returned one step later carry the weights that sampled them), and
+the weight sync waits for the device inside its pause before it writes (a launched forward
+finishes on the weights it was launched with; :meth:`WeightSync._exclusive`). With
+``async_scheduling=False`` one ``step()`` is one forward whose tokens it returns.
 
 Every completion's ``first`` stamp is that of the call's first step (its prompt may have been
-prefilled then, in chunks), ``last`` that of the step that sampled its last token.
+prefilled then, in chunks), ``last`` that of the batch that sampled its last token.
 """
 
 from __future__ import annotations
@@ -144,6 +153,10 @@ class VllmEngine(Engine):
         self._vocab = vocab_size
         self._make_params = make_params
         self._busy = threading.Lock()
+        # async scheduling: vLLM's in-process engine core keeps a batch queue
+        core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+        queue = getattr(core, "batch_queue", None)
+        self._launches = _Launches(queue) if queue is not None else None
 
     @classmethod
     def from_settings(cls, settings: VllmEngineSettings) -> VllmEngine:
@@ -169,7 +182,7 @@ class VllmEngine(Engine):
             max_model_len=settings.max_model_len,
             enforce_eager=settings.enforce_eager,
             enable_prefix_caching=False,
-            async_scheduling=False,
+            async_scheduling=settings.async_scheduling,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             skip_tokenizer_init=True,  # token ids in and out; the worker has its tokenizer
@@ -247,8 +260,8 @@ class VllmEngine(Engine):
                     ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
                     with ctx as stamp:
                         outputs = engine.step()
-                        if self._device.type == "cuda":
-                            torch.cuda.synchronize(self._device)
+                    # sync scheduling: the step's own forward; async: the batch launched before
+                    sampled = stamp if self._launches is None else self._launches.after(stamp)
                     first = stamp if first is None else first
                     for out in outputs:
                         i = row.get(out.request_id)
@@ -256,7 +269,7 @@ class VllmEngine(Engine):
                             continue
                         self._take(out, params, tokens[i], logprobs[i])
                         if out.outputs and out.outputs[0].token_ids:
-                            last[i] = stamp
+                            last[i] = sampled
                         if out.finished:
                             pending.discard(out.request_id)
                             if out.outputs and out.outputs[0].finish_reason == "stop":
@@ -290,6 +303,38 @@ class VllmEngine(Engine):
     def close(self) -> None:
         """Shut vLLM's engine core down (frees the GPU memory it holds)."""
         _shutdown(self._llm)
+
+
+class _Launches:
+    """The weights each batch in vLLM's batch queue was launched with (async scheduling).
+
+    vLLM's ``EngineCore.step_with_batch_queue`` appends at most one launched batch (an entry
+    ``(future, scheduler_output, exec_future)``) and pops at most one finished batch per
+    ``step()``, returning the popped batch's outputs. :meth:`after` is called after every
+    ``step()`` with the stamp held during it: new entries get that stamp; the entry that left
+    the queue is the batch whose outputs the step returned, and its stamp is returned (a batch
+    launched and popped within the same step has the step's own stamp). Entries are matched by
+    identity of their scheduler output, and the record outlives a ``generate`` call: a batch
+    still in flight when one call ends is popped by the next.
+    """
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+        self._stamps: list[tuple[Any, WeightsStamp]] = []
+
+    def after(self, stamp: WeightsStamp) -> WeightsStamp:
+        live = [entry[1] for entry in self._queue]
+        for batch in live:
+            if not any(batch is known for known, _ in self._stamps):
+                self._stamps.append((batch, stamp))
+        sampled, kept = stamp, []
+        for batch, launched in self._stamps:
+            if any(batch is other for other in live):
+                kept.append((batch, launched))
+            else:
+                sampled = launched
+        self._stamps = kept
+        return sampled
 
 
 def _shutdown(llm: Any) -> None:

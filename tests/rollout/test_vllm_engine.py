@@ -410,6 +410,86 @@ def test_a_gate_error_aborts_the_requests_left() -> None:
     assert len(core.aborted) == 2 and not core.requests
 
 
+class FakeAsyncLLMEngine:
+    """vLLM's engine with async scheduling, in-process: each ``step()`` launches a batch (one
+    token for every request not yet fully scheduled, computed from the weights at launch) into
+    a queue of two and returns the outputs of the oldest batch once the queue is full or
+    nothing more can be launched, like ``EngineCore.step_with_batch_queue``."""
+
+    def __init__(self) -> None:
+        from collections import deque
+
+        self.requests: dict[str, Any] = {}
+        self.weights = 1  # the version the device's weights hold
+        self.batch_queue: Any = deque(maxlen=2)
+        self.engine_core = SimpleNamespace(engine_core=self)
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
+        self.requests[rid] = SimpleNamespace(p=params, scheduled=0, done=0)
+
+    def step(self) -> list[Any]:
+        todo = [(rid, r) for rid, r in self.requests.items() if r.scheduled < r.p.max_tokens]
+        if todo:
+            batch = []
+            for rid, r in todo:
+                r.scheduled += 1
+                batch.append((rid, 10 * self.weights + r.scheduled))
+            self.batch_queue.appendleft((batch, object(), None))
+            if len(self.batch_queue) < 2:
+                return []
+        if not self.batch_queue:
+            return []
+        batch, _, _ = self.batch_queue.pop()
+        outs = []
+        for rid, token in batch:
+            r = self.requests[rid]
+            r.done += 1
+            seq = SimpleNamespace(
+                token_ids=[token],
+                logprobs=[{token: SimpleNamespace(logprob=-1.0)}],
+                finish_reason="length",
+            )
+            finished = r.done == r.p.max_tokens
+            outs.append(SimpleNamespace(request_id=rid, outputs=[seq], finished=finished))
+            if finished:
+                del self.requests[rid]
+        return outs
+
+    def abort_request(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+
+@pytest.mark.parametrize("switch", [1, 3, 4, 5, 8])
+def test_async_scheduling_stamps_each_token_with_the_weights_that_launched_it(
+    switch: int,
+) -> None:
+    """Outputs come back one step after their batch was launched: the stamp must be the one
+    held at launch (a weight update lands between two steps), not the one held at return."""
+    core = FakeAsyncLLMEngine()
+    views = probe_views(FusedLlama(tiny_config()), specs_of(hf_state()))
+    engine = VllmEngine(
+        SimpleNamespace(llm_engine=core), views, vocab_size=128, make_params=SimpleNamespace
+    )
+
+    class SwitchingGate(StepGate):
+        @contextlib.contextmanager
+        def forward(self) -> Iterator[WeightsStamp]:
+            with super().forward() as stamp:
+                core.weights = stamp.version  # the apply happened before this step
+                yield stamp
+
+    for _ in range(2):  # the second call pops the batch the first left in flight
+        out = engine.generate(
+            [[1], [2]], SamplingParams(max_new_tokens=4), gate=SwitchingGate(switch)
+        )
+        for c in out:
+            assert len(c.token_ids) == 4
+            assert c.last.version == c.token_ids[-1] // 10, (switch, c.token_ids, c.last)
+            assert c.first.version == 1
+        assert not core.requests
+
+
 def test_weight_sync_follows_the_bucket_through_the_engine_views(bucket: Any) -> None:
     trainer = FakeTrainer(bucket, hf_state(seed=1))
     engine, _, model = fake_engine(hf_state(seed=2))
@@ -505,7 +585,7 @@ def test_from_settings_starts_vllm_in_process_with_our_backend(
     assert kwargs["weight_transfer_config"].backend == "deltarl"
     assert kwargs["worker_extension_cls"].endswith("vllm_backend.DeltarlWorkerExtension")
     assert (kwargs["tensor_parallel_size"], kwargs["logprobs_mode"]) == (1, "processed_logprobs")
-    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is False
+    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is True
     assert (kwargs["load_format"], kwargs["seed"], kwargs["dtype"]) == ("dummy", 4, "bfloat16")
     trainer = FakeTrainer(bucket, hf_state(seed=1))
     sync = WeightSync(engine, BucketReader(bucket))
