@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import asdict
+from pathlib import Path
 
 import httpx
 
@@ -61,8 +64,10 @@ class VersionFollower:
         verify: ssl.SSLContext | bool = True,
         poll_s: float = 5.0,
         on_error: Callable[[str], None] | None = None,
+        sync_log: Path | None = None,
     ) -> None:
         self.sync = sync
+        self.sync_log = sync_log
         self.coordinator_url = coordinator_url
         self.token = token
         self.verify = verify
@@ -123,6 +128,10 @@ class VersionFollower:
             return
         self._failed_in_a_row = 0
         self.syncs += 1
+        if self.sync_log is not None and report.steps:
+            lines = "".join(json.dumps(asdict(s)) + "\n" for s in report.steps)
+            with self.sync_log.open("a") as f:
+                f.write(lines)
         if report.failures:  # reached, but around damaged or missing objects: say which
             self.on_error(
                 f"v{report.version} reached around {len(report.failures)} failed object(s): "

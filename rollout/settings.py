@@ -158,6 +158,12 @@ class RolloutSettings(TLSServerSettings):
             "it when the trainer or another worker shares the GPU."
         ),
     )
+    async_scheduling: bool = Field(
+        default=True,
+        description="vllm engine: vLLM's async scheduling (the next batch is launched before the "
+        "last one's outputs are processed); stamps and pauses stay exact (docs/vllm.md). False: "
+        "one step = one forward.",
+    )
     system_prompt: str | None = Field(
         default=None,
         description=(
@@ -193,6 +199,12 @@ class RolloutSettings(TLSServerSettings):
         gt=0,
         description="While the coordinator's version event stream is down, poll the latest "
         "version this often (seconds); heartbeat answers also carry it.",
+    )
+    sync_log: Path | None = Field(
+        default=None,
+        description="Append one JSON line per applied weight object to this file (version, "
+        "kind, bytes, download/decode/stage/wait/pause/verify seconds, publish to applied); "
+        "unset: none (the same numbers are in /metrics as histograms).",
     )
     admission_wait_s: float = Field(
         default=0.5,
@@ -261,6 +273,7 @@ class RolloutSettings(TLSServerSettings):
                 dtype=self.dtype,
                 seed=self.engine_seed,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                async_scheduling=self.async_scheduling,
             )
         return TransformersEngineSettings(
             model=model,

@@ -148,6 +148,7 @@ class RolloutWorker:
             verify=self._verify,
             poll_s=settings.sync_poll_s,
             on_error=self._error,
+            sync_log=settings.sync_log,
         )
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None

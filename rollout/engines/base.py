@@ -237,6 +237,9 @@ class VllmEngineSettings(BaseModel):
     max_model_len: int | None = Field(
         default=None, ge=2, description="Longest sequence (tokens); None: the model's own."
     )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Most sequences in one batch; None: vLLM's default."
+    )
     enforce_eager: bool = Field(
         default=False, description="Disable CUDA graphs (slower; for debugging)."
     )

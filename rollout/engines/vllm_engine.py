@@ -107,6 +107,32 @@ def hf_specs(model: str, dtype: str) -> list[TensorSpec]:
     return specs_of(dict(hf.named_parameters()))
 
 
+def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for the engine (also used by bench/vllm_speed.py to
+    time plain vLLM with the same settings)."""
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    return {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "seed": settings.seed,
+        "tensor_parallel_size": 1,
+        "model_impl": settings.model_impl,
+        "load_format": settings.load_format,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": False,
+        "async_scheduling": settings.async_scheduling,
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",
+        "skip_tokenizer_init": True,  # token ids in and out; the worker has its tokenizer
+        "weight_transfer_config": WeightTransferConfig(backend=BACKEND_NAME),
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
 def request_params(params: SamplingParams, index: int) -> dict[str, Any]:
     """Keyword arguments of vLLM's ``SamplingParams`` for prompt ``index`` of a call."""
     return {
@@ -166,29 +192,11 @@ class VllmEngine(Engine):
                 f"the vllm engine runs vLLM in this process: unset {INPROC_ENV} or set it to 0"
             )
         vllm = import_vllm()
-        from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.sampling_params import RequestOutputKind
 
         register()  # in case the entry point is not installed (e.g. a source checkout)
         specs = hf_specs(settings.model, settings.dtype)
-        llm = vllm.LLM(
-            model=settings.model,
-            dtype=settings.dtype,
-            seed=settings.seed,
-            tensor_parallel_size=1,
-            model_impl=settings.model_impl,
-            load_format=settings.load_format,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            enable_prefix_caching=False,
-            async_scheduling=settings.async_scheduling,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            skip_tokenizer_init=True,  # token ids in and out; the worker has its tokenizer
-            weight_transfer_config=WeightTransferConfig(backend=BACKEND_NAME),
-            worker_extension_cls=WORKER_EXTENSION,
-        )
+        llm = vllm.LLM(**llm_kwargs(settings))
         try:  # map the checkpoint tensors onto vLLM's parameters (MappingError if impossible)
             llm.init_weight_transfer_engine(
                 {"init_info": {"tensors": [s.to_json() for s in specs]}}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 from worker_helpers import wait_for
@@ -13,7 +15,9 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.publish import BucketReader
 
 
-def make(bucket: LocalBucket) -> tuple[FakeTrainer, WeightSync, VersionFollower, list[str]]:
+def make(
+    bucket: LocalBucket, sync_log: Path | None = None
+) -> tuple[FakeTrainer, WeightSync, VersionFollower, list[str]]:
     trainer = FakeTrainer(bucket, clone_state(dict(tiny_engine(seed=1).named_parameters())))
     sync = WeightSync(tiny_engine(seed=2), BucketReader(bucket))
     errors: list[str] = []
@@ -21,13 +25,15 @@ def make(bucket: LocalBucket) -> tuple[FakeTrainer, WeightSync, VersionFollower,
     return (
         trainer,
         sync,
-        VersionFollower(sync, "http://unused", None, on_error=errors.append),
+        VersionFollower(sync, "http://unused", None, on_error=errors.append, sync_log=sync_log),
         errors,
     )
 
 
-def test_versions_published_during_a_sync_are_coalesced(bucket: LocalBucket) -> None:
-    trainer, sync, follower, errors = make(bucket)
+def test_versions_published_during_a_sync_are_coalesced(
+    bucket: LocalBucket, tmp_path: Path
+) -> None:
+    trainer, sync, follower, errors = make(bucket, sync_log=tmp_path / "syncs.jsonl")
     for _ in range(3):
         trainer.step()
     with sync._sync_lock:  # the first background sync waits here, as if it were long
@@ -40,6 +46,15 @@ def test_versions_published_during_a_sync_are_coalesced(bucket: LocalBucket) -> 
     time.sleep(0.1)
     assert follower.syncs == 2 and not errors  # to 1, then straight to 3 (2 skipped as a target)
     assert sync.version == 3 and same_bits(dict(sync.engine.named_parameters()), trainer.states[3])
+    # the sync log: one JSON line per applied object (the anchor, then deltas 1, 2, 3)
+    rows = [json.loads(x) for x in (tmp_path / "syncs.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["version"]) for r in rows] == [
+        ("anchor", 0),
+        ("delta", 1),
+        ("delta", 2),
+        ("delta", 3),
+    ]
+    assert all(r["pause_s"] >= 0 and r["bytes"] > 0 for r in rows)
     follower.stop()
     sync.close()
 
