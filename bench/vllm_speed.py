@@ -10,8 +10,8 @@ random token ids, ``--new-tokens`` sampled tokens each (no early stop), temperat
 * ``engine_sync``: the same with ``async_scheduling=False`` (what async scheduling buys);
 * ``llm_same``: ``vllm.LLM.generate`` with the engine's own ``LLM`` arguments and per-request
   sampling parameters (``llm_kwargs``, ``request_params``): what our step loop costs;
-* ``llm_default``: ``vllm.LLM.generate`` with vLLM's defaults (no logprobs, raw logprobs mode,
-  prefix caching on): what the engine's settings cost;
+* ``llm_default``: ``vllm.LLM.generate`` with vLLM's defaults (engine core in its own process,
+  no logprobs, raw logprobs mode, prefix caching on): what the engine's settings cost;
 * ``hf``: transformers ``generate`` (bf16, SDPA) on the same GPU.
 
 Usage (a GPU machine with vLLM 0.33.0)::
@@ -164,12 +164,13 @@ def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str
     from deltarl.rollout.engines.vllm_engine import llm_kwargs
     from deltarl.rollout.engines.vllm_transfer import register
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     register()
-    if name == "llm_same":
+    if name == "llm_same":  # in-process, as the engine runs it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         llm = vllm.LLM(**llm_kwargs(settings))
         sp = [vllm.SamplingParams(**request_params(params, i)) for i in range(batch)]
-    else:  # llm_default: vLLM's own defaults, the same model, sampling and lengths
+    else:  # llm_default: vLLM's own defaults (engine core in its own process, ...)
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         llm = vllm.LLM(
             model=model,
             load_format="dummy",

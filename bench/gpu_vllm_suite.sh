@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The vllm engine's GPU evidence in one go (docs/vllm.md, docs/benchmarks.md): run from the
+# repository root on a GPU machine where vLLM 0.33.0 and the project's dependencies import.
+#
+#   bash bench/gpu_vllm_suite.sh RESULTS_DIR [STEP...]
+#
+# Steps (default: all, in this order), each logging to RESULTS_DIR/<step>.log; RESULTS_DIR/status
+# gets one line per finished step with its exit code:
+#   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
+#   tests    the vllm engine's tests, the gpu ones included (layouts, async stamps, end to end)
+#   speed    bench/vllm_speed.py: engine vs plain vLLM vs transformers, batch 32 and 256
+#   system   bench/wordle_gpu_run.py --engine vllm: the whole system, SmolLM2 on Wordle
+#   faults   the fault suite's worker kills with vllm workers
+#   system_hf  the same whole-system run with the transformers engine
+#   system_2gpu  one vllm worker per GPU (needs 2 GPUs)
+set -uo pipefail
+RES=${1:?results directory}
+shift
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(check tests speed system faults system_hf)
+mkdir -p "$RES"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+SECONDS_RUN=${DELTARL_SUITE_RUN_S:-300}
+WORDLE=(--max-guesses 6 --max-invalid 1 --max-new-tokens 24 --lr 1e-5 --duration "$SECONDS_RUN")
+
+run() {
+  local name=$1
+  shift
+  echo "=== $name: $*" >"$RES/$name.log"
+  local t0=$SECONDS
+  "$@" >>"$RES/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" >>"$RES/status"
+}
+
+for step in "${steps[@]}"; do
+  case $step in
+    check) run check python3 bench/vllm_check.py --json "$RES/vllm_check.json" ;;
+    tests) run tests python3 -m pytest -q -s -p no:cacheprovider \
+      tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
+    speed) run speed python3 bench/vllm_speed.py --json "$RES/vllm_speed.json" ;;
+    system) run system python3 bench/wordle_gpu_run.py --engine vllm \
+      --run-dir "$RES/wordle-vllm" "${WORDLE[@]}" ;;
+    system_hf) run system_hf python3 bench/wordle_gpu_run.py --engine transformers \
+      --run-dir "$RES/wordle-hf" "${WORDLE[@]}" ;;
+    system_2gpu) run system_2gpu python3 bench/wordle_gpu_run.py --engine vllm \
+      --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" "${WORDLE[@]}" ;;
+    faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
+      run faults python3 -m pytest -q -s -p no:cacheprovider \
+      tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+echo "suite done" >>"$RES/status"
