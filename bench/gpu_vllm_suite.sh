@@ -36,7 +36,7 @@ run() {
 for step in "${steps[@]}"; do
   case $step in
     check) run check python3 bench/vllm_check.py --json "$RES/vllm_check.json" ;;
-    tests) run tests python3 -m pytest -q -s -p no:cacheprovider \
+    tests) run tests timeout 900 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
     speed) run speed python3 bench/vllm_speed.py --json "$RES/vllm_speed.json" ;;
     system) run system python3 bench/wordle_gpu_run.py --engine vllm \

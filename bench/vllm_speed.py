@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 COLUMNS = ("engine", "engine_sync", "llm_same", "llm_default", "hf")
+RESULT = "deltarl-vllm-speed-result: "
 
 
 def qwen3_0_6b(directory: Path) -> str:
@@ -55,6 +56,7 @@ def qwen3_0_6b(directory: Path) -> str:
         rope_theta=1000000.0,
         tie_word_embeddings=True,
         torch_dtype="bfloat16",
+        architectures=["Qwen3ForCausalLM"],
     ).save_pretrained(directory)
     return str(directory)
 
@@ -77,6 +79,35 @@ def timed(run: Any, reps: int) -> dict[str, float]:
     return {"tokens_per_s": statistics.median(rates), "runs": rates}
 
 
+def publish_anchor(model: str, directory: Path) -> None:
+    """A bucket whose version 0 is the model's random initial weights (for the engine columns)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from deltarl.services.buckets.local import LocalBucket
+    from deltarl.services.weightsync.anchor import encode_anchor
+    from deltarl.services.weightsync.digest import state_digest
+    from deltarl.services.weightsync.publish import NewObject, Publisher
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(model), dtype=torch.bfloat16
+        )
+    state = {n: p.detach().cpu() for n, p in hf.named_parameters()}
+    del hf
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the columns' processes need the memory
+    numel = sum(t.numel() for t in state.values())
+    Publisher(LocalBucket(directory), anchor_every=0).publish(
+        0,
+        [NewObject("anchor", "safetensors", encode_anchor(state, 0))],
+        state_digest=state_digest(state),
+        numel=numel,
+        full_bytes=2 * numel,
+    )
+
+
 def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -96,32 +127,13 @@ def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str
         async_scheduling=name != "engine_sync",
     )
     if name in ("engine", "engine_sync"):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         from deltarl.rollout.engines import make_engine
         from deltarl.rollout.weights import WeightSync
         from deltarl.services.buckets.local import LocalBucket
-        from deltarl.services.weightsync.anchor import encode_anchor
-        from deltarl.services.weightsync.digest import state_digest
-        from deltarl.services.weightsync.publish import BucketReader, NewObject, Publisher
+        from deltarl.services.weightsync.publish import BucketReader
 
-        torch.manual_seed(0)
-        hf = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(model), dtype=torch.bfloat16
-        )
-        state = {n: p.detach() for n, p in hf.named_parameters()}
-        numel = sum(t.numel() for t in state.values())
-        bucket = LocalBucket(Path(tempfile.mkdtemp(prefix="deltarl-speed-")))
-        Publisher(bucket, anchor_every=0).publish(
-            0,
-            [NewObject("anchor", "safetensors", encode_anchor(state, 0))],
-            state_digest=state_digest(state),
-            numel=numel,
-            full_bytes=2 * numel,
-        )
-        del hf, state
         engine = make_engine(settings)
-        sync = WeightSync(engine, BucketReader(bucket))
+        sync = WeightSync(engine, BucketReader(LocalBucket(a.bucket)))
         sync.sync_to()
 
         def run() -> int:
@@ -136,13 +148,10 @@ def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str
         from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(0)
-        hf = (
-            AutoModelForCausalLM.from_config(
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(
                 AutoConfig.from_pretrained(model), dtype=torch.bfloat16, attn_implementation="sdpa"
-            )
-            .to("cuda")
-            .eval()
-        )
+            ).eval()
         ids = torch.tensor(prompts, device="cuda")
 
         def run() -> int:
@@ -203,12 +212,17 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--one", nargs=2, metavar=("COLUMN", "BATCH"), help=argparse.SUPPRESS)
+    ap.add_argument("--bucket", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
     model = a.model or qwen3_0_6b(Path(tempfile.mkdtemp(prefix="deltarl-speed-model-")))
-    if a.one:  # a child: one column, one batch size, JSON on the last line
-        print(json.dumps(column(a.one[0], model, int(a.one[1]), a)), flush=True)
+    if a.one:  # a child: one column, one batch size, its result on a line of its own
+        print(RESULT + json.dumps(column(a.one[0], model, int(a.one[1]), a)), flush=True)
         return 0
     import torch
+
+    bucket = Path(tempfile.mkdtemp(prefix="deltarl-speed-bucket-"))
+    if {"engine", "engine_sync"} & set(a.columns):
+        publish_anchor(model, bucket)
 
     results: dict[str, dict[str, Any]] = {}
     for batch in a.batches:
@@ -227,7 +241,8 @@ def main() -> int:
                 print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
                 results.setdefault(str(batch), {})[name] = {"error": proc.stderr[-500:]}
                 continue
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            (line,) = [x for x in proc.stdout.splitlines() if x.startswith(RESULT)]
+            got = json.loads(line[len(RESULT) :])
             got["wall_s"] = time.perf_counter() - t0
             results.setdefault(str(batch), {})[name] = got
             print(f"batch {batch:4d} {name:12s} {got['tokens_per_s']:10,.0f} tokens/s", flush=True)

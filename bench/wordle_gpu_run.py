@@ -70,6 +70,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--max-guesses", type=int, default=3)
     ap.add_argument("--max-invalid", type=int, default=2)
+    ap.add_argument(
+        "--format-credit",
+        type=float,
+        default=0.0,
+        help="env: share of a loss earned by valid moves",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--in-flight-groups", type=int, default=4)
     ap.add_argument("--anchor-every", type=int, default=50)
@@ -128,6 +134,7 @@ def start_all(
             "DELTARL_ENV_MAX_GUESSES": str(a.max_guesses),
             "DELTARL_ENV_MAX_INVALID_MOVES": str(a.max_invalid),
             "DELTARL_ENV_ALLOW_NON_WORDS": "true",
+            "DELTARL_ENV_FORMAT_CREDIT": str(a.format_credit),
         }
     )
     env = group.start(

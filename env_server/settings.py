@@ -72,6 +72,14 @@ class EnvSettings(TLSServerSettings):
         description="Weight of (greens + 0.5 yellows)/5 of the last guess in the final reward on "
         "a loss; 0 gives a 0/1 reward.",
     )
+    format_credit: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of a lost or forfeited game's reward earned by valid moves "
+        "(format_credit * valid moves / moves; the rest is the partial credit); a win stays 1.0. "
+        "0: no format term.",
+    )
     charset_target: str = Field(
         default="abcdefghijklmnopqrstuvwxyz",
         min_length=1,
@@ -113,4 +121,5 @@ class EnvSettings(TLSServerSettings):
             allow_non_words=self.allow_non_words,
             allow_repeats=self.allow_repeats,
             partial_credit=self.partial_credit,
+            format_credit=self.format_credit,
         )

@@ -109,6 +109,9 @@ class WordleRules:
     * ``allow_repeats``: score a repeated guess normally instead of treating it as invalid.
     * ``partial_credit``: weight of the partial credit on a loss (see :meth:`final_reward`);
       ``0`` gives a pure 0/1 reward.
+    * ``format_credit``: share of a lost (or forfeited) game's reward earned by playing valid
+      moves: ``format_credit * valid moves / moves``, the rest from the partial credit (see
+      :meth:`final_reward`); a win is still 1.0. ``0`` (the default): no format term.
     """
 
     max_guesses: int = 6
@@ -117,6 +120,11 @@ class WordleRules:
     allow_non_words: bool = False
     allow_repeats: bool = False
     partial_credit: float = 1.0
+    format_credit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.format_credit < 1.0:
+            raise ValueError(f"format_credit must be in [0, 1), got {self.format_credit}")
 
 
 @dataclass(slots=True)
@@ -196,16 +204,20 @@ class WordleGame:
         return None
 
     def final_reward(self) -> float:
-        """1.0 on a win; 0.0 on a forfeit (too many invalid moves); otherwise, once the guesses
-        are used up, ``partial_credit * (greens + 0.5 * yellows) / 5`` of the last valid guess
-        (OpenEnv TextArena's convention), or 0.0 if there was no valid guess."""
+        """1.0 on a win. Otherwise ``f * valid moves / moves + (1 - f) * credit`` with ``f`` the
+        rules' ``format_credit`` (0 by default) and ``credit``: 0.0 on a forfeit (too many
+        invalid moves) or without a valid guess, else ``partial_credit * (greens + 0.5 *
+        yellows) / 5`` of the last valid guess (OpenEnv TextArena's convention). A forfeit
+        keeps what its valid moves earned."""
         if self.won:
             return 1.0
+        f = self.rules.format_credit
+        shaped = f * len(self.guesses) / self.moves if self.moves else 0.0
         if self.forfeited or not self.guesses:
-            return 0.0
+            return shaped
         pattern = self.guesses[-1][1]
         credit = (pattern.count("G") + 0.5 * pattern.count("Y")) / WORD_LENGTH
-        return self.rules.partial_credit * credit
+        return shaped + (1.0 - f) * self.rules.partial_credit * credit
 
 
 def answer_for_seed(words: WordLists, seed: int | None) -> str:

@@ -127,6 +127,24 @@ def test_loss_gives_partial_credit_of_last_guess() -> None:
     assert game(partial_credit=0.0).final_reward() == 0.0
 
 
+def test_format_credit_shapes_losses_and_forfeits_but_not_wins() -> None:
+    g = game(format_credit=0.25)
+    assert g.play("no guess here").reward == 0.0  # tolerated invalid move
+    for word in ("fight", "blown", "tulip", "pious", "dumpy"):
+        assert g.play(f"[{word}]").reward == 0.0
+    move = g.play("[crane]")  # 6 valid moves of 7, last guess GYYXX: credit 0.4
+    assert g.done and move.reward == pytest.approx(0.25 * 6 / 7 + 0.75 * 0.4)
+    forfeit = game(format_credit=0.25, max_invalid_moves=0)
+    forfeit.play("[crane]")
+    move = forfeit.play("[zzzzz]")  # forfeits: keeps what its one valid move of two earned
+    assert forfeit.forfeited and move.reward == pytest.approx(0.25 * 1 / 2)
+    win = game(format_credit=0.25)
+    win.play("hello")
+    assert win.play("[cobra]").reward == 1.0
+    with pytest.raises(ValueError, match="format_credit"):
+        WordleRules(format_credit=1.0)
+
+
 def test_invalid_moves_tolerance_and_forfeit() -> None:
     g = game()
     move = g.play("no brackets here")

@@ -805,11 +805,25 @@ def test_vllm_engine_end_to_end_on_a_gpu(tmp_path: Path, bucket: Any) -> None:
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    cfg = tiny_config()
+    import transformers
+
+    # head_dim 64: with tiny_config (head_dim 8) this test hung inside vLLM's step on an H100
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"],
+    )
     cfg.save_pretrained(tmp_path)
-    trainer = FakeTrainer(bucket, hf_state(seed=1))
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    trainer = FakeTrainer(bucket, {n: p.detach().clone() for n, p in hf.named_parameters()})
     engine = make_engine(
-        VllmEngineSettings(model=str(tmp_path), enforce_eager=True, gpu_memory_utilization=0.3)
+        VllmEngineSettings(model=str(tmp_path), enforce_eager=True, gpu_memory_utilization=0.1)
     )
     try:
         sync = WeightSync(engine, BucketReader(bucket))
