@@ -9,6 +9,7 @@
 #   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
 #   tests    the vllm engine's tests, the gpu ones included (layouts, async stamps, end to end)
 #   speed    bench/vllm_speed.py: engine vs plain vLLM vs transformers, batch 32 and 256
+#   speed_extra  the same for the engine without async scheduling and in-process vLLM defaults
 #   system   bench/wordle_gpu_run.py --engine vllm: the whole system, SmolLM2 on Wordle
 #   faults   the fault suite's worker kills with vllm workers
 #   system_hf  the same whole-system run with the transformers engine
@@ -21,7 +22,8 @@ steps=("$@")
 mkdir -p "$RES"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 SECONDS_RUN=${DELTARL_SUITE_RUN_S:-300}
-WORDLE=(--max-guesses 6 --max-invalid 1 --max-new-tokens 24 --lr 1e-5 --duration "$SECONDS_RUN")
+WORDLE=(--max-guesses 6 --max-invalid 1 --max-new-tokens 24 --format-credit 0.5 --lr 1e-5
+  --duration "$SECONDS_RUN")
 
 run() {
   local name=$1
@@ -36,9 +38,11 @@ run() {
 for step in "${steps[@]}"; do
   case $step in
     check) run check python3 bench/vllm_check.py --json "$RES/vllm_check.json" ;;
-    tests) run tests timeout 900 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
+    tests) run tests timeout 420 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
     speed) run speed python3 bench/vllm_speed.py --json "$RES/vllm_speed.json" ;;
+    speed_extra) run speed_extra python3 bench/vllm_speed.py --batches 32 256 \
+      --columns engine_sync llm_inproc --json "$RES/vllm_speed_extra.json" ;;
     system) run system python3 bench/wordle_gpu_run.py --engine vllm \
       --run-dir "$RES/wordle-vllm" "${WORDLE[@]}" ;;
     system_hf) run system_hf python3 bench/wordle_gpu_run.py --engine transformers \

@@ -7,12 +7,14 @@ random token ids, ``--new-tokens`` sampled tokens each (no early stop), temperat
 * ``engine``: :class:`VllmEngine` ``.generate`` with its default settings (CUDA graphs, async
   scheduling), gated by a real :class:`WeightSync` that loaded the weights from a bucket anchor:
   every guarantee on (stamps, pause between forward steps, verified weights, processed logprobs);
-* ``engine_sync``: the same with ``async_scheduling=False`` (what async scheduling buys);
+* ``engine_sync`` (on request): the same with ``async_scheduling=False`` (what async
+  scheduling buys);
 * ``llm_same``: ``vllm.LLM.generate`` with the engine's own ``LLM`` arguments and per-request
   sampling parameters (``llm_kwargs``, ``request_params``): what our step loop costs;
 * ``llm_default``: ``vllm.LLM.generate`` with vLLM's defaults (engine core in its own process,
   no logprobs, raw logprobs mode, prefix caching on): what the engine's settings cost;
-* ``hf``: transformers ``generate`` (bf16, SDPA) on the same GPU.
+* ``hf``: transformers ``generate`` (bf16, SDPA) on the same GPU;
+* ``llm_inproc`` (on request): vLLM's defaults but in-process, as the engine runs it.
 
 Usage (a GPU machine with vLLM 0.33.0)::
 
@@ -36,7 +38,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-COLUMNS = ("engine", "engine_sync", "llm_same", "llm_default", "hf")
+COLUMNS = ("engine", "llm_same", "llm_default", "hf")  # the table's four
+EXTRA = ("engine_sync", "llm_inproc")  # on request: what async scheduling, a process buy
 RESULT = "deltarl-vllm-speed-result: "
 
 
@@ -179,7 +182,10 @@ def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str
         llm = vllm.LLM(**llm_kwargs(settings))
         sp = [vllm.SamplingParams(**request_params(params, i)) for i in range(batch)]
     else:  # llm_default: vLLM's own defaults (engine core in its own process, ...)
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if name == "llm_inproc":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         llm = vllm.LLM(
             model=model,
             load_format="dummy",
@@ -205,7 +211,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory or id (default: Qwen3-0.6B's shape, random)")
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 256])
-    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS + EXTRA)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
