@@ -9,6 +9,7 @@
 #   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
 #   tests    the vllm engine's tests, the gpu ones included (layouts, async stamps, end to end)
 #   speed    bench/vllm_speed.py: engine vs plain vLLM vs transformers, batch 32 and 256
+#   speed_vllm   the same without the transformers column
 #   speed_extra  the same for the engine without async scheduling and in-process vLLM defaults
 #   system   bench/wordle_gpu_run.py --engine vllm: the whole system, SmolLM2 on Wordle
 #   faults   the fault suite's worker kills with vllm workers
@@ -41,6 +42,8 @@ for step in "${steps[@]}"; do
     tests) run tests timeout 420 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
     speed) run speed python3 bench/vllm_speed.py --json "$RES/vllm_speed.json" ;;
+    speed_vllm) run speed_vllm python3 bench/vllm_speed.py --columns engine llm_same llm_default \
+      --json "$RES/vllm_speed_vllm.json" ;;
     speed_extra) run speed_extra python3 bench/vllm_speed.py --batches 32 256 \
       --columns engine_sync llm_inproc --json "$RES/vllm_speed_extra.json" ;;
     system) run system python3 bench/wordle_gpu_run.py --engine vllm \

@@ -240,6 +240,8 @@ def main() -> int:
                 str(a.reps),
                 "--gpu-memory-utilization",
                 str(a.gpu_memory_utilization),
+                "--bucket",
+                str(bucket),
             ]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)

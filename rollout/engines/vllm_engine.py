@@ -155,7 +155,8 @@ class VllmEngine(Engine):
 
     Build it with :meth:`from_settings`. The constructor takes the pieces (``llm``: a
     ``vllm.LLM``; ``views``: the backend's Hugging Face-named views; ``make_params``: vLLM's
-    ``SamplingParams`` with ``output_kind`` DELTA) so that the step loop is testable without vLLM.
+    ``SamplingParams`` with ``output_kind`` FINAL_ONLY) so that the step loop is testable without
+    vLLM.
     """
 
     type = "vllm"
@@ -216,7 +217,9 @@ class VllmEngine(Engine):
         )
 
         def make_params(**kwargs: Any) -> Any:
-            return vllm.SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
+            # FINAL_ONLY: one output per request, in the step that finished it (whose batch's
+            # stamp is the request's last); DELTA would build an output per request per step
+            return vllm.SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kwargs)
 
         return cls(llm, views, vocab_size=vocab, make_params=make_params)
 
@@ -293,7 +296,8 @@ class VllmEngine(Engine):
 
     @staticmethod
     def _take(out: Any, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> None:
-        """Append the new tokens of one DELTA ``RequestOutput`` and their processed logprobs."""
+        """Append the tokens of one ``RequestOutput`` (FINAL_ONLY: all of them; DELTA: the new
+        ones) and their processed logprobs."""
         if not out.outputs:
             return
         seq = out.outputs[0]

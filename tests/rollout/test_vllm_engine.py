@@ -556,7 +556,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
         "vllm": {"__version__": "0.33.0", "LLM": FakeLLM, "SamplingParams": SimpleNamespace},
         "vllm.config": {},
         "vllm.config.weight_transfer": {"WeightTransferConfig": SimpleNamespace},
-        "vllm.sampling_params": {"RequestOutputKind": SimpleNamespace(DELTA="delta")},
+        "vllm.sampling_params": {"RequestOutputKind": SimpleNamespace(FINAL_ONLY="final")},
         "vllm.distributed": {},
         "vllm.distributed.weight_transfer": {},
         "vllm.distributed.weight_transfer.factory": {"WeightTransferEngineFactory": Factory},
