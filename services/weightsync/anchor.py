@@ -156,6 +156,8 @@ def parse_header(raw: bytes, data_size: int | None) -> tuple[dict[str, str], lis
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptDeltaError(f"safetensors header is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CorruptDeltaError("safetensors header is nested too deeply") from None
     if not isinstance(header, dict):
         raise CorruptDeltaError("safetensors header is not a JSON object")
     meta = header.pop("__metadata__", None) or {}
@@ -274,7 +276,7 @@ def _parse_anchor_meta(meta: Mapping[str, str], names: set[str]) -> tuple[int, s
         version = int(meta["deltarl.version"])
         digests = json.loads(meta["deltarl.tensor_digests"])
         state_digest = meta["deltarl.state_digest"]
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, RecursionError) as e:
         raise CorruptDeltaError(f"anchor metadata is incomplete or malformed ({e})") from None
     if not isinstance(digests, dict) or set(digests) != names:
         raise CorruptDeltaError("anchor tensors do not match its digest list")

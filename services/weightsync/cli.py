@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -38,7 +38,34 @@ def _load(path: Path) -> dict[str, Any]:
         raise typer.BadParameter(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def _fail(message: str) -> None:
+def _trl_anchor(data: bytes) -> tuple[dict[str, Any], str] | None:
+    """(tensors, model_version) of a TRL anchor (``sparse="False"``), None for anything else."""
+    from deltarl.services.weightsync import DeltaError
+    from deltarl.services.weightsync.anchor import decode_anchor
+    from deltarl.services.weightsync.codec import detect_format
+    from deltarl.services.weightsync.trl_format import TRL_FORMAT, read_metadata
+
+    try:
+        if detect_format(data) != "trl":
+            return None
+        meta = read_metadata(data)
+        if meta.get("format") != TRL_FORMAT or meta.get("sparse") != "False":
+            return None
+        tensors, _, _ = decode_anchor(data, require_digests=False)
+    except DeltaError as e:
+        _fail(str(e))
+    return tensors, meta.get("model_version", "?")
+
+
+def _same_tensors(state: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Refuse an anchor whose tensors are not the base's (names, dtypes, shapes)."""
+    for name in sorted(set(state) | set(tensors)):
+        a, b = state.get(name), tensors.get(name)
+        if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
+            _fail(f"the anchor's tensor {name!r} does not match the base's")
+
+
+def _fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
@@ -164,15 +191,27 @@ def apply(
     from deltarl.services.weightsync.codec import decode_delta
 
     state = _load(base)
+    data = delta_path.read_bytes()
+    anchor = _trl_anchor(data)
+    if anchor is not None:  # full tensors: the result, whatever the base held
+        tensors, version = anchor
+        _same_tensors(state, tensors)
+        save_file(tensors, str(output))
+        typer.echo(
+            f"wrote {output}: TRL anchor of version {version} (full tensors); not verified: a TRL "
+            "anchor carries no digests"
+        )
+        return
     try:
         context = _context(previous, state)
-        delta = decode_delta(delta_path.read_bytes(), state, context=context)
+        delta = decode_delta(data, state, context=context)
         apply_delta(state, delta, check_base=not unchecked, verify=not unchecked)
     except DeltaError as e:
         _fail(str(e))
     save_file(state, str(output))
+    checked = "not verified (--unchecked)" if unchecked else "verified"
     typer.echo(
-        f"wrote {output}: version {delta.version}, {delta.changed:,} elements changed, verified"
+        f"wrote {output}: version {delta.version}, {delta.changed:,} elements changed, {checked}"
     )
 
 
@@ -232,6 +271,19 @@ def verify(
     from deltarl.services.weightsync.codec import decode_delta, describe
 
     data = delta_path.read_bytes()
+    anchor = _trl_anchor(data)
+    if anchor is not None:
+        tensors, version = anchor
+        typer.echo(
+            f"{delta_path}: TRL anchor of version {version}, {len(tensors)} full tensors; it "
+            "carries no digests (only its safetensors structure was checked)"
+        )
+        if result is not None:
+            got = _load(result)
+            if set(got) != set(tensors) or state_digest(got) != state_digest(tensors):
+                _fail(f"{result} is not the anchor's state")
+            typer.echo(f"{result} equals the anchor's tensors")
+        return
     try:
         info = describe(data)
         chained = info.get("context")

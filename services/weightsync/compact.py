@@ -49,19 +49,23 @@ from .compact_chunks import (
     n_keys,
     shared_tables,
 )
+from .compact_footer import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_FOOTER,
+    bounded_decompress,
+    parse_footer,
+)
 from .context import RHO16_DEFAULT, ContextMismatchError, DeltaContext
 from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
 from .digest import combine_digests, state_digests
 from .entropy import ALPHABET, VarintReader, read_table, table_bytes, varints
 from .errors import BaseMismatchError, CorruptDeltaError
 
-FORMAT_NAME = "deltarl-compact"
-FORMAT_VERSION = 1
 MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"
 TRAILER = struct.Struct("<QQ8s")  # footer length, xxh3-64 of footer, end magic
 DEFAULT_CHUNK_ELEMS = 1 << 24
-MAX_FOOTER = 256 << 20
 
 
 def default_threads() -> int:
@@ -278,19 +282,7 @@ def read_footer(data: bytes | memoryview) -> dict[str, Any]:
     packed = buf[len(buf) - TRAILER.size - flen : len(buf) - TRAILER.size]
     if xxhash.xxh3_64_intdigest(packed) != fhash:
         raise CorruptDeltaError("deltarl-compact footer checksum mismatch: the object is damaged")
-    try:
-        footer = json.loads(
-            zstandard.ZstdDecompressor().decompress(packed, max_output_size=MAX_FOOTER)
-        )
-    except (zstandard.ZstdError, ValueError) as e:
-        raise CorruptDeltaError(f"deltarl-compact footer unreadable: {e}") from e
-    if not isinstance(footer, dict) or footer.get("format") != FORMAT_NAME:
-        raise CorruptDeltaError("deltarl-compact footer has the wrong format tag")
-    if footer.get("format_version") != FORMAT_VERSION:
-        raise CorruptDeltaError(
-            f"unsupported deltarl-compact version {footer.get('format_version')!r}"
-        )
-    return footer
+    return parse_footer(packed)
 
 
 def _read_index(
@@ -312,10 +304,7 @@ def _read_index(
     packed = buf[off : off + length]
     if xxhash.xxh3_64_intdigest(packed) != digest:
         raise CorruptDeltaError("index is damaged (checksum mismatch)")
-    try:
-        index = zstandard.ZstdDecompressor().decompress(bytes(packed), max_output_size=raw_len)
-    except zstandard.ZstdError as e:
-        raise CorruptDeltaError(f"index unreadable: {e}") from e
+    index = bounded_decompress(packed, raw_len, "index")  # the size the footer declares
     if len(index) != raw_len:
         raise CorruptDeltaError("index has the wrong length")
     r = VarintReader(index, "shared tables")

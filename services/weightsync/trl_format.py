@@ -22,9 +22,10 @@ v1-v3; never merged to main) ships each sparse delta as one safetensors file. It
   under their own names and ``sparse="False"``: read those with :mod:`.anchor`
   (``require_digests=False``).
 
-TRL writes every parameter it tracks, changed or not (an unchanged one has empty ``.idx``/``.val``);
-so does :func:`encode_trl`. When reading, a parameter of ``like`` that is absent from the file is
-taken as unchanged. TRL v1 files (``{name}.indices`` ``I32`` + ``{name}.values``, no ``encoding``
+TRL's trainer writes only the parameters that changed (an unchanged one is left out of the file).
+:func:`encode_trl` writes every parameter, an unchanged one with empty ``.idx``/``.val`` (TRL's
+reader applies those as no-ops). When reading, a parameter of ``like`` that is absent from the
+file is taken as unchanged. TRL v1 files (``{name}.indices`` ``I32`` + ``{name}.values``, no ``encoding``
 key) are read too.
 
 What deltarl adds (extra metadata keys; TRL's reader ignores keys it does not know):
@@ -216,6 +217,11 @@ def trl_metadata(data: bytes) -> dict[str, str]:
     return meta
 
 
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors file (TRL patch or anchor), checked like a header."""
+    return _read_header(data)[0]
+
+
 def _read_header(data: bytes) -> tuple[dict[str, str], list[str]]:
     if len(data) < 8:
         raise CorruptDeltaError(
@@ -312,7 +318,7 @@ def decode_trl(data: bytes, like: Mapping[str, torch.Tensor | TensorSpec] | None
                 for n, s in raw_specs.items()
             }
             digests = {n: (str(s["base"]), str(s["result"])) for n, s in raw_specs.items()}
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, RecursionError) as e:
             raise CorruptDeltaError(f"deltarl.tensors metadata is malformed ({e})") from None
         base_version = _parse_opt_int(meta.get("deltarl.base_version", ""), "deltarl.base_version")
         version = _parse_opt_int(meta.get("deltarl.version", ""), "deltarl.version")

@@ -150,3 +150,40 @@ def test_chained_encode_apply_verify(tmp_path):
         "encode", str(p[1]), str(p[2]), "-o", str(d), "--previous", str(p[0]), "--format", "trl-gap"
     )
     assert r.returncode == 2 and "--format compact" in r.stderr
+
+
+def test_unchecked_apply_does_not_claim_verification(files):
+    tmp, a, b, _new = files
+    d, out = tmp / "d.trl", tmp / "out.safetensors"
+    assert run("encode", str(a), str(b), "-o", str(d), "--format", "trl-raw").returncode == 0
+    r = run("apply", str(a), str(d), "-o", str(out), "--unchecked")
+    assert r.returncode == 0, r.stderr
+    assert "not verified (--unchecked)" in r.stdout and ", verified" not in r.stdout
+    r = run("apply", str(a), str(d), "-o", str(out))
+    assert r.returncode == 0 and r.stdout.rstrip().endswith(", verified")
+
+
+def test_a_trl_anchor_is_read_applied_and_verified_against_a_result(files):
+    tmp, a, _b, new = files
+    anchor = tmp / "step_000010.safetensors"  # as TRL writes it: full tensors, sparse="False"
+    meta = {
+        "format": "sparse_weight_patch",
+        "version": "1",
+        "sparse": "False",
+        "model_version": "10",
+    }
+    save_file(new, str(anchor), metadata=meta)
+    out = tmp / "out.safetensors"
+    r = run("apply", str(a), str(anchor), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "TRL anchor of version 10" in r.stdout and "not verified" in r.stdout
+    got = load_file(str(out))
+    assert all(torch.equal(got[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    r = run("verify", str(anchor), "--result", str(out))
+    assert r.returncode == 0 and "equals the anchor's tensors" in r.stdout, r.stderr
+    r = run("verify", str(anchor), "--result", str(a))
+    assert r.returncode == 2 and "is not the anchor's state" in r.stderr
+    other = {k: v for k, v in list(new.items())[1:]}
+    save_file(other, str(anchor), metadata=meta)
+    r = run("apply", str(a), str(anchor), "-o", str(out))
+    assert r.returncode == 2 and "does not match the base's" in r.stderr
