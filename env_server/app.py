@@ -30,9 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.websockets import WebSocketDisconnect
+from starlette.types import Message
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from deltarl import __version__
 
@@ -116,6 +118,30 @@ def _validation_text(errors: list[Any], limit: int = 5) -> str:
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     more = f" (+{len(errors) - limit} more)" if len(errors) > limit else ""
     return "; ".join(parts) + more
+
+
+def _ws_json(text: str) -> Any:
+    """Parse a WS frame with HTTP bodies' parser (pydantic-core's): it raises only ``ValueError``
+    (not JSON, a lone surrogate, nested over about 200 levels), never ``RecursionError``
+    (``json.loads`` does on ~1000 levels), and nothing nested deep enough to overflow the stack
+    reaches the handlers."""
+    return from_json(text)
+
+
+def _frame_text(msg: Message) -> str:
+    """Text of a received frame; a binary frame must be UTF-8 (``UnicodeDecodeError`` if not)."""
+    text = msg.get("text")
+    return text if text is not None else (msg.get("bytes") or b"").decode("utf-8")
+
+
+async def _ws_close(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
+    """Close the socket unless a close was already sent or received. Never raises: a client that
+    left meanwhile is no error (Starlette raises ``WebSocketDisconnect``, or with an older
+    Starlette uvicorn's ``ClientDisconnected``, an ``OSError``)."""
+    connected = WebSocketState.CONNECTED
+    if ws.application_state is connected and ws.client_state is connected:
+        with contextlib.suppress(WebSocketDisconnect, OSError):
+            await ws.close(code=code, reason=reason)
 
 
 def create_app(settings: EnvSettings | None = None, words: WordLists | None = None) -> FastAPI:
@@ -340,7 +366,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
                 ErrorCode.PAYLOAD_TOO_LARGE, f"message over {settings.max_body_bytes} bytes"
             )
         try:
-            msg = json.loads(text)
+            msg = _ws_json(text)
         except ValueError as exc:
             return ws_error(ErrorCode.INVALID_JSON, f"Invalid JSON: {exc}")
         if not isinstance(msg, dict):
@@ -383,50 +409,66 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
             return ws_error(exc.code, exc.message)
         return ws_error(ErrorCode.UNKNOWN_TYPE, f"Unknown message type: {str(kind)[:64]!r}")
 
+    def ws_answer(session: Session, msg: Message) -> str | None:
+        """Answer one frame; ``None`` means close the connection. Never raises: a bug is answered
+        ``INTERNAL_ERROR`` and logged with its traceback (as HTTP answers 500), and the session
+        stays open."""
+        try:
+            text = _frame_text(msg)
+        except UnicodeDecodeError:
+            return ws_error(ErrorCode.INVALID_JSON, "binary frame not UTF-8")
+        try:
+            return ws_handle(session, text)
+        except Exception as exc:
+            logger.exception("unhandled error in a WS message", exc_info=exc)
+            return ws_error(ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+
+    async def ws_serve(ws: WebSocket, session: Session) -> None:
+        """Answer frames until the client closes or leaves, sends ``close``, or the reaper closes
+        the socket. Raises ``WebSocketDisconnect`` (or ``OSError``) if the client leaves while
+        an answer is being sent."""
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            store.touch(session)
+            reply = ws_answer(session, msg)
+            if reply is None or ws.application_state is not WebSocketState.CONNECTED:
+                return  # "close", or the session timed out and the reaper closed the socket
+            await ws.send_text(reply)
+
+    async def ws_session(ws: WebSocket) -> None:
+        """Open the socket's session (or refuse: ``CAPACITY_REACHED``, close code 1013), serve
+        it, and free it however the connection ends."""
+        try:
+            session = store.open("ws", on_expire=lambda: close_later(ws))
+        except EnvError as exc:
+            extra = {"active_sessions": len(store), "max_sessions": store.max_sessions}
+            await ws.send_text(ws_error(exc.code, exc.message, **extra))
+            await _ws_close(ws, code=1013, reason="capacity reached")
+            return
+        try:
+            await ws_serve(ws, session)
+        finally:
+            store.close(session.id, "ws")
+
     def close_later(ws: WebSocket) -> None:
         task = asyncio.get_running_loop().create_task(
-            ws.close(code=WS_CLOSE_TIMEOUT, reason="session timed out")
+            _ws_close(ws, code=WS_CLOSE_TIMEOUT, reason="session timed out")
         )
         closing.add(task)
         task.add_done_callback(closing.discard)
 
     @app.websocket("/ws")
     async def ws_endpoint(ws: WebSocket) -> None:
-        """OpenEnv session protocol: reset/step/state/close messages, one session per socket."""
+        """OpenEnv session protocol: reset/step/state/close messages, one session per socket.
+        A client that leaves, with or without a close frame, idle or mid-answer, is no error:
+        its session is freed and nothing is logged (no traceback)."""
         await ws.accept()
         try:
-            session = store.open("ws", on_expire=lambda: close_later(ws))
-        except EnvError as exc:
-            extra = {"active_sessions": len(store), "max_sessions": store.max_sessions}
-            await ws.send_text(ws_error(exc.code, exc.message, **extra))
-            await ws.close(code=1013, reason="capacity reached")
-            return
-        try:
-            while True:
-                msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                text = msg.get("text")
-                if text is None:
-                    try:
-                        text = (msg.get("bytes") or b"").decode("utf-8")
-                    except UnicodeDecodeError:
-                        await ws.send_text(
-                            ws_error(ErrorCode.INVALID_JSON, "binary frame not UTF-8")
-                        )
-                        continue
-                store.touch(session)
-                reply = ws_handle(session, text)
-                if reply is None:
-                    break
-                await ws.send_text(reply)
+            await ws_session(ws)
         except (WebSocketDisconnect, OSError):
-            pass  # the client went away (OSError: uvicorn's ClientDisconnected)
-        except RuntimeError:
-            pass  # Starlette refuses send/receive once the reaper has closed the socket
-        finally:
-            store.close(session.id, "ws")
-            with contextlib.suppress(RuntimeError, OSError):
-                await ws.close()
+            return  # the client left while we were answering (OSError: older Starlette)
+        await _ws_close(ws)
 
     return app

@@ -11,12 +11,11 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from deltarl.services.settings import validate_token
 from deltarl.services.tls import TLSServerSettings
 
 from .charset import CharsetRules
 from .wordle import WordleRules
-
-MIN_TOKEN_CHARS = 16
 
 
 class EnvSettings(TLSServerSettings):
@@ -99,14 +98,10 @@ class EnvSettings(TLSServerSettings):
     @field_validator("token")
     @classmethod
     def _token_strength(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is None or value.get_secret_value() == "":
+        if value is None:
             return None
-        if len(value.get_secret_value()) < MIN_TOKEN_CHARS:
-            raise ValueError(
-                f"the token needs at least {MIN_TOKEN_CHARS} characters; generate one with "
-                "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-            )
-        return value
+        checked = validate_token(value.get_secret_value(), "DELTARL_ENV_TOKEN")
+        return None if checked is None else value
 
     def charset_rules(self) -> CharsetRules:
         """The charset task's rules these settings select."""

@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.services.schemas.common import ID_PATTERN
+from deltarl.services.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
 from deltarl.services.tls import TLSServerSettings
 
 from .engines.base import SamplingParams, TransformersEngineSettings, VllmEngineSettings
@@ -34,7 +34,7 @@ DEFAULT_PORT = 8702
 
 
 def default_worker_id() -> str:
-    """``<hostname>-<pid>``, cut to the coordinator's id pattern (letters, digits, ``._:@/-``)."""
+    """``<hostname>-<pid>``, cut to the coordinator's id pattern (letters, digits, ``._:@-``)."""
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
     return f"{host.strip('-._') or 'worker'}-{os.getpid()}"[-128:]
 
@@ -104,7 +104,7 @@ class RolloutSettings(TLSServerSettings):
     )
     worker_id: str = Field(
         default="",
-        description="Stable id of this worker at the coordinator (letters, digits, ._:@/-; "
+        description="Stable id of this worker at the coordinator (letters, digits, ._:@-; "
         "empty: <hostname>-<pid>); give the same id after a restart to rejoin as the same worker.",
     )
 
@@ -175,6 +175,7 @@ class RolloutSettings(TLSServerSettings):
     in_flight_groups: int = Field(
         default=8,
         ge=1,
+        le=MAX_IN_FLIGHT,
         description="Groups played at once (their turns share generate calls); the "
         "coordinator's admission control may grant fewer. Also the registered capacity.",
     )
@@ -232,7 +233,7 @@ class RolloutSettings(TLSServerSettings):
         if not re.fullmatch(ID_PATTERN, value):
             raise ValueError(
                 f"worker id {value!r} must start with a letter or digit and hold at most 128 "
-                "letters, digits or ._:@/- characters"
+                "letters, digits or ._:@- characters"
             )
         return value
 

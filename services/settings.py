@@ -11,6 +11,35 @@ from typing import Any
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+MIN_TOKEN_CHARS = 16
+_NEW_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def validate_token(value: str | None, name: str) -> str | None:
+    """A shared-secret token setting as a service may start with it: None when unset or empty;
+    else ``value``, or ValueError (never echoing the value) when it is blank, shorter than
+    :data:`MIN_TOKEN_CHARS`, or something no client can send in an HTTP header (characters
+    outside printable ASCII, leading or trailing spaces, which headers drop).
+
+    The coordinator's tokens and the env server's use it."""
+    if not value:
+        return None
+    if not value.strip():
+        raise ValueError(
+            f"{name} is blank: no client can send it; leave it unset or generate one with "
+            f"{_NEW_TOKEN}"
+        )
+    if (
+        len(value) < MIN_TOKEN_CHARS
+        or value != value.strip()
+        or not (value.isascii() and value.isprintable())
+    ):
+        raise ValueError(
+            f"{name} needs at least {MIN_TOKEN_CHARS} printable ASCII characters, without "
+            f"leading or trailing spaces; generate one with {_NEW_TOKEN}"
+        )
+    return value
+
 
 class ServiceSettings(BaseSettings):
     """Base class: reads ``DELTARL_<FIELD>`` environment variables (case-insensitive)."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,9 +37,52 @@ logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 
 
-def _error(status: int, code: str, message: str, detail: object = None) -> JSONResponse:
+def _error(
+    status: int,
+    code: str,
+    message: str,
+    detail: object = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"code": code, "message": message, "detail": detail}}, status_code=status
+        {"error": {"code": code, "message": message, "detail": detail}},
+        status_code=status,
+        headers=headers,
+    )
+
+
+def _allowed_methods(routes: list[APIRoute], path: str) -> list[str]:
+    """Methods the API routes accept at ``path``; empty when no route has this path (the status
+    page's static files, mounted at /, then answer for it)."""
+    return sorted({m for r in routes if r.path_regex.match(path) for m in r.methods or ()})
+
+
+def _http_error(
+    routes: list[APIRoute], request: Request, exc: StarletteHTTPException
+) -> JSONResponse:
+    """The error body for Starlette's and FastAPI's own refusals.
+
+    * 404/405: 405 with ``Allow`` when an API route has this path but not this method (the
+      static mount at / would otherwise answer 404 or a 405 allowing GET only);
+    * 400 from FastAPI's body parsing when the JSON decoder failed with something other than
+      JSONDecodeError (bytes that are not UTF-8, an integer of more than 4300 digits, nesting
+      deeper than the recursion limit): malformed JSON, so 422 ``validation_error``;
+    * 413 from BodyLimitMiddleware (a streamed body past the limit): ``body_too_large``.
+    """
+    allowed = _allowed_methods(routes, request.url.path) if exc.status_code in (404, 405) else []
+    if allowed and request.method not in allowed:
+        message = f"{request.method} is not allowed here; use {', '.join(allowed)}"
+        return _error(405, "method_not_allowed", message, headers={"Allow": ", ".join(allowed)})
+    if exc.status_code == 400 and isinstance(exc.__cause__, ValueError | RecursionError):
+        cause = str(exc.__cause__)
+        detail = [{"loc": ["body"], "msg": cause, "type": "json_invalid"}]
+        return _error(422, "validation_error", f"request body is not valid JSON: {cause}", detail)
+    code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+    return _error(
+        exc.status_code,
+        code.get(exc.status_code, "http_error"),
+        str(exc.detail),
+        headers=exc.headers,
     )
 
 
@@ -122,13 +166,15 @@ def create_app(
         message, errors = _validation_message(exc)
         return _error(422, "validation_error", message, errors)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error(exc.status_code, code, str(exc.detail))
+    routers = [m.router for m in (health, versions, workers, trajectories, batches, status, plans)]
+    api_routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
 
-    for module in (health, versions, workers, trajectories, batches, status, plans):
-        app.include_router(module.router)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _http_error(api_routes, request, exc)
+
+    for router in routers:
+        app.include_router(router)
     app.mount("/", StaticFiles(directory=STATIC, html=True), name="page")
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(

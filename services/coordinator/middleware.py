@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import CoordinatorMetrics
@@ -26,13 +27,19 @@ async def _send_error(send: Send, status: int, code: str, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """Raised while a route reads a streamed body past the limit: an HTTPException, so that
+    FastAPI's body parsing passes it on (it turns other errors into 400) and the app's handler
+    answers 413 ``body_too_large``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds {limit} bytes")
 
 
 class BodyLimitMiddleware:
     """Refuse bodies over ``max_bytes`` (``max_json_bytes`` for JSON) with 413, before any route
-    reads them: checked against ``Content-Length`` and again while streaming (chunked bodies)."""
+    reads them: checked against ``Content-Length`` and again while streaming (chunked bodies,
+    :class:`BodyTooLarge`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_json_bytes: int) -> None:
         self.app = app
@@ -56,7 +63,6 @@ class BodyLimitMiddleware:
             )
             return
         seen = 0
-        started = False
 
         async def limited_receive() -> Message:
             nonlocal seen
@@ -64,22 +70,10 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _TooLarge
+                    raise BodyTooLarge(limit)
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await _send_error(
-                    send, 413, "body_too_large", f"request body exceeds {limit} bytes"
-                )
+        await self.app(scope, limited_receive, send)
 
 
 class MetricsMiddleware:

@@ -60,6 +60,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def unknown_worker(worker_id: str) -> ApiError:
+    return not_found(
+        "unknown_worker", f"worker {worker_id!r} is not registered: POST /v1/workers first"
+    )
+
+
 class Coordinator:
     def __init__(
         self,
@@ -249,27 +255,31 @@ class Coordinator:
         w = self.store.register_worker(reg, now)
         return self._ack(w, now)
 
+    def check_applied_version(self, applied_version: int | None) -> None:
+        """409 ``future_version`` when a worker claims a version newer than the latest recorded
+        (heartbeats and admission requests)."""
+        if applied_version is None:
+            return
+        latest = self.latest_at_least(applied_version)
+        if latest is None or applied_version > latest:
+            raise conflict(
+                "future_version",
+                f"applied_version {applied_version} is newer than the latest recorded "
+                f"version ({latest})",
+            )
+
     def heartbeat(self, worker_id: str, hb: WorkerHeartbeat) -> HeartbeatAck:
-        if hb.applied_version is not None:
-            latest = self.latest_at_least(hb.applied_version)
-            if latest is None or hb.applied_version > latest:
-                raise conflict(
-                    "future_version",
-                    f"applied_version {hb.applied_version} is newer than the latest recorded "
-                    f"version ({latest})",
-                )
+        self.check_applied_version(hb.applied_version)
         now = self.clock()
         w = self.store.heartbeat(worker_id, hb, now, self.settings.lost_after_s)
         if w is None:
-            raise not_found(
-                "unknown_worker", f"worker {worker_id!r} is not registered: POST /v1/workers first"
-            )
+            raise unknown_worker(worker_id)
         return self._ack(w, now)
 
     def worker(self, worker_id: str) -> WorkerInfo:
         w = self.store.get_worker(worker_id)
         if w is None:
-            raise not_found("unknown_worker", f"worker {worker_id!r} is not registered")
+            raise unknown_worker(worker_id)
         return self._info(w, self.clock(), self.latest_number())
 
     def workers(self) -> list[WorkerInfo]:
@@ -278,7 +288,7 @@ class Coordinator:
 
     def remove_worker(self, worker_id: str) -> None:
         if not self.store.remove_worker(worker_id):
-            raise not_found("unknown_worker", f"worker {worker_id!r} is not registered")
+            raise unknown_worker(worker_id)
 
     # -- trajectories -----------------------------------------------------------------------
     def submit(self, payload: bytes) -> tuple[int, bool, int, int | None]:
@@ -288,10 +298,7 @@ class Coordinator:
         except ValueError as exc:
             raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
         if self.store.get_worker(group.worker_id) is None:
-            raise not_found(
-                "unknown_worker",
-                f"worker {group.worker_id!r} is not registered: POST /v1/workers first",
-            )
+            raise unknown_worker(group.worker_id)
         latest = self.latest_at_least(group.version_max)
         if latest is None or group.version_max > latest:
             raise conflict(
@@ -383,11 +390,16 @@ class Coordinator:
         return AckResult(batch_id=batch_id, acked=n)
 
     def admission(self, req: AdmissionRequest) -> AdmissionResponse:
+        """See :class:`AdmissionResponse`; refused like a heartbeat (404 ``unknown_worker``,
+        409 ``future_version``)."""
+        self.check_applied_version(req.applied_version)
+        worker = self.worker(req.worker_id)
         status = self.status()
         latest = status.latest_version
         in_flight = status.in_flight
-        room = self.settings.target_queue_groups - status.queue.depth - in_flight
-        grant, reason = min(req.want, max(0, room)), "ok"
+        budget = self.settings.target_queue_groups - status.queue.depth
+        share = budget // max(1, status.workers_active) - worker.in_flight
+        grant, reason = min(req.want, max(0, budget - in_flight, share)), "ok"
         if latest is None:
             grant, reason = 0, "no_version"
         elif (

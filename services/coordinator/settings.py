@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from deltarl.services.settings import MIN_TOKEN_CHARS, validate_token
 from deltarl.services.tls import TLSServerSettings
 
 
@@ -14,7 +15,10 @@ class CoordinatorSettings(TLSServerSettings):
     """Single source of truth for the coordinator's deployment settings."""
 
     model_config = SettingsConfigDict(
-        env_prefix="DELTARL_COORDINATOR_", extra="ignore", case_sensitive=False
+        env_prefix="DELTARL_COORDINATOR_",
+        extra="ignore",
+        case_sensitive=False,
+        hide_input_in_errors=True,  # a refused token must not show up in a log
     )
 
     host: str = Field(default="127.0.0.1", description="Interface to listen on.")
@@ -46,14 +50,19 @@ class CoordinatorSettings(TLSServerSettings):
         "false: from worker threads (for a Redis with a slow round trip).",
     )
     trainer_token: str | None = Field(
-        default=None, description="Token of the trainer role (publish versions, lease batches)."
+        default=None,
+        description="Token of the trainer role (publish versions, lease batches); at least "
+        f"{MIN_TOKEN_CHARS} printable ASCII characters. Empty: unset.",
     )
     worker_token: str | None = Field(
-        default=None, description="Token of the worker role (register, heartbeat, submit)."
+        default=None,
+        description="Token of the worker role (register, heartbeat, submit); at least "
+        f"{MIN_TOKEN_CHARS} printable ASCII characters. Empty: unset.",
     )
     read_token: str | None = Field(
         default=None,
-        description="Extra token accepted for read-only endpoints when public_reads is false.",
+        description="Extra token accepted for read-only endpoints when public_reads is false; at "
+        f"least {MIN_TOKEN_CHARS} printable ASCII characters. Empty: unset.",
     )
     public_reads: bool = Field(
         default=True,
@@ -104,6 +113,11 @@ class CoordinatorSettings(TLSServerSettings):
     reclaim_interval_s: float = Field(
         default=1.0, gt=0, description="How often expired leases are returned to the queue."
     )
+
+    @field_validator("trainer_token", "worker_token", "read_token")
+    @classmethod
+    def _token_strength(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return validate_token(value, f"DELTARL_COORDINATOR_{str(info.field_name).upper()}")
 
     @model_validator(mode="after")
     def _tokens(self) -> CoordinatorSettings:

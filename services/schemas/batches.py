@@ -24,8 +24,13 @@ from typing import Any
 import msgpack
 from pydantic import Field
 
-from .common import WireModel
-from .trajectories import TrajectoryGroup, decode_group
+from .common import ID_PATTERN, Count, Version, WireModel
+from .trajectories import (
+    MAX_TOKENS_PER_TRAJECTORY,
+    MAX_TRAJECTORIES_PER_GROUP,
+    TrajectoryGroup,
+    decode_group,
+)
 
 BATCH_FORMAT = "deltarl-batch-v1"
 
@@ -33,25 +38,31 @@ BATCH_FORMAT = "deltarl-batch-v1"
 class SubmitResult(WireModel):
     """Answer to ``POST /v1/trajectories`` (worker role)."""
 
-    submission_id: int = Field(description="Queue sequence number assigned at acceptance.")
+    submission_id: Count = Field(description="Queue sequence number assigned at acceptance.")
     duplicate: bool = Field(
         description="True when this idempotency key was already accepted: nothing was added."
     )
-    queue_depth: int = Field(description="Groups waiting in the queue after this submission.")
-    current_version: int | None = Field(description="Newest published version at acceptance.")
+    queue_depth: Count = Field(description="Groups waiting in the queue after this submission.")
+    current_version: Version | None = Field(description="Newest published version at acceptance.")
 
 
 class BatchItem(WireModel):
     """Metadata of one group in a leased batch (the payload travels alongside, see LeasedBatch)."""
 
-    submission_id: int = Field(description="Queue sequence number.")
+    submission_id: Count = Field(description="Queue sequence number.")
     worker_id: str = Field(description="Worker that submitted the group.")
     group_id: str = Field(description="The group's id (prompt).")
-    version_min: int = Field(description="Oldest policy version in the group.")
-    version_max: int = Field(description="Newest policy version in the group.")
+    version_min: Version = Field(description="Oldest policy version in the group.")
+    version_max: Version = Field(description="Newest policy version in the group.")
     submitted_at: float = Field(description="Acceptance time (Unix s).")
-    num_trajectories: int = Field(description="Trajectories in the group.")
-    num_tokens: int = Field(description="Tokens in the group, prompts included.")
+    num_trajectories: int = Field(
+        ge=1, le=MAX_TRAJECTORIES_PER_GROUP, description="Trajectories in the group."
+    )
+    num_tokens: int = Field(
+        ge=0,
+        le=MAX_TRAJECTORIES_PER_GROUP * MAX_TOKENS_PER_TRAJECTORY,
+        description="Tokens in the group, prompts included.",
+    )
 
 
 class BatchLease(WireModel):
@@ -60,11 +71,11 @@ class BatchLease(WireModel):
     batch_id: str = Field(description="Lease id: ack or nack with it. Empty when no items.")
     expires_at: float = Field(description="Unix s after which the items return to the queue.")
     items: list[BatchItem] = Field(description="Leased groups, oldest first; may be empty.")
-    dropped_stale: int = Field(
+    dropped_stale: Count = Field(
         description="Groups found beyond the staleness bound during this pull (dropped, counted)."
     )
-    current_version: int | None = Field(description="Newest published version at lease time.")
-    queue_depth: int = Field(description="Groups still waiting after this lease.")
+    current_version: Version | None = Field(description="Newest published version at lease time.")
+    queue_depth: Count = Field(description="Groups still waiting after this lease.")
 
 
 class LeasedBatch(WireModel):
@@ -76,7 +87,7 @@ class LeasedBatch(WireModel):
 
 class AckResult(WireModel):
     batch_id: str = Field(description="The lease acknowledged (or returned).")
-    acked: int = Field(description="Groups removed from the queue for good (or returned: nack).")
+    acked: Count = Field(description="Groups removed from the queue for good (or returned: nack).")
 
 
 class LeaseExtension(WireModel):
@@ -89,27 +100,36 @@ class LeaseExtension(WireModel):
 class AdmissionRequest(WireModel):
     """``POST /v1/admission`` body (worker role): may I start ``want`` more groups?"""
 
-    worker_id: str = Field(description="The asking worker (registered).")
+    worker_id: str = Field(
+        pattern=ID_PATTERN, description="The asking worker (registered: 404 unknown_worker if not)."
+    )
     want: int = Field(ge=0, le=1_000_000, description="Groups the worker would like to start.")
-    applied_version: int | None = Field(
-        default=None, ge=0, description="Version it would generate with; None: not loaded yet."
+    applied_version: Version | None = Field(
+        default=None,
+        description="Version it would generate with (409 future_version if newer than the "
+        "latest recorded, like a heartbeat); None: not loaded yet.",
     )
 
 
 class AdmissionResponse(WireModel):
     """How much work is worth starting now.
 
-    ``grant`` = min(want, max(0, target_queue_groups - queued - in_flight_everywhere)), and 0 when
-    the worker's weights are already so old that what it generates would be refused
-    (``latest - applied_version >= max_staleness``): it must catch up first.
+    ``grant`` = min(want, max(0, room, fair_share - own_in_flight)) with
+    ``room = target_queue_groups - queued - in_flight_everywhere`` and
+    ``fair_share = (target_queue_groups - queued) // active_workers``: a worker may always fill
+    its fair share of the budget, whatever the others report in flight (one worker's claim cannot
+    starve the rest). 0 when the worker's weights are already so old that what it generates
+    would be refused (``latest - applied_version >= max_staleness``): it must catch up first.
     """
 
-    grant: int = Field(ge=0, description="Groups the worker may start now (<= want).")
+    grant: int = Field(ge=0, le=1_000_000, description="Groups the worker may start now (<= want).")
     reason: str = Field(description="'ok', 'queue_full', 'update_weights' or 'no_version'.")
-    current_version: int | None = Field(description="Newest version; None: none recorded yet.")
-    queue_depth: int = Field(description="Groups waiting to be leased.")
-    in_flight: int = Field(description="Groups in flight across all active workers.")
-    target_queue_groups: int = Field(description="Configured queue + in-flight budget.")
+    current_version: Version | None = Field(description="Newest version; None: none recorded yet.")
+    queue_depth: Count = Field(description="Groups waiting to be leased.")
+    in_flight: int = Field(
+        ge=0, description="Groups in flight across all active workers (sum of their heartbeats)."
+    )
+    target_queue_groups: int = Field(ge=1, description="Configured queue + in-flight budget.")
 
 
 def encode_leased_batch(lease: BatchLease, payloads: list[bytes]) -> bytes:

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..weightsync.manifest import INT64_MAX, MAX_VERSION
+
 # Identifiers chosen by clients (worker ids, group ids, idempotency keys): printable, no spaces,
-# short enough to be used as Redis keys and Prometheus label values.
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$"
+# short enough to be used as Redis keys and Prometheus label values, and path-safe (no '/': a
+# worker id is a path segment of /v1/workers/{worker_id}/...).
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+
+# Every integer on the wire is bounded, so that bad input is a 422 and never reaches a store it
+# would overflow (SQLite and Redis hold signed 64-bit integers). A version has at most 12 digits
+# (the bucket's key format, MAX_VERSION); counts fit 64 bits (INT64_MAX).
+MAX_IN_FLIGHT = 100_000  # groups one worker may report in flight (WorkerHeartbeat.in_flight)
+Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 # Header of every deltarl service's shared-secret token. Not Authorization, which the Hugging Face
 # Spaces proxy consumes for private Spaces.

@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 from pydantic import Field, model_validator
 
-from .common import ID_PATTERN, WireModel
+from .common import ID_PATTERN, Version, WireModel
 
 TRAJECTORY_FORMAT = "deltarl-traj-v1"
 MAX_TRAJECTORIES_PER_GROUP = 4096
@@ -55,14 +55,16 @@ class Trajectory(WireModel):
         description="[n] 1 where the token was sampled from the policy and is trained on, 0 for "
         "prompt and environment tokens."
     )
-    prompt_len: int = Field(ge=0, description="Number of leading prompt tokens (<= n).")
+    prompt_len: int = Field(
+        ge=0, le=MAX_TOKENS_PER_TRAJECTORY, description="Number of leading prompt tokens (<= n)."
+    )
     reward: float = Field(description="Scalar reward of the episode (finite).")
     signals: dict[str, float] = Field(
         default_factory=dict,
         description="Named reward components (e.g. 'greens', 'format'); empty if none.",
     )
-    version_min: int = Field(ge=0, description="Oldest policy version that sampled any token.")
-    version_max: int = Field(ge=0, description="Newest policy version that sampled any token.")
+    version_min: Version = Field(description="Oldest policy version that sampled any token.")
+    version_max: Version = Field(description="Newest policy version that sampled any token.")
     temperature: float | None = Field(
         default=None,
         gt=0,

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field
 
 from ..weightsync.manifest import ObjectRef, VersionManifest
-from .common import WireModel
+from .common import Count, Version, WireModel
 
 VersionKind = Literal["anchor", "delta"]
 
@@ -35,27 +35,27 @@ class VersionPublish(WireModel):
 class VersionRecord(WireModel):
     """A recorded version: the manifest plus a summary derived from it at acceptance."""
 
-    version: int = Field(description="Policy version number.")
+    version: Version = Field(description="Policy version number.")
     kind: VersionKind = Field(
         description="'anchor' if the manifest carries a full checkpoint, else 'delta'."
     )
-    trainer_step: int | None = Field(description="Optimizer step; None if the trainer gave none.")
+    trainer_step: Count | None = Field(description="Optimizer step; None if the trainer gave none.")
     state_digest: str = Field(description="Digest of the full state at this version (hex).")
-    previous_version: int | None = Field(
+    previous_version: Version | None = Field(
         description="The version recorded just before this one; None for the first."
     )
-    delta_bytes: int | None = Field(
+    delta_bytes: Count | None = Field(
         description="Size of the smallest delta from previous_version (bytes); None if none."
     )
-    anchor_bytes: int | None = Field(
+    anchor_bytes: Count | None = Field(
         description="Size of the smallest anchor of this version (bytes); None if none."
     )
-    bytes: int = Field(
+    bytes: Count = Field(
         description="What an up-to-date replica downloads: delta_bytes if a delta from the "
         "previous version exists, else anchor_bytes, else the smallest object."
     )
-    full_bytes: int = Field(description="Raw size of the whole state (bytes).")
-    anchor_version: int | None = Field(
+    full_bytes: Count = Field(description="Raw size of the whole state (bytes).")
+    anchor_version: Version | None = Field(
         description="Newest version <= this one that carries an anchor; None if none (cannot "
         "happen for accepted versions: the first must carry one)."
     )

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .common import ID_PATTERN, WireModel
+from .common import ID_PATTERN, MAX_IN_FLIGHT, Count, Version, WireModel
 
 WorkerState = Literal["active", "lost"]
 
@@ -20,7 +20,11 @@ WorkerState = Literal["active", "lost"]
 class WorkerRegistration(WireModel):
     """``POST /v1/workers`` body (worker role)."""
 
-    worker_id: str = Field(pattern=ID_PATTERN, description="Stable id chosen by the worker.")
+    worker_id: str = Field(
+        pattern=ID_PATTERN,
+        description="Stable id chosen by the worker: 1 to 128 letters, digits or ._:@- "
+        "(path-safe), starting with a letter or digit.",
+    )
     engine: str = Field(
         min_length=1, max_length=64, description="Inference engine, e.g. 'vllm', 'hf'."
     )
@@ -33,13 +37,15 @@ class WorkerRegistration(WireModel):
 class WorkerHeartbeat(WireModel):
     """``POST /v1/workers/{worker_id}/heartbeat`` body (worker role)."""
 
-    applied_version: int | None = Field(
+    applied_version: Version | None = Field(
         default=None,
-        ge=0,
         description="Weight version the engine currently serves; None while it has none loaded.",
     )
     in_flight: int = Field(
-        default=0, ge=0, description="Trajectory groups being generated right now."
+        default=0,
+        ge=0,
+        le=MAX_IN_FLIGHT,
+        description=f"Trajectory groups being generated right now (at most {MAX_IN_FLIGHT:,}).",
     )
     last_error: str | None = Field(
         default=None,
@@ -61,22 +67,22 @@ class WorkerInfo(WireModel):
     worker_id: str = Field(description="Id chosen by the worker.")
     engine: str = Field(description="Inference engine, as registered.")
     model: str = Field(description="Model served, as registered.")
-    capacity: int = Field(description="Concurrent groups it can run, as registered.")
+    capacity: Count = Field(description="Concurrent groups it can run, as registered.")
     state: WorkerState = Field(description="'lost' when no heartbeat for lost_after_s.")
-    applied_version: int | None = Field(description="Last reported version; None if none yet.")
-    in_flight: int = Field(description="Last reported groups in flight.")
+    applied_version: Version | None = Field(description="Last reported version; None if none yet.")
+    in_flight: Count = Field(description="Last reported groups in flight.")
     last_error: str | None = Field(description="Last reported error; None if none.")
     registered_at: float = Field(description="First registration (Unix s).")
     last_seen: float = Field(description="Last registration or heartbeat (Unix s).")
-    rejoins: int = Field(description="Times it came back after being lost or re-registered.")
-    lag_versions: int | None = Field(
+    rejoins: Count = Field(description="Times it came back after being lost or re-registered.")
+    lag_versions: Count | None = Field(
         description="latest version - applied_version; None if either is unknown."
     )
     lag_seconds: float | None = Field(
         description="Seconds since the first version newer than applied_version was recorded; "
         "0 when up to date; None if unknown."
     )
-    submitted: int = Field(description="Trajectory groups accepted from this worker.")
+    submitted: Count = Field(description="Trajectory groups accepted from this worker.")
     weights_digest: str | None = Field(
         default=None, description="Last reported state digest of the served weights; None if none."
     )
@@ -92,8 +98,8 @@ class HeartbeatAck(WireModel):
     """Answer to a heartbeat or a registration: what the worker should do next."""
 
     worker: WorkerInfo = Field(description="The worker as recorded after this call.")
-    latest_version: int | None = Field(description="Newest published version; None if none.")
-    latest_anchor: int | None = Field(description="Newest anchor version; None if none.")
-    max_staleness: int = Field(description="Samples older than latest - this are dropped.")
+    latest_version: Version | None = Field(description="Newest published version; None if none.")
+    latest_anchor: Version | None = Field(description="Newest anchor version; None if none.")
+    max_staleness: Count = Field(description="Samples older than latest - this are dropped.")
     heartbeat_interval_s: float = Field(description="Send the next heartbeat within this.")
     lost_after_s: float = Field(description="Silence after which the worker is marked lost.")

@@ -184,7 +184,8 @@ def _service_config(
             "DELTARL_ROLLOUT_ENV_URL": urls["env"],
             "DELTARL_ROLLOUT_BUCKET_URI": options.bucket.uri,
             "DELTARL_ROLLOUT_MODEL": options.model,
-            "DELTARL_ROLLOUT_WORKER_ID": f"space:{options.repo_id('rollout')}",
+            # path-safe (no '/': the id is a segment of the coordinator's /v1/workers/{id})
+            "DELTARL_ROLLOUT_WORKER_ID": f"space:{options.repo_id('rollout').replace('/', ':')}",
         }
         secrets = {
             "DELTARL_ROLLOUT_WORKER_TOKEN": tokens.worker,

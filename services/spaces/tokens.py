@@ -20,7 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-MIN_TOKEN_CHARS = 16  # the env server's minimum (env_server/settings.py)
+from deltarl.services.settings import MIN_TOKEN_CHARS
+
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]+$")  # header-safe, shell-safe once quoted
 
 # Field of Tokens -> the server-side variable that holds it (the key in the secrets file).

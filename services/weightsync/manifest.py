@@ -31,6 +31,11 @@ LATEST_KEY = "latest.json"
 MANIFESTS_PREFIX = "manifests/"
 OBJECTS_PREFIX = "objects/"
 VERSION_DIGITS = 12
+#: Versions have at most VERSION_DIGITS digits (their keys are zero-padded to that width).
+MAX_VERSION = 10**VERSION_DIGITS - 1
+#: The largest integer of any wire record (sizes, counts, steps): a signed 64-bit integer, what
+#: the coordinator's stores (SQLite INTEGER, Redis) and every reader's arithmetic hold.
+INT64_MAX = (1 << 63) - 1
 
 ObjectKind = Literal["anchor", "delta"]
 
@@ -101,14 +106,17 @@ class ObjectRef(BaseModel):
         "'trl-sparse-raw', 'trl-sparse-gap_delta') or an anchor format ('safetensors', "
         "'safetensors+zstd'); readers filter plans by the formats they decode.",
     )
-    size: int = Field(ge=0, description="Exact size of the object in bytes.")
+    size: int = Field(ge=0, le=INT64_MAX, description="Exact size of the object in bytes.")
     xxh3_128: str = Field(
         pattern=r"^[0-9a-f]{32}$", description="xxh3-128 of the object's bytes, lowercase hex."
     )
-    version: int = Field(ge=0, description="The version whose state this object produces.")
+    version: int = Field(
+        ge=0, le=MAX_VERSION, description="The version whose state this object produces."
+    )
     base_version: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_VERSION,
         description="Delta: the version it applies to (< version; < version-1 for a squashed "
         "delta). Anchor: None.",
     )
@@ -124,11 +132,13 @@ class ObjectRef(BaseModel):
     changed: int | None = Field(
         default=None,
         ge=0,
+        le=INT64_MAX,
         description="Delta: number of elements whose bits differ from base. Anchor: None.",
     )
     context_version: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_VERSION,
         description="Chained delta: it decodes only for a replica whose last applied delta was "
         "context_version -> base_version (it codes values against that delta's moves). None: "
         "a standalone delta, usable from any replica at base_version.",
@@ -183,9 +193,14 @@ class VersionManifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: Literal[1] = Field(default=1, description="Layout version of this record.")
-    version: int = Field(ge=0, description="Policy version (strictly increasing, gaps allowed).")
+    version: int = Field(
+        ge=0, le=MAX_VERSION, description="Policy version (strictly increasing, gaps allowed)."
+    )
     step: int | None = Field(
-        default=None, ge=0, description="Trainer optimizer step of this state; None if unknown."
+        default=None,
+        ge=0,
+        le=INT64_MAX,
+        description="Trainer optimizer step of this state; None if unknown.",
     )
     created_at: AwareDatetime = Field(
         default_factory=lambda: datetime.now(UTC),
@@ -194,9 +209,11 @@ class VersionManifest(BaseModel):
     state_digest: str = Field(
         pattern=_HEX_DIGEST, description="Digest of the full state at this version (codec's)."
     )
-    numel: int = Field(ge=0, description="Number of elements in the whole state.")
+    numel: int = Field(ge=0, le=INT64_MAX, description="Number of elements in the whole state.")
     full_bytes: int = Field(
-        ge=0, description="Raw size of the whole state in bytes (e.g. 2 * numel for bf16)."
+        ge=0,
+        le=INT64_MAX,
+        description="Raw size of the whole state in bytes (e.g. 2 * numel for bf16).",
     )
     objects: tuple[ObjectRef, ...] = Field(
         min_length=1, description="Anchors and incoming deltas, in publication order."
@@ -244,7 +261,7 @@ class LatestPointer(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: Literal[1] = Field(default=1, description="Layout version of this record.")
-    version: int = Field(ge=0, description="Newest published version.")
+    version: int = Field(ge=0, le=MAX_VERSION, description="Newest published version.")
     manifest_key: str = Field(description="Key of that version's manifest.")
     state_digest: str = Field(pattern=_HEX_DIGEST, description="Its state digest.")
     updated_at: AwareDatetime = Field(

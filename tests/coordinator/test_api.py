@@ -114,14 +114,14 @@ def test_auth_roles(server: LiveServer) -> None:
 
 
 def test_private_reads(make_server: Callable[..., LiveServer]) -> None:
-    s = make_server(public_reads=False, read_token="reader-token")
+    s = make_server(public_reads=False, read_token="reader-secret-token")
     trainer, worker, anon = clients(s)
     with pytest.raises(CoordinatorError) as e:
         anon.status()
     assert e.value.status_code == 401
     assert trainer.status().latest_version is None
     assert worker.status().latest_version is None
-    assert CoordinatorClient(s.url, "reader-token").status().latest_version is None
+    assert CoordinatorClient(s.url, "reader-secret-token").status().latest_version is None
     assert anon.health().status == "healthy"  # health stays public
 
 
@@ -455,9 +455,9 @@ def test_long_poll_lease(server: LiveServer) -> None:
 
 def test_admission(server: LiveServer) -> None:
     trainer, worker, _ = clients(server)
+    worker.register(reg())
     assert worker.admission("w1", 5).reason == "no_version"
     trainer.publish_version(manifest(0))
-    worker.register(reg())
     a = worker.admission("w1", 5, applied_version=0)
     assert (a.grant, a.reason, a.target_queue_groups) == (5, "ok", 256)
     worker.heartbeat("w1", WorkerHeartbeat(applied_version=0, in_flight=254))

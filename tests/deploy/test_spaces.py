@@ -448,6 +448,7 @@ def test_space_environment_validates(
         rollout = settings[0]
         assert isinstance(rollout, RolloutSettings)
         assert rollout.coordinator_url == "https://alice-deltarl-coordinator.hf.space"
+        assert rollout.worker_id == "space:alice:deltarl-rollout"  # path-safe: no '/'
         assert rollout.env_url == "https://alice-deltarl-env.hf.space"
         assert parse_hf_uri(rollout.bucket_uri or "") == ("alice/weights", "deltarl")
         assert rollout.model == ExperimentSettings.model_fields["model"].default

@@ -36,5 +36,8 @@ def test_token_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTARL_ENV_TOKEN", "")
     assert EnvSettings().token is None  # empty means unset
     monkeypatch.setenv("DELTARL_ENV_TOKEN", "short")
-    with pytest.raises(ValueError, match="at least 16 characters"):
+    with pytest.raises(ValueError, match="at least 16 printable ASCII characters"):
+        EnvSettings()
+    monkeypatch.setenv("DELTARL_ENV_TOKEN", " " * 20)  # no client can send it in a header
+    with pytest.raises(ValueError, match="is blank"):
         EnvSettings()

@@ -24,7 +24,9 @@ router = APIRouter(prefix="/v1", tags=["batches"], responses=ERRORS)
 
 
 class LeaseRequest(WireModel):
-    max_groups: int = Field(ge=1, description="Most groups to lease.")
+    max_groups: int = Field(
+        ge=1, le=1_000_000, description="Most groups to lease (at most max_batch_groups)."
+    )
     lease_s: float | None = Field(
         default=None, gt=0, description="Lease duration (s); None: the server default."
     )

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from deltarl.services.schemas import CatchUpPlan
+from deltarl.services.schemas.common import MAX_VERSION
 
 from ..deps import CoordinatorDep, ReaderAuth
 from .common import ERRORS
@@ -18,10 +19,12 @@ router = APIRouter(prefix="/v1", tags=["plans"], responses=ERRORS)
 async def plan(
     coordinator: CoordinatorDep,
     from_version: Annotated[
-        int | None, Query(alias="from", ge=0, description="Version held; omit if none.")
+        int | None,
+        Query(alias="from", ge=0, le=MAX_VERSION, description="Version held; omit if none."),
     ] = None,
     to_version: Annotated[
-        int | None, Query(alias="to", ge=0, description="Target; omit for the latest.")
+        int | None,
+        Query(alias="to", ge=0, le=MAX_VERSION, description="Target; omit for the latest."),
     ] = None,
     formats: Annotated[
         list[str] | None, Query(alias="format", description="Only objects in these formats.")
@@ -30,6 +33,7 @@ async def plan(
         int | None,
         Query(
             ge=0,
+            le=MAX_VERSION,
             description="Base version of the delta the replica applied last to reach `from`; "
             "chained deltas are planned only with it.",
         ),

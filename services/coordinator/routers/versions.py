@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from deltarl.services.schemas import VersionPublish, VersionRecord
+from deltarl.services.schemas.common import MAX_VERSION
 
 from ..deps import CoordinatorDep, ReaderAuth, TrainerAuth
 from ..errors import invalid, not_found
 from .common import ERRORS
 
 router = APIRouter(prefix="/v1/versions", tags=["versions"], responses=ERRORS)
+After = Annotated[
+    int | None,
+    Query(ge=-1, le=MAX_VERSION, description="Only versions newer than this (-1: all)."),
+]
 
 
 @router.post("", response_model=VersionRecord, status_code=201, dependencies=[TrainerAuth])
@@ -32,8 +38,8 @@ async def publish(
 @router.get("", response_model=list[VersionRecord], dependencies=[ReaderAuth])
 async def list_versions(
     coordinator: CoordinatorDep,
-    after: Annotated[int | None, Query(ge=-1, description="Only versions newer than this.")] = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: After = None,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Most versions listed.")] = 100,
 ) -> list[VersionRecord]:
     return coordinator.versions.after(after, limit)
 
@@ -46,6 +52,15 @@ async def latest(coordinator: CoordinatorDep) -> VersionRecord:
     return record
 
 
+def _event_id(value: str) -> int:
+    """The version a ``Last-Event-ID`` header names (-1: before the first version)."""
+    if re.fullmatch(r"-1|[0-9]{1,20}", value) is None or int(value) > MAX_VERSION:
+        raise invalid(
+            "bad_event_id", f"Last-Event-ID must be a version number (-1 to {MAX_VERSION})"
+        )
+    return int(value)
+
+
 @router.get(
     "/events",
     dependencies=[ReaderAuth],
@@ -54,18 +69,14 @@ async def latest(coordinator: CoordinatorDep) -> VersionRecord:
 )
 async def events(
     request: Request,
-    after: Annotated[
-        int | None, Query(ge=-1, description="Replay versions newer than this.")
-    ] = None,
+    after: After = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> EventSourceResponse:
     """Server-sent events: ``event: version``, ``id: <version>``, ``data: <VersionRecord JSON>``.
     Without ``after``/``Last-Event-ID`` the stream starts with the latest version; with them it
     replays every version newer than that first (reconnects lose nothing)."""
     if last_event_id is not None:
-        if not last_event_id.lstrip("-").isdigit():
-            raise invalid("bad_event_id", "Last-Event-ID must be a version number")
-        after = int(last_event_id)
+        after = _event_id(last_event_id)
     stream = request.app.state.events
 
     async def generate() -> AsyncIterator[dict[str, str]]:
@@ -76,5 +87,8 @@ async def events(
 
 
 @router.get("/{version}", response_model=VersionRecord, dependencies=[ReaderAuth])
-async def get_version(version: int, coordinator: CoordinatorDep) -> VersionRecord:
+async def get_version(
+    version: Annotated[int, Path(ge=0, le=MAX_VERSION, description="Policy version.")],
+    coordinator: CoordinatorDep,
+) -> VersionRecord:
     return await coordinator.run(coordinator.version, version)
