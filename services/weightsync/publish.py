@@ -37,6 +37,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import xxhash
 from pydantic import ValidationError
@@ -57,6 +58,9 @@ from .manifest import (
     xxh3_hex,
 )
 from .planner import CatchUpPlan, plan_catch_up
+
+if TYPE_CHECKING:  # signing imports cryptography: only where keys are configured
+    from .signing import Signer, Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +114,12 @@ class BucketReader:
     found" for it is retried ``latest_retries`` times (0.25 s, doubling) before giving up.
     """
 
-    def __init__(self, bucket: Bucket, *, latest_retries: int = 4) -> None:
+    def __init__(
+        self, bucket: Bucket, *, latest_retries: int = 4, verifier: Verifier | None = None
+    ) -> None:
         self.bucket = bucket
         self.latest_retries = latest_retries
+        self.verifier = verifier  # trusted keys: unsigned or badly signed versions are refused
         self._cache: dict[int, VersionManifest] = {}
         self.fetched_bytes = 0  # object bytes downloaded by fetch/fetch_to_file, verified or not
 
@@ -122,6 +129,8 @@ class BucketReader:
             raw = self.bucket.get_bytes(LATEST_KEY)
         except ObjectNotFoundError:
             return None
+        if self.verifier is not None:
+            self.verifier.verify(raw, f"{LATEST_KEY} in {self.bucket.uri}")
         try:
             return LatestPointer.model_validate_json(raw)
         except ValidationError as err:
@@ -137,6 +146,8 @@ class BucketReader:
         """Read and validate the manifest of ``version``, published or not (no cache)."""
         key = manifest_key(version)
         raw = self.bucket.get_bytes(key)
+        if self.verifier is not None:
+            self.verifier.verify(raw, f"manifest {key} in {self.bucket.uri}")
         try:
             m = VersionManifest.model_validate_json(raw)
         except ValidationError as err:
@@ -263,7 +274,10 @@ class Publisher:
     passed since the last one (0: only the first version and on demand).
     """
 
-    def __init__(self, bucket: Bucket, *, anchor_every: int = 10) -> None:
+    def __init__(
+        self, bucket: Bucket, *, anchor_every: int = 10, signer: Signer | None = None
+    ) -> None:
+        self.signer = signer  # signs every manifest and latest pointer (signing.py)
         if not isinstance(anchor_every, int) or anchor_every < 0:
             raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
         self.bucket = bucket
@@ -410,6 +424,9 @@ class Publisher:
             context_version=o.context_version,
         )
 
+    def _signed(self, body: bytes) -> bytes:
+        return body if self.signer is None else self.signer.sign_json(body)
+
     def publish(
         self,
         version: int,
@@ -454,7 +471,7 @@ class Publisher:
             created_at=datetime.now(UTC),
         )
         # 3. manifest
-        body = manifest.model_dump_json(indent=1).encode()
+        body = self._signed(manifest.model_dump_json(indent=1).encode())
         try:
             self.bucket.put_bytes(manifest.key, body, overwrite=False)
         except ObjectExistsError:
@@ -490,7 +507,7 @@ class Publisher:
         pointer = LatestPointer(
             version=version, manifest_key=manifest.key, state_digest=state_digest
         )
-        self.bucket.put_bytes(LATEST_KEY, pointer.model_dump_json(indent=1).encode())
+        self.bucket.put_bytes(LATEST_KEY, self._signed(pointer.model_dump_json(indent=1).encode()))
         if manifest.has_anchor:
             self._last_anchor, self._last_anchor_known = version, True
             self._anchor_requested = False
