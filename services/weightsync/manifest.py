@@ -220,6 +220,7 @@ class VersionManifest(BaseModel):
     )
     signature: dict[str, str] | None = Field(
         default=None,
+        exclude=True,  # read from signed files, never written back: unsigned files stay as before
         description="Ed25519 signature of the rest of this document by the trainer's key "
         "(signing.py: key_id, ed25519); None: unsigned.",
     )
@@ -274,6 +275,7 @@ class LatestPointer(BaseModel):
     )
     signature: dict[str, str] | None = Field(
         default=None,
+        exclude=True,  # read from signed files, never written back: unsigned files stay as before
         description="Ed25519 signature of the rest of this document by the trainer's key "
         "(signing.py: key_id, ed25519); None: unsigned.",
     )

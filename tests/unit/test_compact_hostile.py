@@ -59,15 +59,18 @@ def bomb(size: int, fill: bytes = b" ") -> bytes:
 
 
 PEAK = "deltarl-test-peak-rss-kb"
+# VmHWM, not ru_maxrss: the high-water mark of this program's own memory (ru_maxrss outlives exec
+# and starts at the size of the pytest process that forked it)
 WRAPPER = f"""
-import resource, runpy, sys
+import re, runpy, sys
 sys.argv = ["deltarl", "delta", "verify", *sys.argv[1:]]
 code = 0
 try:
     runpy.run_module("deltarl", run_name="__main__")
 except SystemExit as e:
     code = e.code
-print("{PEAK}", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+status = open("/proc/self/status").read()
+print("{PEAK}", re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1), file=sys.stderr)
 sys.exit(code)
 """
 
