@@ -58,16 +58,9 @@ def build(model: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.M
     elif model == "qwen3-0.6b":
         from transformers import Qwen3Config
 
-        cfg = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            tie_word_embeddings=True,
-        )
+        from bench.vllm_speed import QWEN3_0_6B
+
+        cfg = Qwen3Config(**QWEN3_0_6B)
         torch.manual_seed(0)
         trainer = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     else:

@@ -43,23 +43,29 @@ EXTRA = ("engine_sync", "llm_inproc")  # on request: what async scheduling, a pr
 RESULT = "deltarl-vllm-speed-result: "
 
 
+# Qwen3-0.6B's shape (also bench/rollout_sync_bench.py's 0.6B model)
+QWEN3_0_6B: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
+
+
 def qwen3_0_6b(directory: Path) -> str:
     """Qwen3-0.6B's configuration (random weights are made from it)."""
     import transformers
 
     transformers.Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
+        **QWEN3_0_6B,
         max_position_embeddings=4096,
         rope_theta=1000000.0,
-        tie_word_embeddings=True,
         torch_dtype="bfloat16",
-        architectures=["Qwen3ForCausalLM"],
+        architectures=["Qwen3ForCausalLM"],  # without it vLLM takes Qwen3 for a pooling model
     ).save_pretrained(directory)
     return str(directory)
 
