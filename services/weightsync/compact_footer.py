@@ -30,6 +30,7 @@ MAX_FOOTER = 256 << 20  # bytes of a decompressed footer or index, whatever the 
 FOOTER_RATIO = 64  # a footer's JSON never expands more than this from its zstd frame
 MAX_TENSOR_ELEMENTS = 1 << 36  # 64 G elements: far beyond any tensor a delta patches
 MAX_U64 = (1 << 64) - 1
+DIGEST_PATTERN = r"^([0-9a-f]{1,128}|unknown)$"  # hex, or delta.UNKNOWN_DIGEST
 
 Version = Annotated[int, Field(strict=True, ge=0, lt=1 << 63)]
 Count = Annotated[int, Field(strict=True, ge=0, lt=1 << 63)]
@@ -48,7 +49,7 @@ class FooterTensor(_Checked):
     dtype: Literal["bfloat16", "float16", "float32"]
     shape: list[Count] = Field(max_length=16)
     changed: Count
-    result_digest: str = Field(strict=True, pattern=r"^[0-9a-f]{1,128}$")
+    result_digest: str = Field(strict=True, pattern=DIGEST_PATTERN)
     chunks: list[tuple[Count, Count, Count, Count, Count, Count]]
 
     @field_validator("shape")
@@ -72,7 +73,7 @@ class Footer(_Checked):
     prob_bits: Count
     index: tuple[Count, Count, Count, U64]  # offset, packed length, raw length, xxh3-64
     body_xxh3: U64
-    base_digest: str = Field(strict=True, pattern=r"^[0-9a-f]{1,128}$")
+    base_digest: str = Field(strict=True, pattern=DIGEST_PATTERN)
     context: dict[str, Any] | None = None  # checked by compact.context_of
     tensors: list[FooterTensor]
 
