@@ -144,10 +144,31 @@ async def _ws_close(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
             await ws.close(code=code, reason=reason)
 
 
+class QuietBadFrames(logging.Filter):
+    """uvicorn logs a client's WebSocket text frame that is not UTF-8 with a traceback (its own
+    protocol code, before the app sees anything): keep it as one INFO line, so that no client
+    can fill the log with tracebacks."""
+
+    MESSAGE = "Invalid UTF-8 sequence received from client"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.MESSAGE):
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def _quiet_bad_frames() -> None:
+    uvicorn_error = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, QuietBadFrames) for f in uvicorn_error.filters):
+        uvicorn_error.addFilter(QuietBadFrames())
+
+
 def create_app(settings: EnvSettings | None = None, words: WordLists | None = None) -> FastAPI:
     """Build the app; ``settings`` default to the ``DELTARL_ENV_*`` environment variables,
     ``words`` (Wordle's lists) to the shipped ones."""
     settings = settings if settings is not None else EnvSettings()
+    _quiet_bad_frames()
     task = make_task(settings, words)
     store = SessionStore(
         task.factory,

@@ -324,6 +324,34 @@ def test_ws_client_vanishing_logs_no_traceback(
 
 
 @pytest.mark.network
+def test_a_non_utf8_text_frame_logs_one_line_without_traceback(
+    live_server: Callable[..., LiveServer],
+    server_log: Callable[[], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """uvicorn's own protocol code logs such a frame with a traceback; the app's filter keeps it
+    to one INFO line, and the server keeps serving."""
+    server = live_server()
+    server_log()
+    sock = raw_ws(server)
+    caplog.clear()
+    frame = bytearray(masked_frame("xx"))
+    frame[-2:] = b"\xff\xfe"  # the payload (mask 0): not UTF-8
+    sock.sendall(bytes(frame))
+    deadline = time.monotonic() + 10
+    while not any("Invalid UTF-8" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "uvicorn logged nothing about the frame"
+        time.sleep(0.01)
+    sock.close()
+    wait_idle(server)
+    for record in caplog.records:
+        assert record.levelno < logging.WARNING and record.exc_info is None, record.getMessage()
+    with ws_client.connect(ws_url(server)) as ws:
+        ws.send(json.dumps({"type": "reset", "data": {"seed": 1}}))
+        assert json.loads(ws.recv(timeout=5))["type"] == "observation"
+
+
+@pytest.mark.network
 def test_ws_server_bug_still_logs_its_traceback(
     live_server: Callable[..., LiveServer],
     server_log: Callable[[], None],
