@@ -741,12 +741,14 @@ def annotated_fields(cls: ast.ClassDef) -> set[str]:
 
 def test_every_argument_we_pass_to_vllm_exists_in_the_wheel() -> None:
     ours = ast.parse((REPO / "rollout/engines/vllm_engine.py").read_text())
-    call = next(
-        n
-        for n in ast.walk(ours)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "LLM"
+    # vllm.LLM(**llm_kwargs(settings)): the keys of the dict llm_kwargs returns
+    func = next(
+        n for n in ast.walk(ours) if isinstance(n, ast.FunctionDef) and n.name == "llm_kwargs"
     )
-    passed = {k.arg for k in call.keywords if k.arg is not None}
+    returned = next(n.value for n in ast.walk(func) if isinstance(n, ast.Return))
+    assert isinstance(returned, ast.Dict)
+    passed = {k.value for k in returned.keys if isinstance(k, ast.Constant)}
+    assert len(passed) == len(returned.keys) >= 10
     llm_init = methods(class_def(wheel_source("vllm/entrypoints/llm.py"), "LLM"))["__init__"]
     explicit = {a.arg for a in [*llm_init.args.args, *llm_init.args.kwonlyargs]}
     assert llm_init.args.kwarg is not None  # the rest goes to EngineArgs(**kwargs)
