@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import typer
 
-from .demo_model import ModelKind
+from deltarl.demo_model import ModelKind
 
 __all__ = ["DemoPlan", "DemoTask", "demo", "demo_environment", "new_token"]
 
@@ -229,7 +229,7 @@ def demo(
     _quiet_console_logging(rd / "logs" / "demo.log")
     use_live = console.is_terminal if live is None else live
 
-    from .demo_runner import DemoFailedError, run_demo
+    from deltarl.demo_runner import DemoFailedError, run_demo
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children as on Ctrl-C
 

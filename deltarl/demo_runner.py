@@ -14,13 +14,10 @@ import httpx
 from rich.console import Console
 from rich.live import Live
 
-from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
-from deltarl.services.schemas import StatusSummary, VersionRecord, WorkerInfo
-
-from .demo import DemoPlan, demo_environment, elapsed, new_token, plan_dict
-from .demo_model import prepare_model
-from .demo_procs import ProcessDiedError, ProcessGroup, free_port, tail, wait_healthy
-from .demo_report import (
+from deltarl.demo import DemoPlan, demo_environment, elapsed, new_token, plan_dict
+from deltarl.demo_model import prepare_model
+from deltarl.demo_procs import ProcessDiedError, ProcessGroup, free_port, tail, wait_healthy
+from deltarl.demo_report import (
     WorkerLog,
     bytes_summary,
     draw_reward_curve,
@@ -30,6 +27,8 @@ from .demo_report import (
     reward_series,
     trainer_final,
 )
+from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
+from deltarl.services.schemas import StatusSummary, VersionRecord, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,7 @@ import logging
 import os
 
 import typer
-
-from .cli import serve
+from deltarl.env_server.cli import serve
 
 if __name__ == "__main__":
     logging.basicConfig(

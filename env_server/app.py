@@ -25,22 +25,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Query, Request, WebSocket
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
-from pydantic_core import from_json
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import Message
-from starlette.websockets import WebSocketDisconnect, WebSocketState
-
-from deltarl import __version__
-
-from .guard import GuardMiddleware, error_body
-from .metrics import EnvMetrics
-from .models import (
+from deltarl.env_server.guard import GuardMiddleware, error_body
+from deltarl.env_server.metrics import EnvMetrics
+from deltarl.env_server.models import (
     SESSION_HEADER,
     CloseRequest,
     CloseResponse,
@@ -56,10 +43,22 @@ from .models import (
     StepResult,
     WordleAction,
 )
-from .sessions import Session, SessionStore
-from .settings import EnvSettings
-from .tasks import make_task
-from .wordle import WordLists
+from deltarl.env_server.sessions import Session, SessionStore
+from deltarl.env_server.settings import EnvSettings
+from deltarl.env_server.tasks import make_task
+from deltarl.env_server.wordle import WordLists
+from fastapi import FastAPI, Query, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Message
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from deltarl import __version__
 
 logger = logging.getLogger(__name__)
 

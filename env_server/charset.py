@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from .models import (
+from deltarl.env_server.models import (
     CharsetObservation,
     CharsetSignals,
     CharsetState,

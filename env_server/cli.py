@@ -11,11 +11,9 @@ import gc
 import logging
 
 import typer
-from pydantic import ValidationError
-
+from deltarl.env_server.settings import EnvSettings
 from deltarl.services.settings import settings_help
-
-from .settings import EnvSettings
+from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +30,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from exc
 
     import uvicorn
-
-    from .app import create_app
+    from deltarl.env_server.app import create_app
 
     app = create_app(settings)
     # Move everything allocated so far (modules, schemas, word lists) out of the cyclic GC's

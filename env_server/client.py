@@ -32,12 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
-
-from deltarl.services.client_headers import client_headers
-from deltarl.services.tls import client_verify
-
-from .models import (
+from deltarl.env_server.models import (
     SESSION_HEADER,
     CharsetState,
     CloseResponse,
@@ -50,6 +45,9 @@ from .models import (
     StepResult,
     WordleState,
 )
+from deltarl.services.client_headers import client_headers
+from deltarl.services.tls import client_verify
+from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
 _RETRY_CODES = frozenset({ErrorCode.CAPACITY_REACHED})

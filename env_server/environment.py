@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal
 
-from .models import (
+from deltarl.env_server.models import (
     EnvError,
     ErrorCode,
     GuessFeedback,
@@ -21,7 +21,14 @@ from .models import (
     WordleObservation,
     WordleState,
 )
-from .wordle import WORD_LENGTH, InvalidReason, Move, WordleGame, WordleRules, WordLists
+from deltarl.env_server.wordle import (
+    WORD_LENGTH,
+    InvalidReason,
+    Move,
+    WordleGame,
+    WordleRules,
+    WordLists,
+)
 
 GAME_ID = -1
 PLAYER_ID = 0

@@ -15,7 +15,7 @@ import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from .models import HTTP_STATUS, TOKEN_HEADER, ErrorCode, ErrorResponse
+from deltarl.env_server.models import HTTP_STATUS, TOKEN_HEADER, ErrorCode, ErrorResponse
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

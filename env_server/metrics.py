@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from deltarl.env_server.sessions import SessionStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from .sessions import SessionStore
 
 
 class EnvMetrics:

@@ -21,9 +21,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
-
 from deltarl.services.schemas.common import TOKEN_HEADER as TOKEN_HEADER  # re-exported
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 
 SESSION_HEADER = "X-Deltarl-Session"  # optional alternative to the session_id body/query field
 

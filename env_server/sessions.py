@@ -25,10 +25,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .models import EnvError, ErrorCode
+from deltarl.env_server.models import EnvError, ErrorCode
 
 if TYPE_CHECKING:
-    from .tasks import TextEnvironment
+    from deltarl.env_server.tasks import TextEnvironment
 
 logger = logging.getLogger(__name__)
 

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import SettingsConfigDict
-
+from deltarl.env_server.charset import CharsetRules
+from deltarl.env_server.wordle import WordleRules
 from deltarl.services.settings import validate_token
 from deltarl.services.tls import TLSServerSettings
-
-from .charset import CharsetRules
-from .wordle import WordleRules
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
 
 
 class EnvSettings(TLSServerSettings):

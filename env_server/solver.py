@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .wordle import WordleGame, WordleRules, WordLists, score_guess
+from deltarl.env_server.wordle import WordleGame, WordleRules, WordLists, score_guess
 
 
 def consistent(word: str, history: Sequence[tuple[str, str]]) -> bool:

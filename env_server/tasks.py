@@ -19,13 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from deltarl.env_server.charset import CharsetEnvironment
+from deltarl.env_server.environment import WordleEnvironment
+from deltarl.env_server.models import (
+    CharsetObservation,
+    CharsetState,
+    StepResult,
+    WordleObservation,
+    WordleState,
+)
+from deltarl.env_server.settings import EnvSettings
+from deltarl.env_server.wordle import WordLists
 from pydantic import BaseModel
-
-from .charset import CharsetEnvironment
-from .environment import WordleEnvironment
-from .models import CharsetObservation, CharsetState, StepResult, WordleObservation, WordleState
-from .settings import EnvSettings
-from .wordle import WordLists
 
 Outcome = Literal["won", "lost", "forfeit"]
 TaskName = Literal["wordle", "charset"]

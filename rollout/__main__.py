@@ -4,8 +4,7 @@ import logging
 import os
 
 import typer
-
-from .cli import rollout
+from deltarl.rollout.cli import rollout
 
 if __name__ == "__main__":
     logging.basicConfig(

@@ -9,11 +9,9 @@ from __future__ import annotations
 import logging
 
 import typer
-from pydantic import ValidationError
-
+from deltarl.rollout.settings import RolloutSettings
 from deltarl.services.settings import settings_help
-
-from .settings import RolloutSettings
+from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +59,10 @@ def rollout(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
+    from deltarl.rollout.http import BindError
+    from deltarl.rollout.worker import RolloutWorker
     from deltarl.services.coordinator.client import CoordinatorError
     from deltarl.services.weightsync.errors import StateMismatchError
-
-    from .http import BindError
-    from .worker import RolloutWorker
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info(

@@ -59,7 +59,6 @@ from typing import IO, Any
 import msgpack
 import numpy as np
 import torch
-
 from deltarl.services.weightsync import errors as delta_errors
 from deltarl.services.weightsync.bits import float_format
 from deltarl.services.weightsync.context import DeltaContext

@@ -35,11 +35,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-
+from deltarl.rollout.sync_records import SyncReport
+from deltarl.rollout.weights import WeightSync
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
-
-from .sync_records import SyncReport
-from .weights import WeightSync
 
 logger = logging.getLogger(__name__)
 

@@ -21,16 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from deltarl.rollout.engines.base import Completion
+from deltarl.rollout.sync_records import StepTiming
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .engines.base import Completion
-from .sync_records import StepTiming
-
 if TYPE_CHECKING:
-    from .episodes import Episode
-    from .worker import RolloutWorker
+    from deltarl.rollout.episodes import Episode
+    from deltarl.rollout.worker import RolloutWorker
 
 __all__ = ["RolloutMetrics"]
 

@@ -18,14 +18,16 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import SettingsConfigDict
-
+from deltarl.rollout.engines.base import (
+    SamplingParams,
+    TransformersEngineSettings,
+    VllmEngineSettings,
+)
+from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
 from deltarl.services.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
 from deltarl.services.tls import TLSServerSettings
-
-from .engines.base import SamplingParams, TransformersEngineSettings, VllmEngineSettings
-from .episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
 
 if TYPE_CHECKING:
     from deltarl.services.weightsync.signing import Verifier

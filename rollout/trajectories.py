@@ -23,10 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import zstandard
-
+from deltarl.rollout.episodes import Episode, EpisodeGroup
 from deltarl.services.schemas import Trajectory, TrajectoryGroup, encode_group
-
-from .episodes import Episode, EpisodeGroup
 
 __all__ = [
     "PayloadSizes",

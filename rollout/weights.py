@@ -66,7 +66,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import torch
-
+from deltarl.rollout import fault_points
+from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
+from deltarl.rollout.engines.base import Completion, Engine, SamplingParams, WeightsStamp
+from deltarl.rollout.sync_records import (
+    StepTiming,
+    SyncError,
+    SyncReport,
+    SyncStatus,
+    Verdict,
+    WeightsUnhealthyError,
+)
 from deltarl.services.weightsync.anchor import decode_anchor
 from deltarl.services.weightsync.bits import bits_view
 from deltarl.services.weightsync.codec import FORMAT_TAGS, decode_delta
@@ -90,18 +100,6 @@ from deltarl.services.weightsync.errors import (
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
 from deltarl.services.weightsync.publish import BucketReader
-
-from . import fault_points
-from .decode_process import DecodeProcess, DecodeProcessError, SharedMirror
-from .engines.base import Completion, Engine, SamplingParams, WeightsStamp
-from .sync_records import (
-    StepTiming,
-    SyncError,
-    SyncReport,
-    SyncStatus,
-    Verdict,
-    WeightsUnhealthyError,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -52,8 +52,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-
 from deltarl.env_server.client import EnvClient
+from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
+from deltarl.rollout.engines.base import Engine
+from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
+from deltarl.rollout.follower import VersionFollower
+from deltarl.rollout.http import WorkerHttpServer, create_app
+from deltarl.rollout.metrics import RolloutMetrics
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.trajectories import to_submission
+from deltarl.rollout.weights import WeightSync
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
     CoordinatorClient,
@@ -68,16 +76,6 @@ from deltarl.services.schemas import (
 )
 from deltarl.services.tls import client_verify
 from deltarl.services.weightsync.errors import StateMismatchError
-
-from .chat_format import ChatFormat, ChatTokenizer
-from .engines.base import Engine
-from .episodes import EpisodeGroup, EpisodeRunner
-from .follower import VersionFollower
-from .http import WorkerHttpServer, create_app
-from .metrics import RolloutMetrics
-from .settings import RolloutSettings
-from .trajectories import to_submission
-from .weights import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +168,10 @@ class RolloutWorker:
     @classmethod
     def from_settings(cls, settings: RolloutSettings) -> RolloutWorker:
         """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
-        from transformers import AutoTokenizer
-
+        from deltarl.rollout.engines import make_engine
         from deltarl.services.buckets import open_bucket
         from deltarl.services.weightsync.publish import BucketReader
-
-        from .engines import make_engine
+        from transformers import AutoTokenizer
 
         model, gguf = settings.model_source()
         tokenizer = AutoTokenizer.from_pretrained(

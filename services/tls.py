@@ -17,9 +17,8 @@ import ssl
 from pathlib import Path
 from typing import Any, Self
 
+from deltarl.services.settings import ServiceSettings
 from pydantic import Field, model_validator
-
-from .settings import ServiceSettings
 
 CA_BUNDLE_ENV = "DELTARL_CA_BUNDLE"
 

@@ -59,11 +59,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-
-from .checkpoint_files import (
+from deltarl.trainer.checkpoint_files import (
     CheckpointError,
     FileRecord,
     fsync_dir,
@@ -71,8 +68,9 @@ from .checkpoint_files import (
     write_json,
     write_safetensors,
 )
-from .publisher import publishable_state
-from .settings import CHECKPOINT_POINTER
+from deltarl.trainer.publisher import publishable_state
+from deltarl.trainer.settings import CHECKPOINT_POINTER
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger(__name__)
 

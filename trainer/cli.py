@@ -23,24 +23,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from pydantic import ValidationError
-
 from deltarl.services.settings import settings_help
-
-from .reporting import check_trackers
-from .settings import (
+from deltarl.trainer.reporting import check_trackers
+from deltarl.trainer.settings import (
     CHECKPOINT_POINTER,
     RESOLVED_NAME,
     ExperimentSettings,
     TrainerDeployment,
 )
+from pydantic import ValidationError
 
 if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
-
-    from .checkpoint import Checkpoint, Checkpointer
-    from .distributed import DistContext
-    from .loop import GracefulStop
+    from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
+    from deltarl.trainer.distributed import DistContext
+    from deltarl.trainer.loop import GracefulStop
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +89,11 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     """Load the model and train (rank 0: the loop; other torchrun ranks: a replica); return
     the exit code (128 + signal after a stop request, else 0)."""
     import torch
+    from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
+    from deltarl.trainer.distributed import init_distributed, shutdown_distributed
+    from deltarl.trainer.loop import GracefulStop
+    from deltarl.trainer.replica import train_replica
     from transformers import AutoModelForCausalLM
-
-    from .checkpoint import Checkpointer, CheckpointError
-    from .distributed import init_distributed, shutdown_distributed
-    from .loop import GracefulStop
-    from .replica import train_replica
 
     ctx, device = init_distributed(deploy.device, timeout_s=deploy.dist_timeout_s)
     clean = False
@@ -135,10 +131,9 @@ def _run_main(
     """Rank 0 (or the only process): coordinator client, publisher, reporter, the loop."""
     from deltarl.services.buckets import open_bucket
     from deltarl.services.coordinator.client import CoordinatorClient
-
-    from .loop import train as run_loop
-    from .publisher import WeightPublisher
-    from .reporting import build_reporter
+    from deltarl.trainer.loop import train as run_loop
+    from deltarl.trainer.publisher import WeightPublisher
+    from deltarl.trainer.reporting import build_reporter
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None

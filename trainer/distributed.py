@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-
-from .batch import TrainBatch
-from .loss import LossStats
+from deltarl.trainer.batch import TrainBatch
+from deltarl.trainer.loss import LossStats
 
 logger = logging.getLogger(__name__)
 

@@ -43,20 +43,18 @@ from typing import Any, Protocol
 
 import httpx
 import torch
-
 from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.schemas import LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.publish import BucketReader
-
-from .batch import collate, filter_stale
-from .checkpoint import Checkpoint, Checkpointer
-from .distributed import DistContext, broadcast, wrap_ddp
-from .leases import LeaseKeeper
-from .metrics import MetricsSink
-from .optim import build_optimizer
-from .publisher import PublishFailedError, WeightPublisher, publishable_state
-from .settings import BatchSettings, ExperimentSettings
-from .step import train_step
+from deltarl.trainer.batch import collate, filter_stale
+from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
+from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
+from deltarl.trainer.leases import LeaseKeeper
+from deltarl.trainer.metrics import MetricsSink
+from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.publisher import PublishFailedError, WeightPublisher, publishable_state
+from deltarl.trainer.settings import BatchSettings, ExperimentSettings
+from deltarl.trainer.step import train_step
 
 logger = logging.getLogger(__name__)
 

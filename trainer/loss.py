@@ -48,9 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from deltarl.trainer.settings import AdvantageScale, LossSettings
 from torch import Tensor
-
-from .settings import AdvantageScale, LossSettings
 
 __all__ = [
     "LossOutput",

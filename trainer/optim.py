@@ -10,8 +10,7 @@ import math
 from collections.abc import Iterable
 
 import torch
-
-from .settings import OptimizerSettings
+from deltarl.trainer.settings import OptimizerSettings
 
 __all__ = ["build_optimizer", "clip_gradients", "lr_factor"]
 

@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor, write_anchor
 from deltarl.services.weightsync.codec import FORMAT_TAGS, encode_delta
@@ -68,8 +67,7 @@ from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
 from deltarl.services.weightsync.publish import NewObject, Publisher
-
-from .settings import PublishSettings
+from deltarl.trainer.settings import PublishSettings
 
 logger = logging.getLogger(__name__)
 

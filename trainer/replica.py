@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from .checkpoint import Checkpoint
-from .distributed import DistContext, broadcast, wrap_ddp
-from .optim import build_optimizer
-from .settings import ExperimentSettings
-from .step import train_step
+from deltarl.trainer.checkpoint import Checkpoint
+from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
+from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.step import train_step
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .metrics import MetricsLog, MetricsSink
-from .settings import ExperimentSettings
+from deltarl.trainer.metrics import MetricsLog, MetricsSink
+from deltarl.trainer.settings import ExperimentSettings
 
 logger = logging.getLogger(__name__)
 

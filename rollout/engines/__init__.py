@@ -1,6 +1,6 @@
 """Rollout engines behind one interface (:class:`Engine`), picked by ``type`` (see base.py)."""
 
-from .base import (
+from deltarl.rollout.engines.base import (
     UNMANAGED,
     Completion,
     Engine,

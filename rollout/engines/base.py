@@ -260,12 +260,12 @@ EngineSettings = Annotated[
 def make_engine(settings: TransformersEngineSettings | VllmEngineSettings) -> Engine:
     """Build the engine ``settings.type`` names (heavy imports happen here, not at import)."""
     if settings.type == "transformers":
-        from .transformers_engine import TransformersEngine
+        from deltarl.rollout.engines.transformers_engine import TransformersEngine
 
         assert isinstance(settings, TransformersEngineSettings)
         return TransformersEngine.from_settings(settings)
     if settings.type == "vllm":
-        from .vllm_engine import VllmEngine
+        from deltarl.rollout.engines.vllm_engine import VllmEngine
 
         assert isinstance(settings, VllmEngineSettings)
         return VllmEngine.from_settings(settings)

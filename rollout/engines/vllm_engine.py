@@ -54,8 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-
-from .base import (
+from deltarl.rollout.engines.base import (
     UNMANAGED,
     Completion,
     Engine,
@@ -66,8 +65,8 @@ from .base import (
     WeightsStamp,
     check_prompts,
 )
-from .vllm_mapping import TensorSpec, specs_of
-from .vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
+from deltarl.rollout.engines.vllm_mapping import TensorSpec, specs_of
+from deltarl.rollout.engines.vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
 
 logger = logging.getLogger(__name__)
 

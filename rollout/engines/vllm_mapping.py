@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from deltarl.services.weightsync.bits import dtype_name
 
 _PROBE_LOCK = threading.Lock()  # Tensor.copy_ is patched process-wide while probing

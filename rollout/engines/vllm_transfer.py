@@ -40,9 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
-
+from deltarl.rollout.engines.vllm_mapping import TensorSpec, probe_views, uncovered
 from deltarl.services.weightsync.bits import float_format
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
@@ -54,8 +52,8 @@ from deltarl.services.weightsync.delta import (
 )
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import CorruptDeltaError, VerificationError
-
-from .vllm_mapping import TensorSpec, probe_views, uncovered
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
 
 logger = logging.getLogger(__name__)
 

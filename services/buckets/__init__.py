@@ -5,7 +5,7 @@
 :func:`validate_key`, so no key can escape the bucket. See docs/buckets.md.
 """
 
-from .base import (
+from deltarl.services.buckets.base import (
     Bucket,
     BucketError,
     ObjectExistsError,
@@ -14,8 +14,8 @@ from .base import (
     validate_key,
     validate_prefix,
 )
-from .factory import open_bucket
-from .settings import BucketSettings
+from deltarl.services.buckets.factory import open_bucket
+from deltarl.services.buckets.settings import BucketSettings
 
 __all__ = [
     "Bucket",

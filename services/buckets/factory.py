@@ -14,8 +14,8 @@ import logging
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from .base import Bucket
-from .settings import BucketSettings
+from deltarl.services.buckets.base import Bucket
+from deltarl.services.buckets.settings import BucketSettings
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def open_bucket(
         raise ValueError("empty bucket URI: set DELTARL_BUCKET_URI or pass a path")
 
     if uri.startswith("hf://"):
-        from .hf import DryRunHfApi, HfBucket, parse_hf_uri
+        from deltarl.services.buckets.hf import DryRunHfApi, HfBucket, parse_hf_uri
 
         bucket_id, prefix = parse_hf_uri(uri)
         dry_run = settings.hf_dry_run
@@ -59,7 +59,7 @@ def open_bucket(
             hf_bucket.ensure_exists(create=True)
         bucket: Bucket = hf_bucket
     elif uri.startswith("s3://"):
-        from .s3 import S3Bucket, make_s3_client
+        from deltarl.services.buckets.s3 import S3Bucket, make_s3_client
 
         parsed = urlparse(uri)
         if parsed.query or parsed.fragment:
@@ -85,7 +85,7 @@ def open_bucket(
             endpoint_url=settings.s3_endpoint_url,
         )
     elif uri.startswith("file:"):
-        from .local import LocalBucket
+        from deltarl.services.buckets.local import LocalBucket
 
         parsed = urlparse(uri)
         if not uri.startswith("file://"):
@@ -102,7 +102,7 @@ def open_bucket(
             f"unknown bucket scheme {scheme!r} in {uri!r}: use a path, file://, hf://buckets/ or s3://"
         )
     else:
-        from .local import LocalBucket
+        from deltarl.services.buckets.local import LocalBucket
 
         bucket = LocalBucket(uri, create=True if create is None else create)
     logger.debug("opened bucket %s", bucket.uri)

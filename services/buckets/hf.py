@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .base import (
+from deltarl.services.buckets.base import (
     Bucket,
     ObjectExistsError,
     ObjectInfo,

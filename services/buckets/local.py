@@ -18,7 +18,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .base import (
+from deltarl.services.buckets.base import (
     Bucket,
     ObjectExistsError,
     ObjectInfo,

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .base import (
+from deltarl.services.buckets.base import (
     Bucket,
     ObjectExistsError,
     ObjectInfo,

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from deltarl.services.settings import ServiceSettings
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
-
-from ..settings import ServiceSettings
 
 
 class BucketSettings(ServiceSettings):

@@ -4,8 +4,7 @@ import logging
 import os
 
 import typer
-
-from .cli import coordinator
+from deltarl.services.coordinator.cli import coordinator
 
 if __name__ == "__main__":
     logging.basicConfig(

@@ -15,6 +15,22 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
+from deltarl.services.coordinator.errors import ApiError
+from deltarl.services.coordinator.events import VersionEvents
+from deltarl.services.coordinator.metrics import CoordinatorMetrics
+from deltarl.services.coordinator.middleware import BodyLimitMiddleware, MetricsMiddleware
+from deltarl.services.coordinator.routers import (
+    batches,
+    health,
+    plans,
+    status,
+    trajectories,
+    versions,
+    workers,
+)
+from deltarl.services.coordinator.service import Coordinator
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.services.coordinator.store import CoordinatorStore, open_store
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -23,15 +39,6 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltarl import __version__
-
-from .errors import ApiError
-from .events import VersionEvents
-from .metrics import CoordinatorMetrics
-from .middleware import BodyLimitMiddleware, MetricsMiddleware
-from .routers import batches, health, plans, status, trajectories, versions, workers
-from .service import Coordinator
-from .settings import CoordinatorSettings
-from .store import CoordinatorStore, open_store
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"

@@ -11,12 +11,10 @@ from __future__ import annotations
 import hmac
 from typing import Literal
 
-from fastapi import Request
-
+from deltarl.services.coordinator.errors import ApiError
+from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.schemas.common import TOKEN_HEADER
-
-from .errors import ApiError
-from .settings import CoordinatorSettings
+from fastapi import Request
 
 Role = Literal["trainer", "worker", "reader"]
 

@@ -11,11 +11,9 @@ import os
 from typing import Any
 
 import typer
-from pydantic import ValidationError
-
+from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.settings import settings_help
-
-from .settings import CoordinatorSettings
+from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +39,7 @@ def coordinator(
         raise typer.BadParameter(messages) from exc
 
     import uvicorn
-
-    from .app import create_app
+    from deltarl.services.coordinator.app import create_app
 
     logger.info(
         "coordinator on %s://%s:%d (store %s, %d process(es))",
@@ -95,10 +92,9 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON summary."),
 ) -> None:
     """Print where a run stands: versions, queue, staleness, workers."""
+    from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
+    from deltarl.services.coordinator.status_view import render_status
     from rich.console import Console
-
-    from .client import CoordinatorClient, CoordinatorError
-    from .status_view import render_status
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
 

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
-from pydantic import BaseModel, TypeAdapter
-
 from deltarl.services.client_headers import client_headers
 from deltarl.services.schemas import (
     AckResult,
@@ -56,6 +54,7 @@ from deltarl.services.schemas import (
     encode_group,
 )
 from deltarl.services.tls import client_verify
+from pydantic import BaseModel, TypeAdapter
 
 T = TypeVar("T")
 MSGPACK = "application/msgpack"

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from deltarl.services.coordinator.auth import check_role
+from deltarl.services.coordinator.service import Coordinator
 from fastapi import Depends, Request
-
-from .auth import check_role
-from .service import Coordinator
 
 
 async def get_coordinator(request: Request) -> Coordinator:

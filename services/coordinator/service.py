@@ -19,8 +19,18 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from starlette.concurrency import run_in_threadpool
-
+from deltarl.services.coordinator.errors import ApiError, conflict, invalid, not_found
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.services.coordinator.store import (
+    CoordinatorStore,
+    IdempotencyConflict,
+    LeaseExpired,
+    NewSubmission,
+    UnknownLease,
+    VersionConflict,
+    WorkerRecord,
+)
+from deltarl.services.coordinator.versions import VersionIndex, summarize
 from deltarl.services.schemas import (
     AckResult,
     AdmissionRequest,
@@ -42,19 +52,7 @@ from deltarl.services.schemas import (
     decode_group,
 )
 from deltarl.services.weightsync.planner import UnreachableVersionError, plan_catch_up
-
-from .errors import ApiError, conflict, invalid, not_found
-from .settings import CoordinatorSettings
-from .store import (
-    CoordinatorStore,
-    IdempotencyConflict,
-    LeaseExpired,
-    NewSubmission,
-    UnknownLease,
-    VersionConflict,
-    WorkerRecord,
-)
-from .versions import VersionIndex, summarize
+from starlette.concurrency import run_in_threadpool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

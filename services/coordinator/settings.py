@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
-from pydantic_settings import SettingsConfigDict
-
 from deltarl.services.settings import MIN_TOKEN_CHARS, validate_token
 from deltarl.services.tls import TLSServerSettings
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
 
 class CoordinatorSettings(TLSServerSettings):

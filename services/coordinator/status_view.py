@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from deltarl.services.schemas import StatusSummary
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
-
-from deltarl.services.schemas import StatusSummary
 
 
 def _bytes(n: float) -> str:

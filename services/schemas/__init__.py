@@ -15,8 +15,7 @@ Modules:
   (:class:`CatchUpPlan`, :class:`VersionManifest`, :class:`ObjectRef`), re-exported here.
 """
 
-from ..weightsync.planner import CatchUpPlan
-from .batches import (
+from deltarl.services.schemas.batches import (
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
@@ -28,17 +27,30 @@ from .batches import (
     decode_leased_batch,
     encode_leased_batch,
 )
-from .common import ErrorBody, ErrorResponse, Health
-from .status import QueueStats, RewardPoint, StatusSummary, VersionPoint
-from .trajectories import (
+from deltarl.services.schemas.common import ErrorBody, ErrorResponse, Health
+from deltarl.services.schemas.status import QueueStats, RewardPoint, StatusSummary, VersionPoint
+from deltarl.services.schemas.trajectories import (
     TRAJECTORY_FORMAT,
     Trajectory,
     TrajectoryGroup,
     decode_group,
     encode_group,
 )
-from .versions import ObjectRef, VersionKind, VersionManifest, VersionPublish, VersionRecord
-from .workers import HeartbeatAck, WorkerHeartbeat, WorkerInfo, WorkerRegistration, WorkerState
+from deltarl.services.schemas.versions import (
+    ObjectRef,
+    VersionKind,
+    VersionManifest,
+    VersionPublish,
+    VersionRecord,
+)
+from deltarl.services.schemas.workers import (
+    HeartbeatAck,
+    WorkerHeartbeat,
+    WorkerInfo,
+    WorkerRegistration,
+    WorkerState,
+)
+from deltarl.services.weightsync.planner import CatchUpPlan
 
 __all__ = [
     "TRAJECTORY_FORMAT",

@@ -22,15 +22,14 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-from pydantic import Field
-
-from .common import ID_PATTERN, Count, Version, WireModel
-from .trajectories import (
+from deltarl.services.schemas.common import ID_PATTERN, Count, Version, WireModel
+from deltarl.services.schemas.trajectories import (
     MAX_TOKENS_PER_TRAJECTORY,
     MAX_TRAJECTORIES_PER_GROUP,
     TrajectoryGroup,
     decode_group,
 )
+from pydantic import Field
 
 BATCH_FORMAT = "deltarl-batch-v1"
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from deltarl.services.schemas.common import Count, Version, WireModel
+from deltarl.services.schemas.workers import WorkerInfo
 from pydantic import Field
-
-from .common import Count, Version, WireModel
-from .workers import WorkerInfo
 
 
 class QueueStats(WireModel):

@@ -30,9 +30,8 @@ from array import array
 from typing import Any
 
 import msgpack
+from deltarl.services.schemas.common import ID_PATTERN, Version, WireModel
 from pydantic import Field, model_validator
-
-from .common import ID_PATTERN, Version, WireModel
 
 TRAJECTORY_FORMAT = "deltarl-traj-v1"
 MAX_TRAJECTORIES_PER_GROUP = 4096

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from deltarl.services.schemas.common import Count, Version, WireModel
+from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from pydantic import Field
-
-from ..weightsync.manifest import ObjectRef, VersionManifest
-from .common import Count, Version, WireModel
 
 VersionKind = Literal["anchor", "delta"]
 

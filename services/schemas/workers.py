@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from deltarl.services.schemas.common import ID_PATTERN, MAX_IN_FLIGHT, Count, Version, WireModel
 from pydantic import Field
-
-from .common import ID_PATTERN, MAX_IN_FLIGHT, Count, Version, WireModel
 
 WorkerState = Literal["active", "lost"]
 

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
-
-from .names import check_namespace, check_repo_name, parse_bucket
-from .templates import APP_PORT, TEMPLATES
+from deltarl.services.spaces.names import check_namespace, check_repo_name, parse_bucket
+from deltarl.services.spaces.templates import APP_PORT, TEMPLATES
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ def _check_hardware(value: str) -> str:
 
 def _extra_vars(items: list[str]) -> dict[str, dict[str, str]]:
     """``--set-var SERVICE:NAME=VALUE`` items, each checked against SERVICE's settings."""
-    from .variables import service_vars
+    from deltarl.services.spaces.variables import service_vars
 
     out: dict[str, dict[str, str]] = {}
     for item in items:
@@ -113,7 +112,7 @@ def _extra_vars(items: list[str]) -> dict[str, dict[str, str]]:
 
 
 def _descriptions() -> dict[str, str]:
-    from .variables import service_vars
+    from deltarl.services.spaces.variables import service_vars
 
     out: dict[str, str] = {}
     for service in TEMPLATES:
@@ -227,9 +226,9 @@ def deploy(
     ),
 ) -> None:
     """Create or update one Docker Space per service: coordinator, env server, rollout worker."""
-    from .deploy import DeployOptions, DryRunApi, RecordingApi
-    from .deploy import deploy as run_deploy
-    from .tokens import resolve_tokens, write_secrets_file
+    from deltarl.services.spaces.deploy import DeployOptions, DryRunApi, RecordingApi
+    from deltarl.services.spaces.deploy import deploy as run_deploy
+    from deltarl.services.spaces.tokens import resolve_tokens, write_secrets_file
 
     try:
         check_namespace(namespace)
@@ -375,7 +374,7 @@ def worker(
     """Run `deltarl rollout` behind a health endpoint on --port (the rollout Space's entry
     point): / and /health say whether the worker process runs and carry the worker's own
     /health (on 127.0.0.1:$DELTARL_ROLLOUT_PORT, default 8702); /ready passes it through."""
-    from .worker_space import run_worker
+    from deltarl.services.spaces.worker_space import run_worker
 
     try:
         code = run_worker(port)

@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from deltarl.services.client_headers import HF_PROXY_TOKEN_ENV
-
-from .names import (
+from deltarl.services.spaces.names import (
     MAX_DNS_LABEL,
     SPACES_APP_DOMAIN,
     BucketRef,
@@ -42,8 +41,14 @@ from .names import (
     space_page_url,
     space_subdomain,
 )
-from .templates import TEMPLATES, check_source, copy_source, dockerfile, front_matter
-from .tokens import Tokens
+from deltarl.services.spaces.templates import (
+    TEMPLATES,
+    check_source,
+    copy_source,
+    dockerfile,
+    front_matter,
+)
+from deltarl.services.spaces.tokens import Tokens
 
 logger = logging.getLogger(__name__)
 

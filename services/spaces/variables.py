@@ -8,11 +8,10 @@ inside :func:`service_vars`, so importing this module stays light.
 
 from __future__ import annotations
 
-from pydantic import AliasChoices
-from pydantic_settings import BaseSettings
-
 from deltarl.services.client_headers import HF_PROXY_TOKEN_ENV
 from deltarl.services.tls import CA_BUNDLE_ENV
+from pydantic import AliasChoices
+from pydantic_settings import BaseSettings
 
 # Read by every client outside any settings class (services/client_headers.py, services/tls.py).
 CLIENT_VARS: dict[str, str] = {

@@ -45,10 +45,9 @@ from typing import IO, Any, BinaryIO, cast
 import torch
 import xxhash
 import zstandard
-
-from .bits import dtype_name
-from .digest import combine_digests, tensor_digest
-from .errors import CorruptDeltaError
+from deltarl.services.weightsync.bits import dtype_name
+from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.errors import CorruptDeltaError
 
 logger = logging.getLogger(__name__)
 

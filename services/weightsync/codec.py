@@ -19,11 +19,10 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
-
-from . import compact, trl_format
-from .context import DeltaContext
-from .delta import Delta
-from .errors import CorruptDeltaError
+from deltarl.services.weightsync import compact, trl_format
+from deltarl.services.weightsync.context import DeltaContext
+from deltarl.services.weightsync.delta import Delta
+from deltarl.services.weightsync.errors import CorruptDeltaError
 
 DeltaFormat = Literal["compact", "trl-raw", "trl-gap"]
 DELTA_FORMATS: tuple[str, ...] = ("compact", "trl-raw", "trl-gap")
@@ -107,7 +106,7 @@ def describe(data: bytes) -> dict[str, object]:
     """
     kind = detect_format(data)
     if kind == "compact":
-        from .digest import combine_digests
+        from deltarl.services.weightsync.digest import combine_digests
 
         footer = compact.check_integrity(data)
         return {
@@ -149,8 +148,8 @@ def squash_chain(
     """
     if not blobs:
         raise ValueError("squash needs at least one delta")
-    from .delta import apply_delta, compose
-    from .digest import state_digests
+    from deltarl.services.weightsync.delta import apply_delta, compose
+    from deltarl.services.weightsync.digest import state_digests
 
     state = {k: v.detach().cpu().clone() for k, v in base.items()}
     digests = state_digests(state)

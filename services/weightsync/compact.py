@@ -35,10 +35,9 @@ import numpy as np
 import torch
 import xxhash
 import zstandard
-
-from . import kernels
-from .bits import bits_numpy, float_format
-from .compact_chunks import (
+from deltarl.services.weightsync import kernels
+from deltarl.services.weightsync.bits import bits_numpy, float_format
+from deltarl.services.weightsync.compact_chunks import (
     ChunkAnalysis,
     ChunkRef,
     Prediction,
@@ -49,18 +48,24 @@ from .compact_chunks import (
     n_keys,
     shared_tables,
 )
-from .compact_footer import (
+from deltarl.services.weightsync.compact_footer import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_FOOTER,
     bounded_decompress,
     parse_footer,
 )
-from .context import RHO16_DEFAULT, ContextMismatchError, DeltaContext
-from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
-from .digest import combine_digests, state_digests
-from .entropy import ALPHABET, VarintReader, read_table, table_bytes, varints
-from .errors import BaseMismatchError, CorruptDeltaError
+from deltarl.services.weightsync.context import RHO16_DEFAULT, ContextMismatchError, DeltaContext
+from deltarl.services.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
+from deltarl.services.weightsync.digest import combine_digests, state_digests
+from deltarl.services.weightsync.entropy import (
+    ALPHABET,
+    VarintReader,
+    read_table,
+    table_bytes,
+    varints,
+)
+from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
 
 MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"

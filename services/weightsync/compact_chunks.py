@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from . import kernels
-from .bits import FloatFormat
-from .context import N_MOVE_BUCKETS, predict, skip_forbidden, unskip_forbidden
-from .entropy import (
+from deltarl.services.weightsync import kernels
+from deltarl.services.weightsync.bits import FloatFormat
+from deltarl.services.weightsync.context import (
+    N_MOVE_BUCKETS,
+    predict,
+    skip_forbidden,
+    unskip_forbidden,
+)
+from deltarl.services.weightsync.entropy import (
     ALPHABET,
     TOP_BITS,
     VarintReader,
@@ -31,7 +35,7 @@ from .entropy import (
     wrapped_add,
     wrapped_diff,
 )
-from .errors import CorruptDeltaError
+from deltarl.services.weightsync.errors import CorruptDeltaError
 
 
 @dataclass(slots=True)

@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import xxhash
-
-from . import kernels
-from .bits import FloatFormat, bits_view, float_format
-from .delta import Delta
-from .errors import ContextMismatchError
+from deltarl.services.weightsync import kernels
+from deltarl.services.weightsync.bits import FloatFormat, bits_view, float_format
+from deltarl.services.weightsync.delta import Delta
+from deltarl.services.weightsync.errors import ContextMismatchError
 
 __all__ = [
     "N_MOVE_BUCKETS",

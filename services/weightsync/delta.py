@@ -26,10 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from .bits import bits_view, dtype_name, float_format
-from .digest import combine_digests, tensor_digest
-from .errors import BaseMismatchError, DeltaError, StateMismatchError, VerificationError
+from deltarl.services.weightsync.bits import bits_view, dtype_name, float_format
+from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.errors import (
+    BaseMismatchError,
+    DeltaError,
+    StateMismatchError,
+    VerificationError,
+)
 
 UNKNOWN_DIGEST = "unknown"
 """Digest placeholder for patches read from a file that records none (e.g. a plain TRL delta).

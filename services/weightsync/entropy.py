@@ -8,10 +8,9 @@
 from __future__ import annotations
 
 import numpy as np
-
-from . import kernels
-from .bits import FloatFormat
-from .errors import CorruptDeltaError
+from deltarl.services.weightsync import kernels
+from deltarl.services.weightsync.bits import FloatFormat
+from deltarl.services.weightsync.errors import CorruptDeltaError
 
 TOP_BITS = 3  # bits after the leading one of a large |diff| that are entropy-coded
 ALPHABET = 16 + 2 * 29 * (1 << TOP_BITS)  # small diffs + sign x bit length (4..32) x top bits

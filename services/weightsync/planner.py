@@ -21,9 +21,8 @@ import heapq
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest, index_manifests
 from pydantic import BaseModel, ConfigDict, Field
-
-from .manifest import ObjectRef, VersionManifest, index_manifests
 
 
 class UnreachableVersionError(ValueError):

@@ -40,11 +40,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
-from pydantic import ValidationError
-
-from ..buckets.base import Bucket, ObjectExistsError, ObjectNotFoundError
-from .errors import BaseMismatchError, CorruptDeltaError
-from .manifest import (
+from deltarl.services.buckets.base import Bucket, ObjectExistsError, ObjectNotFoundError
+from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
+from deltarl.services.weightsync.manifest import (
     FORMAT_EXTENSIONS,
     LATEST_KEY,
     MANIFESTS_PREFIX,
@@ -57,10 +55,11 @@ from .manifest import (
     parse_manifest_key,
     xxh3_hex,
 )
-from .planner import CatchUpPlan, plan_catch_up
+from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
+from pydantic import ValidationError
 
 if TYPE_CHECKING:  # signing imports cryptography: only where keys are configured
-    from .signing import Signer, Verifier
+    from deltarl.services.weightsync.signing import Signer, Verifier
 
 logger = logging.getLogger(__name__)
 

@@ -31,12 +31,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from deltarl.services.buckets.base import Bucket
+from deltarl.services.weightsync.manifest import (
+    MANIFESTS_PREFIX,
+    OBJECTS_PREFIX,
+    VersionManifest,
+    parse_manifest_key,
+)
+from deltarl.services.weightsync.planner import reachable_versions
+from deltarl.services.weightsync.publish import BucketReader
 from pydantic import BaseModel, ConfigDict, Field
-
-from ..buckets.base import Bucket
-from .manifest import MANIFESTS_PREFIX, OBJECTS_PREFIX, VersionManifest, parse_manifest_key
-from .planner import reachable_versions
-from .publish import BucketReader
 
 logger = logging.getLogger(__name__)
 

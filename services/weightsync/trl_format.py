@@ -65,15 +65,20 @@ from typing import Literal
 import numpy as np
 import torch
 import xxhash
+from deltarl.services.weightsync.anchor import parse_header, tensor_bytes
+from deltarl.services.weightsync.bits import dtype_name, float_format, from_bits
+from deltarl.services.weightsync.delta import (
+    UNKNOWN_DIGEST,
+    Delta,
+    TensorPatch,
+    check_compatible,
+    scatter_patch,
+)
+from deltarl.services.weightsync.digest import tensor_digest
+from deltarl.services.weightsync.errors import CorruptDeltaError, DeltaError, StateMismatchError
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-
-from .anchor import parse_header, tensor_bytes
-from .bits import dtype_name, float_format, from_bits
-from .delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible, scatter_patch
-from .digest import tensor_digest
-from .errors import CorruptDeltaError, DeltaError, StateMismatchError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from deltarl.services.coordinator.store import CoordinatorStore
 
 
@@ -133,7 +132,6 @@ class LiveServer:
         import threading
 
         import uvicorn
-
         from deltarl.services.coordinator.app import create_app
 
         self.app = create_app(settings, clock=clock)  # type: ignore[arg-type]

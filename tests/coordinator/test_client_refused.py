@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
     CoordinatorClient,

@@ -7,8 +7,6 @@ import sys
 
 import msgpack
 import pytest
-from pydantic import ValidationError
-
 from deltarl.services.schemas import (
     BatchItem,
     BatchLease,
@@ -19,6 +17,7 @@ from deltarl.services.schemas import (
     encode_group,
     encode_leased_batch,
 )
+from pydantic import ValidationError
 
 from .helpers import group, manifest
 
@@ -150,9 +149,8 @@ def test_version_publish_carries_the_bucket_manifest() -> None:
 def test_every_wire_field_is_documented() -> None:
     import inspect
 
-    from pydantic import BaseModel
-
     import deltarl.services.schemas as schemas
+    from pydantic import BaseModel
 
     undocumented = [
         f"{name}.{field}"

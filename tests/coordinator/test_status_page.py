@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from deltarl.services.coordinator.store import (
     CoordinatorStore,
     IdempotencyConflict,

@@ -42,15 +42,15 @@ from typing import Any
 
 import pytest
 import yaml
-from dockerfile_parse import DockerfileParser
-from pydantic_settings import BaseSettings
-
-from deltarl.cli import SUBCOMMANDS
 from deltarl.env_server.settings import EnvSettings
 from deltarl.services.buckets.settings import BucketSettings
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.tls import CA_BUNDLE_ENV
 from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
+from dockerfile_parse import DockerfileParser
+from pydantic_settings import BaseSettings
+
+from deltarl.cli import SUBCOMMANDS
 from tests.deploy.settings_env import env_names
 
 ROOT = Path(__file__).resolve().parents[2]

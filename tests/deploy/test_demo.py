@@ -218,8 +218,9 @@ def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
 def test_bytes_summary_counts_what_a_follower_downloads() -> None:
     """Per version the cheapest delta from the version before (a chained one where published),
     the first version's anchor; everything stored is reported apart."""
-    from deltarl.demo_report import bytes_summary
     from deltarl.services.coordinator.versions import summarize
+
+    from deltarl.demo_report import bytes_summary
     from tests.coordinator.helpers import manifest
 
     records = []

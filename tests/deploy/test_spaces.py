@@ -36,15 +36,6 @@ import httpx
 import pytest
 import typer
 import yaml
-from dockerfile_parse import DockerfileParser
-from huggingface_hub import HfApi, SpaceCard
-from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils import validate_repo_id
-from pydantic_settings import BaseSettings
-from typer.testing import CliRunner
-
-from deltarl.cli import SUBCOMMANDS
-from deltarl.cli import app as root_app
 from deltarl.env_server.client import SyncEnvClient
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import VllmEngineSettings
@@ -68,6 +59,15 @@ from deltarl.services.spaces.templates import dockerfile as space_dockerfile
 from deltarl.services.spaces.tokens import read_secrets_file
 from deltarl.services.spaces.worker_space import run_worker
 from deltarl.trainer.settings import ExperimentSettings
+from dockerfile_parse import DockerfileParser
+from huggingface_hub import HfApi, SpaceCard
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import validate_repo_id
+from pydantic_settings import BaseSettings
+from typer.testing import CliRunner
+
+from deltarl.cli import SUBCOMMANDS
+from deltarl.cli import app as root_app
 from tests.deploy.settings_env import env_names
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,6 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from env_helpers import LiveServer
-from fastapi.testclient import TestClient
-
 from deltarl.env_server.charset import CharsetEnvironment, CharsetRules, score_reply
 from deltarl.env_server.client import EnvClient, SyncEnvClient
 from deltarl.env_server.models import (
@@ -24,6 +21,8 @@ from deltarl.env_server.models import (
 )
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.episodes import observation_text
+from env_helpers import LiveServer
+from fastapi.testclient import TestClient
 
 RULES = CharsetRules()  # a-z, full marks from 8 characters
 

@@ -13,12 +13,11 @@ from collections.abc import Callable
 import httpx
 import pytest
 import websockets.sync.client as ws_client
-from env_helpers import LiveServer, answer, settings
-from websockets.exceptions import ConnectionClosed
-
 from deltarl.env_server.app import create_app
 from deltarl.env_server.client import EnvClient, SyncEnvClient
 from deltarl.env_server.models import EnvError, ErrorCode, StepResult, WordleState
+from env_helpers import LiveServer, answer, settings
+from websockets.exceptions import ConnectionClosed
 
 
 class DropFirstStepAnswer(httpx.AsyncBaseTransport):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deltarl.env_server.environment import WordleEnvironment
 from deltarl.env_server.models import EnvError, ErrorCode
 from deltarl.env_server.sessions import SessionStore

@@ -7,9 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
 from deltarl.env_server import derive_wordlists
 from deltarl.env_server.wordle import (
     InvalidReason,
@@ -20,6 +17,8 @@ from deltarl.env_server.wordle import (
     extract_guess,
     score_guess,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 WORDS = WordLists.load()
 DATA = Path(derive_wordlists.__file__).parent / "data"

@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 import websockets.sync.client as ws_client
+from deltarl.env_server.app import create_app
+from deltarl.env_server.environment import WordleEnvironment
+from deltarl.env_server.models import ErrorCode
 from env_helpers import LiveServer, settings
 from fastapi.testclient import TestClient
 from openenv.core.env_server import types as oe
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from deltarl.env_server.app import create_app
-from deltarl.env_server.environment import WordleEnvironment
-from deltarl.env_server.models import ErrorCode
 
 
 def send(ws: Any, message: Any) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deltarl.env_server.solver import Solver, consistent, win_rate
 from deltarl.env_server.wordle import WordleGame, WordleRules, WordLists, score_guess
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from deltarl.demo_procs import Child, ProcessGroup, free_port, tail, wait_healthy
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
 from deltarl.services.schemas import StatusSummary, WorkerInfo
+
+from deltarl.demo_procs import Child, ProcessGroup, free_port, tail, wait_healthy
 
 HOST = "127.0.0.1"
 TRAINER_TOKEN = "faults-trainer-token-0123456789abcdef"

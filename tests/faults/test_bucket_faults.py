@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec import FORMAT_TAGS, encode_delta
@@ -32,6 +31,7 @@ from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
 from deltarl.services.weightsync.publish import NewObject, Publisher
+
 from tests.faults.harness import (
     Cluster,
     FaultReport,
@@ -64,7 +64,6 @@ class Versions:
 
     def __init__(self, cluster: Cluster, model_dir: Path) -> None:
         import transformers
-
         from deltarl.trainer.publisher import publishable_state
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

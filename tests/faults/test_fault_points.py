@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from deltarl.rollout import fault_points
+
 from tests.faults.harness import arm, disarm, reached, wait_for
 
 

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from deltarl.demo_report import rebuild_digest
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import WorkerInfo
 from deltarl.services.weightsync.planner import reachable_versions
 from deltarl.services.weightsync.publish import BucketReader
+
+from deltarl.demo_report import rebuild_digest
 from tests.faults.harness import (
     TRAINER_OUTAGE_BUG,
     Cluster,

@@ -11,6 +11,7 @@ from typing import Any
 from deltarl.env_server.app import create_app
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import Completion, FinishReason, SamplingParams, WeightsStamp
+
 from tests.env_server.env_helpers import LiveServer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

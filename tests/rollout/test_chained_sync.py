@@ -7,8 +7,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
-
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
@@ -21,6 +19,7 @@ from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import ObjectRef
 from deltarl.services.weightsync.planner import CatchUpPlan
 from deltarl.services.weightsync.publish import BucketReader, NewObject
+from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
 COMPACT = FORMAT_TAGS["compact"]
 PARAMS = SamplingParams(max_new_tokens=4, seed=0)
@@ -256,9 +255,8 @@ def test_context_is_the_one_the_trainer_chains_on(bucket: LocalBucket) -> None:
 def test_chained_deltas_are_counted_in_the_metrics(bucket: LocalBucket) -> None:
     from types import SimpleNamespace
 
-    from prometheus_client.parser import text_string_to_metric_families
-
     from deltarl.rollout.metrics import RolloutMetrics
+    from prometheus_client.parser import text_string_to_metric_families
 
     _, _, ws, _ = setup(bucket)
     ws.sync_to(1)

@@ -17,12 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import deltarl.trainer.checkpoint as ckpt_mod
 import numpy as np
 import pytest
 import torch
-from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
-
-import deltarl.trainer.checkpoint as ckpt_mod
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import (
     BatchItem,
@@ -38,6 +36,7 @@ from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
+from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 VOCAB = 11
 HERE = Path(__file__).parent

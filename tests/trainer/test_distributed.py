@@ -9,10 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_loop import FakeQueue
-from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
-from test_step import Bigram
-
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate
@@ -26,6 +22,9 @@ from deltarl.trainer.loop import train
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
+from test_loop import FakeQueue
+from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
+from test_step import Bigram
 
 STEPS = 3
 

@@ -8,8 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_step import Bigram, rollout
-
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.schemas import LeasedBatch, WorkerRegistration
@@ -18,6 +16,8 @@ from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
+from test_step import Bigram, rollout
+
 from tests.coordinator.conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
 
 

@@ -12,9 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_publisher import FakeCoordinator, assert_bit_identical
-from test_step import Bigram, rollout
-
 from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorError
@@ -28,6 +25,8 @@ from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
+from test_publisher import FakeCoordinator, assert_bit_identical
+from test_step import Bigram, rollout
 
 
 class FakeQueue:

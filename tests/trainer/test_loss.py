@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from deltarl.trainer.loss import (
     LossStats,
     advantage_metrics,

@@ -8,8 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_publisher import assert_bit_identical, rebuild
-
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.schemas import Trajectory, TrajectoryGroup
 from deltarl.services.weightsync.publish import BucketReader
@@ -19,6 +17,7 @@ from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.step import forward_logits, train_step
+from test_publisher import assert_bit_identical, rebuild
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3
 

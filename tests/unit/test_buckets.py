@@ -15,8 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from pydantic import SecretStr
-
 from deltarl.services.buckets import (
     Bucket,
     BucketSettings,
@@ -31,6 +29,7 @@ from deltarl.services.buckets.s3 import S3Bucket, make_s3_client
 from deltarl.services.weightsync.errors import CorruptDeltaError
 from deltarl.services.weightsync.manifest import xxh3_hex
 from deltarl.services.weightsync.publish import BucketReader, NewObject, Publisher
+from pydantic import SecretStr
 
 S3_BUCKET = "deltarl-test"
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}

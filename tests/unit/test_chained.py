@@ -9,9 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from deltarl.services.weightsync import (
     BaseMismatchError,
     ContextMismatchError,
@@ -26,6 +23,8 @@ from deltarl.services.weightsync.compact import decode_compact, encode_compact
 from deltarl.services.weightsync.compact_chunks import cluster_keys
 from deltarl.services.weightsync.context import predict, skip_forbidden, unskip_forbidden
 from deltarl.services.weightsync.entropy import entropy_bits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

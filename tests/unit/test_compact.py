@@ -5,9 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from deltarl.services.weightsync import (
     BaseMismatchError,
     CorruptDeltaError,
@@ -21,6 +18,9 @@ from deltarl.services.weightsync.entropy import (
     rice_parameter,
     symbols_to_diff,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tests.conftest import perturb
 
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}

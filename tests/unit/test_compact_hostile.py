@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import xxhash
 import zstandard
-from safetensors.torch import save_file
-
 from deltarl.services.weightsync.codec import encode_delta
 from deltarl.services.weightsync.compact import TRAILER, TRAILER_MAGIC, check_integrity, read_footer
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.errors import CorruptDeltaError
+from safetensors.torch import save_file
+
 from tests.conftest import make_state, perturb
 
 GIB = 1 << 30

@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from deltarl.services.weightsync import (
     BaseMismatchError,
     StateMismatchError,
@@ -18,6 +17,7 @@ from deltarl.services.weightsync import (
     state_digest,
     tensor_digest,
 )
+
 from tests.conftest import perturb
 
 

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import xxhash
 import zstandard
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from safetensors.torch import save_file
-
 from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
 from deltarl.services.weightsync.codec import decode_delta, encode_delta
 from deltarl.services.weightsync.compact import TRAILER, TRAILER_MAGIC, read_footer
 from deltarl.services.weightsync.delta import compute_delta
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
 from tests.conftest import make_state, perturb
 
 OLD = make_state(seed=11)

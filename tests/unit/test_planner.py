@@ -6,9 +6,6 @@ import itertools
 from collections.abc import Iterable
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest, xxh3_hex
 from deltarl.services.weightsync.planner import (
     CatchUpPlan,
@@ -16,6 +13,8 @@ from deltarl.services.weightsync.planner import (
     plan_catch_up,
     reachable_versions,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 _counter = itertools.count()
 

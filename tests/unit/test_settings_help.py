@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from deltarl.services.settings import ServiceSettings, settings_help
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
-
-from deltarl.services.settings import ServiceSettings, settings_help
 
 
 class Example(ServiceSettings):

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
@@ -24,6 +23,7 @@ from deltarl.services.weightsync.signing import (
     Verifier,
     generate_key,
 )
+
 from tests.conftest import make_state
 
 

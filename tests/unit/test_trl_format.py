@@ -8,9 +8,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
 from deltarl.services.weightsync import (
     BaseMismatchError,
     CorruptDeltaError,
@@ -28,6 +25,8 @@ from deltarl.services.weightsync.trl_format import (
     trl_metadata,
     with_local_digests,
 )
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 SPECIALS = {
     torch.bfloat16: [

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter, Request, Response
-from pydantic import Field
-
+from deltarl.services.coordinator.deps import CoordinatorDep, TrainerAuth, WorkerAuth
+from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
 from deltarl.services.schemas import (
     AckResult,
     AdmissionRequest,
@@ -16,9 +15,8 @@ from deltarl.services.schemas import (
     encode_leased_batch,
 )
 from deltarl.services.schemas.common import WireModel
-
-from ..deps import CoordinatorDep, TrainerAuth, WorkerAuth
-from .common import ERRORS, MSGPACK
+from fastapi import APIRouter, Request, Response
+from pydantic import Field
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses=ERRORS)
 

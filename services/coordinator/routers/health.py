@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
+from deltarl.services.schemas import Health
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from deltarl.services.schemas import Health
-
-from ..deps import CoordinatorDep, ReaderAuth
 
 router = APIRouter(tags=["health"])
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
-
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
+from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.schemas import CatchUpPlan
 from deltarl.services.schemas.common import MAX_VERSION
-
-from ..deps import CoordinatorDep, ReaderAuth
-from .common import ERRORS
+from fastapi import APIRouter, Query
 
 router = APIRouter(prefix="/v1", tags=["plans"], responses=ERRORS)
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response
-
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
+from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.schemas import StatusSummary
-
-from ..deps import CoordinatorDep, ReaderAuth
-from .common import ERRORS
+from fastapi import APIRouter, Query, Response
 
 router = APIRouter(prefix="/v1", tags=["status"], responses=ERRORS)
 

@@ -6,15 +6,13 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
-from sse_starlette.sse import EventSourceResponse
-
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, TrainerAuth
+from deltarl.services.coordinator.errors import invalid, not_found
+from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.schemas import VersionPublish, VersionRecord
 from deltarl.services.schemas.common import MAX_VERSION
-
-from ..deps import CoordinatorDep, ReaderAuth, TrainerAuth
-from ..errors import invalid, not_found
-from .common import ERRORS
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from sse_starlette.sse import EventSourceResponse
 
 router = APIRouter(prefix="/v1/versions", tags=["versions"], responses=ERRORS)
 After = Annotated[

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response
-
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, WorkerAuth
+from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.schemas import HeartbeatAck, WorkerHeartbeat, WorkerInfo, WorkerRegistration
 from deltarl.services.schemas.common import ID_PATTERN
-
-from ..deps import CoordinatorDep, ReaderAuth, WorkerAuth
-from .common import ERRORS
+from fastapi import APIRouter, Path, Response
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=ERRORS)
 WorkerId = Annotated[str, Path(pattern=ID_PATTERN)]

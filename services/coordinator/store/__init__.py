@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import (
+from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
     LeaseExpired,
@@ -24,7 +24,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..settings import CoordinatorSettings
+    from deltarl.services.coordinator.settings import CoordinatorSettings
 
 __all__ = [
     "CoordinatorStore",
@@ -46,11 +46,11 @@ __all__ = [
 def open_store(settings: CoordinatorSettings) -> CoordinatorStore:
     """The store named by ``settings.store``."""
     if settings.store == "sqlite":
-        from .sqlite_store import SQLiteStore
+        from deltarl.services.coordinator.store.sqlite_store import SQLiteStore
 
         return SQLiteStore(settings.sqlite_path, synchronous=settings.sqlite_synchronous)
     if settings.store == "redis":
-        from .redis_store import RedisStore
+        from deltarl.services.coordinator.store.redis_store import RedisStore
 
         return RedisStore(
             settings.redis_url, prefix=settings.redis_prefix, inline=settings.redis_inline

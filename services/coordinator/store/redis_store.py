@@ -24,10 +24,7 @@ import uuid
 from typing import Any
 
 import redis
-
-from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
-
-from .base import (
+from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
     LeaseExpired,
@@ -41,6 +38,7 @@ from .base import (
     WorkerRecord,
     same_version_content,
 )
+from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 _ADD_VERSION = """
 local p = ARGV[1]; local v = tonumber(ARGV[2])

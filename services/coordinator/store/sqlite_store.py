@@ -16,9 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
-
-from .base import (
+from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
     LeaseExpired,
@@ -32,6 +30,7 @@ from .base import (
     WorkerRecord,
     same_version_content,
 )
+from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (

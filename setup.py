@@ -1,0 +1,29 @@
+"""The package map: the top-level folders are the ``deltarl.*`` subpackages, without links.
+
+``deltarl.services`` is ``services/``, ``deltarl.trainer`` is ``trainer/``, and so on; everything
+else about the project is in pyproject.toml. Type checkers and IDEs follow these imports through
+the editable install's path map (see DEVELOPERS.md).
+"""
+
+from setuptools import find_packages, setup
+
+# import name -> folder, relative to the repository root
+PACKAGE_DIRS = {
+    "deltarl": "deltarl",
+    "deltarl.services": "services",
+    "deltarl.trainer": "trainer",
+    "deltarl.rollout": "rollout",
+    "deltarl.env_server": "env_server",
+}
+
+
+def packages() -> list[str]:
+    found = []
+    for name, folder in PACKAGE_DIRS.items():
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(folder)]
+    return found
+
+
+if __name__ == "__main__":  # setuptools runs this file as __main__; tools/typecheck.py imports it
+    setup(package_dir=PACKAGE_DIRS, packages=packages())
