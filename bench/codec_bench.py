@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
-from deltarl.services.weightsync.compact import decode_compact, encode_compact
+from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
+from deltarl.services.weightsync.codec.trl_format import encode_trl
 from deltarl.services.weightsync.stats import delta_stats
-from deltarl.services.weightsync.trl_format import encode_trl
 
 from bench import real_deltas
 

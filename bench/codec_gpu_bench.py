@@ -44,10 +44,10 @@ from deltarl.services.weightsync import (
     state_digests,
     verify_result,
 )
-from deltarl.services.weightsync.bits import bits_view
-from deltarl.services.weightsync.compact import decode_compact, encode_compact
+from deltarl.services.weightsync.codec.bits import bits_view
+from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
+from deltarl.services.weightsync.codec.trl_format import encode_trl
 from deltarl.services.weightsync.stats import delta_stats
-from deltarl.services.weightsync.trl_format import encode_trl
 
 
 def qwen3_06b_like(device: torch.device, tiny: bool = False) -> torch.nn.Module:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     ObjectRef,
     Trajectory,
     TrajectoryGroup,

@@ -2,7 +2,7 @@
 to applied, and what generation throughput the transformers engine keeps meanwhile.
 
 A trainer (AdamW, fp32 master weights, lr 1e-6 by default, random tokens) publishes one version
-per step through a local-directory bucket with :class:`~deltarl.trainer.publisher.WeightPublisher`
+per step through a local-directory bucket with :class:`~deltarl.trainer.weights.WeightPublisher`
 (compact deltas, an anchor first). A rollout engine generates continuously in a thread through
 :class:`~deltarl.rollout.weights.WeightSync`, which follows every version while generation goes
 on: download + decode + stage in the background, then the paused in-place apply, then
@@ -38,8 +38,8 @@ from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets import open_bucket
 from deltarl.services.weightsync.publish import BucketReader
-from deltarl.trainer.publisher import WeightPublisher, publishable_state
 from deltarl.trainer.settings import PublishSettings
+from deltarl.trainer.weights import WeightPublisher, publishable_state
 
 
 def build(model: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -46,9 +46,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltarl.demo import new_token
-from deltarl.demo_model import prepare_model
-from deltarl.demo_procs import ProcessGroup, free_port, wait_healthy
+from deltarl.cluster import ProcessGroup, free_port, wait_healthy
+from deltarl.demo.model import prepare_model
+from deltarl.demo.plan import new_token
 
 HOST = "127.0.0.1"
 

@@ -29,7 +29,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("status", "deltarl.services.coordinator.cli", "status"),
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
-    ("demo", "deltarl.demo", "demo"),
+    ("demo", "deltarl.demo.plan", "demo"),
     ("spaces", "deltarl.services.spaces.cli", "app"),
 ]
 

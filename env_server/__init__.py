@@ -6,5 +6,5 @@
 * ``app`` (FastAPI factory), ``sessions``, ``guard`` (token, body size), ``metrics``,
   ``settings`` (``DELTARL_ENV_*``), ``cli`` (``deltarl env``)
 
-Nothing is imported here, so ``import deltarl.env_server.client`` loads no server code.
+Nothing is imported here, so ``import deltarl.env_server.core.client`` loads no server code.
 """

@@ -12,7 +12,7 @@ import logging
 
 import typer
 from deltarl.env_server.settings import EnvSettings
-from deltarl.services.settings import settings_help
+from deltarl.services.common.settings import settings_help
 from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from exc
 
     import uvicorn
-    from deltarl.env_server.app import create_app
+    from deltarl.env_server.core.app import create_app
 
     app = create_app(settings)
     # Move everything allocated so far (modules, schemas, word lists) out of the cyclic GC's

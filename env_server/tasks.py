@@ -19,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from deltarl.env_server.charset import CharsetEnvironment
-from deltarl.env_server.environment import WordleEnvironment
-from deltarl.env_server.models import (
+from deltarl.env_server.charset.environment import CharsetEnvironment
+from deltarl.env_server.core.models import (
     CharsetObservation,
     CharsetState,
     StepResult,
@@ -29,7 +28,8 @@ from deltarl.env_server.models import (
     WordleState,
 )
 from deltarl.env_server.settings import EnvSettings
-from deltarl.env_server.wordle import WordLists
+from deltarl.env_server.wordle.environment import WordleEnvironment
+from deltarl.env_server.wordle.game import WordLists
 from pydantic import BaseModel
 
 Outcome = Literal["won", "lost", "forfeit"]

@@ -10,7 +10,7 @@ import logging
 
 import typer
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.services.settings import settings_help
+from deltarl.services.common.settings import settings_help
 from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ Shape of the arrangement:
       .decode(data, base_digests, context=ctx)   # a chained delta (if .holds(ctx))
       .close()
 
-* Chained deltas need the :class:`~deltarl.services.weightsync.context.DeltaContext` of the
+* Chained deltas need the :class:`~deltarl.services.weightsync.codec.context.DeltaContext` of the
   delta applied before them (~10 bytes per changed element). It does not cross the pipe: after
   each decode the child builds the context of the delta it just decoded itself, from the mirror
   (still at the delta's base, the parent patches it only after verification), keeps the latest
@@ -60,8 +60,8 @@ import msgpack
 import numpy as np
 import torch
 from deltarl.services.weightsync import errors as delta_errors
-from deltarl.services.weightsync.bits import float_format
-from deltarl.services.weightsync.context import DeltaContext
+from deltarl.services.weightsync.codec.bits import float_format
+from deltarl.services.weightsync.codec.context import DeltaContext
 from deltarl.services.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch
 
 logger = logging.getLogger(__name__)
@@ -424,7 +424,7 @@ def _context_of(delta: Delta, mirror: Mapping[str, torch.Tensor]) -> DeltaContex
 
 
 def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
-    from deltarl.services.weightsync.codec import decode_delta
+    from deltarl.services.weightsync.codec.formats import decode_delta
 
     shm: shared_memory.SharedMemory | None = None
     mirror: dict[str, torch.Tensor] = {}

@@ -5,7 +5,7 @@ chat (after a configurable system prompt), the model's reply is sent as the acti
 environment's feedback becomes the next user turn, until the environment says ``done`` or a
 limit (``max_turns``, ``max_tokens``) truncates it. Any server speaking the OpenEnv-style
 protocol of :mod:`deltarl.env_server` (text action in; observation, reward, done out) plugs in
-through :class:`EpisodeEnv` (:class:`~deltarl.env_server.client.EnvClient` is one); Wordle is
+through :class:`EpisodeEnv` (:class:`~deltarl.env_server.core.client.EnvClient` is one); Wordle is
 the tested one.
 
 Token bookkeeping: an episode is ONE flat token sequence, exactly what the model saw and
@@ -66,7 +66,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from deltarl.env_server.models import StepResult
+from deltarl.env_server.core.models import StepResult
 from deltarl.rollout import fault_points
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Completion, SamplingParams
@@ -162,7 +162,7 @@ class TokenGenerator(Protocol):
 
 
 class EnvSession(Protocol):
-    """One open environment session (e.g. :class:`~deltarl.env_server.client.AsyncEpisode`)."""
+    """One open environment session (e.g. :class:`~deltarl.env_server.core.client.AsyncEpisode`)."""
 
     @property
     def first(self) -> StepResult: ...
@@ -180,7 +180,7 @@ class EpisodeMetrics(Protocol):
 
 
 class EpisodeEnv(Protocol):
-    """An environment server client (e.g. :class:`~deltarl.env_server.client.EnvClient`)."""
+    """An environment server client (e.g. :class:`~deltarl.env_server.core.client.EnvClient`)."""
 
     def episode(
         self, *, seed: int | None = None, episode_id: str | None = None

@@ -2,7 +2,7 @@
 
 :class:`WorkerHttpServer` runs uvicorn on the worker's own event loop (a task next to the
 episode loop; no extra thread), on ``settings.host``/``settings.port``, with TLS when the
-settings name a certificate (:class:`~deltarl.services.tls.TLSServerSettings`).
+settings name a certificate (:class:`~deltarl.services.common.tls.TLSServerSettings`).
 
 Order of calls (:meth:`RolloutWorker.run_async`)::
 

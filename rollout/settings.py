@@ -24,8 +24,8 @@ from deltarl.rollout.engines.base import (
     VllmEngineSettings,
 )
 from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
-from deltarl.services.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
-from deltarl.services.tls import TLSServerSettings
+from deltarl.services.common.tls import TLSServerSettings
+from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 

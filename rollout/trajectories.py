@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 from deltarl.rollout.episodes import Episode, EpisodeGroup
-from deltarl.services.schemas import Trajectory, TrajectoryGroup, encode_group
+from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup, encode_group
 
 __all__ = [
     "PayloadSizes",

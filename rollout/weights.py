@@ -23,7 +23,7 @@ in other threads)::
     later plans if it fails again after a fresh anchor.
 
 Chained deltas (``ObjectRef.context_version`` set) decode only against the
-:class:`~deltarl.services.weightsync.context.DeltaContext` of the delta applied just before
+:class:`~deltarl.services.weightsync.codec.context.DeltaContext` of the delta applied just before
 them. The sync keeps that context of the last delta it applied and verified (built from the host
 state after decoding, before the apply: ~10 bytes per changed element), plans with it (the
 planner then uses chained objects only where they are valid) and drops it on an anchor load or
@@ -78,9 +78,9 @@ from deltarl.rollout.sync_records import (
     WeightsUnhealthyError,
 )
 from deltarl.services.weightsync.anchor import decode_anchor
-from deltarl.services.weightsync.bits import bits_view
-from deltarl.services.weightsync.codec import FORMAT_TAGS, decode_delta
-from deltarl.services.weightsync.context import DeltaContext
+from deltarl.services.weightsync.codec.bits import bits_view
+from deltarl.services.weightsync.codec.context import DeltaContext
+from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, decode_delta
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from deltarl.env_server.client import EnvClient
+from deltarl.env_server.core.client import EnvClient
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Engine
 from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
@@ -62,19 +62,19 @@ from deltarl.rollout.metrics import RolloutMetrics
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.trajectories import to_submission
 from deltarl.rollout.weights import WeightSync
+from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
     CoordinatorClient,
     CoordinatorError,
 )
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
     SubmitResult,
     WorkerHeartbeat,
     WorkerRegistration,
     encode_group,
 )
-from deltarl.services.tls import client_verify
 from deltarl.services.weightsync.errors import StateMismatchError
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class RolloutWorker:
     :meth:`from_settings` in the service, given directly in tests. ``model_name``: what the
     registration reports (default: the model setting). TLS certificates of the coordinator and
     the env server are checked against ``settings.ca_bundle`` (unset: ``DELTARL_CA_BUNDLE``,
-    else the system's CAs; :func:`~deltarl.services.tls.client_verify`). ``metrics``: where
+    else the system's CAs; :func:`~deltarl.services.common.tls.client_verify`). ``metrics``: where
     the worker's Prometheus metrics go (default: new ones); ``GET /health`` and ``/metrics``
     are served on ``settings.host``/``settings.port`` while :meth:`run_async` runs
     (:mod:`~deltarl.rollout.http`).

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from deltarl.services.schemas import TrajectoryGroup
+from deltarl.services.coordinator.schemas import TrajectoryGroup
 from deltarl.trainer.loss import group_advantages
 from deltarl.trainer.settings import AdvantageScale
 from torch import Tensor

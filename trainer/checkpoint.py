@@ -68,8 +68,8 @@ from deltarl.trainer.checkpoint_files import (
     write_json,
     write_safetensors,
 )
-from deltarl.trainer.publisher import publishable_state
 from deltarl.trainer.settings import CHECKPOINT_POINTER
+from deltarl.trainer.weights import publishable_state
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger(__name__)

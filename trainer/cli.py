@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from deltarl.services.settings import settings_help
+from deltarl.services.common.settings import settings_help
 from deltarl.trainer.reporting import check_trackers
 from deltarl.trainer.settings import (
     CHECKPOINT_POINTER,
@@ -132,8 +132,8 @@ def _run_main(
     from deltarl.services.buckets import open_bucket
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
-    from deltarl.trainer.publisher import WeightPublisher
     from deltarl.trainer.reporting import build_reporter
+    from deltarl.trainer.weights import WeightPublisher
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None

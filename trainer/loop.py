@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 from deltarl.services.coordinator.client import CoordinatorError
-from deltarl.services.schemas import LeasedBatch, TrajectoryGroup
+from deltarl.services.coordinator.schemas import LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
@@ -52,9 +52,9 @@ from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.metrics import MetricsSink
 from deltarl.trainer.optim import build_optimizer
-from deltarl.trainer.publisher import PublishFailedError, WeightPublisher, publishable_state
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.trainer.step import train_step
+from deltarl.trainer.weights import PublishFailedError, WeightPublisher, publishable_state
 
 logger = logging.getLogger(__name__)
 

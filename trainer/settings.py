@@ -29,7 +29,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from deltarl.services.settings import ServiceSettings
+from deltarl.services.common.settings import ServiceSettings
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, probe_views, uncovered
-from deltarl.services.weightsync.bits import float_format
+from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deltarl.services.settings import ServiceSettings
+from deltarl.services.common.settings import ServiceSettings
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 

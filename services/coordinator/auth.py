@@ -12,8 +12,8 @@ import hmac
 from typing import Literal
 
 from deltarl.services.coordinator.errors import ApiError
+from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.schemas.common import TOKEN_HEADER
 from fastapi import Request
 
 Role = Literal["trainer", "worker", "reader"]

@@ -11,8 +11,8 @@ import os
 from typing import Any
 
 import typer
+from deltarl.services.common.settings import settings_help
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.settings import settings_help
 from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)

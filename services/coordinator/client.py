@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
-from deltarl.services.client_headers import client_headers
-from deltarl.services.schemas import (
+from deltarl.services.common.client_headers import client_headers
+from deltarl.services.common.tls import client_verify
+from deltarl.services.coordinator.schemas import (
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
@@ -53,7 +54,6 @@ from deltarl.services.schemas import (
     decode_leased_batch,
     encode_group,
 )
-from deltarl.services.tls import client_verify
 from pydantic import BaseModel, TypeAdapter
 
 T = TypeVar("T")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from deltarl.services.coordinator.schemas import VersionRecord
 from deltarl.services.coordinator.versions import VersionIndex
-from deltarl.services.schemas import VersionRecord
 
 _QUEUE_MAX = 1024
 

@@ -20,18 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from deltarl.services.coordinator.errors import ApiError, conflict, invalid, not_found
-from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.coordinator.store import (
-    CoordinatorStore,
-    IdempotencyConflict,
-    LeaseExpired,
-    NewSubmission,
-    UnknownLease,
-    VersionConflict,
-    WorkerRecord,
-)
-from deltarl.services.coordinator.versions import VersionIndex, summarize
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
@@ -51,6 +40,17 @@ from deltarl.services.schemas import (
     WorkerRegistration,
     decode_group,
 )
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.services.coordinator.store import (
+    CoordinatorStore,
+    IdempotencyConflict,
+    LeaseExpired,
+    NewSubmission,
+    UnknownLease,
+    VersionConflict,
+    WorkerRecord,
+)
+from deltarl.services.coordinator.versions import VersionIndex, summarize
 from deltarl.services.weightsync.planner import UnreachableVersionError, plan_catch_up
 from starlette.concurrency import run_in_threadpool
 

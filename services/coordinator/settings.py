@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deltarl.services.settings import MIN_TOKEN_CHARS, validate_token
-from deltarl.services.tls import TLSServerSettings
+from deltarl.services.common.settings import MIN_TOKEN_CHARS, validate_token
+from deltarl.services.common.tls import TLSServerSettings
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 

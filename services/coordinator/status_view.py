@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltarl.services.schemas import StatusSummary
+from deltarl.services.coordinator.schemas import StatusSummary
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table

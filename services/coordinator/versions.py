@@ -14,8 +14,8 @@ import bisect
 import threading
 from collections.abc import Mapping
 
+from deltarl.services.coordinator.schemas import VersionManifest, VersionRecord
 from deltarl.services.coordinator.store import CoordinatorStore
-from deltarl.services.schemas import VersionManifest, VersionRecord
 
 
 def summarize(

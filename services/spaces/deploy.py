@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deltarl.services.client_headers import HF_PROXY_TOKEN_ENV
+from deltarl.services.common.client_headers import HF_PROXY_TOKEN_ENV
 from deltarl.services.spaces.names import (
     MAX_DNS_LABEL,
     SPACES_APP_DOMAIN,
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 REDACTED = "<redacted>"
 ORDER = ("coordinator", "env", "rollout")
-PROXY_TOKEN_VAR = HF_PROXY_TOKEN_ENV  # read by every client (services/client_headers.py)
+PROXY_TOKEN_VAR = HF_PROXY_TOKEN_ENV  # read by every client (services/common/client_headers.py)
 BUCKET_TOKEN_VAR = "HF_TOKEN"
 CPU_FLAVORS = ("cpu-basic", "cpu-upgrade")
 

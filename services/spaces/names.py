@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from deltarl.services.buckets.base import validate_key
-from deltarl.services.client_headers import SPACES_APP_DOMAIN
+from deltarl.services.common.client_headers import SPACES_APP_DOMAIN
 
 HUB_URL = "https://huggingface.co"
 HF_BUCKET_PREFIX = "hf://buckets/"

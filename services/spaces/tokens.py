@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltarl.services.settings import MIN_TOKEN_CHARS
+from deltarl.services.common.settings import MIN_TOKEN_CHARS
 
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]+$")  # header-safe, shell-safe once quoted
 

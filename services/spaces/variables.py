@@ -8,12 +8,12 @@ inside :func:`service_vars`, so importing this module stays light.
 
 from __future__ import annotations
 
-from deltarl.services.client_headers import HF_PROXY_TOKEN_ENV
-from deltarl.services.tls import CA_BUNDLE_ENV
+from deltarl.services.common.client_headers import HF_PROXY_TOKEN_ENV
+from deltarl.services.common.tls import CA_BUNDLE_ENV
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
-# Read by every client outside any settings class (services/client_headers.py, services/tls.py).
+# Read by every client outside any settings class (services/common/client_headers.py, services/common/tls.py).
 CLIENT_VARS: dict[str, str] = {
     HF_PROXY_TOKEN_ENV: "Hugging Face token sent as X-HF-Authorization to https://*.hf.space "
     "services (private Spaces).",

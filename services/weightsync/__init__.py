@@ -25,7 +25,7 @@ _EXPORTS = {
     "StagedDelta": "delta",
     "stage_delta": "delta",
     "apply_staged": "delta",
-    "DeltaContext": "context",
+    "DeltaContext": "codec.context",
     "combine_digests": "digest",
     "state_digest": "digest",
     "state_digests": "digest",

@@ -42,8 +42,8 @@ def _trl_anchor(data: bytes) -> tuple[dict[str, Any], str] | None:
     """(tensors, model_version) of a TRL anchor (``sparse="False"``), None for anything else."""
     from deltarl.services.weightsync import DeltaError
     from deltarl.services.weightsync.anchor import decode_anchor
-    from deltarl.services.weightsync.codec import detect_format
-    from deltarl.services.weightsync.trl_format import TRL_FORMAT, read_metadata
+    from deltarl.services.weightsync.codec.formats import detect_format
+    from deltarl.services.weightsync.codec.trl_format import TRL_FORMAT, read_metadata
 
     try:
         if detect_format(data) != "trl":
@@ -71,7 +71,7 @@ def _fail(message: str) -> NoReturn:
 
 
 def _sizes(delta: Any, old: dict[str, Any], context: Any = None) -> dict[str, int]:
-    from deltarl.services.weightsync.codec import DELTA_FORMATS, encode_delta
+    from deltarl.services.weightsync.codec.formats import DELTA_FORMATS, encode_delta
 
     sizes = {f: len(encode_delta(delta, old, f)) for f in DELTA_FORMATS}
     if context is not None:
@@ -153,7 +153,7 @@ def encode(
 ) -> None:
     """Write the delta that turns OLD into NEW."""
     from deltarl.services.weightsync import DeltaError, compute_delta
-    from deltarl.services.weightsync.codec import DELTA_FORMATS, encode_delta
+    from deltarl.services.weightsync.codec.formats import DELTA_FORMATS, encode_delta
 
     if fmt not in DELTA_FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
@@ -186,7 +186,7 @@ def apply(
 ) -> None:
     """Apply a delta to BASE and write the verified result."""
     from deltarl.services.weightsync import DeltaError, apply_delta
-    from deltarl.services.weightsync.codec import decode_delta
+    from deltarl.services.weightsync.codec.formats import decode_delta
     from safetensors.torch import save_file
 
     state = _load(base)
@@ -228,7 +228,7 @@ def squash(
 ) -> None:
     """Squash consecutive deltas into one (what a replica lagging several versions fetches)."""
     from deltarl.services.weightsync import DeltaError
-    from deltarl.services.weightsync.codec import DELTA_FORMATS, squash_chain
+    from deltarl.services.weightsync.codec.formats import DELTA_FORMATS, squash_chain
 
     if fmt not in DELTA_FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
@@ -267,7 +267,7 @@ def verify(
     With --base the delta is fully decoded and applied in memory, and the result digest checked.
     """
     from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
-    from deltarl.services.weightsync.codec import decode_delta, describe
+    from deltarl.services.weightsync.codec.formats import decode_delta, describe
 
     data = delta_path.read_bytes()
     anchor = _trl_anchor(data)

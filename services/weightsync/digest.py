@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import xxhash
-from deltarl.services.weightsync.bits import dtype_name
+from deltarl.services.weightsync.codec.bits import dtype_name
 
 
 def tensor_digest(t: torch.Tensor) -> str:

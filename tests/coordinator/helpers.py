@@ -6,9 +6,7 @@ import hashlib
 import time
 from datetime import UTC, datetime
 
-from deltarl.services.coordinator.store import NewSubmission
-from deltarl.services.coordinator.versions import summarize
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     ObjectRef,
     Trajectory,
     TrajectoryGroup,
@@ -16,6 +14,8 @@ from deltarl.services.schemas import (
     VersionRecord,
     encode_group,
 )
+from deltarl.services.coordinator.store import NewSubmission
+from deltarl.services.coordinator.versions import summarize
 from deltarl.services.weightsync.manifest import version_tag
 
 

@@ -9,7 +9,7 @@ import httpx
 import msgpack
 import pytest
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
-from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration, encode_group
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration, encode_group
 from pydantic import ValidationError
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 from typer.testing import CliRunner
 
 from deltarl.cli import app

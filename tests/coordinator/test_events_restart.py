@@ -14,7 +14,7 @@ from deltarl.services.coordinator.client import (
     CoordinatorClient,
     CoordinatorError,
 )
-from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
+from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer
 from .helpers import group, manifest

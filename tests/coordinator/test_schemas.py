@@ -7,7 +7,7 @@ import sys
 
 import msgpack
 import pytest
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     BatchItem,
     BatchLease,
     TrajectoryGroup,
@@ -24,7 +24,7 @@ from .helpers import group, manifest
 
 def test_import_pulls_in_neither_torch_nor_numpy_nor_vllm() -> None:
     code = (
-        "import sys; import deltarl.services.schemas, deltarl.services.coordinator.client; "
+        "import sys; import deltarl.services.coordinator.schemas, deltarl.services.coordinator.client; "
         "bad = [m for m in ('torch', 'numpy', 'vllm', 'fastapi') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -149,7 +149,7 @@ def test_version_publish_carries_the_bucket_manifest() -> None:
 def test_every_wire_field_is_documented() -> None:
     import inspect
 
-    import deltarl.services.schemas as schemas
+    import deltarl.services.coordinator.schemas as schemas
     from pydantic import BaseModel
 
     undocumented = [
@@ -157,7 +157,7 @@ def test_every_wire_field_is_documented() -> None:
         for name in schemas.__all__
         if inspect.isclass(obj := getattr(schemas, name))
         and issubclass(obj, BaseModel)
-        and obj.__module__.startswith("deltarl.services.schemas")
+        and obj.__module__.startswith("deltarl.services.coordinator.schemas")
         for field, info in obj.model_fields.items()
         if not info.description
     ]

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
-from deltarl.services.schemas import WorkerHeartbeat, encode_group
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, encode_group
 from pydantic import ValidationError
 from typer.testing import CliRunner
 

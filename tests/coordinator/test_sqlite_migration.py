@@ -6,8 +6,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from deltarl.services.coordinator.schemas import WorkerHeartbeat
 from deltarl.services.coordinator.store.sqlite_store import SQLiteStore
-from deltarl.services.schemas import WorkerHeartbeat
 
 
 def test_old_database_gains_the_weights_digest_column(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
 from .helpers import group, manifest

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store import (
     CoordinatorStore,
     IdempotencyConflict,
@@ -12,7 +13,6 @@ from deltarl.services.coordinator.store import (
     UnknownLease,
     VersionConflict,
 )
-from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
 
 from .conftest import StoreFactory
 from .helpers import record, submission

@@ -44,14 +44,14 @@ import pytest
 import yaml
 from deltarl.env_server.settings import EnvSettings
 from deltarl.services.buckets.settings import BucketSettings
+from deltarl.services.common.tls import CA_BUNDLE_ENV
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.tls import CA_BUNDLE_ENV
 from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
+from deploy.settings_env import env_names
 from dockerfile_parse import DockerfileParser
 from pydantic_settings import BaseSettings
 
 from deltarl.cli import SUBCOMMANDS
-from tests.deploy.settings_env import env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -62,7 +62,7 @@ HEAVY_DISTS = {"torch", "numpy", "numba", "llvmlite", "safetensors", "transforme
 LIGHT_IMAGES = ("coordinator", "env")  # docker/<name>.Dockerfile: no weights extra
 SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
 # Variables every `deltarl` process reads besides its settings class: the root option
-# --log-level (deltarl/cli.py) and the CA bundle of every client (services/tls.py).
+# --log-level (deltarl/cli.py) and the CA bundle of every client (services/common/tls.py).
 GLOBAL_VARS = {"DELTARL_LOG_LEVEL", CA_BUNDLE_ENV}
 
 
@@ -303,7 +303,7 @@ def profile_services(profile: str) -> list[str]:
 def test_light_services_import_no_weight_libraries() -> None:
     code = (
         "import json, sys\n"
-        "import deltarl.cli, deltarl.services.coordinator.app, deltarl.env_server.app\n"
+        "import deltarl.cli, deltarl.services.coordinator.app, deltarl.env_server.core.app\n"
         "import deltarl.services.coordinator.store.redis_store\n"
         f"print(json.dumps([m for m in {WEIGHT_LIBS!r} if m in sys.modules]))\n"
     )
@@ -855,8 +855,8 @@ def test_wheel_packages_the_linked_folders(tmp_path: Path) -> None:
         "deltarl/cli.py",
         "deltarl/services/coordinator/app.py",
         "deltarl/services/coordinator/static/index.html",
-        "deltarl/services/weightsync/compact.py",
-        "deltarl/env_server/app.py",
+        "deltarl/services/weightsync/codec/compact.py",
+        "deltarl/env_server/core/app.py",
         "deltarl/env_server/data/answers.txt",
         "deltarl/trainer/cli.py",
         "deltarl/rollout/settings.py",

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deltarl.demo_procs import Child, ProcessDiedError, ProcessGroup, free_port, wait_healthy
-from deltarl.demo_report import WorkerLog, plain_png, rebuild_digest
+from deltarl.cluster import Child, ProcessDiedError, ProcessGroup, free_port, wait_healthy
+from deltarl.demo.report import WorkerLog, plain_png, rebuild_digest
 
 pytestmark = pytest.mark.network
 
@@ -218,10 +218,10 @@ def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
 def test_bytes_summary_counts_what_a_follower_downloads() -> None:
     """Per version the cheapest delta from the version before (a chained one where published),
     the first version's anchor; everything stored is reported apart."""
+    from coordinator.helpers import manifest
     from deltarl.services.coordinator.versions import summarize
 
-    from deltarl.demo_report import bytes_summary
-    from tests.coordinator.helpers import manifest
+    from deltarl.demo.report import bytes_summary
 
     records = []
     for v in range(4):

@@ -36,16 +36,20 @@ import httpx
 import pytest
 import typer
 import yaml
-from deltarl.env_server.client import SyncEnvClient
+from deltarl.env_server.core.client import SyncEnvClient
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import VllmEngineSettings
 from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
 from deltarl.services.buckets.hf import parse_hf_uri
 from deltarl.services.buckets.settings import BucketSettings
-from deltarl.services.client_headers import HF_PROXY_HEADER, HF_PROXY_TOKEN_ENV, client_headers
+from deltarl.services.common.client_headers import (
+    HF_PROXY_HEADER,
+    HF_PROXY_TOKEN_ENV,
+    client_headers,
+)
 from deltarl.services.coordinator.client import CoordinatorClient
+from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.schemas.common import TOKEN_HEADER
 from deltarl.services.spaces import cli as spaces_cli
 from deltarl.services.spaces import worker_space
 from deltarl.services.spaces.names import parse_bucket, space_app_url, space_subdomain
@@ -59,6 +63,7 @@ from deltarl.services.spaces.templates import dockerfile as space_dockerfile
 from deltarl.services.spaces.tokens import read_secrets_file
 from deltarl.services.spaces.worker_space import run_worker
 from deltarl.trainer.settings import ExperimentSettings
+from deploy.settings_env import env_names
 from dockerfile_parse import DockerfileParser
 from huggingface_hub import HfApi, SpaceCard
 from huggingface_hub.errors import HfHubHTTPError
@@ -68,7 +73,6 @@ from typer.testing import CliRunner
 
 from deltarl.cli import SUBCOMMANDS
 from deltarl.cli import app as root_app
-from tests.deploy.settings_env import env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("coordinator", "env", "rollout")

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deltarl.env_server.client import SyncEnvClient
+from deltarl.env_server.core.client import SyncEnvClient
+from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.schemas import WorkerHeartbeat, WorkerRegistration
-from deltarl.services.tls import client_verify
-
-from tests.tls_helpers import make_ca_and_server_cert
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
+from tls_helpers import make_ca_and_server_cert
 
 WORKER_TOKEN = "worker-token-0123456789abcdef"
 TRAINER_TOKEN = "trainer-token-0123456789abcdef"

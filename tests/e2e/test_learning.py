@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from deltarl.demo_report import rebuild_digest, trainer_final
+from deltarl.demo.report import rebuild_digest, trainer_final
 
 pytestmark = pytest.mark.network
 

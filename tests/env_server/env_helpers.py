@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 from deltarl.env_server.settings import EnvSettings
-from deltarl.env_server.wordle import WordLists, answer_for_seed
+from deltarl.env_server.wordle.game import WordLists, answer_for_seed
 from fastapi import FastAPI
 
 

@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from deltarl.env_server.charset import CharsetEnvironment, CharsetRules, score_reply
-from deltarl.env_server.client import EnvClient, SyncEnvClient
-from deltarl.env_server.models import (
+from deltarl.env_server.charset.environment import CharsetEnvironment, CharsetRules, score_reply
+from deltarl.env_server.core.client import EnvClient, SyncEnvClient
+from deltarl.env_server.core.models import (
     CharsetObservation,
     CharsetState,
     EnvError,

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 import websockets.sync.client as ws_client
-from deltarl.env_server.app import create_app
-from deltarl.env_server.client import EnvClient, SyncEnvClient
-from deltarl.env_server.models import EnvError, ErrorCode, StepResult, WordleState
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.client import EnvClient, SyncEnvClient
+from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult, WordleState
 from env_helpers import LiveServer, answer, settings
 from websockets.exceptions import ConnectionClosed
 
@@ -91,9 +91,9 @@ def test_sync_client_errors_and_token() -> None:
 
 def test_client_never_imports_the_server() -> None:
     code = (
-        "import sys; import deltarl.env_server.client; "
-        "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'torch', 'deltarl.env_server.app', "
-        "'deltarl.env_server.sessions', 'deltarl.env_server.wordle') if m in sys.modules]; "
+        "import sys; import deltarl.env_server.core.client; "
+        "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'torch', 'deltarl.env_server.core.app', "
+        "'deltarl.env_server.core.sessions', 'deltarl.env_server.wordle.game') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

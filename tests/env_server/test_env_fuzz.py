@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deltarl.env_server.app import create_app
-from deltarl.env_server.models import HTTP_STATUS, ErrorCode, ErrorResponse, StepResult
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.models import HTTP_STATUS, ErrorCode, ErrorResponse, StepResult
 from env_helpers import settings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given

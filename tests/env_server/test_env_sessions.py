@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from deltarl.env_server.environment import WordleEnvironment
-from deltarl.env_server.models import EnvError, ErrorCode
-from deltarl.env_server.sessions import SessionStore
-from deltarl.env_server.wordle import WordleRules, WordLists
+from deltarl.env_server.core.models import EnvError, ErrorCode
+from deltarl.env_server.core.sessions import SessionStore
+from deltarl.env_server.wordle.environment import WordleEnvironment
+from deltarl.env_server.wordle.game import WordleRules, WordLists
 
 
 class Clock:

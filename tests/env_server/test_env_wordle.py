@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deltarl.env_server import derive_wordlists
-from deltarl.env_server.wordle import (
+from deltarl.env_server.wordle import derive_wordlists
+from deltarl.env_server.wordle.game import (
     InvalidReason,
     WordleGame,
     WordleRules,

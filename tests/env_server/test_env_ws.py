@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import websockets.sync.client as ws_client
-from deltarl.env_server.app import create_app
-from deltarl.env_server.environment import WordleEnvironment
-from deltarl.env_server.models import ErrorCode
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.models import ErrorCode
+from deltarl.env_server.wordle.environment import WordleEnvironment
 from env_helpers import LiveServer, settings
 from fastapi.testclient import TestClient
 from openenv.core.env_server import types as oe

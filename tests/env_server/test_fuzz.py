@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import schemathesis
-from deltarl.env_server.app import create_app
-from deltarl.env_server.models import TOKEN_HEADER
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.models import TOKEN_HEADER
 from env_helpers import LiveServer, settings
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings

@@ -1,10 +1,10 @@
-"""The reference Wordle player (env_server/solver.py): consistent guesses, never a repeat, wins."""
+"""The reference Wordle player (env_server/wordle/solver.py): consistent guesses, never a repeat, wins."""
 
 from __future__ import annotations
 
 import pytest
-from deltarl.env_server.solver import Solver, consistent, win_rate
-from deltarl.env_server.wordle import WordleGame, WordleRules, WordLists, score_guess
+from deltarl.env_server.wordle.game import WordleGame, WordleRules, WordLists, score_guess
+from deltarl.env_server.wordle.solver import Solver, consistent, win_rate
 
 WORDS = WordLists.load()
 

@@ -9,15 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.coordinator.conftest import RedisServer
-from tests.faults.harness import FaultReport
+from coordinator.conftest import RedisServer
+from faults.harness import FaultReport
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's tiny random Llama (2 layers, SmolLM2's tokenizer) as a model directory."""
-    from deltarl.demo_model import prepare_model
+    from deltarl.demo.model import prepare_model
 
     cache = os.environ.get("DELTARL_TEST_MODEL_CACHE")  # reuse a built one across runs
     try:

@@ -1,7 +1,7 @@
 """The fault suite's harness: a deltarl deployment as real processes on loopback.
 
 :class:`Cluster` starts ``python -m deltarl coordinator|env|rollout|train`` children
-(:class:`deltarl.demo_procs.ProcessGroup`), each with its own log file per incarnation
+(:class:`deltarl.cluster.ProcessGroup`), each with its own log file per incarnation
 (``w1.1.log``, ``w1.2.log`` after a restart), on fixed ports so that a restarted coordinator is
 found at the same URL. Faults are ``kill -9`` (:meth:`Cluster.kill`) and damaged bucket objects;
 every wait is a poll with a deadline (:func:`wait_for`), never a fixed sleep.
@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
-from deltarl.services.schemas import StatusSummary, WorkerInfo
+from deltarl.services.coordinator.schemas import StatusSummary, WorkerInfo
 
-from deltarl.demo_procs import Child, ProcessGroup, free_port, tail, wait_healthy
+from deltarl.cluster import Child, ProcessGroup, free_port, tail, wait_healthy
 
 HOST = "127.0.0.1"
 TRAINER_TOKEN = "faults-trainer-token-0123456789abcdef"

@@ -26,13 +26,12 @@ import pytest
 import torch
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec import FORMAT_TAGS, encode_delta
+from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
 from deltarl.services.weightsync.publish import NewObject, Publisher
-
-from tests.faults.harness import (
+from faults.harness import (
     Cluster,
     FaultReport,
     assert_nothing_lost,
@@ -64,7 +63,7 @@ class Versions:
 
     def __init__(self, cluster: Cluster, model_dir: Path) -> None:
         import transformers
-        from deltarl.trainer.publisher import publishable_state
+        from deltarl.trainer.weights import publishable_state
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.state = {n: t.to(torch.bfloat16).clone() for n, t in publishable_state(model).items()}

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from deltarl.rollout import fault_points
-
-from tests.faults.harness import arm, disarm, reached, wait_for
+from faults.harness import arm, disarm, reached, wait_for
 
 
 def test_unset_or_unarmed_points_do_nothing(
@@ -46,8 +45,9 @@ def test_the_auditors_count_what_is_wrong(tmp_path: Path) -> None:
     """The counts the scenarios assert to be zero do become non-zero on a bad run."""
     import subprocess
 
-    from deltarl.demo_procs import Child
-    from tests.faults.harness import Cluster, Ledger, sync_lines, verified_versions
+    from faults.harness import Cluster, Ledger, sync_lines, verified_versions
+
+    from deltarl.cluster import Child
 
     assert Ledger(5, 2, 1, 1, {}, 0).lost == 1  # one accepted group is nowhere
     assert Ledger(4, 2, 1, 1, {}, 3).lost == 0
@@ -78,8 +78,9 @@ def test_a_trainer_killed_by_a_coordinator_restart_is_recognised(tmp_path: Path)
     other trainer exit, which must fail the scenario instead."""
     import subprocess
 
-    from deltarl.demo_procs import Child
-    from tests.faults.harness import Cluster
+    from faults.harness import Cluster
+
+    from deltarl.cluster import Child
 
     c = Cluster(tmp_path / "c", tmp_path)
     proc = subprocess.Popen(["false"])

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.schemas import WorkerInfo
+from deltarl.services.coordinator.schemas import WorkerInfo
 from deltarl.services.weightsync.planner import reachable_versions
 from deltarl.services.weightsync.publish import BucketReader
-
-from deltarl.demo_report import rebuild_digest
-from tests.faults.harness import (
+from faults.harness import (
     TRAINER_OUTAGE_BUG,
     Cluster,
     FaultReport,
@@ -33,6 +31,8 @@ from tests.faults.harness import (
     reached,
     wait_for,
 )
+
+from deltarl.demo.report import rebuild_digest
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.coordinator.conftest import RedisServer
-from tests.faults.harness import TRAINER_OUTAGE_BUG, Cluster, FaultReport, assert_nothing_lost
+from coordinator.conftest import RedisServer
+from faults.harness import TRAINER_OUTAGE_BUG, Cluster, FaultReport, assert_nothing_lost
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

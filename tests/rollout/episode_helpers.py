@@ -8,11 +8,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from deltarl.env_server.app import create_app
+from deltarl.env_server.core.app import create_app
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import Completion, FinishReason, SamplingParams, WeightsStamp
-
-from tests.env_server.env_helpers import LiveServer
+from env_server.env_helpers import LiveServer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

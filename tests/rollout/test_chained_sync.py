@@ -12,8 +12,8 @@ from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.context import DeltaContext
+from deltarl.services.weightsync.codec.context import DeltaContext
+from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import ObjectRef

@@ -14,7 +14,7 @@ import torch
 from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.codec import decode_delta, encode_delta
+from deltarl.services.weightsync.codec.formats import decode_delta, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digests
 from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from deltarl.env_server.client import AsyncEpisode, EnvClient
-from deltarl.env_server.models import EnvError, ErrorCode, StepResult
-from deltarl.env_server.wordle import WordLists, answer_for_seed
+from deltarl.env_server.core.client import AsyncEpisode, EnvClient
+from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
+from deltarl.env_server.wordle.game import WordLists, answer_for_seed
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes import (
@@ -29,8 +29,8 @@ from deltarl.rollout.episodes import (
 from deltarl.rollout.trajectories import idempotency_key, json_f32, payload_sizes, to_submission
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.schemas import decode_group, encode_group
-from deltarl.services.schemas.common import ID_PATTERN
+from deltarl.services.coordinator.schemas import decode_group, encode_group
+from deltarl.services.coordinator.schemas.common import ID_PATTERN
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate
 from episode_helpers import ScriptedEngine, WordleServer

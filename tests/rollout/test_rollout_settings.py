@@ -34,9 +34,8 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
     from deltarl.rollout.worker import RolloutWorker
     from deltarl.services.buckets.local import LocalBucket
     from deltarl.services.weightsync.publish import BucketReader
-
-    from tests.rollout.episode_helpers import smollm2_tokenizer
-    from tests.rollout.worker_helpers import tiny_model
+    from rollout.episode_helpers import smollm2_tokenizer
+    from rollout.worker_helpers import tiny_model
 
     before = sys.getswitchinterval()
     try:

@@ -24,10 +24,11 @@ from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.sync_records import Verdict
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
-from deltarl.services.schemas import TrajectoryGroup, WorkerInfo
+from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
 from deltarl.services.weightsync.publish import BucketReader
 from episode_helpers import WordleServer
 from rollout_helpers import same_bits
+from tls_helpers import make_ca_and_server_cert
 from typer.testing import CliRunner
 from worker_helpers import (
     WORKER_TOKEN,
@@ -40,7 +41,6 @@ from worker_helpers import (
 )
 
 from deltarl.cli import app
-from tests.tls_helpers import make_ca_and_server_cert
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

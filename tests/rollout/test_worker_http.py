@@ -13,15 +13,15 @@ import pytest
 from deltarl.rollout.http import BindError, WorkerHttpServer
 from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.tls import client_verify
+from deltarl.services.common.tls import client_verify
 from episode_helpers import WordleServer
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from tls_helpers import make_ca_and_server_cert
 from typer.testing import CliRunner
 from worker_helpers import CoordinatorServer, Trainer, WorkerThread, wait_for, worker_settings
 
 from deltarl.cli import app
-from tests.tls_helpers import make_ca_and_server_cert
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

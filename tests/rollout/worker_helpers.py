@@ -18,13 +18,13 @@ from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.weights import WeightSync
 from deltarl.rollout.worker import RolloutWorker
 from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.tls import client_verify
 from deltarl.services.weightsync.publish import BucketReader
-from deltarl.trainer.publisher import WeightPublisher, publishable_state
 from deltarl.trainer.settings import PublishSettings
+from deltarl.trainer.weights import WeightPublisher, publishable_state
 
 TRAINER_TOKEN = "trainer-secret-token"
 WORKER_TOKEN = "worker-secret-token"

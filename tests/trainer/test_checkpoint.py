@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     BatchItem,
     BatchLease,
     LeasedBatch,
@@ -34,8 +34,8 @@ from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from deltarl.trainer.loop import GracefulStop, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.optim import build_optimizer
-from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.weights import WeightPublisher
 from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 VOCAB = 11

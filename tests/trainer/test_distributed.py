@@ -19,9 +19,9 @@ from deltarl.trainer.distributed import (
     shutdown_distributed,
 )
 from deltarl.trainer.loop import train
-from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.weights import WeightPublisher
 from test_loop import FakeQueue
 from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
 from test_step import Bigram

@@ -8,17 +8,16 @@ from typing import Any
 
 import pytest
 import torch
+from coordinator.conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.schemas import LeasedBatch, WorkerRegistration
+from deltarl.services.coordinator.schemas import LeasedBatch, WorkerRegistration
 from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
-from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.weights import WeightPublisher
 from test_step import Bigram, rollout
-
-from tests.coordinator.conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
 
 
 class SlowBigram(Bigram):

@@ -13,19 +13,19 @@ import torch
 from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import decode_anchor
-from deltarl.services.weightsync.codec import decode_delta
-from deltarl.services.weightsync.context import ContextMismatchError, DeltaContext
+from deltarl.services.weightsync.codec.context import ContextMismatchError, DeltaContext
+from deltarl.services.weightsync.codec.formats import decode_delta
 from deltarl.services.weightsync.delta import apply_delta
 from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.publish import BucketReader
-from deltarl.trainer.publisher import (
+from deltarl.trainer.settings import PublishSettings
+from deltarl.trainer.weights import (
     PublishFailedError,
     PublishReport,
     WeightPublisher,
     publishable_state,
 )
-from deltarl.trainer.settings import PublishSettings
 
 
 class FlakyBucket(LocalBucket):
@@ -437,7 +437,7 @@ def test_no_chained_delta_after_an_anchor_only_version_or_a_resume(bucket: Flaky
 def test_a_chained_delta_that_is_not_smaller_is_not_published(
     bucket: FlakyBucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import deltarl.trainer.publisher as publisher_module
+    import deltarl.trainer.weights as publisher_module
 
     real = publisher_module.encode_delta
 

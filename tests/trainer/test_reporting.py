@@ -14,9 +14,9 @@ import torch
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import read_metrics
-from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.reporting import build_reporter
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.weights import WeightPublisher
 from rich.console import Console
 from test_loop import FakeQueue
 from test_publisher import FakeCoordinator

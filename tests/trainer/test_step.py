@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.schemas import Trajectory, TrajectoryGroup
+from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
 from deltarl.services.weightsync.publish import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
 from deltarl.trainer.loss import token_entropy, token_logprobs
 from deltarl.trainer.optim import build_optimizer
-from deltarl.trainer.publisher import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.step import forward_logits, train_step
+from deltarl.trainer.weights import WeightPublisher
 from test_publisher import assert_bit_identical, rebuild
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3

@@ -14,20 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.schemas import Trajectory, TrajectoryGroup, WorkerRegistration
-from deltarl.services.weightsync.publish import BucketReader
-from deltarl.trainer.metrics import read_metrics
-from test_step import tiny_llama_config
-
-from tests.coordinator.conftest import (
+from coordinator.conftest import (
     TRAINER_TOKEN,
     WORKER_TOKEN,
     LiveServer,
     coordinator_settings,
     free_port,
 )
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.coordinator.client import CoordinatorClient
+from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup, WorkerRegistration
+from deltarl.services.weightsync.publish import BucketReader
+from deltarl.trainer.metrics import read_metrics
+from test_step import tiny_llama_config
 
 VOCAB = 16
 

@@ -17,12 +17,17 @@ from deltarl.services.weightsync import (
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.bits import FLOAT_FORMATS
-from deltarl.services.weightsync.codec import decode_delta, describe, encode_delta, squash_chain
-from deltarl.services.weightsync.compact import decode_compact, encode_compact
-from deltarl.services.weightsync.compact_chunks import cluster_keys
-from deltarl.services.weightsync.context import predict, skip_forbidden, unskip_forbidden
-from deltarl.services.weightsync.entropy import entropy_bits
+from deltarl.services.weightsync.codec.bits import FLOAT_FORMATS
+from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
+from deltarl.services.weightsync.codec.compact_chunks import cluster_keys
+from deltarl.services.weightsync.codec.context import predict, skip_forbidden, unskip_forbidden
+from deltarl.services.weightsync.codec.entropy import entropy_bits
+from deltarl.services.weightsync.codec.formats import (
+    decode_delta,
+    describe,
+    encode_delta,
+    squash_chain,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -11,8 +11,8 @@ from deltarl.services.weightsync import (
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.compact import decode_compact, encode_compact, footer_summary
-from deltarl.services.weightsync.entropy import (
+from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact, footer_summary
+from deltarl.services.weightsync.codec.entropy import (
     ALPHABET,
     diff_to_symbols,
     rice_parameter,
@@ -20,8 +20,7 @@ from deltarl.services.weightsync.entropy import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from tests.conftest import perturb
+from states import perturb
 
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

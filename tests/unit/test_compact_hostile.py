@@ -13,13 +13,17 @@ from typing import Any
 import pytest
 import xxhash
 import zstandard
-from deltarl.services.weightsync.codec import encode_delta
-from deltarl.services.weightsync.compact import TRAILER, TRAILER_MAGIC, check_integrity, read_footer
+from deltarl.services.weightsync.codec.compact import (
+    TRAILER,
+    TRAILER_MAGIC,
+    check_integrity,
+    read_footer,
+)
+from deltarl.services.weightsync.codec.formats import encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.errors import CorruptDeltaError
 from safetensors.torch import save_file
-
-from tests.conftest import make_state, perturb
+from states import make_state, perturb
 
 GIB = 1 << 30
 

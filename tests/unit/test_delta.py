@@ -17,8 +17,7 @@ from deltarl.services.weightsync import (
     state_digest,
     tensor_digest,
 )
-
-from tests.conftest import perturb
+from states import perturb
 
 
 def clone(state):

@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from tests.conftest import make_state, perturb
+from states import make_state, perturb
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

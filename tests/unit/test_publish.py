@@ -350,7 +350,7 @@ def test_end_to_end_with_the_codec(bucket: CrashingBucket) -> None:
     """Trainer publishes real codec output; a replica from nothing and one at v0 catch up."""
     torch = pytest.importorskip("torch")
     from deltarl.services.weightsync.anchor import decode_anchor, encode_anchor
-    from deltarl.services.weightsync.codec import FORMAT_TAGS, decode_delta, encode_delta
+    from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, decode_delta, encode_delta
     from deltarl.services.weightsync.delta import apply_delta, compute_delta
     from deltarl.services.weightsync.digest import state_digest
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deltarl.services.settings import ServiceSettings, settings_help
+from deltarl.services.common.settings import ServiceSettings, settings_help
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 

@@ -23,8 +23,7 @@ from deltarl.services.weightsync.signing import (
     Verifier,
     generate_key,
 )
-
-from tests.conftest import make_state
+from states import make_state
 
 
 def publish(bucket: LocalBucket, version: int, signer: Signer | None) -> None:

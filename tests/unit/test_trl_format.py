@@ -16,7 +16,7 @@ from deltarl.services.weightsync import (
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.trl_format import (
+from deltarl.services.weightsync.codec.trl_format import (
     TensorSpec,
     decode_trl,
     encode_trl,

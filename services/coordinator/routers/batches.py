@@ -7,14 +7,14 @@ import time
 
 from deltarl.services.coordinator.deps import CoordinatorDep, TrainerAuth, WorkerAuth
 from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
-from deltarl.services.schemas import (
+from deltarl.services.coordinator.schemas import (
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
     LeaseExtension,
     encode_leased_batch,
 )
-from deltarl.services.schemas.common import WireModel
+from deltarl.services.coordinator.schemas.common import WireModel
 from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
@@ -40,7 +40,7 @@ class LeaseRequest(WireModel):
     responses={200: {"content": {MSGPACK: {}}, "description": "encode_leased_batch bytes"}},
 )
 async def lease(body: LeaseRequest, request: Request, coordinator: CoordinatorDep) -> Response:
-    """Lease the oldest groups (see ``deltarl.services.schemas.batches`` for the protocol).
+    """Lease the oldest groups (see ``deltarl.services.coordinator.schemas.batches`` for the protocol).
     The answer is msgpack: decode with ``decode_leased_batch``. Empty batch: ``batch_id == ""``."""
     metrics = request.app.state.metrics
     start = time.monotonic()

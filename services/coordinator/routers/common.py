@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltarl.services.schemas import ErrorResponse
+from deltarl.services.coordinator.schemas import ErrorResponse
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (401, 403, 404, 409, 413, 422)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
-from deltarl.services.schemas import Health
+from deltarl.services.coordinator.schemas import Health
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
 from deltarl.services.coordinator.routers.common import ERRORS
-from deltarl.services.schemas import CatchUpPlan
-from deltarl.services.schemas.common import MAX_VERSION
+from deltarl.services.coordinator.schemas import CatchUpPlan
+from deltarl.services.coordinator.schemas.common import MAX_VERSION
 from fastapi import APIRouter, Query
 
 router = APIRouter(prefix="/v1", tags=["plans"], responses=ERRORS)

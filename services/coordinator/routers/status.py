@@ -6,7 +6,7 @@ from typing import Annotated
 
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
 from deltarl.services.coordinator.routers.common import ERRORS
-from deltarl.services.schemas import StatusSummary
+from deltarl.services.coordinator.schemas import StatusSummary
 from fastapi import APIRouter, Query, Response
 
 router = APIRouter(prefix="/v1", tags=["status"], responses=ERRORS)

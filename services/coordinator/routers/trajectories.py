@@ -5,7 +5,7 @@ from __future__ import annotations
 from deltarl.services.coordinator.deps import CoordinatorDep, WorkerAuth
 from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
-from deltarl.services.schemas import SubmitResult
+from deltarl.services.coordinator.schemas import SubmitResult
 from fastapi import APIRouter, Request, Response
 
 router = APIRouter(prefix="/v1", tags=["trajectories"], responses={**ERRORS, 415: ERRORS[422]})
@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1", tags=["trajectories"], responses={**ERRORS, 415
         "requestBody": {
             "required": True,
             "content": {MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
-            "description": "A TrajectoryGroup encoded by deltarl.services.schemas.encode_group.",
+            "description": "A TrajectoryGroup encoded by deltarl.services.coordinator.schemas.encode_group.",
         }
     },
 )

@@ -9,8 +9,8 @@ from typing import Annotated
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, TrainerAuth
 from deltarl.services.coordinator.errors import invalid, not_found
 from deltarl.services.coordinator.routers.common import ERRORS
-from deltarl.services.schemas import VersionPublish, VersionRecord
-from deltarl.services.schemas.common import MAX_VERSION
+from deltarl.services.coordinator.schemas import VersionPublish, VersionRecord
+from deltarl.services.coordinator.schemas.common import MAX_VERSION
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from sse_starlette.sse import EventSourceResponse
 

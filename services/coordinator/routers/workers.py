@@ -6,8 +6,13 @@ from typing import Annotated
 
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, WorkerAuth
 from deltarl.services.coordinator.routers.common import ERRORS
-from deltarl.services.schemas import HeartbeatAck, WorkerHeartbeat, WorkerInfo, WorkerRegistration
-from deltarl.services.schemas.common import ID_PATTERN
+from deltarl.services.coordinator.schemas import (
+    HeartbeatAck,
+    WorkerHeartbeat,
+    WorkerInfo,
+    WorkerRegistration,
+)
+from deltarl.services.coordinator.schemas.common import ID_PATTERN
 from fastapi import APIRouter, Path, Response
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=ERRORS)

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Literal
 
-from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
+from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 
 class StoreError(ValueError):

@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 import redis
+from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
@@ -38,7 +39,6 @@ from deltarl.services.coordinator.store.base import (
     WorkerRecord,
     same_version_content,
 )
-from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 _ADD_VERSION = """
 local p = ARGV[1]; local v = tonumber(ARGV[2])

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
@@ -30,7 +31,6 @@ from deltarl.services.coordinator.store.base import (
     WorkerRecord,
     same_version_content,
 )
-from deltarl.services.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS versions (

@@ -1,0 +1,193 @@
+"""One Wordle session as the wire sees it: reset/step/state in, pydantic wire models out.
+
+:class:`WordleEnvironment` owns a :class:`~.wordle.WordleGame`, builds the TextArena-style
+transcript and the structured fields, and decides what is revealed: the answer only appears once
+the game is done (or always, with ``reveal_answer`` for debugging).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Literal
+
+from deltarl.env_server.core.models import (
+    EnvError,
+    ErrorCode,
+    GuessFeedback,
+    LastMove,
+    RewardSignals,
+    StepResult,
+    TextMessage,
+    WordleObservation,
+    WordleState,
+)
+from deltarl.env_server.wordle.game import (
+    WORD_LENGTH,
+    InvalidReason,
+    Move,
+    WordleGame,
+    WordleRules,
+    WordLists,
+)
+
+GAME_ID = -1
+PLAYER_ID = 0
+
+_INVALID_TEXT = {
+    InvalidReason.NO_GUESS: "no guess found: put a 5-letter word in square brackets, e.g. [crane]",
+    InvalidReason.WRONG_LENGTH: "[{guess}] does not have 5 letters",
+    InvalidReason.NOT_A_WORD: "[{guess}] is not in the word list",
+    InvalidReason.REPEATED_GUESS: "[{guess}] was already guessed",
+}
+
+
+def make_prompt(rules: WordleRules) -> str:
+    """The instructions shown at reset (TextArena's wording, adapted to the rules in force)."""
+    return (
+        f"You are Player {PLAYER_ID} in Wordle.\n"
+        f"A secret {WORD_LENGTH}-letter word has been chosen. You have {rules.max_guesses} "
+        "attempts to guess it.\n"
+        "For each guess, wrap your word in square brackets (e.g., [apple]).\n"
+        "Feedback for each letter will be given as follows:\n"
+        "  - G (green): correct letter in the correct position\n"
+        "  - Y (yellow): letter exists in the word but in the wrong position\n"
+        "  - X (wrong): letter is not in the word\n"
+        f"Invalid guesses tolerated: {rules.max_invalid_moves}; one more ends the game.\n"
+        "Enter your guess to begin."
+    )
+
+
+def _signals(move: Move) -> RewardSignals:
+    pattern = move.pattern or ""
+    formatted = move.guess is not None and len(move.guess) == WORD_LENGTH
+    return RewardSignals(
+        correct=1.0 if pattern == "G" * WORD_LENGTH else 0.0,
+        greens=pattern.count("G") / WORD_LENGTH,
+        yellows=pattern.count("Y") / WORD_LENGTH,
+        format=1.0 if formatted else 0.0,
+        valid=1.0 if move.valid else 0.0,
+        repetition=1.0 if move.repeated else 0.0,
+        invalid=0.0 if move.valid else 1.0,
+    )
+
+
+class WordleEnvironment:
+    """Reset/step/state for one session. Not thread-safe; the server serialises calls."""
+
+    def __init__(self, rules: WordleRules, words: WordLists, *, reveal_answer: bool = False):
+        self.rules = rules
+        self.words = words
+        self.reveal_answer = reveal_answer
+        self.prompt = make_prompt(rules)
+        self.game: WordleGame | None = None
+        self.episode_id: str | None = None
+        # (sender_id, content, category) tuples, not pydantic objects: tuples of atomic values
+        # are untracked by the cyclic GC, so a mid-game session holds ~9 GC-tracked objects
+        # instead of ~31 and full collections stay short with thousands of sessions
+        self.messages: list[tuple[int, str, str]] = []
+        self.last_move: LastMove | None = None
+        self.last_signals: RewardSignals | None = None
+        self.last_reward = 0.0
+
+    @property
+    def outcome(self) -> Literal["won", "lost", "forfeit"] | None:
+        """How the game ended (the server's games metric); None while it runs."""
+        game = self.game
+        if game is None or not game.done:
+            return None
+        return "won" if game.won else "forfeit" if game.forfeited else "lost"
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None) -> StepResult:
+        self.game = WordleGame(self.rules, self.words, seed=seed)
+        self.episode_id = episode_id if episode_id is not None else uuid.uuid4().hex
+        self.messages = [(GAME_ID, self.prompt, "PROMPT")]
+        self.last_move = None
+        self.last_signals = None
+        self.last_reward = 0.0
+        return self._result()
+
+    def step(self, message: str) -> StepResult:
+        game = self.game
+        if game is None:
+            raise EnvError(ErrorCode.NOT_STARTED, "call reset before step")
+        if game.done:
+            raise EnvError(ErrorCode.GAME_OVER, "the game is over; call reset to play again")
+        move = game.play(message)
+        shown = f"[{move.guess}]" if move.guess is not None else "(no bracketed guess)"
+        self.messages.append((PLAYER_ID, shown, "PLAYER_ACTION"))
+        self.messages.append((GAME_ID, self._feedback(move), "GAME_MESSAGE"))
+        self.last_move = LastMove(
+            guess=move.guess,
+            valid=move.valid,
+            invalid_reason=move.invalid_reason.value if move.invalid_reason else None,
+            repeated=move.repeated,
+        )
+        self.last_signals = _signals(move)
+        self.last_reward = move.reward
+        return self._result()
+
+    def _feedback(self, move: Move) -> str:
+        game = self.game
+        assert game is not None
+        if move.invalid_reason is not None:
+            text = "Invalid move: " + _INVALID_TEXT[move.invalid_reason].format(guess=move.guess)
+            if game.forfeited:
+                return f"{text}. Too many invalid moves: you lose. The word was [{game.answer}]."
+            cost = "uses up a guess" if self.rules.invalid_costs_guess else "does not use a guess"
+            text = f"{text}. This {cost}; invalid moves left: {game.invalid_moves_left}."
+        else:
+            assert move.guess is not None and move.pattern is not None
+            text = (
+                f"You submitted [{move.guess}].\nFeedback:\n"
+                f"{' '.join(move.guess.upper())}\n{' '.join(move.pattern)}\n"
+            )
+        if game.won:
+            return f"{text}\nCongratulations! You guessed the word in {len(game.guesses)} guesses."
+        if game.done:
+            return f"{text}\nOut of guesses. The word was [{game.answer}]."
+        return f"{text}\nYou have {game.guesses_left} guesses left."
+
+    def _history(self) -> list[GuessFeedback]:
+        assert self.game is not None
+        return [GuessFeedback(word=w, pattern=p) for w, p in self.game.guesses]
+
+    def _answer(self) -> str | None:
+        game = self.game
+        if game is None:
+            return None
+        return game.answer if (game.done or self.reveal_answer) else None
+
+    def _result(self) -> StepResult:
+        game = self.game
+        assert game is not None
+        obs = WordleObservation(
+            prompt=self.prompt,
+            messages=[TextMessage(sender_id=i, content=c, category=k) for i, c, k in self.messages],
+            history=self._history(),
+            guesses_left=game.guesses_left,
+            invalid_moves_left=game.invalid_moves_left,
+            last_move=self.last_move,
+            reward_signals=self.last_signals,
+            won=game.won,
+            answer=self._answer(),
+        )
+        return StepResult(observation=obs, reward=self.last_reward, done=game.done)
+
+    def state(self) -> WordleState:
+        game = self.game
+        if game is None:
+            return WordleState(
+                max_guesses=self.rules.max_guesses, guesses_left=self.rules.max_guesses
+            )
+        return WordleState(
+            episode_id=self.episode_id,
+            step_count=game.moves,
+            seed=game.seed,
+            max_guesses=self.rules.max_guesses,
+            guesses_left=game.guesses_left,
+            invalid_moves=game.invalid_moves,
+            history=self._history(),
+            done=game.done,
+            won=game.won,
+            answer=self._answer(),
+        )

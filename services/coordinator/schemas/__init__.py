@@ -1,0 +1,94 @@
+"""Wire schemas shared by the coordinator, its typed client, rollout workers and the trainer.
+
+Torch-free and numpy-free by design (a test proves that importing this package pulls in neither
+torch, numpy nor vllm): every process, including a bare status reader, can import it.
+
+Modules:
+
+* :mod:`.common` — error body, health.
+* :mod:`.versions` — weight versions (anchors and deltas) and the version event stream.
+* :mod:`.workers` — worker registration, heartbeats, worker state.
+* :mod:`.trajectories` — trajectory groups and their compact binary (msgpack) wire format.
+* :mod:`.batches` — submission results, leased batches, acks, admission control.
+* :mod:`.status` — the ``GET /v1/status`` summary.
+* catch-up plans and version manifests are the weight-sync library's own torch-free records
+  (:class:`CatchUpPlan`, :class:`VersionManifest`, :class:`ObjectRef`), re-exported here.
+"""
+
+from deltarl.services.coordinator.schemas.batches import (
+    AckResult,
+    AdmissionRequest,
+    AdmissionResponse,
+    BatchItem,
+    BatchLease,
+    LeasedBatch,
+    LeaseExtension,
+    SubmitResult,
+    decode_leased_batch,
+    encode_leased_batch,
+)
+from deltarl.services.coordinator.schemas.common import ErrorBody, ErrorResponse, Health
+from deltarl.services.coordinator.schemas.status import (
+    QueueStats,
+    RewardPoint,
+    StatusSummary,
+    VersionPoint,
+)
+from deltarl.services.coordinator.schemas.trajectories import (
+    TRAJECTORY_FORMAT,
+    Trajectory,
+    TrajectoryGroup,
+    decode_group,
+    encode_group,
+)
+from deltarl.services.coordinator.schemas.versions import (
+    ObjectRef,
+    VersionKind,
+    VersionManifest,
+    VersionPublish,
+    VersionRecord,
+)
+from deltarl.services.coordinator.schemas.workers import (
+    HeartbeatAck,
+    WorkerHeartbeat,
+    WorkerInfo,
+    WorkerRegistration,
+    WorkerState,
+)
+from deltarl.services.weightsync.planner import CatchUpPlan
+
+__all__ = [
+    "TRAJECTORY_FORMAT",
+    "AckResult",
+    "AdmissionRequest",
+    "AdmissionResponse",
+    "BatchItem",
+    "BatchLease",
+    "CatchUpPlan",
+    "ErrorBody",
+    "ErrorResponse",
+    "Health",
+    "HeartbeatAck",
+    "LeaseExtension",
+    "LeasedBatch",
+    "ObjectRef",
+    "QueueStats",
+    "RewardPoint",
+    "StatusSummary",
+    "SubmitResult",
+    "Trajectory",
+    "TrajectoryGroup",
+    "VersionKind",
+    "VersionManifest",
+    "VersionPoint",
+    "VersionPublish",
+    "VersionRecord",
+    "WorkerHeartbeat",
+    "WorkerInfo",
+    "WorkerRegistration",
+    "WorkerState",
+    "decode_group",
+    "decode_leased_batch",
+    "encode_group",
+    "encode_leased_batch",
+]

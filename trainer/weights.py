@@ -1,0 +1,515 @@
+"""The trainer's side of weight sync: every optimizer step becomes a published version.
+
+:class:`WeightPublisher` turns the model's weights after a step into version ``v``:
+
+1. **snapshot** (caller's thread): cast every tensor to bf16 and copy it into a host buffer
+   (pinned and asynchronous for CUDA tensors; buffers are reused from step to step, so host
+   memory stays at two bf16 copies of the model);
+2. **diff**: :func:`~deltarl.services.weightsync.delta.compute_delta` against the host mirror of
+   the last published state, whose tensor digests are remembered (only the new state is hashed);
+3. **encode**: the delta in the configured format (``compact`` by default), and an anchor when
+   due: the first version of this publisher (so always on resume), every ``anchor_every``
+   versions, on :meth:`~WeightPublisher.request_anchor` or ``publish(..., anchor=True)``; an
+   anchor of a model larger than ``anchor_in_memory_max_bytes`` is streamed to a temp file.
+   With the compact format and ``chained_deltas``, a delta ``v -> w`` whose base ``v`` was
+   itself published by a delta ``u -> v`` of this publisher (the previous publish succeeded)
+   is also encoded *chained* on that delta (``context_version=u``, see
+   :mod:`~deltarl.services.weightsync.codec.context`): a second object next to the standalone one,
+   for replicas whose last applied delta was ``u -> v``, published only if it is smaller;
+4. **upload**: :meth:`Publisher.publish <deltarl.services.weightsync.publish.Publisher.publish>`
+   (objects, manifest, then the ``latest.json`` commit);
+5. **register**: the manifest is handed to ``register`` (``CoordinatorClient.publish_version``),
+   after the bucket commit, so a worker that hears of ``v`` can always fetch it.
+
+Steps 2-5 run in one background thread when ``background`` is set, overlapping the next step's
+compute. Call order for the trainer::
+
+    pub = WeightPublisher(bucket, settings.publish, register=client.publish_version)
+    for step in ...:
+        optimizer.step()
+        pub.publish(model.state_dict(), step=step)   # returns after the snapshot
+        ...                                          # next step's forward/backward overlaps
+    pub.close()                                      # waits for the last version
+
+Guarantees:
+
+* Versions are published strictly in order: :meth:`~WeightPublisher.publish` first waits for
+  the previous version to be committed and registered (that wait is counted in
+  :attr:`~WeightPublisher.waited_s`), and the version numbers must increase.
+* A failure at any step leaves the bucket's previous version intact (the publication protocol
+  never moves ``latest.json`` before a version is complete) and the host mirror unchanged. The
+  failure is raised as :class:`PublishFailedError` by the next :meth:`~WeightPublisher.publish`
+  or :meth:`~WeightPublisher.wait`; from then on the publisher refuses deltas until it
+  re-anchors: ``publish(..., anchor=True)`` publishes an anchor-only version, which replicas
+  load from nothing, so nobody ever applies a delta against a state whose publication was not
+  confirmed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from deltarl.services.buckets import Bucket
+from deltarl.services.weightsync.anchor import encode_anchor, write_anchor
+from deltarl.services.weightsync.codec.context import DeltaContext
+from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.services.weightsync.delta import compute_delta
+from deltarl.services.weightsync.digest import combine_digests, state_digests
+from deltarl.services.weightsync.manifest import VersionManifest
+from deltarl.services.weightsync.publish import NewObject, Publisher
+from deltarl.trainer.settings import PublishSettings
+
+logger = logging.getLogger(__name__)
+
+Register = Callable[[VersionManifest], Any]
+
+
+def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The floating-point entries of ``model.state_dict()``: the weights replicas load.
+
+    Integer or boolean buffers (position ids, masks) are constants of the architecture, not
+    weights, and the delta codec handles floating-point tensors only. Tied weights (e.g. an LM
+    head sharing the embedding) are published once, under their first name, as
+    ``named_parameters()`` lists them: shipping the same tensor twice would double its bytes.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not t.is_floating_point():
+            continue
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach()
+    return out
+
+
+class PublishFailedError(RuntimeError):
+    """Publishing a version failed (its ``__cause__`` says why), or a delta was asked for after
+    such a failure. The bucket still holds the previous version; publish with ``anchor=True``."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishReport:
+    """What publishing one version cost. Times in seconds, sizes in bytes.
+
+    Example: ``PublishReport(version=12, step=12, base_version=11, anchor=False,
+    delta_format="deltarl-compact-v1", delta_bytes=301_220, chained_bytes=282_410,
+    anchor_bytes=None, changed=1_402_113, numel=134_515_008, full_bytes=269_030_016,
+    snapshot_s=0.02, diff_s=0.11, encode_s=0.65, anchor_s=0.0, upload_s=0.05, register_s=0.004,
+    total_s=0.82)``.
+    """
+
+    version: int
+    step: int | None
+    base_version: int | None  # the delta's base; None when the version has no delta
+    anchor: bool  # the version carries an anchor
+    delta_format: str | None  # format tag of the delta; None without delta
+    delta_bytes: int | None  # the standalone delta
+    chained_bytes: int | None  # the delta chained on the previous one; None without one
+    anchor_bytes: int | None
+    changed: int | None  # elements whose bits changed since base_version; None without delta
+    numel: int  # elements of the whole state
+    full_bytes: int  # raw bytes of the whole bf16 state
+    snapshot_s: float  # in the trainer's thread: cast + copy to host
+    diff_s: float  # delta and digests of the new state
+    encode_s: float  # delta encoding (standalone and chained, with the context capture)
+    anchor_s: float  # anchor encoding (0 without anchor)
+    upload_s: float  # objects, manifest and latest pointer
+    register_s: float  # coordinator registration (0 without coordinator)
+    total_s: float  # from the end of the snapshot to registration
+
+    @property
+    def density(self) -> float | None:
+        """Fraction of elements that changed; None without delta."""
+        return None if self.changed is None else self.changed / max(self.numel, 1)
+
+    def metrics(self, prefix: str = "publish/") -> dict[str, float]:
+        """Flat numeric view for the metrics log (absent values are left out)."""
+        out: dict[str, float] = {"version": float(self.version), "anchor": float(self.anchor)}
+        for key in ("delta_bytes", "chained_bytes", "anchor_bytes", "changed", "density"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = float(value)
+        for key in ("snapshot_s", "diff_s", "encode_s", "anchor_s", "upload_s", "register_s"):
+            out[key] = getattr(self, key)
+        out["total_s"] = self.total_s
+        return {prefix + k: v for k, v in out.items()}
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    state: dict[str, torch.Tensor]  # host, contiguous, publish dtype
+    ready: Any  # torch.cuda.Event to wait on before reading ``state``; None when already ready
+    snapshot_s: float
+
+
+class WeightPublisher:
+    """Publishes the trainer's weights after every optimizer step (see the module docstring).
+
+    ``bucket``: where versions go (one publisher per bucket). ``settings``: format, anchor
+    policy, background thread. ``register``: called with each committed manifest, e.g.
+    ``CoordinatorClient.publish_version``; None: no coordinator. ``dtype``: what is published
+    (the bf16 cast of fp32 master weights). ``tmp_dir``: where large anchors are staged (None:
+    the system temp dir). ``on_report``: called (in the publishing thread) with each version's
+    :class:`PublishReport`.
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        settings: PublishSettings | None = None,
+        *,
+        register: Register | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        tmp_dir: str | Path | None = None,
+        on_report: Callable[[PublishReport], None] | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else PublishSettings()
+        self.bucket = bucket
+        self.register = register
+        self.dtype = dtype
+        self.tmp_dir = None if tmp_dir is None else Path(tmp_dir)
+        self.on_report = on_report
+        signer = None
+        if self.settings.signing_key_file is not None:
+            from deltarl.services.weightsync.signing import Signer
+
+            signer = Signer.from_file(self.settings.signing_key_file)
+        self._publisher = Publisher(bucket, anchor_every=self.settings.anchor_every, signer=signer)
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="deltarl-publish")
+            if self.settings.background
+            else None
+        )
+        self._pending: Future[PublishReport] | None = None
+        # Written by the publishing thread, read by the caller only after waiting for it.
+        self._base: dict[str, torch.Tensor] | None = None  # host mirror of the last version
+        self._base_digests: dict[str, str] | None = None
+        self._spare: dict[str, torch.Tensor] | None = None  # reusable snapshot buffers
+        self._last_version: int | None = None
+        self._last_report: PublishReport | None = None
+        # Context of the last published delta (into _last_version), for the next chained delta;
+        # None after an anchor-only version, a failure, on resume or when chaining is off.
+        self._context: DeltaContext | None = None
+        self._chain_pool = ThreadPoolExecutor(1, thread_name_prefix="deltarl-chained-encode")
+        self._failed = False
+        self._bucket_latest = self._publisher.reader.latest_version()
+        self.waited_s = 0.0
+
+    # -- public surface ------------------------------------------------------------------------
+    @property
+    def last_version(self) -> int | None:
+        """Newest version this publisher committed (None before the first)."""
+        return self._last_version
+
+    @property
+    def last_report(self) -> PublishReport | None:
+        return self._last_report
+
+    @property
+    def failed(self) -> bool:
+        """True after a failed publication, until an anchor-only version succeeded."""
+        return self._failed
+
+    def next_version(self) -> int:
+        """The version :meth:`publish` uses when given none: one past the newest known."""
+        known = [v for v in (self._last_version, self._bucket_latest) if v is not None]
+        return max(known) + 1 if known else 0
+
+    def request_anchor(self) -> None:
+        """Make the next published version carry an anchor (besides its delta)."""
+        self._publisher.request_anchor()
+
+    def publish(
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        *,
+        step: int | None = None,
+        anchor: bool = False,
+    ) -> int:
+        """Publish ``state`` (tensors of any float dtype, CPU or CUDA) as ``version``; return
+        the version number (the weights' policy version from now on).
+
+        Waits for the previous version first and raises its failure, if any, as
+        :class:`PublishFailedError`. Returns once ``state`` is snapshotted: the caller may
+        modify its tensors right after. With ``background`` off, returns after registration.
+        ``version`` defaults to :meth:`next_version`. ``anchor``: include an anchor; after a
+        failure it is required, and the version then carries only the anchor.
+        """
+        self._collect()
+        if self._failed and not anchor:
+            raise PublishFailedError(
+                "a previous publication failed: refusing to publish a delta until the publisher "
+                "re-anchors; call publish(..., anchor=True)"
+            )
+        v = self.next_version() if version is None else version
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"version must be a non-negative int, got {v!r}")
+        newest = self.next_version() - 1
+        if v <= newest:
+            raise ValueError(
+                f"version {v} is not newer than version {newest}, the newest published by this "
+                f"publisher or found in {self.bucket.uri}; versions must strictly increase"
+            )
+        if not state:
+            raise ValueError("state has no tensors")
+        snap = self._snapshot(state)
+        if self._executor is None:
+            self._last_report = self._run_guarded(snap, v, step, anchor)
+        else:
+            self._pending = self._executor.submit(self._run_guarded, snap, v, step, anchor)
+        return v
+
+    def wait(self) -> PublishReport | None:
+        """Wait for the version in flight; return the newest report (None if nothing yet).
+
+        Raises :class:`PublishFailedError` if that version failed. Time spent here is added to
+        :attr:`waited_s`.
+        """
+        self._collect()
+        return self._last_report
+
+    def close(self) -> None:
+        """Wait for the version in flight (raising its failure) and stop the thread."""
+        try:
+            self._collect()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._chain_pool.shutdown(wait=True)
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _collect(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._last_report = pending.result()
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def _snapshot(self, state: Mapping[str, torch.Tensor]) -> _Snapshot:
+        t0 = time.perf_counter()
+        spare, self._spare = self._spare, None
+        out: dict[str, torch.Tensor] = {}
+        cuda = False
+        for name, t in state.items():
+            src = t.detach()
+            if not src.is_floating_point():
+                raise ValueError(f"{name}: {src.dtype} is not a floating-point weight")
+            buf = spare.get(name) if spare is not None else None
+            if buf is None or buf.shape != src.shape or buf.dtype != self.dtype:
+                pin = src.device.type == "cuda"
+                buf = torch.empty(src.shape, dtype=self.dtype, pin_memory=pin)
+            if src.device.type == "cuda":
+                cuda = True
+                buf.copy_(src.to(self.dtype), non_blocking=True)
+            else:
+                buf.copy_(src)
+            out[name] = buf
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Snapshot(out, ready, time.perf_counter() - t0)
+
+    def _run_guarded(
+        self, snap: _Snapshot, version: int, step: int | None, anchor: bool
+    ) -> PublishReport:
+        try:
+            report = self._run(snap, version, step, anchor)
+        except BaseException as err:
+            self._failed = True
+            self._context = None
+            # Where the bucket stands decides the next version number (a failure after the
+            # commit, e.g. in registration, used this one up); if the bucket cannot even be
+            # read now, keep the last known value: the next publish re-checks anyway.
+            with contextlib.suppress(Exception):
+                self._bucket_latest = self._publisher.reader.latest_version()
+            logger.error(
+                "publishing version %d failed (%s); the bucket's newest version is %s; the next "
+                "publish must re-anchor",
+                version,
+                err,
+                self._bucket_latest,
+            )
+            raise PublishFailedError(
+                f"publishing version {version} failed: {type(err).__name__}: {err}; the bucket's "
+                f"newest version is {self._bucket_latest}; continue with "
+                "publish(..., anchor=True)"
+            ) from err
+        if self.on_report is not None:
+            self.on_report(report)
+        return report
+
+    def _run(self, snap: _Snapshot, version: int, step: int | None, anchor: bool) -> PublishReport:
+        t_start = time.perf_counter()
+        if snap.ready is not None:
+            snap.ready.synchronize()
+        new = snap.state
+        base, base_version = self._base, self._last_version
+        with_delta = base is not None and base_version is not None and not self._failed
+        numel = sum(t.numel() for t in new.values())
+        full_bytes = sum(t.numel() * t.element_size() for t in new.values())
+
+        t0 = time.perf_counter()
+        delta = None
+        if with_delta:
+            assert base is not None
+            delta = compute_delta(base, new, base_version, version, self._base_digests)
+            digests = {n: p.result_digest for n, p in delta.patches.items()}
+        else:
+            digests = state_digests(new)
+        t1 = time.perf_counter()
+        objects: list[NewObject] = []
+        fmt = self.settings.format
+        chain = fmt == "compact" and self.settings.chained_deltas
+        delta_bytes = chained_bytes = None
+        context = None  # of this version's delta, kept for the next one if the publish succeeds
+        if delta is not None and base is not None:
+            threads = self.settings.codec_threads
+            prev = self._context
+            chained_job = None
+            if chain and prev is not None and prev.version == base_version:
+                # the chained encode runs next to the standalone one: their serial parts
+                # (table choice, GIL hand-overs) overlap
+                chained_job = self._chain_pool.submit(
+                    encode_delta, delta, base, fmt, threads=threads, context=prev
+                )
+            try:
+                blob = encode_delta(delta, base, fmt, threads=threads)
+            except BaseException:
+                if chained_job is not None:  # it reads ``base``: let it finish first
+                    futures_wait([chained_job])
+                raise
+            delta_bytes = len(blob)
+
+            def delta_object(data: bytes, context_version: int | None = None) -> NewObject:
+                assert delta is not None
+                return NewObject(
+                    "delta",
+                    FORMAT_TAGS[fmt],
+                    data,
+                    base_version=base_version,
+                    base_digest=delta.base_digest,
+                    changed=delta.changed,
+                    context_version=context_version,
+                )
+
+            objects.append(delta_object(blob))
+            if chain:
+                # before ``base`` is recycled as the next snapshot's buffers
+                context = DeltaContext.of(delta, base)
+            if chained_job is not None and prev is not None:
+                chained = chained_job.result()
+                if len(chained) < len(blob):  # else no replica would ever pick it
+                    chained_bytes = len(chained)
+                    objects.append(delta_object(chained, prev.base_version))
+        t2 = time.perf_counter()
+        with_anchor = anchor or delta is None or self._publisher.should_anchor(version)
+        tmp: Path | None = None
+        try:
+            anchor_bytes = None
+            if with_anchor:
+                source, tmp = self._encode_anchor(new, version, digests, full_bytes)
+                anchor_bytes = len(source) if isinstance(source, bytes) else source.stat().st_size
+                compress = self.settings.anchor_compress
+                fmt_tag = "safetensors+zstd" if compress else "safetensors"
+                objects.insert(0, NewObject("anchor", fmt_tag, source))
+            t3 = time.perf_counter()
+            manifest = self._publisher.publish(
+                version,
+                objects,
+                state_digest=combine_digests(digests),
+                numel=numel,
+                full_bytes=full_bytes,
+                step=step,
+            )
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+        self._bucket_latest = version
+        t4 = time.perf_counter()
+        if self.register is not None:
+            self.register(manifest)
+        t5 = time.perf_counter()
+
+        # Success: the new state becomes the base; the old base's buffers are reused.
+        self._spare, self._base, self._base_digests = base, new, digests
+        self._last_version, self._failed = version, False
+        self._context = context
+        report = PublishReport(
+            version=version,
+            step=step,
+            base_version=base_version if delta is not None else None,
+            anchor=with_anchor,
+            delta_format=FORMAT_TAGS[fmt] if delta is not None else None,
+            delta_bytes=delta_bytes,
+            chained_bytes=chained_bytes,
+            anchor_bytes=anchor_bytes,
+            changed=delta.changed if delta is not None else None,
+            numel=numel,
+            full_bytes=full_bytes,
+            snapshot_s=snap.snapshot_s,
+            diff_s=t1 - t0,
+            encode_s=t2 - t1,
+            anchor_s=t3 - t2,
+            upload_s=t4 - t3,
+            register_s=t5 - t4,
+            total_s=t5 - t_start,
+        )
+        logger.info(
+            "version %d: %s, %.2f%% changed, %.3f s (diff %.3f, encode %.3f, anchor %.3f, "
+            "upload %.3f, register %.3f)",
+            version,
+            ", ".join(
+                f"{'chained ' if o.context_version is not None else ''}{o.kind} "
+                f"{len(o.source) if isinstance(o.source, bytes) else 'file'}"
+                for o in objects
+            ),
+            100 * (report.density or 0.0),
+            report.total_s,
+            report.diff_s,
+            report.encode_s,
+            report.anchor_s,
+            report.upload_s,
+            report.register_s,
+        )
+        return report
+
+    def _encode_anchor(
+        self, state: dict[str, torch.Tensor], version: int, digests: dict[str, str], size: int
+    ) -> tuple[bytes | Path, Path | None]:
+        compress = self.settings.anchor_compress
+        if size <= self.settings.anchor_in_memory_max_bytes:
+            return encode_anchor(state, version, compress, digests=digests), None
+        suffix = ".safetensors.zst" if compress else ".safetensors"
+        fd, name = tempfile.mkstemp(prefix=f"anchor-v{version}-", suffix=suffix, dir=self.tmp_dir)
+        path = Path(name)
+        try:
+            with open(fd, "wb") as fh:
+                write_anchor(fh, state, version, compress, digests=digests)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path, path
