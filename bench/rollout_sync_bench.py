@@ -37,7 +37,7 @@ from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets import open_bucket
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import WeightPublisher, publishable_state
 

@@ -48,7 +48,8 @@ from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.publish import BucketReader, NewObject, Publisher
+from deltarl.services.weightsync.reader import BucketReader
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 
 
 def tiny_llama(directory: Path) -> str:
@@ -110,7 +111,7 @@ def main() -> int:
     states = {0: {n: p.detach().clone() for n, p in hf.named_parameters()}}
     numel = sum(t.numel() for t in states[0].values())
     bucket = LocalBucket(tmp / "bucket")
-    publisher = Publisher(bucket, anchor_every=0)
+    publisher = BucketWriter(bucket, anchor_every=0)
 
     def publish(v: int, objects: list[NewObject]) -> None:
         publisher.publish(

@@ -94,7 +94,7 @@ def publish_anchor(model: str, directory: Path) -> None:
     from deltarl.services.buckets.local import LocalBucket
     from deltarl.services.weightsync.anchor import encode_anchor
     from deltarl.services.weightsync.digest import state_digest
-    from deltarl.services.weightsync.publish import NewObject, Publisher
+    from deltarl.services.weightsync.writer import BucketWriter, NewObject
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def publish_anchor(model: str, directory: Path) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the columns' processes need the memory
     numel = sum(t.numel() for t in state.values())
-    Publisher(LocalBucket(directory), anchor_every=0).publish(
+    BucketWriter(LocalBucket(directory), anchor_every=0).publish(
         0,
         [NewObject("anchor", "safetensors", encode_anchor(state, 0))],
         state_digest=state_digest(state),
@@ -137,7 +137,7 @@ def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str
         from deltarl.rollout.engines import make_engine
         from deltarl.rollout.weights import WeightSync
         from deltarl.services.buckets.local import LocalBucket
-        from deltarl.services.weightsync.publish import BucketReader
+        from deltarl.services.weightsync.reader import BucketReader
 
         engine = make_engine(settings)
         sync = WeightSync(engine, BucketReader(LocalBucket(a.bucket)))

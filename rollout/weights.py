@@ -1,7 +1,7 @@
 """Keep an engine's weights bit-identical to the trainer's, pausing generation only to apply.
 
 :class:`WeightSync` owns an engine's weights. It reads versions from the bucket
-(:class:`~deltarl.services.weightsync.publish.BucketReader`), plans with the planner, and is the
+(:class:`~deltarl.services.weightsync.writer.BucketReader`), plans with the planner, and is the
 :class:`~deltarl.rollout.engines.base.WeightsGate` the engine enters around every forward step.
 
 Order of calls in :meth:`WeightSync.sync_to` (one sync at a time; generation runs concurrently
@@ -99,7 +99,7 @@ from deltarl.services.weightsync.errors import (
 )
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 
 logger = logging.getLogger(__name__)
 

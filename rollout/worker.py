@@ -170,7 +170,7 @@ class RolloutWorker:
         """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
         from deltarl.rollout.engines import make_engine
         from deltarl.services.buckets import open_bucket
-        from deltarl.services.weightsync.publish import BucketReader
+        from deltarl.services.weightsync.reader import BucketReader
         from transformers import AutoTokenizer
 
         model, gguf = settings.model_source()

@@ -45,7 +45,7 @@ import httpx
 import torch
 from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.coordinator.schemas import LeasedBatch, TrajectoryGroup
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp

@@ -16,7 +16,7 @@
    is also encoded *chained* on that delta (``context_version=u``, see
    :mod:`~deltarl.services.weightsync.codec.context`): a second object next to the standalone one,
    for replicas whose last applied delta was ``u -> v``, published only if it is smaller;
-4. **upload**: :meth:`Publisher.publish <deltarl.services.weightsync.publish.Publisher.publish>`
+4. **upload**: :meth:`BucketWriter.publish <deltarl.services.weightsync.writer.BucketWriter.publish>`
    (objects, manifest, then the ``latest.json`` commit);
 5. **register**: the manifest is handed to ``register`` (``CoordinatorClient.publish_version``),
    after the bucket commit, so a worker that hears of ``v`` can always fetch it.
@@ -66,7 +66,7 @@ from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
-from deltarl.services.weightsync.publish import NewObject, Publisher
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from deltarl.trainer.settings import PublishSettings
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,9 @@ class WeightPublisher:
             from deltarl.services.weightsync.signing import Signer
 
             signer = Signer.from_file(self.settings.signing_key_file)
-        self._publisher = Publisher(bucket, anchor_every=self.settings.anchor_every, signer=signer)
+        self._publisher = BucketWriter(
+            bucket, anchor_every=self.settings.anchor_every, signer=signer
+        )
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="deltarl-publish")
             if self.settings.background

@@ -173,7 +173,7 @@ def rebuild_digest(bucket_uri: str, version: int) -> tuple[str, list[str]]:
     from deltarl.services.weightsync.codec.formats import decode_delta
     from deltarl.services.weightsync.delta import apply_delta
     from deltarl.services.weightsync.digest import state_digest
-    from deltarl.services.weightsync.publish import BucketReader
+    from deltarl.services.weightsync.reader import BucketReader
 
     reader = BucketReader(open_bucket(bucket_uri))
     plan = reader.plan(None, version)

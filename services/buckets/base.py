@@ -5,7 +5,7 @@ touch a backend's client. Keys are validated by :func:`validate_key` before any 
 never escape the bucket's root or prefix (no ``..``, no absolute path, no backslash, a small
 charset). This module imports neither torch nor any cloud SDK.
 
-Consistency model assumed by the publication protocol (:mod:`deltarl.services.weightsync.publish`):
+Consistency model assumed by the publication protocol (:mod:`deltarl.services.weightsync.writer`):
 a ``put`` of one object is atomic (a reader sees the old object, no object, or the whole new one,
 never a prefix of it); nothing is assumed about the order in which other readers observe two
 different puts, which is why objects are written under fresh unique names before the small records

@@ -39,7 +39,7 @@ from deltarl.services.weightsync.manifest import (
     parse_manifest_key,
 )
 from deltarl.services.weightsync.planner import reachable_versions
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger(__name__)

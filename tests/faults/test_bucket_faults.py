@@ -1,7 +1,7 @@
 """Faults of the bucket and late workers (issue 7, scenarios 4 and 5).
 
 Versions are published from the test process with the library's
-:class:`~deltarl.services.weightsync.publish.Publisher` (the tiny model's bf16 weights, ~2% of
+:class:`~deltarl.services.weightsync.writer.BucketWriter` (the tiny model's bf16 weights, ~2% of
 the elements moved per version, compact deltas) and recorded with the coordinator by hand, so a
 test can damage an object *after* the bucket commit and *before* any worker hears of the
 version. Coordinator, env server and rollout workers are real processes.
@@ -30,7 +30,7 @@ from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
-from deltarl.services.weightsync.publish import NewObject, Publisher
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from faults.harness import (
     Cluster,
     FaultReport,
@@ -69,7 +69,7 @@ class Versions:
         self.state = {n: t.to(torch.bfloat16).clone() for n, t in publishable_state(model).items()}
         self.digests = state_digests(self.state)
         self.bucket = LocalBucket(cluster.bucket)
-        self.publisher = Publisher(self.bucket, anchor_every=0)
+        self.publisher = BucketWriter(self.bucket, anchor_every=0)
         self.cluster = cluster
         self.version = -1
 

@@ -19,7 +19,7 @@ import pytest
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import WorkerInfo
 from deltarl.services.weightsync.planner import reachable_versions
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from faults.harness import (
     TRAINER_OUTAGE_BUG,
     Cluster,

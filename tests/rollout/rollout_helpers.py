@@ -13,7 +13,7 @@ from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.publish import NewObject, Publisher
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 
 
 def tiny_config(layers: int = 2, *, tied: bool = False) -> transformers.LlamaConfig:
@@ -70,7 +70,7 @@ class FakeTrainer:
 
     def __init__(self, bucket: LocalBucket, state: dict[str, torch.Tensor]) -> None:
         self.bucket = bucket
-        self.publisher = Publisher(bucket, anchor_every=0)
+        self.publisher = BucketWriter(bucket, anchor_every=0)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.publish(0, clone_state(state), anchor=True)
 

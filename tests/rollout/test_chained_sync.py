@@ -18,7 +18,8 @@ from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import ObjectRef
 from deltarl.services.weightsync.planner import CatchUpPlan
-from deltarl.services.weightsync.publish import BucketReader, NewObject
+from deltarl.services.weightsync.reader import BucketReader
+from deltarl.services.weightsync.writer import NewObject
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
 COMPACT = FORMAT_TAGS["compact"]

@@ -18,7 +18,7 @@ from deltarl.services.weightsync.codec.formats import decode_delta, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digests
 from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
 

@@ -31,7 +31,7 @@ from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import decode_group, encode_group
 from deltarl.services.coordinator.schemas.common import ID_PATTERN
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate
 from episode_helpers import ScriptedEngine, WordleServer
 from rollout_helpers import FakeTrainer, clone_state

@@ -9,7 +9,7 @@ from pathlib import Path
 from deltarl.rollout.follower import VersionFollower
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 from worker_helpers import wait_for
 

@@ -33,7 +33,7 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
     from deltarl.rollout.weights import WeightSync
     from deltarl.rollout.worker import RolloutWorker
     from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.publish import BucketReader
+    from deltarl.services.weightsync.reader import BucketReader
     from rollout.episode_helpers import smollm2_tokenizer
     from rollout.worker_helpers import tiny_model
 

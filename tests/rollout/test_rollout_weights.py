@@ -14,7 +14,7 @@ from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import SyncError, WeightsUnhealthyError, WeightSync
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.errors import StateMismatchError
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_engine
 
 PARAMS = SamplingParams(max_new_tokens=4, seed=0)

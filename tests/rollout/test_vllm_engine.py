@@ -52,7 +52,7 @@ from deltarl.services.weightsync.errors import (
     CorruptDeltaError,
     VerificationError,
 )
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_config, tiny_engine
 
 REPO = Path(__file__).resolve().parents[2]

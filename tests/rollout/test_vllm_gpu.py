@@ -27,7 +27,7 @@ import torch
 import transformers
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from rollout_helpers import FakeTrainer, same_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

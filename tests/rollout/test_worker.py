@@ -25,7 +25,7 @@ from deltarl.rollout.sync_records import Verdict
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from episode_helpers import WordleServer
 from rollout_helpers import same_bits
 from tls_helpers import make_ca_and_server_cert

@@ -22,7 +22,7 @@ from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import WeightPublisher, publishable_state
 

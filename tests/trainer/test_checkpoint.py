@@ -29,7 +29,7 @@ from deltarl.services.coordinator.schemas import (
     Trajectory,
     TrajectoryGroup,
 )
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from deltarl.trainer.loop import GracefulStop, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate
 from deltarl.trainer.distributed import (
     DistContext,

@@ -20,7 +20,7 @@ from deltarl.services.weightsync.anchor import decode_anchor
 from deltarl.services.weightsync.codec.formats import decode_delta
 from deltarl.services.weightsync.delta import apply_delta
 from deltarl.services.weightsync.manifest import version_tag
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings

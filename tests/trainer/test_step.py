@@ -10,7 +10,7 @@ import pytest
 import torch
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
 from deltarl.trainer.loss import token_entropy, token_logprobs
 from deltarl.trainer.optim import build_optimizer

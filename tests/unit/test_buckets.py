@@ -28,7 +28,8 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.buckets.s3 import S3Bucket, make_s3_client
 from deltarl.services.weightsync.errors import CorruptDeltaError
 from deltarl.services.weightsync.manifest import xxh3_hex
-from deltarl.services.weightsync.publish import BucketReader, NewObject, Publisher
+from deltarl.services.weightsync.reader import BucketReader
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from pydantic import SecretStr
 
 S3_BUCKET = "deltarl-test"
@@ -210,7 +211,7 @@ def test_bad_list_prefix_refused(bucket: Bucket, prefix: str) -> None:
 
 def test_publication_round_trip(bucket: Bucket) -> None:
     """The whole protocol works unchanged on every backend."""
-    pub, reader = Publisher(bucket, anchor_every=2), BucketReader(bucket)
+    pub, reader = BucketWriter(bucket, anchor_every=2), BucketReader(bucket)
     d0, d1 = xxh3_hex(b"state0"), xxh3_hex(b"state1")
     pub.publish(
         0,
@@ -418,7 +419,7 @@ def test_secrets_never_printed_or_logged(
 def test_keys_and_buckets_are_torch_free() -> None:
     assert validate_key("objects/v000000000001/ab_c-1.safetensors.zst")
     code = (
-        "import sys; import deltarl.services.buckets, deltarl.services.weightsync.publish, "
+        "import sys; import deltarl.services.buckets, deltarl.services.weightsync.writer, "
         "deltarl.services.weightsync.retention; assert 'torch' not in sys.modules"
     )
     import subprocess

@@ -11,8 +11,9 @@ import pytest
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.manifest import MANIFESTS_PREFIX, OBJECTS_PREFIX, xxh3_hex
 from deltarl.services.weightsync.planner import plan_catch_up, reachable_versions
-from deltarl.services.weightsync.publish import BucketReader, NewObject, Publisher
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.services.weightsync.retention import RetentionPolicy, collect_garbage
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 
 LATER = timedelta(days=1)
 
@@ -35,7 +36,7 @@ def delta(base: int, v: int, size: int = 10) -> NewObject:
     )
 
 
-def publish(pub: Publisher, v: int, objs: Iterable[NewObject]) -> None:
+def publish(pub: BucketWriter, v: int, objs: Iterable[NewObject]) -> None:
     pub.publish(v, list(objs), state_digest=digest(v), numel=500, full_bytes=1000, step=v)
 
 
@@ -57,7 +58,7 @@ def bucket(tmp_path: Path) -> RecordingBucket:
 
 def history(bucket: RecordingBucket, n: int = 23, every: int = 5) -> None:
     """Anchors every ``every`` versions, deltas v-1 -> v, squashed v-3 -> v on even versions."""
-    pub = Publisher(bucket, anchor_every=every)
+    pub = BucketWriter(bucket, anchor_every=every)
     for v in range(n):
         objs = [anchor(v)] if pub.should_anchor(v) else []
         if v:
@@ -115,7 +116,7 @@ def test_few_anchors_keeps_everything(bucket: RecordingBucket) -> None:
 
 
 def test_cutoff_moves_back_when_a_version_needs_an_older_base(bucket: RecordingBucket) -> None:
-    pub = Publisher(bucket, anchor_every=0)
+    pub = BucketWriter(bucket, anchor_every=0)
     publish(pub, 0, [anchor(0)])
     for v in range(1, 11):
         publish(pub, v, [delta(v - 1, v), *([anchor(v)] if v in (5, 10) else [])])
@@ -127,7 +128,7 @@ def test_cutoff_moves_back_when_a_version_needs_an_older_base(bucket: RecordingB
 
 
 def test_orphans_of_a_crashed_publish_wait_for_the_grace_period(bucket: RecordingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, [anchor(0)])
     real_put = bucket.put_bytes
 
@@ -155,7 +156,7 @@ def test_orphans_of_a_crashed_publish_wait_for_the_grace_period(bucket: Recordin
 
 
 def test_objects_of_a_pending_manifest_are_not_orphans(bucket: RecordingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, [anchor(0)])
     real_put = bucket.put_bytes
 
@@ -176,7 +177,7 @@ def test_objects_of_a_pending_manifest_are_not_orphans(bucket: RecordingBucket) 
 def test_random_histories_never_lose_a_plan(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     bucket = RecordingBucket(tmp_path / "b")
-    pub = Publisher(bucket, anchor_every=rng.choice([0, 3, 4, 7]))
+    pub = BucketWriter(bucket, anchor_every=rng.choice([0, 3, 4, 7]))
     v, published = 0, [0]
     publish(pub, 0, [anchor(0)])
     for _ in range(rng.randint(5, 25)):

@@ -15,7 +15,7 @@ from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import LATEST_KEY, manifest_key
-from deltarl.services.weightsync.publish import BucketReader, NewObject, Publisher
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.services.weightsync.signing import (
     BadSignatureError,
     Signer,
@@ -23,13 +23,14 @@ from deltarl.services.weightsync.signing import (
     Verifier,
     generate_key,
 )
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from states import make_state
 
 
 def publish(bucket: LocalBucket, version: int, signer: Signer | None) -> None:
     state = make_state(seed=version)
     numel = sum(t.numel() for t in state.values())
-    Publisher(bucket, anchor_every=0, signer=signer).publish(
+    BucketWriter(bucket, anchor_every=0, signer=signer).publish(
         version,
         [NewObject("anchor", "safetensors", encode_anchor(state, version))],
         state_digest=state_digest(state),

@@ -1,8 +1,10 @@
-"""Versioned publication through a bucket: :class:`Publisher` (trainer) and :class:`BucketReader`.
+"""The write side of a bucket: :class:`BucketWriter`, the trainer's versioned publication.
+
+The read side is :class:`~deltarl.services.weightsync.reader.BucketReader` (reader.py).
 
 Torch-free: objects arrive already encoded (bytes or a local file) from the codec.
 
-Publication protocol for version ``v`` (:meth:`Publisher.publish`), in this order:
+Publication protocol for version ``v`` (:meth:`BucketWriter.publish`), in this order:
 
 1. Check: ``v`` is newer than ``latest.json``; each delta's base version is published and its
    ``base_digest`` equals that version's ``state_digest``; the first version has an anchor; a
@@ -15,33 +17,20 @@ Publication protocol for version ``v`` (:meth:`Publisher.publish`), in this orde
 4. Delete leftover manifests of crashed attempts between the old latest and ``v``.
 5. Re-read ``latest.json`` (refuse if it moved to >= ``v`` meanwhile), then overwrite it with
    ``v``: this single atomic put is the commit point.
-
-What a reader (:class:`BucketReader`) can observe: the published versions are exactly the
-manifests whose version is <= ``latest.json``'s. A manifest is written after all of its objects
-and before the pointer moves past it, so every published manifest refers to complete objects; a
-crash at any step leaves ``latest.json`` and every published version untouched (the partial
-version's objects and manifest are invisible; retention removes the orphans after a grace
-period). ``latest.json`` never moves backwards as long as there is one publisher per bucket (the
-trainer); a second, concurrent publisher of the same version is refused at step 3 on the local
-and S3 backends (create-if-absent), best effort on HF.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import xxhash
-from deltarl.services.buckets.base import Bucket, ObjectExistsError, ObjectNotFoundError
-from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
+from deltarl.services.buckets.base import Bucket, ObjectExistsError
+from deltarl.services.weightsync.errors import BaseMismatchError
 from deltarl.services.weightsync.manifest import (
     FORMAT_EXTENSIONS,
     LATEST_KEY,
@@ -50,29 +39,28 @@ from deltarl.services.weightsync.manifest import (
     ObjectKind,
     ObjectRef,
     VersionManifest,
-    manifest_key,
     objects_prefix,
     parse_manifest_key,
     xxh3_hex,
 )
-from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
-from pydantic import ValidationError
+from deltarl.services.weightsync.reader import (
+    BucketReader,
+    VersionNotFoundError,
+    file_digest,
+    is_digest,
+)
 
 if TYPE_CHECKING:  # signing imports cryptography: only where keys are configured
-    from deltarl.services.weightsync.signing import Signer, Verifier
+    from deltarl.services.weightsync.signing import Signer
 
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 22
 
 
-class VersionNotFoundError(ValueError):
-    """The version is not published (newer than latest) or no longer kept (garbage-collected)."""
-
-
 @dataclass(frozen=True, slots=True)
 class NewObject:
-    """One encoded object handed to :meth:`Publisher.publish` by the codec.
+    """One encoded object handed to :meth:`BucketWriter.publish` by the codec.
 
     Example: ``NewObject("delta", "deltarl-compact-v1", blob, base_version=11,
     base_digest=delta.base_digest, changed=delta.changed)``; a chained delta adds
@@ -88,185 +76,7 @@ class NewObject:
     context_version: int | None = None  # chained delta: base of the delta it is chained on
 
 
-def _is_digest(value: object) -> bool:
-    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16,128}", value) is not None
-
-
-def _file_digest(path: Path) -> tuple[int, str]:
-    h = xxhash.xxh3_128()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-class BucketReader:
-    """Read side: the latest pointer, published manifests, verified object fetches, plans.
-
-    Manifests are immutable once published, so they are cached; :meth:`manifests` re-lists the
-    bucket on every call (new versions appear, garbage-collected ones disappear).
-
-    Stores without read-after-write consistency (HF Buckets) may show a new ``latest.json``
-    before its manifest: the latest version's manifest is never garbage-collected, so a "not
-    found" for it is retried ``latest_retries`` times (0.25 s, doubling) before giving up.
-    """
-
-    def __init__(
-        self, bucket: Bucket, *, latest_retries: int = 4, verifier: Verifier | None = None
-    ) -> None:
-        self.bucket = bucket
-        self.latest_retries = latest_retries
-        self.verifier = verifier  # trusted keys: unsigned or badly signed versions are refused
-        self._cache: dict[int, VersionManifest] = {}
-        self.fetched_bytes = 0  # object bytes downloaded by fetch/fetch_to_file, verified or not
-
-    def latest(self) -> LatestPointer | None:
-        """The ``latest.json`` pointer, or None before the first publish."""
-        try:
-            raw = self.bucket.get_bytes(LATEST_KEY)
-        except ObjectNotFoundError:
-            return None
-        if self.verifier is not None:
-            self.verifier.verify(raw, f"{LATEST_KEY} in {self.bucket.uri}")
-        try:
-            return LatestPointer.model_validate_json(raw)
-        except ValidationError as err:
-            raise CorruptDeltaError(
-                f"{LATEST_KEY} in {self.bucket.uri} is invalid: {err}"
-            ) from None
-
-    def latest_version(self) -> int | None:
-        ptr = self.latest()
-        return None if ptr is None else ptr.version
-
-    def load_manifest(self, version: int) -> VersionManifest:
-        """Read and validate the manifest of ``version``, published or not (no cache)."""
-        key = manifest_key(version)
-        raw = self.bucket.get_bytes(key)
-        if self.verifier is not None:
-            self.verifier.verify(raw, f"manifest {key} in {self.bucket.uri}")
-        try:
-            m = VersionManifest.model_validate_json(raw)
-        except ValidationError as err:
-            raise CorruptDeltaError(
-                f"manifest {key} in {self.bucket.uri} is invalid: {err}"
-            ) from None
-        if m.version != version:
-            raise CorruptDeltaError(f"manifest {key} describes version {m.version}")
-        return m
-
-    def manifest(self, version: int, *, latest: int | None = None) -> VersionManifest:
-        """The published manifest of ``version`` (VersionNotFoundError if unpublished or gone)."""
-        if version in self._cache:
-            return self._cache[version]
-        latest = self.latest_version() if latest is None else latest
-        if latest is None or version > latest:
-            raise VersionNotFoundError(f"version {version} is not published (latest: {latest})")
-        delay = 0.25
-        for attempt in range(self.latest_retries + 1):
-            try:
-                m = self.load_manifest(version)
-                break
-            except ObjectNotFoundError:
-                if version != latest or attempt == self.latest_retries:
-                    raise VersionNotFoundError(
-                        f"version {version} is not in {self.bucket.uri} (garbage-collected, or "
-                        "the store is lagging)"
-                    ) from None
-                logger.info("manifest of latest version %d not visible yet; retrying", version)
-                time.sleep(delay)
-                delay *= 2
-        self._cache[version] = m
-        return m
-
-    def manifests(self, *, latest: int | None = None) -> dict[int, VersionManifest]:
-        """Every published manifest (version <= latest), by version."""
-        latest = self.latest_version() if latest is None else latest
-        if latest is None:
-            return {}
-        listed = {
-            v
-            for o in self.bucket.list(MANIFESTS_PREFIX)
-            if (v := parse_manifest_key(o.key)) is not None and v <= latest
-        }
-        for v in list(self._cache):
-            if v not in listed:
-                del self._cache[v]
-        out: dict[int, VersionManifest] = {}
-        for v in sorted(listed):
-            try:
-                out[v] = self.manifest(v, latest=latest)
-            except VersionNotFoundError:  # deleted between the listing and the read
-                continue
-        return out
-
-    def plan(
-        self,
-        current: int | None,
-        target: int | None = None,
-        *,
-        formats: Collection[str] | None = None,
-        context: int | None = None,
-    ) -> CatchUpPlan:
-        """Cheapest plan from ``current`` to ``target`` (default: latest); ``context``: base
-        version of the delta the replica applied last (see :mod:`.planner`)."""
-        latest = self.latest_version()
-        if latest is None:
-            raise VersionNotFoundError(f"nothing is published in {self.bucket.uri} yet")
-        target = latest if target is None else target
-        return plan_catch_up(
-            self.manifests(latest=latest), current, target, formats=formats, context=context
-        )
-
-    def fetch(self, ref: ObjectRef) -> bytes:
-        """The object's bytes, verified: CorruptDeltaError if missing, truncated or tampered."""
-        try:
-            data = self.bucket.get_bytes(ref.key)
-        except ObjectNotFoundError:
-            raise CorruptDeltaError(
-                f"{ref.kind} {ref.key} of version {ref.version} is missing from {self.bucket.uri} "
-                "(garbage-collected or never uploaded): plan again"
-            ) from None
-        self.fetched_bytes += len(data)
-        self._verify(ref, len(data), xxh3_hex(data))
-        return data
-
-    def fetch_to_file(self, ref: ObjectRef, path: str | Path) -> Path:
-        """Download to ``path`` and verify; on any mismatch no file is left at ``path``."""
-        dest = Path(path)
-        tmp = dest.with_name(f".{dest.name}.fetch-{uuid.uuid4().hex}")
-        try:
-            try:
-                self.bucket.download_file(ref.key, tmp)
-            except ObjectNotFoundError:
-                raise CorruptDeltaError(
-                    f"{ref.kind} {ref.key} of version {ref.version} is missing from "
-                    f"{self.bucket.uri} (garbage-collected or never uploaded): plan again"
-                ) from None
-            size, digest = _file_digest(tmp)
-            self.fetched_bytes += size
-            self._verify(ref, size, digest)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return dest
-
-    @staticmethod
-    def _verify(ref: ObjectRef, size: int, digest: str) -> None:
-        if size != ref.size:
-            raise CorruptDeltaError(
-                f"{ref.key}: got {size} bytes, the manifest says {ref.size} (truncated or replaced)"
-            )
-        if digest != ref.xxh3_128:
-            raise CorruptDeltaError(
-                f"{ref.key}: xxh3-128 {digest} does not match the manifest's {ref.xxh3_128} "
-                "(corrupted or tampered)"
-            )
-
-
-class Publisher:
+class BucketWriter:
     """Write side, used by the trainer (one publisher per bucket). See the module docstring.
 
     ``anchor_every``: :meth:`should_anchor` asks for an anchor when at least this many versions
@@ -316,7 +126,7 @@ class Publisher:
     ) -> dict[int, VersionManifest]:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
-        if not _is_digest(state_digest):
+        if not is_digest(state_digest):
             raise ValueError(
                 f"state_digest must be the codec's lowercase hex state digest, got {state_digest!r}"
             )
@@ -344,7 +154,7 @@ class Publisher:
                 continue
             if o.base_version is None or o.base_digest is None:
                 raise ValueError(f"version {version}: a delta needs base_version and base_digest")
-            if not _is_digest(o.base_digest):
+            if not is_digest(o.base_digest):
                 raise ValueError(
                     f"base_digest must be a lowercase hex digest, got {o.base_digest!r}"
                 )
@@ -399,7 +209,7 @@ class Publisher:
             ref = self._ref(key, version, state_digest, o, size, digest)  # validate before I/O
             self.bucket.put_bytes(key, o.source)
         else:
-            size, digest = _file_digest(o.source)
+            size, digest = file_digest(o.source)
             ref = self._ref(key, version, state_digest, o, size, digest)
             # Fresh uuid key, so no create-if-absent needed: lets S3 use multipart for big anchors.
             self.bucket.put_file(key, o.source)

@@ -18,12 +18,8 @@ from deltarl.services.weightsync.manifest import (
     manifest_key,
     xxh3_hex,
 )
-from deltarl.services.weightsync.publish import (
-    BucketReader,
-    NewObject,
-    Publisher,
-    VersionNotFoundError,
-)
+from deltarl.services.weightsync.reader import BucketReader, VersionNotFoundError
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
 
 
 def digest(v: int) -> str:
@@ -57,7 +53,7 @@ def chained_obj(base: int, v: int, context: int, size: int = 15) -> NewObject:
     )
 
 
-def publish(pub: Publisher, v: int, *objs: NewObject) -> VersionManifest:
+def publish(pub: BucketWriter, v: int, *objs: NewObject) -> VersionManifest:
     return pub.publish(v, list(objs), state_digest=digest(v), numel=200, full_bytes=400, step=v)
 
 
@@ -111,7 +107,7 @@ def assert_readable(bucket: Bucket, latest: int) -> None:
 
 
 def test_publish_and_read(bucket: CrashingBucket) -> None:
-    pub, reader = Publisher(bucket), BucketReader(bucket)
+    pub, reader = BucketWriter(bucket), BucketReader(bucket)
     assert reader.latest() is None and reader.manifests() == {}
     m0 = publish(pub, 0, anchor_obj(0))
     m1 = publish(pub, 1, delta_obj(0, 1))
@@ -134,7 +130,7 @@ def test_publish_and_read(bucket: CrashingBucket) -> None:
 def test_publish_from_a_file(bucket: CrashingBucket, tmp_path: Path) -> None:
     src = tmp_path / "anchor.safetensors"
     src.write_bytes(b"S" * 5000)
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     m = pub.publish(
         3, [NewObject("anchor", "safetensors", src)], state_digest=digest(3), numel=1, full_bytes=2
     )
@@ -143,7 +139,7 @@ def test_publish_from_a_file(bucket: CrashingBucket, tmp_path: Path) -> None:
 
 
 def test_out_of_order_and_duplicates_refused(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, anchor_obj(0))
     publish(pub, 5, delta_obj(0, 5))
     before = [o.key for o in bucket.list()]
@@ -152,13 +148,15 @@ def test_out_of_order_and_duplicates_refused(bucket: CrashingBucket) -> None:
     with pytest.raises(ValueError, match="older than the latest"):
         publish(pub, 3, anchor_obj(3))
     with pytest.raises(ValueError, match="older than the latest"):
-        Publisher(bucket).publish(4, [anchor_obj(4)], state_digest=digest(4), numel=1, full_bytes=2)
+        BucketWriter(bucket).publish(
+            4, [anchor_obj(4)], state_digest=digest(4), numel=1, full_bytes=2
+        )
     assert [o.key for o in bucket.list()] == before  # nothing written
     assert BucketReader(bucket).latest_version() == 5
 
 
 def test_bad_input_writes_nothing(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     with pytest.raises(ValueError, match="must include an anchor"):
         publish(pub, 0, delta_obj(0, 0))
     publish(pub, 0, anchor_obj(0))
@@ -192,7 +190,7 @@ def test_bad_input_writes_nothing(bucket: CrashingBucket) -> None:
 
 
 def test_chained_delta_reaches_the_manifest(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket, anchor_every=0)
+    pub = BucketWriter(bucket, anchor_every=0)
     publish(pub, 0, anchor_obj(0))
     publish(pub, 1, delta_obj(0, 1))
     m = publish(pub, 2, delta_obj(1, 2), chained_obj(1, 2, context=0))
@@ -207,7 +205,7 @@ def test_chained_delta_reaches_the_manifest(bucket: CrashingBucket) -> None:
 
 
 def test_chained_delta_checks(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, anchor_obj(0))
     publish(pub, 1, delta_obj(0, 1))
     before = [o.key for o in bucket.list()]
@@ -241,7 +239,7 @@ CRASH_POINTS = [
 def test_crash_mid_publish_leaves_previous_version_readable(
     bucket: CrashingBucket, name: str, pattern: str, nth: int
 ) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, anchor_obj(0))
     publish(pub, 1, delta_obj(0, 1))
     bucket.crash_on(pattern, nth)
@@ -252,13 +250,13 @@ def test_crash_mid_publish_leaves_previous_version_readable(
     with pytest.raises(VersionNotFoundError):
         reader.manifest(2)
     # The trainer restarts and publishes version 2 again: it succeeds and is complete.
-    publish(Publisher(bucket), 2, delta_obj(1, 2), anchor_obj(2))
+    publish(BucketWriter(bucket), 2, delta_obj(1, 2), anchor_obj(2))
     assert_readable(bucket, 2)
 
 
 def test_crash_before_pointer_then_skip_a_version(bucket: CrashingBucket) -> None:
     """A leftover manifest of a crashed attempt is never exposed by a later pointer."""
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, anchor_obj(0))
     bucket.crash_on(LATEST_KEY)
     with pytest.raises(RuntimeError):
@@ -271,7 +269,7 @@ def test_crash_before_pointer_then_skip_a_version(bucket: CrashingBucket) -> Non
 
 
 def test_crash_while_deleting_leftovers(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, anchor_obj(0))
     bucket.crash_on(LATEST_KEY)
     with pytest.raises(RuntimeError):
@@ -287,7 +285,7 @@ def test_crash_while_deleting_leftovers(bucket: CrashingBucket) -> None:
 def test_fetch_detects_corruption_truncation_and_loss(
     bucket: CrashingBucket, tmp_path: Path
 ) -> None:
-    pub, reader = Publisher(bucket), BucketReader(bucket)
+    pub, reader = BucketWriter(bucket), BucketReader(bucket)
     m0 = publish(pub, 0, anchor_obj(0, size=1000))
     ref = m0.anchors[0]
     path = bucket.root / ref.key
@@ -315,7 +313,7 @@ def test_fetch_detects_corruption_truncation_and_loss(
 
 
 def test_corrupt_records_are_reported(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket)
+    pub = BucketWriter(bucket)
     publish(pub, 0, anchor_obj(0))
     bucket.put_bytes(manifest_key(0), b'{"version": 0, "objects": [')
     with pytest.raises(CorruptDeltaError, match=r"manifest manifests/v000000000000\.json"):
@@ -326,7 +324,7 @@ def test_corrupt_records_are_reported(bucket: CrashingBucket) -> None:
 
 
 def test_should_anchor_policy(bucket: CrashingBucket) -> None:
-    pub = Publisher(bucket, anchor_every=3)
+    pub = BucketWriter(bucket, anchor_every=3)
     assert pub.should_anchor(0)  # nothing anchored yet
     publish(pub, 0, anchor_obj(0))
     assert [pub.should_anchor(v) for v in (1, 2, 3, 4)] == [False, False, True, True]
@@ -339,11 +337,11 @@ def test_should_anchor_policy(bucket: CrashingBucket) -> None:
     publish(pub, 3, delta_obj(2, 3), anchor_obj(3))
     assert not pub.should_anchor(4) and pub.should_anchor(6)
     # A fresh publisher (trainer restart) finds the last anchor in the bucket.
-    assert Publisher(bucket, anchor_every=3).last_anchor_version() == 3
-    never = Publisher(bucket, anchor_every=0)
+    assert BucketWriter(bucket, anchor_every=3).last_anchor_version() == 3
+    never = BucketWriter(bucket, anchor_every=0)
     assert not never.should_anchor(1000)
     with pytest.raises(ValueError, match="anchor_every"):
-        Publisher(bucket, anchor_every=-1)
+        BucketWriter(bucket, anchor_every=-1)
 
 
 def test_end_to_end_with_the_codec(bucket: CrashingBucket) -> None:
@@ -362,7 +360,7 @@ def test_end_to_end_with_the_codec(bucket: CrashingBucket) -> None:
         idx = torch.randint(0, flat.numel(), (40,), generator=gen)
         flat[idx] = (flat[idx].float() * 1.01).to(torch.bfloat16)
         states.append(new)
-    pub = Publisher(bucket, anchor_every=0)
+    pub = BucketWriter(bucket, anchor_every=0)
     for v, state in enumerate(states):
         objs = [NewObject("anchor", "safetensors", encode_anchor(state, v))] if v == 0 else []
         for base in {v - 1, 0} - {-1, v}:
@@ -392,7 +390,7 @@ def test_reader_waits_for_a_lagging_latest_manifest(
     bucket: CrashingBucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A store may show latest.json before the manifest it names (no read-after-write)."""
-    publish(Publisher(bucket), 0, anchor_obj(0))
+    publish(BucketWriter(bucket), 0, anchor_obj(0))
     real_get, misses = bucket.get_bytes, [2]
 
     def lagging_get(key: str) -> bytes:

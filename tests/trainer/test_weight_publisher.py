@@ -18,7 +18,7 @@ from deltarl.services.weightsync.codec.formats import decode_delta
 from deltarl.services.weightsync.delta import apply_delta
 from deltarl.services.weightsync.digest import state_digest
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
-from deltarl.services.weightsync.publish import BucketReader
+from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import (
     PublishFailedError,
