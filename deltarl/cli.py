@@ -29,7 +29,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("status", "deltarl.services.coordinator.cli", "status"),
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
-    ("demo", "deltarl.demo.plan", "demo"),
+    ("demo", "deltarl.demo.cli", "demo"),
     ("spaces", "deltarl.services.spaces.cli", "app"),
 ]
 

@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field
 import deltarl
 
 if TYPE_CHECKING:
-    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.rollout.view import WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class WorkerHealth(BaseModel):
     uptime_s: float = Field(description="Seconds since the worker was set up.")
 
 
-def health_of(worker: RolloutWorker, started: float) -> WorkerHealth:
+def health_of(worker: WorkerView, started: float) -> WorkerHealth:
     """The worker's health now (``started``: its ``time.monotonic()`` at start)."""
     s = worker.sync.status()
     if worker.stopping:
@@ -90,7 +90,7 @@ def health_of(worker: RolloutWorker, started: float) -> WorkerHealth:
     )
 
 
-def create_app(worker: RolloutWorker) -> FastAPI:
+def create_app(worker: WorkerView) -> FastAPI:
     """The two routes over ``worker`` (its state and ``worker.metrics``)."""
     app = FastAPI(
         title="deltarl rollout worker",

@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from deltarl.rollout.episodes import Episode
-    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.rollout.view import WorkerView
 
 __all__ = ["RolloutMetrics"]
 
@@ -43,7 +43,7 @@ PHASES = ("download", "decode", "stage", "wait", "verify", "mirror")
 class _StateCollector(Collector):
     """Gauges and counters read from the worker at scrape time."""
 
-    def __init__(self, worker: RolloutWorker, metrics: RolloutMetrics) -> None:
+    def __init__(self, worker: WorkerView, metrics: RolloutMetrics) -> None:
         self._worker = worker
         self._metrics = metrics
 
@@ -110,7 +110,7 @@ class RolloutMetrics:
         r = self.registry
         self.initial_syncs_ok = 0
         self.initial_syncs_failed = 0
-        self._worker: RolloutWorker | None = None
+        self._worker: WorkerView | None = None
         self._last_timing: StepTiming | None = None
         # -- episodes and generation
         episodes = Counter(
@@ -181,7 +181,7 @@ class RolloutMetrics:
         )
         self._info = Info(P + "worker", "This worker's id, engine and model", registry=r)
 
-    def watch(self, worker: RolloutWorker) -> None:
+    def watch(self, worker: WorkerView) -> None:
         """Read ``worker``'s state at every scrape (once per metrics object)."""
         if self._worker is not None:
             raise RuntimeError("these metrics already watch a worker")

@@ -48,7 +48,6 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -61,6 +60,7 @@ from deltarl.rollout.http import WorkerHttpServer, create_app
 from deltarl.rollout.metrics import RolloutMetrics
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.trajectories import to_submission
+from deltarl.rollout.view import WorkerStats
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.client import (
@@ -82,20 +82,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["RolloutWorker", "WorkerStats"]
 
 _VERDICT_POLL_S = 0.02  # how often a finished group asks for its verification verdict
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """Counters of one worker process (for logs and tests)."""
-
-    started: int = 0  # groups started
-    submitted: int = 0  # groups accepted as new by the coordinator
-    duplicates: int = 0  # submissions the coordinator had already accepted
-    dropped_failed: int = 0  # groups sampled by weights that failed verification
-    dropped_refused: int = 0  # groups the coordinator refused (stale, invalid)
-    dropped_timeout: int = 0  # groups not submitted within submit_timeout_s / shutdown
-    group_errors: int = 0  # groups that failed while playing (engine, env)
-    abandoned: int = 0  # groups cancelled unfinished at the shutdown deadline
 
 
 class RolloutWorker:

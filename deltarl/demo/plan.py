@@ -1,54 +1,26 @@
-"""``deltarl demo``: the whole disaggregated system on this machine, as separate processes.
-
-Order of operations (:func:`run_demo`):
-
-1. create the run directory (``runs/demo-<timestamp>/``): ``bucket/`` (the local-directory
-   bucket), ``trainer/`` (settings, metrics, checkpoints), ``logs/<process>.log``,
-   ``coordinator.sqlite3``;
-2. prepare the model directory once (:mod:`deltarl.demo.model`, cached in ``--cache-dir``);
-3. start the coordinator (embedded SQLite, trainer and worker tokens generated for this run) and
-   the env server (``--task``: Wordle, or the charset task; a token too) on free loopback ports
-   and wait for their health checks;
-4. start the rollout workers (transformers engine, CPU) and the trainer, which publishes version
-   0 (an anchor) and one delta per optimizer step to the bucket;
-5. poll the coordinator every second for the live view, and the children for an unexpected exit
-   (the demo stops and shows the tail of that process's log);
-6. when the trainer has finished its steps, wait for every worker to hold the final version,
-   then prove that their weights equal the trainer's (the coordinator's ``weights_verified``
-   when the workers report digests; otherwise a rebuild of the final version from the bucket,
-   compared with the trainer's digests), draw the reward curve and print the summary (also
-   written to ``summary.json``);
-7. stop every child: SIGTERM, then SIGKILL after a timeout (also on Ctrl-C and on failure).
-
-Only typer and the standard library are imported at module level; torch (for the model and the
-proof) and the clients are imported inside :func:`demo`.
+"""What the demo runs: :class:`DemoPlan` (the experiment sized for 2 CPU cores) and the
+environment its children share. The command is :mod:`deltarl.demo.cli`, the run
+:mod:`deltarl.demo.runner`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import secrets
-import signal
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import typer
-
 from deltarl.demo.model import ModelKind
 
-__all__ = ["DemoPlan", "DemoTask", "demo", "demo_environment", "new_token"]
+__all__ = ["DemoPlan", "DemoTask", "demo_environment", "new_token"]
 
 DemoTask = Literal["wordle", "charset"]
 
 logger = logging.getLogger(__name__)
-
-EXIT_INTERRUPTED = 130
 
 
 @dataclass(frozen=True)
@@ -147,108 +119,6 @@ class DemoPlan:
         for key, value in values.items():
             out += ["--set", f"{key}={json.dumps(value)}"]
         return out
-
-
-def _run_dir(base: Path | None) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    d = base if base is not None else Path("runs") / f"demo-{stamp}"
-    if d.exists() and any(d.iterdir()):
-        raise typer.BadParameter(f"{d} exists and is not empty: choose another --run-dir")
-    d.mkdir(parents=True, exist_ok=True)
-    return d.resolve()
-
-
-def _quiet_console_logging(log_file: Path) -> None:
-    """Send this process's log records to ``log_file``; keep only warnings on the terminal
-    (the live view owns it)."""
-    root = logging.getLogger()
-    for handler in root.handlers:
-        handler.setLevel(logging.WARNING)
-    fh = logging.FileHandler(log_file)
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    fh.setLevel(logging.INFO)
-    root.addHandler(fh)
-    root.setLevel(min(root.getEffectiveLevel(), logging.INFO))
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def demo(
-    tiny: bool = typer.Option(
-        False,
-        "--tiny",
-        help="A random tiny Llama (SmolLM2's tokenizer; with --task charset a byte-level "
-        "tokenizer): fast; learns nothing on Wordle, learns the charset task.",
-    ),
-    task: str = typer.Option(
-        "wordle",
-        "--task",
-        help="Environment task: 'wordle', or 'charset' (one reply, scored by its share of "
-        "a-z characters: a tiny model learns it within a few dozen steps).",
-    ),
-    steps: int | None = typer.Option(
-        None,
-        "--steps",
-        min=1,
-        help="Optimizer steps (default: 8, or 3 with --tiny, 30 with --tiny --task charset).",
-    ),
-    workers: int = typer.Option(2, "--workers", min=1, max=8, help="Rollout workers."),
-    seed: int = typer.Option(
-        0, "--seed", min=0, help="Sampling seeds of the workers (seed x workers + i) and trainer."
-    ),
-    run_dir: Path | None = typer.Option(
-        None, "--run-dir", help="Run directory (default: runs/demo-<timestamp>)."
-    ),
-    cache_dir: Path = typer.Option(
-        Path.home() / ".cache" / "deltarl" / "demo",
-        "--cache-dir",
-        help="Where the converted model directory is kept between runs.",
-    ),
-    timeout_s: float = typer.Option(
-        1200.0, "--timeout", help="Give up (and stop everything) after this many seconds."
-    ),
-    live: bool | None = typer.Option(
-        None,
-        "--live/--no-live",
-        help="Live progress table (default: when the output is a terminal); --no-live prints "
-        "one line per version instead.",
-    ),
-) -> None:
-    """Run the whole system locally: coordinator, env server, rollout workers, trainer and a
-    local-directory bucket, each its own process on loopback; show live progress, then prove
-    that every worker ends with the trainer's exact weights and draw the reward curve."""
-    from rich.console import Console
-
-    console = Console(soft_wrap=True)
-    if task not in ("wordle", "charset"):
-        raise typer.BadParameter(f"unknown task {task!r}: choose wordle or charset")
-    plan = DemoPlan.for_model(tiny, steps, workers, "charset" if task == "charset" else "wordle")
-    plan = dataclasses.replace(plan, seed=seed)
-    rd = _run_dir(run_dir)
-    (rd / "logs").mkdir(exist_ok=True)
-    _quiet_console_logging(rd / "logs" / "demo.log")
-    use_live = console.is_terminal if live is None else live
-
-    from deltarl.demo.runner import DemoFailedError, run_demo
-
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the children as on Ctrl-C
-
-    try:
-        summary = run_demo(plan, rd, cache_dir, console, timeout_s=timeout_s, live=use_live)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: every process was stopped[/yellow]")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    except DemoFailedError as exc:
-        console.print(f"[red]demo failed:[/red] {exc}")
-        if exc.log_tail:
-            console.print(exc.log_tail, markup=False, highlight=False)
-        raise typer.Exit(1) from None
-    if not summary["ok"]:
-        raise typer.Exit(1)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def new_token() -> str:

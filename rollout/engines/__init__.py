@@ -11,8 +11,8 @@ from deltarl.rollout.engines.base import (
     VllmEngineSettings,
     WeightsGate,
     WeightsStamp,
-    make_engine,
 )
+from deltarl.rollout.engines.factory import make_engine
 
 __all__ = [
     "UNMANAGED",

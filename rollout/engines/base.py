@@ -1,9 +1,9 @@
-"""The engine interface of a rollout worker: one ABC, its wire-free records and one factory.
+"""The engine interface of a rollout worker: one ABC and its wire-free records.
 
 An engine turns a batch of token-id prompts into sampled token ids plus the logprob of each
 sampled token, and exposes its weights as named tensors that the weight sync overwrites in
 place. Engines are picked by configuration (``EngineSettings``, discriminated on ``type``) and
-built by :func:`make_engine`; importing this module pulls in neither torch nor transformers.
+built by :func:`~deltarl.rollout.engines.factory.make_engine` (factory.py); importing this module pulls in neither torch nor transformers.
 
 Weights gate: :meth:`Engine.generate` takes an optional :class:`WeightsGate` (the rollout
 worker's :class:`~deltarl.rollout.weights.WeightSync`). The engine enters ``gate.forward()``
@@ -255,18 +255,3 @@ class VllmEngineSettings(BaseModel):
 EngineSettings = Annotated[
     TransformersEngineSettings | VllmEngineSettings, Field(discriminator="type")
 ]
-
-
-def make_engine(settings: TransformersEngineSettings | VllmEngineSettings) -> Engine:
-    """Build the engine ``settings.type`` names (heavy imports happen here, not at import)."""
-    if settings.type == "transformers":
-        from deltarl.rollout.engines.transformers_engine import TransformersEngine
-
-        assert isinstance(settings, TransformersEngineSettings)
-        return TransformersEngine.from_settings(settings)
-    if settings.type == "vllm":
-        from deltarl.rollout.engines.vllm_engine import VllmEngine
-
-        assert isinstance(settings, VllmEngineSettings)
-        return VllmEngine.from_settings(settings)
-    raise ValueError(f"unknown engine type {settings.type!r}; choose 'transformers' or 'vllm'")

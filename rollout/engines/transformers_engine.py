@@ -90,7 +90,7 @@ def sample_tokens(
 class TransformersEngine(Engine):
     """A ``transformers`` causal LM (already on its device) behind the :class:`Engine` interface.
 
-    Build it from settings with :meth:`from_settings` (or :func:`~.base.make_engine`), or wrap a
+    Build it from settings with :meth:`from_settings` (or :func:`~.factory.make_engine`), or wrap a
     model directly: ``TransformersEngine(LlamaForCausalLM(cfg).to(torch.bfloat16))``.
     """
 

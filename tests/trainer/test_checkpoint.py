@@ -36,7 +36,7 @@ from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from test_publisher import FakeCoordinator, assert_bit_identical, rebuild
+from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 VOCAB = 11
 HERE = Path(__file__).parent

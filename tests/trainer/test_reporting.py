@@ -19,7 +19,7 @@ from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
 from rich.console import Console
 from test_loop import FakeQueue
-from test_publisher import FakeCoordinator
+from test_weight_publisher import FakeCoordinator
 from test_step import Bigram
 from typer.testing import CliRunner
 

@@ -17,7 +17,7 @@ from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.step import forward_logits, train_step
 from deltarl.trainer.weights import WeightPublisher
-from test_publisher import assert_bit_identical, rebuild
+from test_weight_publisher import assert_bit_identical, rebuild
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3
 
