@@ -30,6 +30,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("demo", "deltarl.demo.cli", "demo"),
+    ("run", "deltarl.run.cli", "run"),
     ("spaces", "deltarl.services.spaces.cli", "app"),
 ]
 
@@ -89,7 +90,12 @@ EXTRAS: dict[str, str] = {
 }
 # Commands whose whole stack is an extra: recommend it rather than the missing module's own (the
 # trainer and the rollout worker need transformers as well as torch).
-COMMAND_EXTRAS: dict[str, str] = {"train": "model", "rollout": "model", "demo": "model"}
+COMMAND_EXTRAS: dict[str, str] = {
+    "train": "model",
+    "rollout": "model",
+    "demo": "model",
+    "run": "model",
+}
 
 
 def missing_extra_message(exc: ModuleNotFoundError) -> str | None:

@@ -39,7 +39,7 @@ from deltarl.demo.plan import DemoPlan
 EXIT_INTERRUPTED = 130
 
 
-def _run_dir(base: Path | None) -> Path:
+def make_run_dir(base: Path | None) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     d = base if base is not None else Path("runs") / f"demo-{stamp}"
     if d.exists() and any(d.iterdir()):
@@ -48,7 +48,7 @@ def _run_dir(base: Path | None) -> Path:
     return d.resolve()
 
 
-def _quiet_console_logging(log_file: Path) -> None:
+def quiet_console_logging(log_file: Path) -> None:
     """Send this process's log records to ``log_file``; keep only warnings on the terminal
     (the live view owns it)."""
     root = logging.getLogger()
@@ -114,17 +114,19 @@ def demo(
         raise typer.BadParameter(f"unknown task {task!r}: choose wordle or charset")
     plan = DemoPlan.for_model(tiny, steps, workers, "charset" if task == "charset" else "wordle")
     plan = dataclasses.replace(plan, seed=seed)
-    rd = _run_dir(run_dir)
+    rd = make_run_dir(run_dir)
     (rd / "logs").mkdir(exist_ok=True)
-    _quiet_console_logging(rd / "logs" / "demo.log")
+    quiet_console_logging(rd / "logs" / "demo.log")
     use_live = console.is_terminal if live is None else live
 
     from deltarl.demo.runner import DemoFailedError, run_demo
 
-    signal.signal(signal.SIGTERM, _interrupt)  # stop the children as on Ctrl-C
+    signal.signal(signal.SIGTERM, interrupt)  # stop the children as on Ctrl-C
 
     try:
-        summary = run_demo(plan, rd, cache_dir, console, timeout_s=timeout_s, live=use_live)
+        summary = run_demo(
+            plan.run_config(), rd, cache_dir, console, timeout_s=timeout_s, live=use_live
+        )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every process was stopped[/yellow]")
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -137,5 +139,5 @@ def demo(
         raise typer.Exit(1)
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")

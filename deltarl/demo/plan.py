@@ -5,16 +5,15 @@ environment its children share. The command is :mod:`deltarl.demo.cli`, the run
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltarl.demo.model import ModelKind
+from deltarl.run.config import RunConfig
 
 __all__ = ["DemoPlan", "DemoTask", "demo_environment", "new_token"]
 
@@ -98,27 +97,51 @@ class DemoPlan:
             max_new_tokens=32,
         )
 
-    def trainer_overrides(self, model_dir: Path, trainer_dir: Path) -> list[str]:
-        """``--set`` arguments of ``deltarl train``."""
-        values: dict[str, Any] = {
-            "model": str(model_dir),
-            "run_dir": str(trainer_dir),
-            "seed": self.seed,
-            "max_steps": self.steps,
-            "optimizer.lr": self.lr,
-            "optimizer.weight_decay": self.weight_decay,
-            "batch.group_size": self.group_size,
-            "batch.groups_per_step": self.groups_per_step,
-            "batch.micro_batch_size": self.group_size * self.groups_per_step,
-            "batch.max_staleness": self.max_staleness,
-            "publish.anchor_every": self.anchor_every,
-            "checkpoint.every": 0,
-            "checkpoint.keep": 1,
+    def run_config(self) -> RunConfig:
+        """This experiment as a run config (what ``deltarl run`` reads from a TOML file)."""
+        env: dict[str, Any] = {"task": self.task}
+        rollout: dict[str, Any] = {
+            "workers": self.workers,
+            "device": "cpu",
+            "max_turns": self.max_turns,
+            "max_new_tokens": self.max_new_tokens,
+            "in_flight_groups": 1,
+            "shutdown_grace_s": 2.0,
+            "submit_timeout_s": 10.0,
         }
-        out: list[str] = []
-        for key, value in values.items():
-            out += ["--set", f"{key}={json.dumps(value)}"]
-        return out
+        if self.task == "charset":  # target a-z, full marks from 8 characters
+            rollout["system_prompt"] = ""  # the env's own instructions, not the Wordle prompt
+        else:
+            env |= {
+                "max_guesses": self.env_max_guesses,
+                "max_invalid_moves": self.max_turns - 1,
+                "allow_non_words": True,
+            }
+        return RunConfig.model_validate(
+            {
+                "run": {
+                    "model": self.model_kind,
+                    "group_size": self.group_size,
+                    "max_staleness": self.max_staleness,
+                    "seed": self.seed,
+                },
+                "env": env,
+                # a few steps' worth of groups: workers idle instead of filling a long queue
+                "coordinator": {"target_queue_groups": 2 * self.groups_per_step},
+                "rollout": rollout,
+                "trainer": {
+                    "device": "cpu",
+                    "max_steps": self.steps,
+                    "optimizer": {"lr": self.lr, "weight_decay": self.weight_decay},
+                    "batch": {
+                        "groups_per_step": self.groups_per_step,
+                        "micro_batch_size": self.group_size * self.groups_per_step,
+                    },
+                    "publish": {"anchor_every": self.anchor_every},
+                    "checkpoint": {"every": 0, "keep": 1},
+                },
+            }
+        )
 
 
 def new_token() -> str:
@@ -126,21 +149,15 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def demo_environment(rd: Path) -> dict[str, str]:
-    """Environment shared by every child: the bucket, quiet tokenizers, one thread each
-    (two workers, a trainer and two services share the cores)."""
+def demo_environment() -> dict[str, str]:
+    """Environment shared by every child: quiet tokenizers, one thread each (two workers, a
+    trainer and two services share the cores)."""
     return {
-        "DELTARL_BUCKET_URI": str(rd / "bucket"),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "DELTARL_LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
     }
-
-
-def plan_dict(plan: DemoPlan) -> dict[str, Any]:
-    """The plan as JSON-ready values (written into summary.json)."""
-    return asdict(plan)
 
 
 def elapsed(t0: float) -> float:

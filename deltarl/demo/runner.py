@@ -8,15 +8,15 @@ import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from rich.console import Console
 from rich.live import Live
 
 from deltarl.cluster import ProcessDiedError, ProcessGroup, free_port, tail, wait_healthy
-from deltarl.demo.model import prepare_model
-from deltarl.demo.plan import DemoPlan, demo_environment, elapsed, new_token, plan_dict
+from deltarl.demo.model import ModelKind, prepare_model
+from deltarl.demo.plan import demo_environment, elapsed, new_token
 from deltarl.demo.report import (
     WorkerLog,
     bytes_summary,
@@ -27,6 +27,8 @@ from deltarl.demo.report import (
     reward_series,
     trainer_final,
 )
+from deltarl.run.config import PREPARED_MODELS, RunConfig
+from deltarl.run.derive import Endpoints, Tokens, derive
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import StatusSummary, VersionRecord, WorkerInfo
 
@@ -66,31 +68,34 @@ def _all_versions(client: CoordinatorClient) -> list[VersionRecord]:
 
 
 def run_demo(
-    plan: DemoPlan,
+    config: RunConfig,
     rd: Path,
     cache_dir: Path,
     console: Console,
     *,
     timeout_s: float,
     live: bool,
+    title: str = "deltarl demo",
 ) -> dict[str, Any]:
-    """Run the demo in ``rd``; returns the summary (also in ``rd/summary.json``).
+    """Run ``config``'s system in ``rd`` (``deltarl demo`` and ``deltarl run``); returns the summary (also in ``rd/summary.json``).
 
     Raises :class:`DemoFailedError` when a process dies or time runs out, and lets
     ``KeyboardInterrupt`` through; every child is stopped in all cases.
     """
     t0 = time.monotonic()
-    console.print(f"[bold]deltarl demo[/bold]: run directory {rd}")
-    console.print(f"preparing the model ({plan.model_kind}) in {cache_dir} ...")
-    try:
-        model_dir = prepare_model(plan.model_kind, cache_dir)
-    except ValueError as exc:
-        raise DemoFailedError(str(exc)) from exc
-    console.print(f"model directory: {model_dir} ({elapsed(t0):.0f} s)")
+    console.print(f"[bold]{title}[/bold]: run directory {rd}")
+    model = config.run.model
+    if model in PREPARED_MODELS:
+        console.print(f"preparing the model ({model}) in {cache_dir} ...")
+        try:
+            model = str(prepare_model(cast(ModelKind, model), cache_dir))
+        except ValueError as exc:
+            raise DemoFailedError(str(exc)) from exc
+        console.print(f"model directory: {model} ({elapsed(t0):.0f} s)")
 
     group = ProcessGroup(rd / "logs")
     try:
-        return _run(plan, rd, model_dir, group, console, t0=t0, timeout_s=timeout_s, live=live)
+        return _run(config, rd, model, group, console, t0=t0, timeout_s=timeout_s, live=live)
     except ProcessDiedError as exc:
         raise DemoFailedError(
             f"{exc.child.name} died (exit code {exc.code}); the end of {exc.child.log}:",
@@ -103,9 +108,9 @@ def run_demo(
 
 
 def _run(
-    plan: DemoPlan,
+    config: RunConfig,
     rd: Path,
-    model_dir: Path,
+    model: str,
     group: ProcessGroup,
     console: Console,
     *,
@@ -113,69 +118,33 @@ def _run(
     timeout_s: float,
     live: bool,
 ) -> dict[str, Any]:
-    trainer_token, worker_token, env_token = new_token(), new_token(), new_token()
-    common = demo_environment(rd)
-    coord_port, env_port = free_port(HOST), free_port(HOST)
-    coord_url, env_url = f"http://{HOST}:{coord_port}", f"http://{HOST}:{env_port}"
-
-    coordinator = group.start(
-        "coordinator",
-        ["coordinator", "--host", HOST, "--port", str(coord_port)],
-        common
-        | {
-            "DELTARL_COORDINATOR_SQLITE_PATH": str(rd / "coordinator.sqlite3"),
-            "DELTARL_COORDINATOR_TRAINER_TOKEN": trainer_token,
-            "DELTARL_COORDINATOR_WORKER_TOKEN": worker_token,
-            "DELTARL_COORDINATOR_MAX_STALENESS": str(plan.max_staleness),
-            # a few steps' worth of groups: workers idle instead of filling a long queue
-            "DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": str(2 * plan.groups_per_step),
-        },
+    endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
+    tokens = Tokens(trainer=new_token(), worker=new_token(), env=new_token())
+    launches = derive(
+        config,
+        run_dir=rd,
+        model=model,
+        endpoints=endpoints,
+        tokens=tokens,
+        bucket_uri=str(rd / "bucket"),
     )
-    env = group.start(
-        "env",
-        ["env", "--host", HOST, "--port", str(env_port)],
-        common | {"DELTARL_ENV_TOKEN": env_token} | _env_settings(plan),
-    )
-    wait_healthy(f"{coord_url}/health", coordinator)
-    wait_healthy(f"{env_url}/health", env)
-    console.print(f"status page: [link={coord_url}/]{coord_url}/[/link]")
-
-    worker_ids = [f"demo-worker-{i + 1}" for i in range(plan.workers)]
-    for i, wid in enumerate(worker_ids):
-        group.start(
-            wid,
-            ["rollout"],
-            common
-            | {
-                "DELTARL_ROLLOUT_COORDINATOR_URL": coord_url,
-                "DELTARL_ROLLOUT_WORKER_TOKEN": worker_token,
-                "DELTARL_ROLLOUT_ENV_URL": env_url,
-                "DELTARL_ROLLOUT_ENV_TOKEN": env_token,
-                "DELTARL_ROLLOUT_WORKER_ID": wid,
-                "DELTARL_ROLLOUT_MODEL": str(model_dir),
-                "DELTARL_ROLLOUT_DEVICE": "cpu",
-                "DELTARL_ROLLOUT_ENGINE_SEED": str(plan.seed * plan.workers + i),
-                "DELTARL_ROLLOUT_GROUP_SIZE": str(plan.group_size),
-                "DELTARL_ROLLOUT_MAX_TURNS": str(plan.max_turns),
-                "DELTARL_ROLLOUT_MAX_NEW_TOKENS": str(plan.max_new_tokens),
-                # charset: the env's own instructions only, not the Wordle player prompt
-                **({"DELTARL_ROLLOUT_SYSTEM_PROMPT": ""} if plan.task == "charset" else {}),
-                "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": "1",
-                "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
-                "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "10",
-            },
-        )
+    common = demo_environment()
+    by_name = {launch.name: launch for launch in launches}
+    children = {}
+    for launch in launches:
+        children[launch.name] = group.start(launch.name, launch.args, common | launch.env)
+        if launch.name == "env":  # both servers up before any client starts
+            wait_healthy(f"{endpoints.coordinator_url}/health", children["coordinator"])
+            wait_healthy(f"{endpoints.env_url}/health", children["env"])
+            console.print(
+                f"status page: [link={endpoints.coordinator_url}/]{endpoints.coordinator_url}/[/link]"
+            )
+    trainer = children["trainer"]
+    coord_url = endpoints.coordinator_url
+    worker_ids = [n for n in by_name if n not in ("coordinator", "env", "trainer")]
     trainer_dir = rd / "trainer"
-    trainer = group.start(
-        "trainer",
-        ["train", *plan.trainer_overrides(model_dir, trainer_dir)],
-        common
-        | {
-            "DELTARL_TRAINER_COORDINATOR_URL": coord_url,
-            "DELTARL_TRAINER_TOKEN": trainer_token,
-            "DELTARL_TRAINER_DEVICE": "cpu",
-        },
-    )
+    steps = int(config.trainer.get("max_steps", 200))
+    task = str(config.env.get("task", "wordle"))
 
     processes = {c.name: {"pid": c.proc.pid, "log": str(c.log)} for c in group.children}
     (rd / "processes.json").write_text(json.dumps(processes, indent=2) + "\n")
@@ -214,7 +183,7 @@ def _run(
                             workers,
                             logs,
                             elapsed_s=elapsed(t0),
-                            steps=plan.steps,
+                            steps=steps,
                             status_url=f"{coord_url}/",
                             note=note,
                         )
@@ -229,22 +198,10 @@ def _run(
     for log in logs.values():
         log.update()
     assert final is not None
-    summary = _summarize(plan, rd, trainer_dir, final, status, workers, logs, versions, t0)
+    summary = _summarize(config, task, rd, trainer_dir, final, status, workers, logs, versions, t0)
     (rd / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_summary(console, summary)
     return summary
-
-
-def _env_settings(plan: DemoPlan) -> dict[str, str]:
-    """The env server's task settings."""
-    if plan.task == "charset":
-        return {"DELTARL_ENV_TASK": "charset"}  # target a-z, full marks from 8 characters
-    return {
-        "DELTARL_ENV_TASK": "wordle",
-        "DELTARL_ENV_MAX_GUESSES": str(plan.env_max_guesses),
-        "DELTARL_ENV_MAX_INVALID_MOVES": str(plan.max_turns - 1),
-        "DELTARL_ENV_ALLOW_NON_WORDS": "true",
-    }
 
 
 def _timeout_message(final: int | None, workers: list[WorkerInfo], timeout_s: float) -> str:
@@ -296,7 +253,8 @@ def _print_line(
 
 
 def _summarize(
-    plan: DemoPlan,
+    config: RunConfig,
+    task: str,
     rd: Path,
     trainer_dir: Path,
     final: int,
@@ -348,15 +306,15 @@ def _summarize(
     trained = reward_series(trainer_dir)
     by_version = [(r.version, r.mean_reward) for r in (status.rewards if status else [])]
     image = rd / "reward.png"
-    renderer = draw_reward_curve(image, trained, by_version, task=plan.task)
+    renderer = draw_reward_curve(image, trained, by_version, task=task)
     full_model = record.full_bytes
     return {
         "ok": len(identical) == len(logs),
         "run_dir": str(rd),
         "elapsed_s": round(elapsed(t0), 1),
-        "plan": plan_dict(plan),
+        "config": config.model_dump(),
         "final_version": final,
-        "bytes": bytes_summary(versions, plan.workers),
+        "bytes": bytes_summary(versions, config.workers),
         "received": {
             "per_worker": received,
             "objects_per_worker": applied_versions,
