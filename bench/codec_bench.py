@@ -24,14 +24,10 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
 from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
 from deltarl.services.weightsync.codec.trl_format import encode_trl

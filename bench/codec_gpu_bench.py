@@ -29,14 +29,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from deltarl.services.weightsync import (
     apply_staged,
     compute_delta,

@@ -30,9 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync

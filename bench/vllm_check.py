@@ -30,15 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine
 from deltarl.rollout.engines.vllm_transfer import encode_message

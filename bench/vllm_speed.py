@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 COLUMNS = ("engine", "llm_same", "llm_default", "hf")  # the table's four
 EXTRA = ("engine_sync", "llm_inproc")  # on request: what async scheduling, a process buy
 RESULT = "deltarl-vllm-speed-result: "

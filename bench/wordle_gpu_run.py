@@ -37,18 +37,17 @@ import os
 import re
 import signal
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from deltarl.cluster import ProcessGroup, free_port, wait_healthy
 from deltarl.demo.model import prepare_model
 from deltarl.demo.plan import new_token
+from deltarl.run.config import RunConfig
+from deltarl.run.derive import Endpoints, RunLayout, Tokens
 
 HOST = "127.0.0.1"
 
@@ -93,127 +92,99 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _set(values: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for key, value in values.items():
-        out += ["--set", f"{key}={json.dumps(value)}"]
-    return out
+def run_config(a: argparse.Namespace) -> RunConfig:
+    """The run this script starts, as a run config (deltarl/run): the same derivation as
+    ``deltarl run`` and the fault suite."""
+    env: dict[str, Any] = {"task": a.task}
+    rollout: dict[str, Any] = {
+        "workers": a.workers,
+        "engine": a.engine,
+        "gpu_memory_utilization": a.gpu_memory_utilization,
+        "device": a.device,
+        "max_turns": a.max_turns if a.max_turns is not None else a.max_guesses + a.max_invalid,
+        "max_new_tokens": a.max_new_tokens,
+        "in_flight_groups": a.in_flight_groups,
+        "shutdown_grace_s": 2.0,
+        "submit_timeout_s": 10.0,
+    }
+    if a.task == "charset":
+        rollout["system_prompt"] = ""  # the env's own instructions, not the Wordle player prompt
+    else:
+        env |= {
+            "max_guesses": a.max_guesses,
+            "max_invalid_moves": a.max_invalid,
+            "allow_non_words": True,
+            "format_credit": a.format_credit,
+        }
+    return RunConfig.model_validate(
+        {
+            "run": {
+                "group_size": a.group_size,
+                "max_staleness": a.max_staleness,
+                "seed": a.seed,
+            },
+            "env": env,
+            "coordinator": {"target_queue_groups": 2 * a.groups_per_step},
+            "rollout": rollout,
+            "trainer": {
+                "device": a.device,
+                "max_steps": a.steps,
+                "optimizer": {"lr": a.lr, "warmup_steps": a.warmup},
+                "batch": {
+                    "groups_per_step": a.groups_per_step,
+                    "micro_batch_size": a.group_size * a.groups_per_step,
+                },
+                "publish": {"anchor_every": a.anchor_every},
+                "checkpoint": {"every": 0, "keep": 1},
+            },
+        }
+    )
 
 
 def start_all(
     a: argparse.Namespace, rd: Path, model_dir: Path
 ) -> tuple[ProcessGroup, str, dict[str, str]]:
-    trainer_token, worker_token, env_token = new_token(), new_token(), new_token()
     common = {
-        "DELTARL_BUCKET_URI": str(rd / "bucket"),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "2",
         "DELTARL_LOG_LEVEL": "INFO",
         "PYTHONUNBUFFERED": "1",
     }
+    endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
+    tokens = Tokens(trainer=new_token(), worker=new_token(), env=new_token())
+    layout = RunLayout(run_config(a), rd, str(model_dir), endpoints, tokens, str(rd / "bucket"))
     group = ProcessGroup(rd / "logs")
-    cport, eport = free_port(HOST), free_port(HOST)
-    curl, eurl = f"http://{HOST}:{cport}", f"http://{HOST}:{eport}"
-    coord = group.start(
-        "coordinator",
-        ["coordinator", "--host", HOST, "--port", str(cport)],
-        common
-        | {
-            "DELTARL_COORDINATOR_SQLITE_PATH": str(rd / "coordinator.sqlite3"),
-            "DELTARL_COORDINATOR_TRAINER_TOKEN": trainer_token,
-            "DELTARL_COORDINATOR_WORKER_TOKEN": worker_token,
-            "DELTARL_COORDINATOR_MAX_STALENESS": str(a.max_staleness),
-            "DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": str(2 * a.groups_per_step),
-        },
-    )
-    task_env = (
-        {"DELTARL_ENV_TASK": "charset"}
-        if a.task == "charset"
-        else {
-            "DELTARL_ENV_TASK": "wordle",
-            "DELTARL_ENV_MAX_GUESSES": str(a.max_guesses),
-            "DELTARL_ENV_MAX_INVALID_MOVES": str(a.max_invalid),
-            "DELTARL_ENV_ALLOW_NON_WORDS": "true",
-            "DELTARL_ENV_FORMAT_CREDIT": str(a.format_credit),
-        }
-    )
-    env = group.start(
-        "env",
-        ["env", "--host", HOST, "--port", str(eport)],
-        common | {"DELTARL_ENV_TOKEN": env_token} | task_env,
-    )
+    coordinator, env = layout.coordinator(), layout.env()
+    coord = group.start(coordinator.name, coordinator.args, common | coordinator.env)
+    env_child = group.start(env.name, env.args, common | env.env)
+    curl = endpoints.coordinator_url
     wait_healthy(f"{curl}/health", coord)
-    wait_healthy(f"{eurl}/health", env)
+    wait_healthy(f"{endpoints.env_url}/health", env_child)
     metrics: dict[str, str] = {}
     for i in range(a.workers):
-        wid = f"gpu-worker-{i + 1}"
+        w = layout.worker(i, worker_id=f"gpu-worker-{i + 1}")
         port = free_port(HOST)
-        metrics[wid] = f"http://{HOST}:{port}/metrics"
+        metrics[w.name] = f"http://{HOST}:{port}/metrics"
         pinned = (
             {"CUDA_VISIBLE_DEVICES": str(a.worker_gpus[i % len(a.worker_gpus)])}
             if a.worker_gpus
             else {}
         )
         group.start(
-            wid,
-            ["rollout", "--host", HOST, "--port", str(port)],
+            w.name,
+            [*w.args, "--host", HOST, "--port", str(port)],
             common
+            | w.env
             | pinned
-            | {
-                "DELTARL_ROLLOUT_ENGINE": a.engine,
-                "DELTARL_ROLLOUT_GPU_MEMORY_UTILIZATION": str(a.gpu_memory_utilization),
-                "DELTARL_ROLLOUT_SYNC_LOG": str(rd / f"{wid}.syncs.jsonl"),
-                "DELTARL_ROLLOUT_COORDINATOR_URL": curl,
-                "DELTARL_ROLLOUT_WORKER_TOKEN": worker_token,
-                "DELTARL_ROLLOUT_ENV_URL": eurl,
-                "DELTARL_ROLLOUT_ENV_TOKEN": env_token,
-                "DELTARL_ROLLOUT_WORKER_ID": wid,
-                "DELTARL_ROLLOUT_MODEL": str(model_dir),
-                "DELTARL_ROLLOUT_DEVICE": a.device,
-                "DELTARL_ROLLOUT_ENGINE_SEED": str(a.seed * a.workers + i),
-                "DELTARL_ROLLOUT_GROUP_SIZE": str(a.group_size),
-                "DELTARL_ROLLOUT_MAX_TURNS": str(
-                    a.max_turns if a.max_turns is not None else a.max_guesses + a.max_invalid
-                ),
-                # charset: the env's own instructions, not the Wordle player prompt
-                **({"DELTARL_ROLLOUT_SYSTEM_PROMPT": ""} if a.task == "charset" else {}),
-                "DELTARL_ROLLOUT_MAX_NEW_TOKENS": str(a.max_new_tokens),
-                "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": str(a.in_flight_groups),
-                "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
-                "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "10",
-            },
+            | {"DELTARL_ROLLOUT_SYNC_LOG": str(rd / f"{w.name}.syncs.jsonl")},
         )
         if a.engine == "vllm":  # one vLLM start at a time: its memory profiling sees the GPU
             wait_logged(group.children[-1], "vllm engine:", 600.0)
-    overrides = {
-        "model": str(model_dir),
-        "run_dir": str(rd / "trainer"),
-        "seed": a.seed,
-        "max_steps": a.steps,
-        "optimizer.lr": a.lr,
-        "optimizer.warmup_steps": a.warmup,
-        "batch.group_size": a.group_size,
-        "batch.groups_per_step": a.groups_per_step,
-        "batch.micro_batch_size": a.group_size * a.groups_per_step,
-        "batch.max_staleness": a.max_staleness,
-        "publish.anchor_every": a.anchor_every,
-        "checkpoint.every": 0,
-        "checkpoint.keep": 1,
-    }
     launcher: list[str] = []
     if a.trainer_nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(a.trainer_nproc)]
-    group.start(
-        "trainer",
-        ["train", *_set(overrides)],
-        common
-        | {
-            "DELTARL_TRAINER_COORDINATOR_URL": curl,
-            "DELTARL_TRAINER_TOKEN": trainer_token,
-            "DELTARL_TRAINER_DEVICE": a.device,
-        },
-        python_args=launcher,
-    )
+    t = layout.trainer()
+    group.start(t.name, t.args, common | t.env, python_args=launcher)
     return group, curl, metrics
 
 

@@ -101,6 +101,100 @@ def experiment(config: RunConfig, *, model: str, run_dir: Path) -> dict[str, Any
     return data
 
 
+@dataclass(frozen=True)
+class RunLayout:
+    """Where one run's services live and what each receives (one method per service).
+
+    ``model``: the model as the processes load it (a prepared directory, or
+    ``config.run.model`` itself). The launcher of a run (``deltarl run``/``demo``), the GPU
+    benchmark scripts and the fault suite all start their processes from these launches,
+    adding only what is theirs (a fault hook, a GPU pin, a port for metrics).
+    """
+
+    config: RunConfig
+    run_dir: Path
+    model: str
+    endpoints: Endpoints
+    tokens: Tokens
+    bucket_uri: str
+
+    @property
+    def common(self) -> dict[str, str]:
+        return {"DELTARL_BUCKET_URI": self.bucket_uri}
+
+    def coordinator(self) -> ServiceLaunch:
+        c, e = self.config, self.endpoints
+        return ServiceLaunch(
+            "coordinator",
+            ["coordinator", "--host", e.host, "--port", str(e.coordinator_port)],
+            self.common
+            | section_env("coordinator", c.coordinator | shared_values(c, "coordinator"))
+            | {
+                "DELTARL_COORDINATOR_SQLITE_PATH": str(self.run_dir / "coordinator.sqlite3"),
+                "DELTARL_COORDINATOR_TRAINER_TOKEN": self.tokens.trainer,
+                "DELTARL_COORDINATOR_WORKER_TOKEN": self.tokens.worker,
+            },
+        )
+
+    def env(self) -> ServiceLaunch:
+        e = self.endpoints
+        return ServiceLaunch(
+            "env",
+            ["env", "--host", e.host, "--port", str(e.env_port)],
+            self.common
+            | section_env("env", self.config.env)
+            | {"DELTARL_ENV_TOKEN": self.tokens.env},
+        )
+
+    def worker(
+        self, index: int, worker_id: str | None = None, seed: int | None = None
+    ) -> ServiceLaunch:
+        """Worker ``index`` (0-based): id ``worker-<index+1>`` unless given; engine seed
+        ``run.seed * workers + index`` unless given."""
+        c, e = self.config, self.endpoints
+        wid = worker_id if worker_id is not None else f"worker-{index + 1}"
+        values = {k: v for k, v in c.rollout.items() if k not in ROLLOUT_LAUNCH}
+        values |= shared_values(c, "rollout") | {
+            "model": self.model,
+            "engine_seed": seed if seed is not None else c.run.seed * c.workers + index,
+        }
+        return ServiceLaunch(
+            wid,
+            ["rollout"],
+            self.common
+            | section_env("rollout", values)
+            | {
+                "DELTARL_ROLLOUT_COORDINATOR_URL": e.coordinator_url,
+                "DELTARL_ROLLOUT_WORKER_TOKEN": self.tokens.worker,
+                "DELTARL_ROLLOUT_ENV_URL": e.env_url,
+                "DELTARL_ROLLOUT_ENV_TOKEN": self.tokens.env,
+                "DELTARL_ROLLOUT_WORKER_ID": wid,
+            },
+        )
+
+    def trainer(self) -> ServiceLaunch:
+        """Writes the resolved experiment to ``run_dir/trainer.json`` (``--config``)."""
+        exp_file = self.run_dir / "trainer.json"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        data = experiment(self.config, model=self.model, run_dir=self.run_dir / "trainer")
+        exp_file.write_text(json.dumps(data, indent=2) + "\n")
+        return ServiceLaunch(
+            "trainer",
+            ["train", "--config", str(exp_file)],
+            self.common
+            | {
+                "DELTARL_TRAINER_COORDINATOR_URL": self.endpoints.coordinator_url,
+                "DELTARL_TRAINER_TOKEN": self.tokens.trainer,
+                "DELTARL_TRAINER_DEVICE": str(self.config.trainer.get("device", "cpu")),
+            },
+        )
+
+    def all(self) -> list[ServiceLaunch]:
+        """Every service in start order: coordinator, env, the workers, the trainer."""
+        workers = [self.worker(i) for i in range(self.config.workers)]
+        return [self.coordinator(), self.env(), *workers, self.trainer()]
+
+
 def derive(
     config: RunConfig,
     *,
@@ -110,65 +204,8 @@ def derive(
     tokens: Tokens,
     bucket_uri: str,
 ) -> list[ServiceLaunch]:
-    """The coordinator, the env server, ``workers`` rollout workers and the trainer, in start
-    order. ``model``: the model as the processes load it (a prepared directory, or
-    ``config.run.model`` itself). Writes the trainer's resolved experiment to
-    ``run_dir/trainer.json``."""
-    common = {"DELTARL_BUCKET_URI": bucket_uri}
-    coordinator = ServiceLaunch(
-        "coordinator",
-        ["coordinator", "--host", endpoints.host, "--port", str(endpoints.coordinator_port)],
-        common
-        | section_env("coordinator", config.coordinator | shared_values(config, "coordinator"))
-        | {
-            "DELTARL_COORDINATOR_SQLITE_PATH": str(run_dir / "coordinator.sqlite3"),
-            "DELTARL_COORDINATOR_TRAINER_TOKEN": tokens.trainer,
-            "DELTARL_COORDINATOR_WORKER_TOKEN": tokens.worker,
-        },
-    )
-    env = ServiceLaunch(
-        "env",
-        ["env", "--host", endpoints.host, "--port", str(endpoints.env_port)],
-        common | section_env("env", config.env) | {"DELTARL_ENV_TOKEN": tokens.env},
-    )
-    rollout = {k: v for k, v in config.rollout.items() if k not in ROLLOUT_LAUNCH}
-    shared = shared_values(config, "rollout") | {"model": model}
-    workers = []
-    for i in range(config.workers):
-        wid = f"worker-{i + 1}"
-        values = rollout | shared | {"engine_seed": config.run.seed * config.workers + i}
-        workers.append(
-            ServiceLaunch(
-                wid,
-                ["rollout"],
-                common
-                | section_env("rollout", values)
-                | {
-                    "DELTARL_ROLLOUT_COORDINATOR_URL": endpoints.coordinator_url,
-                    "DELTARL_ROLLOUT_WORKER_TOKEN": tokens.worker,
-                    "DELTARL_ROLLOUT_ENV_URL": endpoints.env_url,
-                    "DELTARL_ROLLOUT_ENV_TOKEN": tokens.env,
-                    "DELTARL_ROLLOUT_WORKER_ID": wid,
-                },
-            )
-        )
-    trainer_dir = run_dir / "trainer"
-    exp_file = run_dir / "trainer.json"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    exp_file.write_text(
-        json.dumps(experiment(config, model=model, run_dir=trainer_dir), indent=2) + "\n"
-    )
-    trainer = ServiceLaunch(
-        "trainer",
-        ["train", "--config", str(exp_file)],
-        common
-        | {
-            "DELTARL_TRAINER_COORDINATOR_URL": endpoints.coordinator_url,
-            "DELTARL_TRAINER_TOKEN": tokens.trainer,
-            "DELTARL_TRAINER_DEVICE": str(config.trainer.get("device", "cpu")),
-        },
-    )
-    return [coordinator, env, *workers, trainer]
+    """Every service of ``config`` in start order (:meth:`RunLayout.all`)."""
+    return RunLayout(config, run_dir, model, endpoints, tokens, bucket_uri).all()
 
 
 def check_services(config: RunConfig) -> None:

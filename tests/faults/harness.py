@@ -30,10 +30,13 @@ from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorEr
 from deltarl.services.coordinator.schemas import StatusSummary, WorkerInfo
 
 from deltarl.cluster import Child, ProcessGroup, free_port, tail, wait_healthy
+from deltarl.run.config import RunConfig
+from deltarl.run.derive import Endpoints, RunLayout, ServiceLaunch, Tokens
 
 HOST = "127.0.0.1"
 TRAINER_TOKEN = "faults-trainer-token-0123456789abcdef"
 WORKER_TOKEN = "faults-worker-token-0123456789abcdef"
+ENV_TOKEN = "faults-env-token-0123456789abcdef"
 GROUP_SIZE = 2
 GROUPS_PER_STEP = 1
 
@@ -107,9 +110,10 @@ class Cluster:
     store: str = "sqlite"  # or "redis"
     redis_url: str | None = None
     redis_prefix: str = "faults"
-    coordinator_env: dict[str, str] = field(default_factory=dict)
-    worker_env: dict[str, str] = field(default_factory=dict)
-    trainer_sets: dict[str, Any] = field(default_factory=dict)
+    # extra settings of each section of the run config (test knobs)
+    coordinator_settings: dict[str, Any] = field(default_factory=dict)
+    rollout_settings: dict[str, Any] = field(default_factory=dict)
+    trainer_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -117,9 +121,18 @@ class Cluster:
         self.bucket = self.root / "bucket"
         self.trainer_dir = self.root / "trainer"
         self.sqlite_path = self.root / "coordinator.sqlite3"
-        self.coord_port, self.env_port = free_port(HOST), free_port(HOST)
-        self.url = f"http://{HOST}:{self.coord_port}"
-        self.env_url = f"http://{HOST}:{self.env_port}"
+        endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
+        self.coord_port, self.env_port = endpoints.coordinator_port, endpoints.env_port
+        self.url, self.env_url = endpoints.coordinator_url, endpoints.env_url
+        # the services' settings come from one run config, like `deltarl run`'s (deltarl/run)
+        self.layout = RunLayout(
+            self.run_config(),
+            self.root,
+            str(self.model_dir),
+            endpoints,
+            Tokens(trainer=TRAINER_TOKEN, worker=WORKER_TOKEN, env=ENV_TOKEN),
+            str(self.bucket),
+        )
         self.coordinator: Child | None = None
         self.env: Child | None = None
         self.trainer: Child | None = None
@@ -129,123 +142,98 @@ class Cluster:
         self._ended: set[str] = set()  # children this test stopped or killed on purpose
         self.client = CoordinatorClient(self.url, TRAINER_TOKEN, timeout=5.0, retries=0)
 
+    def run_config(self) -> RunConfig:
+        coordinator: dict[str, Any] = {
+            "store": self.store,
+            "heartbeat_interval_s": 0.25,
+            "lost_after_s": 5.0,
+            "status_cache_s": 0.0,
+            "event_poll_s": 0.1,
+            "reclaim_interval_s": 0.2,
+            "target_queue_groups": 6,
+        }
+        if self.redis_url is not None:
+            coordinator |= {"redis_url": self.redis_url, "redis_prefix": self.redis_prefix}
+        rollout: dict[str, Any] = {
+            "device": "cpu",
+            "max_turns": 2,
+            "max_new_tokens": 6,
+            "in_flight_groups": 1,
+            "heartbeat_interval_s": 0.2,
+            "sync_poll_s": 0.5,
+            "admission_wait_s": 0.1,
+            "shutdown_grace_s": 2.0,
+            "submit_timeout_s": 60.0,
+        }
+        if os.environ.get("DELTARL_TEST_ROLLOUT_ENGINE") == "vllm":  # the suite on a GPU box
+            rollout |= {"engine": "vllm", "gpu_memory_utilization": 0.12}
+        trainer: dict[str, Any] = {
+            "device": "cpu",
+            "max_steps": 100000,
+            "optimizer": {
+                "lr": 1e-3,
+                # AdamW's decay moves a random model's weights although every advantage is 0:
+                # real, sparse deltas at every step
+                "weight_decay": 0.1,
+            },
+            "batch": {
+                "groups_per_step": GROUPS_PER_STEP,
+                "micro_batch_size": GROUP_SIZE * GROUPS_PER_STEP,
+                "lease_s": 3.0,
+            },
+            "publish": {"anchor_every": 0},
+            "checkpoint": {"every": 1, "keep": 2},
+        }
+        return RunConfig.model_validate(
+            {
+                # no group is ever dropped as stale: every accepted group is trained or queued
+                "run": {"group_size": GROUP_SIZE, "max_staleness": 100000},
+                "env": {"max_guesses": 1, "max_invalid_moves": 1, "allow_non_words": True},
+                "coordinator": coordinator | self.coordinator_settings,
+                "rollout": rollout | self.rollout_settings,
+                "trainer": trainer | self.trainer_settings,
+            }
+        )
+
     # ------------------------------------------------------------------ processes
 
     def common_env(self) -> dict[str, str]:
         return {
-            "DELTARL_BUCKET_URI": str(self.bucket),
             "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": "1",
             "DELTARL_LOG_LEVEL": "INFO",
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+    def _start(self, launch: ServiceLaunch, extra_env: dict[str, str] | None = None) -> Child:
+        name = launch.name
         n = self._incarnations[name] = self._incarnations.get(name, 0) + 1
-        return self.group.start(f"{name}.{n}", args, self.common_env() | env)
+        env = self.common_env() | launch.env | (extra_env or {})
+        return self.group.start(f"{name}.{n}", launch.args, env)
 
     def start_coordinator(self, wait: bool = True) -> Child:
-        env = {
-            "DELTARL_COORDINATOR_TRAINER_TOKEN": TRAINER_TOKEN,
-            "DELTARL_COORDINATOR_WORKER_TOKEN": WORKER_TOKEN,
-            "DELTARL_COORDINATOR_STORE": self.store,
-            "DELTARL_COORDINATOR_SQLITE_PATH": str(self.sqlite_path),
-            # no group is ever dropped as stale: every accepted group must be trained or queued
-            "DELTARL_COORDINATOR_MAX_STALENESS": "100000",
-            "DELTARL_COORDINATOR_HEARTBEAT_INTERVAL_S": "0.25",
-            "DELTARL_COORDINATOR_LOST_AFTER_S": "5",
-            "DELTARL_COORDINATOR_STATUS_CACHE_S": "0",
-            "DELTARL_COORDINATOR_EVENT_POLL_S": "0.1",
-            "DELTARL_COORDINATOR_RECLAIM_INTERVAL_S": "0.2",
-            "DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": "6",
-        }
-        if self.redis_url is not None:
-            env["DELTARL_COORDINATOR_REDIS_URL"] = self.redis_url
-            env["DELTARL_COORDINATOR_REDIS_PREFIX"] = self.redis_prefix
-        self.coordinator = self._start(
-            "coordinator",
-            ["coordinator", "--host", HOST, "--port", str(self.coord_port)],
-            env | self.coordinator_env,
-        )
+        self.coordinator = self._start(self.layout.coordinator())
         if wait:
             wait_healthy(f"{self.url}/health", self.coordinator)
         return self.coordinator
 
     def start_env(self) -> Child:
-        self.env = self._start(
-            "env",
-            ["env", "--host", HOST, "--port", str(self.env_port)],
-            {
-                "DELTARL_ENV_MAX_GUESSES": "1",
-                "DELTARL_ENV_MAX_INVALID_MOVES": "1",
-                "DELTARL_ENV_ALLOW_NON_WORDS": "true",
-            },
-        )
+        self.env = self._start(self.layout.env())
         wait_healthy(f"{self.env_url}/health", self.env)
         return self.env
 
     def start_worker(self, wid: str, seed: int = 0) -> Child:
         fault_dir = self.fault_dirs.setdefault(wid, self.root / "faults" / wid)
         fault_dir.mkdir(parents=True, exist_ok=True)
-        env = {
-            "DELTARL_ROLLOUT_COORDINATOR_URL": self.url,
-            "DELTARL_ROLLOUT_WORKER_TOKEN": WORKER_TOKEN,
-            "DELTARL_ROLLOUT_ENV_URL": self.env_url,
-            "DELTARL_ROLLOUT_WORKER_ID": wid,
-            "DELTARL_ROLLOUT_MODEL": str(self.model_dir),
-            "DELTARL_ROLLOUT_DEVICE": "cpu",
-            "DELTARL_ROLLOUT_ENGINE_SEED": str(seed),
-            "DELTARL_ROLLOUT_GROUP_SIZE": str(GROUP_SIZE),
-            "DELTARL_ROLLOUT_MAX_TURNS": "2",
-            "DELTARL_ROLLOUT_MAX_NEW_TOKENS": "6",
-            "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": "1",
-            "DELTARL_ROLLOUT_HEARTBEAT_INTERVAL_S": "0.2",
-            "DELTARL_ROLLOUT_SYNC_POLL_S": "0.5",
-            "DELTARL_ROLLOUT_ADMISSION_WAIT_S": "0.1",
-            "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "2",
-            "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "60",
-            "DELTARL_TEST_FAULT_DIR": str(fault_dir),
-        }
-        if os.environ.get("DELTARL_TEST_ROLLOUT_ENGINE") == "vllm":  # the suite on a GPU box
-            env |= {
-                "DELTARL_ROLLOUT_ENGINE": "vllm",
-                "DELTARL_ROLLOUT_GPU_MEMORY_UTILIZATION": "0.12",
-            }
-        self.workers[wid] = self._start(wid, ["rollout"], env | self.worker_env)
+        launch = self.layout.worker(0, worker_id=wid, seed=seed)
+        self.workers[wid] = self._start(launch, {"DELTARL_TEST_FAULT_DIR": str(fault_dir)})
         return self.workers[wid]
 
     def start_trainer(self, *, resume: bool = False) -> Child:
-        values: dict[str, Any] = {
-            "model": str(self.model_dir),
-            "run_dir": str(self.trainer_dir),
-            "max_steps": 100000,
-            "optimizer.lr": 1e-3,
-            # AdamW's decay moves a random model's weights although every advantage is 0:
-            # real, sparse deltas at every step
-            "optimizer.weight_decay": 0.1,
-            "batch.group_size": GROUP_SIZE,
-            "batch.groups_per_step": GROUPS_PER_STEP,
-            "batch.micro_batch_size": GROUP_SIZE * GROUPS_PER_STEP,
-            "batch.max_staleness": None,
-            "batch.lease_s": 3.0,
-            "publish.anchor_every": 0,
-            "checkpoint.every": 1,
-            "checkpoint.keep": 2,
-        } | self.trainer_sets
-        args = ["train"]
-        for key, value in values.items():
-            args += ["--set", f"{key}={json.dumps(value)}"]
+        launch = self.layout.trainer()
         if resume:
-            args.append("--resume")
-        self.trainer = self._start(
-            "trainer",
-            args,
-            {
-                "DELTARL_TRAINER_COORDINATOR_URL": self.url,
-                "DELTARL_TRAINER_TOKEN": TRAINER_TOKEN,
-                "DELTARL_TRAINER_DEVICE": "cpu",
-            },
-        )
+            launch = ServiceLaunch(launch.name, [*launch.args, "--resume"], launch.env)
+        self.trainer = self._start(launch)
         return self.trainer
 
     def kill(self, child: Child, sig: int = signal.SIGKILL) -> int:

@@ -127,7 +127,7 @@ def published(
         tmp_path_factory.mktemp("faults-bucket"),
         model_dir,
         # no trainer drains the queue here: room for every group the workers play
-        coordinator_env={"DELTARL_COORDINATOR_TARGET_QUEUE_GROUPS": "1000"},
+        coordinator_settings={"target_queue_groups": 1000},
     )
     try:
         c.start_coordinator()

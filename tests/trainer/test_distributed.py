@@ -23,8 +23,8 @@ from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
 from test_loop import FakeQueue
-from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 from test_step import Bigram
+from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 STEPS = 3
 

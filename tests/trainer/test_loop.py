@@ -25,8 +25,8 @@ from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from test_weight_publisher import FakeCoordinator, assert_bit_identical
 from test_step import Bigram, rollout
+from test_weight_publisher import FakeCoordinator, assert_bit_identical
 
 
 class FakeQueue:

@@ -19,8 +19,8 @@ from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
 from rich.console import Console
 from test_loop import FakeQueue
-from test_weight_publisher import FakeCoordinator
 from test_step import Bigram
+from test_weight_publisher import FakeCoordinator
 from typer.testing import CliRunner
 
 # what the issue asks for in every row (publish/* describe the previous version: from row 2)

@@ -1,0 +1,187 @@
+"""The run config (deltarl/run): one file for a whole run, shared values declared once, every
+service's settings derived from it and checked by that service's own settings class."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from deltarl.env_server.settings import EnvSettings
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
+from typer.testing import CliRunner
+
+from deltarl.cli import app
+from deltarl.demo.plan import DemoPlan
+from deltarl.run.config import (
+    LAUNCHER_FIELDS,
+    SHARED_FIELDS,
+    RunConfig,
+    RunConfigError,
+    load_run_config,
+)
+from deltarl.run.derive import Endpoints, RunLayout, Tokens, derive
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+TOKENS = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "exp.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses_and_checks(path: Path) -> None:
+    config = load_run_config(path)
+    assert config.workers >= 1
+
+
+@pytest.mark.parametrize(
+    ("name", "tiny", "task"),
+    [("demo.toml", False, "wordle"), ("charset-tiny.toml", True, "charset")],
+)
+def test_the_demo_presets_are_the_example_files(name: str, tiny: bool, task: str) -> None:
+    """`deltarl demo` is a preset of the run config: its plan and the example file agree."""
+    plan = DemoPlan.for_model(tiny, None, 2, task)  # type: ignore[arg-type]
+    assert plan.run_config().model_dump() == load_run_config(ROOT / "examples" / name).model_dump()
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [(s, k) for s, keys in SHARED_FIELDS.items() for k in keys],
+)
+def test_a_shared_value_set_in_a_service_section_is_refused(
+    tmp_path: Path, section: str, key: str
+) -> None:
+    *parents, leaf = key.split(".")
+    table = ".".join([section, *parents])
+    path = write(tmp_path, f"[{table}]\n{leaf} = 3\n")
+    with pytest.raises(RunConfigError, match=rf"\[{section}\] {key}: declared once .* \[run\]"):
+        load_run_config(path)
+
+
+@pytest.mark.parametrize(
+    ("section", "key"), [(s, k) for s, keys in LAUNCHER_FIELDS.items() for k in sorted(keys)]
+)
+def test_launcher_values_are_refused(tmp_path: Path, section: str, key: str) -> None:
+    path = write(tmp_path, f'[{section}]\n{key} = "x"\n')
+    with pytest.raises(RunConfigError, match=rf"\[{section}\] {key}: set by the launcher"):
+        load_run_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[env]\nmax_gueses = 2\n", r"\[env\] unknown setting\(s\): max_gueses"),
+        ("[rollout]\nmax_new_tokens = 0\n", r"\[rollout\] max_new_tokens: .*greater than"),
+        ("[rollout]\nworkers = 0\n", r"\[rollout\] workers: an integer from 1 to 64"),
+        ('[coordinator]\nstore = "mongo"\n', r"\[coordinator\] store: "),
+        ("[trainer]\noptimizer.lr = -1\n", r"\[trainer\] optimizer.lr: .*greater than 0"),
+        ("[trainer]\nbatch.group_sise = 2\n", r"\[trainer\] batch.group_sise: Extra inputs"),
+        ("[run]\ngroup_size = 0\n", r"run.group_size: .*greater than or equal to 1"),
+        ('[run]\nmodle = "x"\n', r"run.modle: Extra inputs"),
+        ("[runn]\n", r"runn: Extra inputs"),
+        ("[run\n", r"not valid TOML"),
+    ],
+)
+def test_bad_configs_say_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(RunConfigError, match=message):
+        load_run_config(write(tmp_path, text))
+
+
+def test_overrides() -> None:
+    config = load_run_config(ROOT / "examples" / "demo.toml")
+    out = config.with_overrides(
+        ["trainer.max_steps=3", 'run.model="tiny"', "trainer.optimizer.lr=1e-3", "env.task=charset"]
+    )
+    assert out.trainer["max_steps"] == 3 and out.run.model == "tiny"
+    assert out.trainer["optimizer"]["lr"] == 1e-3 and out.env["task"] == "charset"
+    assert config.trainer["max_steps"] == 8  # the original is untouched
+    with pytest.raises(RunConfigError, match=r"SECTION\.KEY=VALUE"):
+        config.with_overrides(["max_steps=3"])
+    with pytest.raises(RunConfigError, match=r"\[rollout\] temperature: declared once"):
+        config.with_overrides(["rollout.temperature=0.7"])
+
+
+def test_every_service_receives_the_shared_values_from_one_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Derive a run, then read each process's environment with that service's own settings
+    class (as the process would): model, temperature, group size, staleness bound, seeds,
+    tokens and the bucket agree everywhere."""
+    config = load_run_config(ROOT / "examples" / "demo.toml").with_overrides(
+        ["run.temperature=0.7", "run.group_size=5", "run.max_staleness=3", "run.seed=2"]
+    )
+    launches = derive(
+        config,
+        run_dir=tmp_path,
+        model="/models/m",
+        endpoints=Endpoints("127.0.0.1", 8700, 8001),
+        tokens=TOKENS,
+        bucket_uri=str(tmp_path / "bucket"),
+    )
+    assert [x.name for x in launches] == ["coordinator", "env", "worker-1", "worker-2", "trainer"]
+
+    def settings(cls, env):  # type: ignore[no-untyped-def]
+        for name in list(__import__("os").environ):
+            if name.startswith("DELTARL_"):
+                monkeypatch.delenv(name)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return cls()
+
+    by = {x.name: x for x in launches}
+    coord = settings(CoordinatorSettings, by["coordinator"].env)
+    env = settings(EnvSettings, by["env"].env)
+    workers = [settings(RolloutSettings, by[w].env) for w in ("worker-1", "worker-2")]
+    deploy = settings(TrainerDeployment, by["trainer"].env)
+    exp_file = Path(by["trainer"].args[by["trainer"].args.index("--config") + 1])
+    exp = ExperimentSettings.load(exp_file)
+
+    assert coord.max_staleness == exp.batch.max_staleness == 3
+    assert coord.trainer_token == deploy.token.get_secret_value() == TOKENS.trainer  # type: ignore[union-attr]
+    assert env.token.get_secret_value() == TOKENS.env  # type: ignore[union-attr]
+    assert env.max_guesses == 1 and env.task == "wordle"
+    for i, w in enumerate(workers):
+        assert w.model == exp.model == "/models/m"
+        assert w.temperature == exp.sampling.temperature == 0.7
+        assert w.group_size == exp.batch.group_size == 5
+        assert w.engine_seed == 2 * 2 + i and exp.seed == 2
+        assert w.worker_token.get_secret_value() == coord.worker_token == TOKENS.worker  # type: ignore[union-attr]
+        assert w.env_token.get_secret_value() == TOKENS.env  # type: ignore[union-attr]
+        assert w.coordinator_url == "http://127.0.0.1:8700" and w.env_url == "http://127.0.0.1:8001"
+        assert w.max_new_tokens == 32 and w.max_turns == 2
+    for launch in launches:
+        assert launch.env["DELTARL_BUCKET_URI"] == str(tmp_path / "bucket")
+    assert exp.max_steps == 8 and exp.batch.micro_batch_size == 12
+    assert json.loads(exp_file.read_text())["run_dir"] == str(tmp_path / "trainer")
+
+
+def test_a_layout_starts_single_services_with_their_own_ids_and_seeds(tmp_path: Path) -> None:
+    config = RunConfig.model_validate({"rollout": {"workers": 3}, "run": {"seed": 1}})
+    layout = RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
+    w = layout.worker(2, worker_id="w-x")
+    assert w.name == "w-x" and w.env["DELTARL_ROLLOUT_WORKER_ID"] == "w-x"
+    assert w.env["DELTARL_ROLLOUT_ENGINE_SEED"] == str(1 * 3 + 2)
+    assert layout.worker(0, seed=9).env["DELTARL_ROLLOUT_ENGINE_SEED"] == "9"
+
+
+def test_run_check_and_bad_file_from_the_command_line(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(app, ["run", str(ROOT / "examples" / "demo.toml"), "--check"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["run"]["group_size"] == 6
+    bad = runner.invoke(
+        app, ["run", str(write(tmp_path, "[rollout]\ngroup_size = 4\n")), "--check"]
+    )
+    assert bad.exit_code == 2
+    assert "[rollout] group_size: declared once for every service as [run] group_size" in (
+        bad.output.replace("\n", " ")
+    )
+    missing = runner.invoke(app, ["run", str(tmp_path / "nope.toml"), "--check"])
+    assert missing.exit_code == 2 and "cannot read" in missing.output
