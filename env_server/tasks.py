@@ -20,16 +20,12 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from deltarl.env_server.charset.environment import CharsetEnvironment
-from deltarl.env_server.core.models import (
-    CharsetObservation,
-    CharsetState,
-    StepResult,
-    WordleObservation,
-    WordleState,
-)
+from deltarl.env_server.charset.models import CharsetObservation, CharsetState
+from deltarl.env_server.core.models import StepResult
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordLists
+from deltarl.env_server.wordle.models import WordleObservation, WordleState
 from pydantic import BaseModel
 
 Outcome = Literal["won", "lost", "forfeit"]

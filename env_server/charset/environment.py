@@ -25,15 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from deltarl.env_server.core.models import (
-    CharsetObservation,
-    CharsetSignals,
-    CharsetState,
-    EnvError,
-    ErrorCode,
-    StepResult,
-    TextMessage,
-)
+from deltarl.env_server.charset.models import CharsetObservation, CharsetSignals, CharsetState
+from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult, TextMessage
 
 GAME_ID = -1
 PLAYER_ID = 0

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
+from deltarl.env_server.charset.models import CharsetState
 from deltarl.env_server.core.models import (
     SESSION_HEADER,
-    CharsetState,
     CloseResponse,
     EnvError,
     EnvMetadata,
@@ -43,8 +43,8 @@ from deltarl.env_server.core.models import (
     HealthResponse,
     StateResponse,
     StepResult,
-    WordleState,
 )
+from deltarl.env_server.wordle.models import WordleState
 from deltarl.services.common.client_headers import client_headers
 from deltarl.services.common.tls import client_verify
 from pydantic import BaseModel, ValidationError

@@ -10,17 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Literal
 
-from deltarl.env_server.core.models import (
-    EnvError,
-    ErrorCode,
-    GuessFeedback,
-    LastMove,
-    RewardSignals,
-    StepResult,
-    TextMessage,
-    WordleObservation,
-    WordleState,
-)
+from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult, TextMessage
 from deltarl.env_server.wordle.game import (
     WORD_LENGTH,
     InvalidReason,
@@ -28,6 +18,13 @@ from deltarl.env_server.wordle.game import (
     WordleGame,
     WordleRules,
     WordLists,
+)
+from deltarl.env_server.wordle.models import (
+    GuessFeedback,
+    LastMove,
+    RewardSignals,
+    WordleObservation,
+    WordleState,
 )
 
 GAME_ID = -1

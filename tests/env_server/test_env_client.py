@@ -15,7 +15,8 @@ import pytest
 import websockets.sync.client as ws_client
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.core.client import EnvClient, SyncEnvClient
-from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult, WordleState
+from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
+from deltarl.env_server.wordle.models import WordleState
 from env_helpers import LiveServer, answer, settings
 from websockets.exceptions import ConnectionClosed
 
