@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench system-deps clean
+.PHONY: demo test test-fast lint typecheck unit bench system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch first: the project's torch range then installs nothing more.
@@ -33,12 +33,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy -p deltarl
+	$(PY) tools/typecheck.py
 
 unit: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q -m "not gpu"
 
 test: lint typecheck unit
+
+# the edit loop: no multi-process runs, no servers, no containers (a few minutes)
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q -m "not slow and not network and not docker and not gpu"
 
 demo: $(STAMP)
 	# The whole system on this machine (coordinator, env server, 2 rollout workers, trainer, bucket) on SmolLM2-135M, CPU.

@@ -5,7 +5,7 @@ else about the project is in pyproject.toml. Type checkers and IDEs follow these
 the editable install's path map (see DEVELOPERS.md).
 """
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 # import name -> folder, relative to the repository root
 PACKAGE_DIRS = {
@@ -21,7 +21,9 @@ def packages() -> list[str]:
     found = []
     for name, folder in PACKAGE_DIRS.items():
         found.append(name)
-        found += [f"{name}.{sub}" for sub in find_packages(folder)]
+        # namespace packages too: data folders (static/, data/) ship as package data
+        subs = find_namespace_packages(folder, exclude=["*__pycache__*"])
+        found += [f"{name}.{sub}" for sub in subs]
     return found
 
 

@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench import real_deltas
 from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
 from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
 from deltarl.services.weightsync.codec.trl_format import encode_trl
 from deltarl.services.weightsync.stats import delta_stats
-
-from bench import real_deltas
 
 
 def warm_up() -> None:

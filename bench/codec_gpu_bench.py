@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from deltarl.services.weightsync import (
     apply_staged,
     compute_delta,

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
+
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
 
 WORDS = WordLists.load()

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine
 from deltarl.rollout.engines.vllm_transfer import encode_message

@@ -89,11 +89,12 @@ def timed(run: Any, reps: int) -> dict[str, float]:
 def publish_anchor(model: str, directory: Path) -> None:
     """A bucket whose version 0 is the model's random initial weights (for the engine columns)."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from deltarl.services.buckets.local import LocalBucket
     from deltarl.services.weightsync.anchor import encode_anchor
     from deltarl.services.weightsync.digest import state_digest
     from deltarl.services.weightsync.writer import BucketWriter, NewObject
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -116,6 +117,7 @@ def publish_anchor(model: str, directory: Path) -> None:
 
 def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str, Any]:
     import torch
+
     from deltarl.rollout.engines import SamplingParams, VllmEngineSettings
     from deltarl.rollout.engines.vllm_engine import request_params
 
@@ -174,6 +176,7 @@ def column(name: str, model: str, batch: int, a: argparse.Namespace) -> dict[str
 
         return timed(run, a.reps)
     import vllm
+
     from deltarl.rollout.engines.vllm_engine import llm_kwargs
     from deltarl.rollout.engines.vllm_transfer import register
 

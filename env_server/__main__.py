@@ -4,6 +4,7 @@ import logging
 import os
 
 import typer
+
 from deltarl.env_server.cli import serve
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ import gc
 import logging
 
 import typer
+from pydantic import ValidationError
+
 from deltarl.env_server.settings import EnvSettings
 from deltarl.services.common.settings import settings_help
-from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ def serve(
         raise typer.BadParameter(str(exc)) from exc
 
     import uvicorn
+
     from deltarl.env_server.core.app import create_app
 
     app = create_app(settings)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
 from deltarl.env_server.charset.environment import CharsetRules
 from deltarl.env_server.wordle.game import WordleRules
 from deltarl.services.common.settings import validate_token
 from deltarl.services.common.tls import TLSServerSettings
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import SettingsConfigDict
 
 
 class EnvSettings(TLSServerSettings):

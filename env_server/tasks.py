@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from pydantic import BaseModel
+
 from deltarl.env_server.charset.environment import CharsetEnvironment
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState
 from deltarl.env_server.core.models import StepResult
@@ -26,7 +28,6 @@ from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordLists
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
-from pydantic import BaseModel
 
 Outcome = Literal["won", "lost", "forfeit"]
 TaskName = Literal["wordle", "charset"]

@@ -4,6 +4,7 @@ import logging
 import os
 
 import typer
+
 from deltarl.rollout.cli import rollout
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 
 import typer
+from pydantic import ValidationError
+
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.services.common.settings import settings_help
-from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 

@@ -59,6 +59,7 @@ from typing import IO, Any
 import msgpack
 import numpy as np
 import torch
+
 from deltarl.services.weightsync import errors as delta_errors
 from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.codec.context import DeltaContext

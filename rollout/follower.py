@@ -35,6 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+
 from deltarl.rollout.sync_records import SyncReport
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError

@@ -28,12 +28,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
 import uvicorn
-from deltarl.rollout.settings import RolloutSettings
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 import deltarl
+from deltarl.rollout.settings import RolloutSettings
 
 if TYPE_CHECKING:
     from deltarl.rollout.view import WorkerView

@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from deltarl.rollout.engines.base import Completion
-from deltarl.rollout.sync_records import StepTiming
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from deltarl.rollout.engines.base import Completion
+from deltarl.rollout.sync_records import StepTiming
 
 if TYPE_CHECKING:
     from deltarl.rollout.episodes import Episode

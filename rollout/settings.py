@@ -18,6 +18,9 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
 from deltarl.rollout.engines.base import (
     SamplingParams,
     TransformersEngineSettings,
@@ -26,8 +29,6 @@ from deltarl.rollout.engines.base import (
 from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
 from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import SettingsConfigDict
 
 if TYPE_CHECKING:
     from deltarl.services.weightsync.signing import Verifier

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import zstandard
+
 from deltarl.rollout.episodes import Episode, EpisodeGroup
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup, encode_group
 

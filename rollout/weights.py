@@ -66,6 +66,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import torch
+
 from deltarl.rollout import fault_points
 from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
 from deltarl.rollout.engines.base import Completion, Engine, SamplingParams, WeightsStamp

@@ -51,6 +51,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+
 from deltarl.env_server.core.client import EnvClient
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Engine
@@ -154,10 +155,11 @@ class RolloutWorker:
     @classmethod
     def from_settings(cls, settings: RolloutSettings) -> RolloutWorker:
         """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
+        from transformers import AutoTokenizer
+
         from deltarl.rollout.engines import make_engine
         from deltarl.services.buckets import open_bucket
         from deltarl.services.weightsync.reader import BucketReader
-        from transformers import AutoTokenizer
 
         model, gguf = settings.model_source()
         tokenizer = AutoTokenizer.from_pretrained(

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
 from deltarl.services.coordinator.schemas import TrajectoryGroup
 from deltarl.trainer.loss import group_advantages
 from deltarl.trainer.settings import AdvantageScale
-from torch import Tensor
 
 __all__ = ["StaleFilter", "TrainBatch", "batch_metrics", "collate", "filter_stale", "micro_batches"]
 

@@ -59,6 +59,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.trainer.checkpoint_files import (
     CheckpointError,
@@ -70,7 +72,6 @@ from deltarl.trainer.checkpoint_files import (
 )
 from deltarl.trainer.settings import CHECKPOINT_POINTER
 from deltarl.trainer.weights import publishable_state
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ from typing import IO, Any, cast
 
 import torch
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field
+
 from deltarl.services.weightsync.anchor import build_header, read_exact, read_header, tensor_bytes
 from deltarl.services.weightsync.errors import CorruptDeltaError
-from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "CheckpointError",

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from pydantic import ValidationError
+
 from deltarl.services.common.settings import settings_help
 from deltarl.trainer.reporting import check_trackers
 from deltarl.trainer.settings import (
@@ -31,10 +33,10 @@ from deltarl.trainer.settings import (
     ExperimentSettings,
     TrainerDeployment,
 )
-from pydantic import ValidationError
 
 if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
+
     from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
     from deltarl.trainer.distributed import DistContext
     from deltarl.trainer.loop import GracefulStop
@@ -89,11 +91,12 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     """Load the model and train (rank 0: the loop; other torchrun ranks: a replica); return
     the exit code (128 + signal after a stop request, else 0)."""
     import torch
+    from transformers import AutoModelForCausalLM
+
     from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
     from deltarl.trainer.distributed import init_distributed, shutdown_distributed
     from deltarl.trainer.loop import GracefulStop
     from deltarl.trainer.replica import train_replica
-    from transformers import AutoModelForCausalLM
 
     ctx, device = init_distributed(deploy.device, timeout_s=deploy.dist_timeout_s)
     clean = False

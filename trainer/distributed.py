@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
+
 from deltarl.trainer.batch import TrainBatch
 from deltarl.trainer.loss import LossStats
 

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import httpx
 import torch
+
 from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.coordinator.schemas import LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.reader import BucketReader

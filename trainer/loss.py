@@ -48,8 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from deltarl.trainer.settings import AdvantageScale, LossSettings
 from torch import Tensor
+
+from deltarl.trainer.settings import AdvantageScale, LossSettings
 
 __all__ = [
     "LossOutput",

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+
 from deltarl.trainer.settings import OptimizerSettings
 
 __all__ = ["build_optimizer", "clip_gradients", "lr_factor"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from deltarl.trainer.checkpoint import Checkpoint
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.optim import build_optimizer

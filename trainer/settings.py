@@ -29,9 +29,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from deltarl.services.common.settings import ServiceSettings
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.common.settings import ServiceSettings
 
 AdvantageScale = Literal["group", "batch", "none"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sum"]

@@ -24,13 +24,14 @@ import time
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from deltarl.trainer.batch import TrainBatch, batch_metrics, micro_batches
 from deltarl.trainer.distributed import DistContext, gather_stats, shard_rows
 from deltarl.trainer.loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from deltarl.trainer.optim import clip_gradients
 from deltarl.trainer.settings import ExperimentSettings
-from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 logger = logging.getLogger(__name__)
 

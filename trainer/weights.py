@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor, write_anchor
 from deltarl.services.weightsync.codec.context import DeltaContext

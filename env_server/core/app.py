@@ -25,6 +25,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypeVar
 
+from fastapi import FastAPI, Query, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Message
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from deltarl import __version__
 from deltarl.env_server.core.guard import GuardMiddleware, error_body
 from deltarl.env_server.core.metrics import EnvMetrics
 from deltarl.env_server.core.models import (
@@ -47,18 +59,6 @@ from deltarl.env_server.core.sessions import Session, SessionStore
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.tasks import make_task
 from deltarl.env_server.wordle.game import WordLists
-from fastapi import FastAPI, Query, Request, WebSocket
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
-from pydantic_core import from_json
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import Message
-from starlette.websockets import WebSocketDisconnect, WebSocketState
-
-from deltarl import __version__
 
 logger = logging.getLogger(__name__)
 

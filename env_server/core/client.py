@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
+
 from deltarl.env_server.charset.models import CharsetState
 from deltarl.env_server.core.models import (
     SESSION_HEADER,
@@ -47,7 +49,6 @@ from deltarl.env_server.core.models import (
 from deltarl.env_server.wordle.models import WordleState
 from deltarl.services.common.client_headers import client_headers
 from deltarl.services.common.tls import client_verify
-from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
 _RETRY_CODES = frozenset({ErrorCode.CAPACITY_REACHED})

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from deltarl.env_server.core.sessions import SessionStore
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deltarl.env_server.core.sessions import SessionStore
 
 
 class EnvMetrics:

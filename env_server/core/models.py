@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+from pydantic import Discriminator, Field, RootModel, Tag
+
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState
 from deltarl.env_server.core.wire import (
     HTTP_STATUS,
@@ -41,7 +43,6 @@ from deltarl.env_server.core.wire import (
     WordleAction,
 )
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
-from pydantic import Discriminator, Field, RootModel, Tag
 
 __all__ = [
     "HTTP_STATUS",

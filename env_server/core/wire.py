@@ -7,8 +7,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from deltarl.services.coordinator.schemas.common import TOKEN_HEADER as TOKEN_HEADER  # re-exported
 from pydantic import BaseModel, ConfigDict, Field
+
+from deltarl.services.coordinator.schemas.common import TOKEN_HEADER as TOKEN_HEADER  # re-exported
 
 SESSION_HEADER = "X-Deltarl-Session"  # optional alternative to the session_id body/query field
 

@@ -83,7 +83,7 @@ class WordLists:
     @staticmethod
     @cache
     def load() -> WordLists:
-        """The lists shipped in ``env_server/data`` (see ``data/WORDLISTS.md``), loaded once."""
+        """The lists shipped in ``env_server/wordle/data`` (see ``data/WORDLISTS.md``), loaded once."""
         data = resources.files(__package__).joinpath("data")
         answers = _read_words(data.joinpath("answers.txt").read_text("ascii"))
         allowed = frozenset(_read_words(data.joinpath("allowed.txt").read_text("ascii")))

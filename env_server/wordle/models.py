@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deltarl.env_server.core.wire import TextArenaObservation, WireModel
 from pydantic import Field
+
+from deltarl.env_server.core.wire import TextArenaObservation, WireModel
 
 
 class GuessFeedback(WireModel):

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
 from deltarl.rollout.engines.base import (
     UNMANAGED,
     Completion,

@@ -25,14 +25,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from deltarl.rollout.engines.vllm_mapping import TensorSpec
-from deltarl.rollout.engines.vllm_transfer import DeltaReceiver, check_supported
 from vllm.config import set_current_vllm_config
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+from deltarl.rollout.engines.vllm_mapping import TensorSpec
+from deltarl.rollout.engines.vllm_transfer import DeltaReceiver, check_supported
 
 
 @dataclass

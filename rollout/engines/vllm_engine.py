@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
 from deltarl.rollout.engines.base import (
     UNMANAGED,
     Completion,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from deltarl.services.weightsync.codec.bits import dtype_name
 
 _PROBE_LOCK = threading.Lock()  # Tensor.copy_ is patched process-wide while probing

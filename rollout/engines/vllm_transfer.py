@@ -40,6 +40,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, probe_views, uncovered
 from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.delta import (
@@ -52,8 +55,6 @@ from deltarl.services.weightsync.delta import (
 )
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import CorruptDeltaError, VerificationError
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deltarl.services.common.settings import ServiceSettings
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.common.settings import ServiceSettings
 
 
 class BucketSettings(ServiceSettings):

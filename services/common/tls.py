@@ -17,8 +17,9 @@ import ssl
 from pathlib import Path
 from typing import Any, Self
 
-from deltarl.services.common.settings import ServiceSettings
 from pydantic import Field, model_validator
+
+from deltarl.services.common.settings import ServiceSettings
 
 CA_BUNDLE_ENV = "DELTARL_CA_BUNDLE"
 

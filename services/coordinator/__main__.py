@@ -4,6 +4,7 @@ import logging
 import os
 
 import typer
+
 from deltarl.services.coordinator.cli import coordinator
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deltarl import __version__
 from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.events import VersionEvents
 from deltarl.services.coordinator.metrics import CoordinatorMetrics
@@ -31,14 +39,6 @@ from deltarl.services.coordinator.routers import (
 from deltarl.services.coordinator.service import Coordinator
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.coordinator.store import CoordinatorStore, open_store
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
-from fastapi.staticfiles import StaticFiles
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from deltarl import __version__
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"

@@ -11,10 +11,11 @@ from __future__ import annotations
 import hmac
 from typing import Literal
 
+from fastapi import Request
+
 from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from fastapi import Request
 
 Role = Literal["trainer", "worker", "reader"]
 

@@ -11,9 +11,10 @@ import os
 from typing import Any
 
 import typer
+from pydantic import ValidationError
+
 from deltarl.services.common.settings import settings_help
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def coordinator(
         raise typer.BadParameter(messages) from exc
 
     import uvicorn
+
     from deltarl.services.coordinator.app import create_app
 
     logger.info(
@@ -92,9 +94,10 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON summary."),
 ) -> None:
     """Print where a run stands: versions, queue, staleness, workers."""
+    from rich.console import Console
+
     from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
     from deltarl.services.coordinator.status_view import render_status
-    from rich.console import Console
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
+from pydantic import BaseModel, TypeAdapter
+
 from deltarl.services.common.client_headers import client_headers
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.schemas import (
@@ -54,7 +56,6 @@ from deltarl.services.coordinator.schemas import (
     decode_leased_batch,
     encode_group,
 )
-from pydantic import BaseModel, TypeAdapter
 
 T = TypeVar("T")
 MSGPACK = "application/msgpack"

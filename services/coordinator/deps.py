@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import Depends, Request
+
 from deltarl.services.coordinator.auth import check_role
 from deltarl.services.coordinator.service import Coordinator
-from fastapi import Depends, Request
 
 
 async def get_coordinator(request: Request) -> Coordinator:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from deltarl.services.coordinator.schemas import StatusSummary
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from deltarl.services.coordinator.schemas import StatusSummary
 
 P = "deltarl_coordinator_"
 

@@ -6,9 +6,10 @@ import json
 import time
 from typing import Any
 
-from deltarl.services.coordinator.metrics import CoordinatorMetrics
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deltarl.services.coordinator.metrics import CoordinatorMetrics
 
 
 async def _send_error(send: Send, status: int, code: str, message: str) -> None:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from starlette.concurrency import run_in_threadpool
+
 from deltarl.services.coordinator.errors import ApiError, conflict, invalid, not_found
 from deltarl.services.coordinator.schemas import (
     AckResult,
@@ -52,7 +54,6 @@ from deltarl.services.coordinator.store import (
 )
 from deltarl.services.coordinator.versions import VersionIndex, summarize
 from deltarl.services.weightsync.planner import UnreachableVersionError, plan_catch_up
-from starlette.concurrency import run_in_threadpool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deltarl.services.common.settings import MIN_TOKEN_CHARS, validate_token
-from deltarl.services.common.tls import TLSServerSettings
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.common.settings import MIN_TOKEN_CHARS, validate_token
+from deltarl.services.common.tls import TLSServerSettings
 
 
 class CoordinatorSettings(TLSServerSettings):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from deltarl.services.coordinator.schemas import StatusSummary
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
+
+from deltarl.services.coordinator.schemas import StatusSummary
 
 
 def _bytes(n: float) -> str:

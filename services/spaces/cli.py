@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+
 from deltarl.services.spaces.names import check_namespace, check_repo_name, parse_bucket
 from deltarl.services.spaces.templates import APP_PORT, TEMPLATES
 

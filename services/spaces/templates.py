@@ -31,7 +31,9 @@ VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 WORKER_PORT = 8702  # the worker's own /health, on loopback (rollout/settings.py's DEFAULT_PORT)
 PYTHON_IMAGE = "python:3.11-slim"
 SOURCE_DIR = "src"
-SOURCE_FILES = ("pyproject.toml", "README.md", "LICENSE")
+SOURCE_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
+# the folders of setup.py's package map (tests/deploy/test_spaces.py checks they agree)
+SOURCE_FOLDERS = ("deltarl", "services", "trainer", "rollout", "env_server")
 SOURCE_IGNORE = (".*", "__pycache__", "*.pyc", "*.pyo", "*.so", "*.env", "*.pem", "*.key")
 
 
@@ -245,20 +247,23 @@ def check_source(source_root: Path) -> Path:
 
 
 def copy_source(source_root: Path, dest: Path) -> list[str]:
-    """Copy deltarl's source from a checkout at ``source_root`` into ``dest`` (replaced).
-
-    Links (``deltarl/services`` -> ``../services``, ...) are followed, so the copy is a plain
-    tree that ``pip wheel`` packages as ``deltarl.<folder>``. Returns the copied paths, relative
-    to ``dest``, sorted.
+    """Copy deltarl's source from a checkout at ``source_root`` into ``dest`` (replaced): the
+    build files and the folders of setup.py's package map (:data:`SOURCE_FOLDERS`), which
+    ``pip wheel`` packages as ``deltarl.<folder>``. Returns the copied paths, relative to
+    ``dest``, sorted.
     """
-    package = check_source(source_root) / "deltarl"
+    check_source(source_root)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     for name in SOURCE_FILES:
         if (source_root / name).is_file():
             shutil.copy2(source_root / name, dest / name)
-    shutil.copytree(
-        package, dest / "deltarl", symlinks=False, ignore=shutil.ignore_patterns(*SOURCE_IGNORE)
-    )
+    for folder in SOURCE_FOLDERS:
+        shutil.copytree(
+            source_root / folder,
+            dest / folder,
+            symlinks=False,
+            ignore=shutil.ignore_patterns(*SOURCE_IGNORE),
+        )
     return sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())

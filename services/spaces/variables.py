@@ -8,10 +8,11 @@ inside :func:`service_vars`, so importing this module stays light.
 
 from __future__ import annotations
 
-from deltarl.services.common.client_headers import HF_PROXY_TOKEN_ENV
-from deltarl.services.common.tls import CA_BUNDLE_ENV
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
+
+from deltarl.services.common.client_headers import HF_PROXY_TOKEN_ENV
+from deltarl.services.common.tls import CA_BUNDLE_ENV
 
 # Read by every client outside any settings class (services/common/client_headers.py, services/common/tls.py).
 CLIENT_VARS: dict[str, str] = {

@@ -45,6 +45,7 @@ from typing import IO, Any, BinaryIO, cast
 import torch
 import xxhash
 import zstandard
+
 from deltarl.services.weightsync.codec.bits import dtype_name
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import CorruptDeltaError

@@ -185,9 +185,10 @@ def apply(
     previous: Path | None = PREVIOUS,
 ) -> None:
     """Apply a delta to BASE and write the verified result."""
+    from safetensors.torch import save_file
+
     from deltarl.services.weightsync import DeltaError, apply_delta
     from deltarl.services.weightsync.codec.formats import decode_delta
-    from safetensors.torch import save_file
 
     state = _load(base)
     data = delta_path.read_bytes()

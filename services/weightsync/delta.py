@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from deltarl.services.weightsync.codec.bits import bits_view, dtype_name, float_format
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import (

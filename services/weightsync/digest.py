@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 import xxhash
+
 from deltarl.services.weightsync.codec.bits import dtype_name
 
 

@@ -22,8 +22,9 @@ from datetime import UTC, datetime
 from typing import Literal
 
 import xxhash
-from deltarl.services.buckets.base import validate_key
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from deltarl.services.buckets.base import validate_key
 
 MANIFEST_SCHEMA_VERSION = 1
 LATEST_KEY = "latest.json"

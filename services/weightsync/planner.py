@@ -21,8 +21,9 @@ import heapq
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest, index_manifests
 from pydantic import BaseModel, ConfigDict, Field
+
+from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest, index_manifests
 
 
 class UnreachableVersionError(ValueError):

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import xxhash
+from pydantic import ValidationError
+
 from deltarl.services.buckets.base import Bucket, ObjectNotFoundError
 from deltarl.services.weightsync.errors import CorruptDeltaError
 from deltarl.services.weightsync.manifest import (
@@ -38,7 +40,6 @@ from deltarl.services.weightsync.manifest import (
     xxh3_hex,
 )
 from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
-from pydantic import ValidationError
 
 if TYPE_CHECKING:  # signing imports cryptography: only where keys are configured
     from deltarl.services.weightsync.signing import Verifier

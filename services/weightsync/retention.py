@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from deltarl.services.buckets.base import Bucket
 from deltarl.services.weightsync.manifest import (
     MANIFESTS_PREFIX,
@@ -40,7 +42,6 @@ from deltarl.services.weightsync.manifest import (
 )
 from deltarl.services.weightsync.planner import reachable_versions
 from deltarl.services.weightsync.reader import BucketReader
-from pydantic import BaseModel, ConfigDict, Field
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
 from deltarl.services.weightsync.errors import CorruptDeltaError
 
 SIGNATURE = "signature"

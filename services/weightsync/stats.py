@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+
 from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.services.weightsync.codec.entropy import wrapped_diff
 from deltarl.services.weightsync.delta import Delta

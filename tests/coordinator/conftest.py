@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from deltarl.services.coordinator.store import CoordinatorStore
 
 
@@ -132,6 +133,7 @@ class LiveServer:
         import threading
 
         import uvicorn
+
         from deltarl.services.coordinator.app import create_app
 
         self.app = create_app(settings, clock=clock)  # type: ignore[arg-type]

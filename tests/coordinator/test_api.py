@@ -8,9 +8,10 @@ from collections.abc import Callable
 import httpx
 import msgpack
 import pytest
+from pydantic import ValidationError
+
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration, encode_group
-from pydantic import ValidationError
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
 from .helpers import digest, group, manifest

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
-from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 from typer.testing import CliRunner
 
 from deltarl.cli import app
+from deltarl.services.coordinator.client import CoordinatorClient
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, free_port
 from .helpers import manifest

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
     CoordinatorClient,

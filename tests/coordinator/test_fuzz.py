@@ -14,9 +14,10 @@ from typing import Any
 import msgpack
 import pytest
 import schemathesis
+from hypothesis import HealthCheck, settings
+
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from hypothesis import HealthCheck, settings
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
 

@@ -7,6 +7,8 @@ import sys
 
 import msgpack
 import pytest
+from pydantic import ValidationError
+
 from deltarl.services.coordinator.schemas import (
     BatchItem,
     BatchLease,
@@ -17,7 +19,6 @@ from deltarl.services.coordinator.schemas import (
     encode_group,
     encode_leased_batch,
 )
-from pydantic import ValidationError
 
 from .helpers import group, manifest
 
@@ -149,8 +150,9 @@ def test_version_publish_carries_the_bucket_manifest() -> None:
 def test_every_wire_field_is_documented() -> None:
     import inspect
 
-    import deltarl.services.coordinator.schemas as schemas
     from pydantic import BaseModel
+
+    import deltarl.services.coordinator.schemas as schemas
 
     undocumented = [
         f"{name}.{field}"

@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
-from deltarl.services.coordinator.schemas import WorkerHeartbeat, encode_group
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from deltarl.cli import app
+from deltarl.services.coordinator.schemas import WorkerHeartbeat, encode_group
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
 from .helpers import group, manifest

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 

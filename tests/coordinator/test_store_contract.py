@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store import (
     CoordinatorStore,

@@ -42,16 +42,16 @@ from typing import Any
 
 import pytest
 import yaml
-from deltarl.env_server.settings import EnvSettings
-from deltarl.services.buckets.settings import BucketSettings
-from deltarl.services.common.tls import CA_BUNDLE_ENV
-from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
 from deploy.settings_env import env_names
 from dockerfile_parse import DockerfileParser
 from pydantic_settings import BaseSettings
 
 from deltarl.cli import SUBCOMMANDS
+from deltarl.env_server.settings import EnvSettings
+from deltarl.services.buckets.settings import BucketSettings
+from deltarl.services.common.tls import CA_BUNDLE_ENV
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

@@ -219,9 +219,9 @@ def test_bytes_summary_counts_what_a_follower_downloads() -> None:
     """Per version the cheapest delta from the version before (a chained one where published),
     the first version's anchor; everything stored is reported apart."""
     from coordinator.helpers import manifest
-    from deltarl.services.coordinator.versions import summarize
 
     from deltarl.demo.report import bytes_summary
+    from deltarl.services.coordinator.versions import summarize
 
     records = []
     for v in range(4):

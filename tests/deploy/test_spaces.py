@@ -14,6 +14,7 @@ proxy header and the rollout Space's launcher (its health endpoint reports the w
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import os
@@ -36,6 +37,16 @@ import httpx
 import pytest
 import typer
 import yaml
+from deploy.settings_env import env_names
+from dockerfile_parse import DockerfileParser
+from huggingface_hub import HfApi, SpaceCard
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import validate_repo_id
+from pydantic_settings import BaseSettings
+from typer.testing import CliRunner
+
+from deltarl.cli import SUBCOMMANDS
+from deltarl.cli import app as root_app
 from deltarl.env_server.core.client import SyncEnvClient
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import VllmEngineSettings
@@ -56,6 +67,7 @@ from deltarl.services.spaces.names import parse_bucket, space_app_url, space_sub
 from deltarl.services.spaces.templates import (
     APP_PORT,
     ROLLOUT,
+    SOURCE_FOLDERS,
     VLLM_IMAGE,
     WORKER_PORT,
 )
@@ -63,16 +75,6 @@ from deltarl.services.spaces.templates import dockerfile as space_dockerfile
 from deltarl.services.spaces.tokens import read_secrets_file
 from deltarl.services.spaces.worker_space import run_worker
 from deltarl.trainer.settings import ExperimentSettings
-from deploy.settings_env import env_names
-from dockerfile_parse import DockerfileParser
-from huggingface_hub import HfApi, SpaceCard
-from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils import validate_repo_id
-from pydantic_settings import BaseSettings
-from typer.testing import CliRunner
-
-from deltarl.cli import SUBCOMMANDS
-from deltarl.cli import app as root_app
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("coordinator", "env", "rollout")
@@ -365,15 +367,27 @@ def test_source_snapshot_is_a_plain_tree(dry_run: tuple[Path, str]) -> None:
     out, _ = dry_run
     src = out / "deltarl-env" / "src"
     assert (src / "pyproject.toml").is_file() and (src / "README.md").is_file()
-    for package in ("services", "env_server", "rollout", "trainer"):
-        assert (src / "deltarl" / package / "__init__.py").is_file()
-        assert not (src / "deltarl" / package).is_symlink()
-    assert (src / "deltarl/services/spaces/cli.py").is_file()
-    assert any((src / "deltarl/env_server/data").iterdir())  # word lists: package data
+    assert (src / "setup.py").is_file()
+    for folder in ("deltarl", "services", "env_server", "rollout", "trainer"):
+        assert (src / folder / "__init__.py").is_file()
+    assert (src / "services/spaces/cli.py").is_file()
+    assert any((src / "env_server/wordle/data").iterdir())  # word lists: package data
     for path in src.rglob("*"):
         assert not path.is_symlink(), path
         assert not path.name.startswith("."), path
         assert path.name != "__pycache__" and path.suffix != ".pyc", path
+
+
+def test_source_folders_are_the_package_map() -> None:
+    """The folders a Space's source snapshot copies are exactly setup.py's package map."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    mapping = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "PACKAGE_DIRS" for t in node.targets)
+    )
+    assert set(mapping.values()) == set(SOURCE_FOLDERS)
 
 
 def test_space_source_builds_the_wheel(dry_run: tuple[Path, str], tmp_path: Path) -> None:
@@ -391,7 +405,7 @@ def test_space_source_builds_the_wheel(dry_run: tuple[Path, str], tmp_path: Path
     for needed in (
         "deltarl/services/coordinator/static/index.html",
         "deltarl/services/spaces/worker_space.py",
-        "deltarl/env_server/data/answers.txt",
+        "deltarl/env_server/wordle/data/answers.txt",
         "deltarl/rollout/settings.py",
     ):
         assert needed in names, f"the wheel lacks {needed}"

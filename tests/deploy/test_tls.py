@@ -13,11 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tls_helpers import make_ca_and_server_cert
+
 from deltarl.env_server.core.client import SyncEnvClient
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
-from tls_helpers import make_ca_and_server_cert
 
 WORKER_TOKEN = "worker-token-0123456789abcdef"
 TRAINER_TOKEN = "trainer-token-0123456789abcdef"

@@ -6,9 +6,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from deltarl.env_server.core.app import create_app
 from env_helpers import LiveServer, settings
 from fastapi.testclient import TestClient
+
+from deltarl.env_server.core.app import create_app
 
 
 @pytest.fixture

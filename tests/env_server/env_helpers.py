@@ -8,9 +8,10 @@ import time
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
+
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
-from fastapi import FastAPI
 
 
 def settings(**overrides: Any) -> EnvSettings:

@@ -8,6 +8,9 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from env_helpers import LiveServer
+from fastapi.testclient import TestClient
+
 from deltarl.env_server.charset.environment import CharsetEnvironment, CharsetRules, score_reply
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState
 from deltarl.env_server.core.client import EnvClient, SyncEnvClient
@@ -15,8 +18,6 @@ from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
 from deltarl.rollout.episodes import observation_text
-from env_helpers import LiveServer
-from fastapi.testclient import TestClient
 
 RULES = CharsetRules()  # a-z, full marks from 8 characters
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from deltarl.env_server.settings import EnvSettings
 from typer.testing import CliRunner
 
 from deltarl.cli import app
+from deltarl.env_server.settings import EnvSettings
 
 
 def test_help_lists_every_setting() -> None:

@@ -13,12 +13,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 import websockets.sync.client as ws_client
+from env_helpers import LiveServer, answer, settings
+from websockets.exceptions import ConnectionClosed
+
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.core.client import EnvClient, SyncEnvClient
 from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
 from deltarl.env_server.wordle.models import WordleState
-from env_helpers import LiveServer, answer, settings
-from websockets.exceptions import ConnectionClosed
 
 
 class DropFirstStepAnswer(httpx.AsyncBaseTransport):

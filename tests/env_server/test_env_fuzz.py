@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deltarl.env_server.core.app import create_app
-from deltarl.env_server.core.models import HTTP_STATUS, ErrorCode, ErrorResponse, StepResult
 from env_helpers import settings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.models import HTTP_STATUS, ErrorCode, ErrorResponse, StepResult
 
 CLIENT = TestClient(create_app(settings(max_sessions=100_000, max_message_chars=2000)))
 DOCUMENTED = {(code.value, status) for code, status in HTTP_STATUS.items()}

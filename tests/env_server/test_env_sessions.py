@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from deltarl.env_server.core.models import EnvError, ErrorCode
 from deltarl.env_server.core.sessions import SessionStore
 from deltarl.env_server.wordle.environment import WordleEnvironment

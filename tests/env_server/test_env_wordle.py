@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from deltarl.env_server.wordle import derive_wordlists
 from deltarl.env_server.wordle.game import (
     InvalidReason,
@@ -17,8 +20,6 @@ from deltarl.env_server.wordle.game import (
     extract_guess,
     score_guess,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 WORDS = WordLists.load()
 DATA = Path(derive_wordlists.__file__).parent / "data"

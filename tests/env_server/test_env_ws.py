@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 import websockets.sync.client as ws_client
-from deltarl.env_server.core.app import create_app
-from deltarl.env_server.core.models import ErrorCode
-from deltarl.env_server.wordle.environment import WordleEnvironment
 from env_helpers import LiveServer, settings
 from fastapi.testclient import TestClient
 from openenv.core.env_server import types as oe
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.models import ErrorCode
+from deltarl.env_server.wordle.environment import WordleEnvironment
 
 
 def send(ws: Any, message: Any) -> dict[str, Any]:

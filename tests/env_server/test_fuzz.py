@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import schemathesis
-from deltarl.env_server.core.app import create_app
-from deltarl.env_server.core.models import TOKEN_HEADER
 from env_helpers import LiveServer, settings
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
+
+from deltarl.env_server.core.app import create_app
+from deltarl.env_server.core.models import TOKEN_HEADER
 
 TOKEN = "env-fuzz-token-0123456789"
 EXAMPLES = 25  # per operation: x 3 roles

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from deltarl.env_server.wordle.game import WordleGame, WordleRules, WordLists, score_guess
 from deltarl.env_server.wordle.solver import Solver, consistent, win_rate
 

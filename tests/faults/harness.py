@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
-from deltarl.services.coordinator.schemas import StatusSummary, WorkerInfo
 
 from deltarl.cluster import Child, ProcessGroup, free_port, tail, wait_healthy
 from deltarl.run.config import RunConfig
 from deltarl.run.derive import Endpoints, RunLayout, ServiceLaunch, Tokens
+from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
+from deltarl.services.coordinator.schemas import StatusSummary, WorkerInfo
 
 HOST = "127.0.0.1"
 TRAINER_TOKEN = "faults-trainer-token-0123456789abcdef"

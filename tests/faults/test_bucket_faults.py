@@ -24,6 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults.harness import (
+    Cluster,
+    FaultReport,
+    assert_nothing_lost,
+    sync_lines,
+)
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
@@ -31,12 +38,6 @@ from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
-from faults.harness import (
-    Cluster,
-    FaultReport,
-    assert_nothing_lost,
-    sync_lines,
-)
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -63,6 +64,7 @@ class Versions:
 
     def __init__(self, cluster: Cluster, model_dir: Path) -> None:
         import transformers
+
         from deltarl.trainer.weights import publishable_state
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

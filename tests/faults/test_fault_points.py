@@ -7,8 +7,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from deltarl.rollout import fault_points
 from faults.harness import arm, disarm, reached, wait_for
+
+from deltarl.rollout import fault_points
 
 
 def test_unset_or_unarmed_points_do_nothing(

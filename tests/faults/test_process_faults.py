@@ -16,10 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.coordinator.schemas import WorkerInfo
-from deltarl.services.weightsync.planner import reachable_versions
-from deltarl.services.weightsync.reader import BucketReader
 from faults.harness import (
     TRAINER_OUTAGE_BUG,
     Cluster,
@@ -33,6 +29,10 @@ from faults.harness import (
 )
 
 from deltarl.demo.report import rebuild_digest
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.coordinator.schemas import WorkerInfo
+from deltarl.services.weightsync.planner import reachable_versions
+from deltarl.services.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deltarl.services.buckets.local import LocalBucket
 from episode_helpers import WordleServer, smollm2_tokenizer
 from worker_helpers import CoordinatorServer
+
+from deltarl.services.buckets.local import LocalBucket
 
 
 @pytest.fixture

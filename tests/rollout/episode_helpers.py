@@ -8,10 +8,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from env_server.env_helpers import LiveServer
+
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import Completion, FinishReason, SamplingParams, WeightsStamp
-from env_server.env_helpers import LiveServer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import transformers
+
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor

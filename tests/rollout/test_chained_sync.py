@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
+
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
@@ -20,7 +22,6 @@ from deltarl.services.weightsync.manifest import ObjectRef
 from deltarl.services.weightsync.planner import CatchUpPlan
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.services.weightsync.writer import NewObject
-from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
 COMPACT = FORMAT_TAGS["compact"]
 PARAMS = SamplingParams(max_new_tokens=4, seed=0)
@@ -256,8 +257,9 @@ def test_context_is_the_one_the_trainer_chains_on(bucket: LocalBucket) -> None:
 def test_chained_deltas_are_counted_in_the_metrics(bucket: LocalBucket) -> None:
     from types import SimpleNamespace
 
-    from deltarl.rollout.metrics import RolloutMetrics
     from prometheus_client.parser import text_string_to_metric_families
+
+    from deltarl.rollout.metrics import RolloutMetrics
 
     _, _, ws, _ = setup(bucket)
     ws.sync_to(1)

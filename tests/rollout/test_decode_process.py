@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
+
 from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
@@ -19,7 +21,6 @@ from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digests
 from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
 from deltarl.services.weightsync.reader import BucketReader
-from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
 
 def _states(dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

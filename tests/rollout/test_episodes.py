@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from episode_helpers import ScriptedEngine, WordleServer
+from rollout_helpers import FakeTrainer, clone_state
+
 from deltarl.env_server.core.client import AsyncEpisode, EnvClient
 from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
@@ -33,8 +36,6 @@ from deltarl.services.coordinator.schemas import decode_group, encode_group
 from deltarl.services.coordinator.schemas.common import ID_PATTERN
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate
-from episode_helpers import ScriptedEngine, WordleServer
-from rollout_helpers import FakeTrainer, clone_state
 
 pytestmark = pytest.mark.network
 IM_END = 2  # SmolLM2's <|im_end|>: end of turn and EOS

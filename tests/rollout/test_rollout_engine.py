@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import TypeAdapter, ValidationError
+from rollout_helpers import tiny_config, tiny_engine
+
 from deltarl.rollout.engines import (
     UNMANAGED,
     EngineSettings,
@@ -15,8 +18,6 @@ from deltarl.rollout.engines import (
     make_engine,
 )
 from deltarl.rollout.engines.transformers_engine import TransformersEngine, sample_tokens
-from pydantic import TypeAdapter, ValidationError
-from rollout_helpers import tiny_config, tiny_engine
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [4]]
 

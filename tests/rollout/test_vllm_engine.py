@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_config, tiny_engine
+
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, WeightsStamp, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine, hf_specs, request_params
 from deltarl.rollout.engines.vllm_mapping import (
@@ -53,7 +55,6 @@ from deltarl.services.weightsync.errors import (
     VerificationError,
 )
 from deltarl.services.weightsync.reader import BucketReader
-from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_config, tiny_engine
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_WHEEL = Path(
@@ -767,10 +768,11 @@ def test_every_argument_we_pass_to_vllm_exists_in_the_wheel() -> None:
 
 def test_backend_against_vllms_real_classes() -> None:
     pytest.importorskip("vllm")
-    from deltarl.rollout.engines.vllm_backend import DeltarlWeightTransferEngine
-    from deltarl.rollout.engines.vllm_transfer import register
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from deltarl.rollout.engines.vllm_backend import DeltarlWeightTransferEngine
+    from deltarl.rollout.engines.vllm_transfer import register
 
     register()
     register()  # vLLM may run plugins more than once per process

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from rollout_helpers import FakeTrainer, same_bits
+
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.weights import WeightSync
 from deltarl.services.weightsync.reader import BucketReader
-from rollout_helpers import FakeTrainer, same_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

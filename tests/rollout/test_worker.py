@@ -18,14 +18,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from deltarl.rollout.engines.base import Completion, WeightsStamp
-from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.sync_records import Verdict
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
-from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
-from deltarl.services.weightsync.reader import BucketReader
 from episode_helpers import WordleServer
 from rollout_helpers import same_bits
 from tls_helpers import make_ca_and_server_cert
@@ -41,6 +33,14 @@ from worker_helpers import (
 )
 
 from deltarl.cli import app
+from deltarl.rollout.engines.base import Completion, WeightsStamp
+from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.sync_records import Verdict
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
+from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
+from deltarl.services.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -10,10 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-from deltarl.rollout.http import BindError, WorkerHttpServer
-from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.common.tls import client_verify
 from episode_helpers import WordleServer
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,6 +18,10 @@ from typer.testing import CliRunner
 from worker_helpers import CoordinatorServer, Trainer, WorkerThread, wait_for, worker_settings
 
 from deltarl.cli import app
+from deltarl.rollout.http import BindError, WorkerHttpServer
+from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.common.tls import client_verify
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import transformers
 import uvicorn
+
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.weights import WeightSync

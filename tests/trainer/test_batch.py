@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
 from deltarl.trainer.batch import batch_metrics, collate, filter_stale, micro_batches
 from deltarl.trainer.loss import grpo_loss

@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import deltarl.trainer.checkpoint as ckpt_mod
 import numpy as np
 import pytest
 import torch
+from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
+
+import deltarl.trainer.checkpoint as ckpt_mod
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import (
     BatchItem,
@@ -36,7 +38,6 @@ from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 VOCAB = 11
 HERE = Path(__file__).parent

@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_loop import FakeQueue
+from test_step import Bigram
+from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate
@@ -22,9 +26,6 @@ from deltarl.trainer.loop import train
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from test_loop import FakeQueue
-from test_step import Bigram
-from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 STEPS = 3
 

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 from coordinator.conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
+from test_step import Bigram, rollout
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import LeasedBatch, WorkerRegistration
@@ -17,7 +19,6 @@ from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from test_step import Bigram, rollout
 
 
 class SlowBigram(Bigram):

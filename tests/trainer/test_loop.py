@@ -12,6 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_step import Bigram, rollout
+from test_weight_publisher import FakeCoordinator, assert_bit_identical
+
 from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorError
@@ -25,8 +28,6 @@ from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from test_step import Bigram, rollout
-from test_weight_publisher import FakeCoordinator, assert_bit_identical
 
 
 class FakeQueue:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from deltarl.trainer.loss import (
     LossStats,
     advantage_metrics,

@@ -11,17 +11,18 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
+from test_loop import FakeQueue
+from test_step import Bigram
+from test_weight_publisher import FakeCoordinator
+from typer.testing import CliRunner
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import read_metrics
 from deltarl.trainer.reporting import build_reporter
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
-from rich.console import Console
-from test_loop import FakeQueue
-from test_step import Bigram
-from test_weight_publisher import FakeCoordinator
-from typer.testing import CliRunner
 
 # what the issue asks for in every row (publish/* describe the previous version: from row 2)
 REQUIRED = [

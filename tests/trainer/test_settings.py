@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from deltarl.trainer.settings import ExperimentSettings, apply_override
 from pydantic import ValidationError
+
+from deltarl.trainer.settings import ExperimentSettings, apply_override
 
 
 def test_defaults_are_the_documented_ones() -> None:

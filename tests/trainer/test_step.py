@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from test_weight_publisher import assert_bit_identical, rebuild
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
 from deltarl.services.weightsync.reader import BucketReader
@@ -17,7 +19,6 @@ from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.step import forward_logits, train_step
 from deltarl.trainer.weights import WeightPublisher
-from test_weight_publisher import assert_bit_identical, rebuild
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3
 

@@ -21,12 +21,13 @@ from coordinator.conftest import (
     coordinator_settings,
     free_port,
 )
+from test_step import tiny_llama_config
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup, WorkerRegistration
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.metrics import read_metrics
-from test_step import tiny_llama_config
 
 VOCAB = 16
 

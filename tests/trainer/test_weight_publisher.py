@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from deltarl.services.buckets import ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import decode_anchor

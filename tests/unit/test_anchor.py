@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file, save
+
 from deltarl.services.weightsync import CorruptDeltaError, state_digests
 from deltarl.services.weightsync.anchor import (
     decode_anchor,
@@ -16,9 +20,6 @@ from deltarl.services.weightsync.anchor import (
     read_anchor,
     write_anchor,
 )
-from safetensors import safe_open
-from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+
 from deltarl.services.buckets import Bucket, ObjectInfo
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError

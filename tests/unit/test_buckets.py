@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import SecretStr
+
 from deltarl.services.buckets import (
     Bucket,
     BucketSettings,
@@ -30,7 +32,6 @@ from deltarl.services.weightsync.errors import CorruptDeltaError
 from deltarl.services.weightsync.manifest import xxh3_hex
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
-from pydantic import SecretStr
 
 S3_BUCKET = "deltarl-test"
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}

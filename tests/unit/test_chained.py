@@ -9,6 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from deltarl.services.weightsync import (
     BaseMismatchError,
     ContextMismatchError,
@@ -28,8 +31,6 @@ from deltarl.services.weightsync.codec.formats import (
     encode_delta,
     squash_chain,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from states import perturb
+
 from deltarl.services.weightsync import (
     BaseMismatchError,
     CorruptDeltaError,
@@ -18,9 +22,6 @@ from deltarl.services.weightsync.codec.entropy import (
     rice_parameter,
     symbols_to_diff,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from states import perturb
 
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import xxhash
 import zstandard
+from safetensors.torch import save_file
+from states import make_state, perturb
+
 from deltarl.services.weightsync.codec.compact import (
     TRAILER,
     TRAILER_MAGIC,
@@ -22,8 +25,6 @@ from deltarl.services.weightsync.codec.compact import (
 from deltarl.services.weightsync.codec.formats import encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.errors import CorruptDeltaError
-from safetensors.torch import save_file
-from states import make_state, perturb
 
 GIB = 1 << 30
 

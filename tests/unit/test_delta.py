@@ -7,6 +7,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from states import perturb
+
 from deltarl.services.weightsync import (
     BaseMismatchError,
     StateMismatchError,
@@ -17,7 +19,6 @@ from deltarl.services.weightsync import (
     state_digest,
     tensor_digest,
 )
-from states import perturb
 
 
 def clone(state):

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 import xxhash
 import zstandard
-from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
-from deltarl.services.weightsync.codec.compact import TRAILER, TRAILER_MAGIC, read_footer
-from deltarl.services.weightsync.codec.formats import decode_delta, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from states import make_state, perturb
+
+from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
+from deltarl.services.weightsync.codec.compact import TRAILER, TRAILER_MAGIC, read_footer
+from deltarl.services.weightsync.codec.formats import decode_delta, encode_delta
+from deltarl.services.weightsync.delta import compute_delta
 
 OLD = make_state(seed=11)
 NEW = perturb(OLD, 0.03, seed=5)

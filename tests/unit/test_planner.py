@@ -6,6 +6,9 @@ import itertools
 from collections.abc import Iterable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest, xxh3_hex
 from deltarl.services.weightsync.planner import (
     CatchUpPlan,
@@ -13,8 +16,6 @@ from deltarl.services.weightsync.planner import (
     plan_catch_up,
     reachable_versions,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 _counter = itertools.count()
 

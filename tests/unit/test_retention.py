@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.manifest import MANIFESTS_PREFIX, OBJECTS_PREFIX, xxh3_hex
 from deltarl.services.weightsync.planner import plan_catch_up, reachable_versions

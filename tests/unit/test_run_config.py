@@ -7,14 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from deltarl.env_server.settings import EnvSettings
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
 from typer.testing import CliRunner
 
 from deltarl.cli import app
 from deltarl.demo.plan import DemoPlan
+from deltarl.env_server.settings import EnvSettings
+from deltarl.rollout.settings import RolloutSettings
 from deltarl.run.config import (
     LAUNCHER_FIELDS,
     SHARED_FIELDS,
@@ -23,6 +21,8 @@ from deltarl.run.config import (
     load_run_config,
 )
 from deltarl.run.derive import Endpoints, RunLayout, Tokens, derive
+from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

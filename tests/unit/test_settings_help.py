@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from deltarl.services.common.settings import ServiceSettings, settings_help
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
+
+from deltarl.services.common.settings import ServiceSettings, settings_help
 
 
 class Example(ServiceSettings):

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from states import make_state
+
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.anchor import encode_anchor
@@ -24,7 +26,6 @@ from deltarl.services.weightsync.signing import (
     generate_key,
 )
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
-from states import make_state
 
 
 def publish(bucket: LocalBucket, version: int, signer: Signer | None) -> None:

@@ -8,6 +8,9 @@ import struct
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
 from deltarl.services.weightsync import (
     BaseMismatchError,
     CorruptDeltaError,
@@ -25,8 +28,6 @@ from deltarl.services.weightsync.codec.trl_format import (
     trl_metadata,
     with_local_digests,
 )
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 SPECIALS = {
     torch.bfloat16: [

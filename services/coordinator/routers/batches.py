@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+from fastapi import APIRouter, Request, Response
+from pydantic import Field
+
 from deltarl.services.coordinator.deps import CoordinatorDep, TrainerAuth, WorkerAuth
 from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
 from deltarl.services.coordinator.schemas import (
@@ -15,8 +18,6 @@ from deltarl.services.coordinator.schemas import (
     encode_leased_batch,
 )
 from deltarl.services.coordinator.schemas.common import WireModel
-from fastapi import APIRouter, Request, Response
-from pydantic import Field
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses=ERRORS)
 

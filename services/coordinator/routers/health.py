@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
-from deltarl.services.coordinator.schemas import Health
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
+from deltarl.services.coordinator.schemas import Health
 
 router = APIRouter(tags=["health"])
 

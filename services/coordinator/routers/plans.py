@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Query
+
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
 from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import CatchUpPlan
 from deltarl.services.coordinator.schemas.common import MAX_VERSION
-from fastapi import APIRouter, Query
 
 router = APIRouter(prefix="/v1", tags=["plans"], responses=ERRORS)
 

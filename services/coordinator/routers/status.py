@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Query, Response
+
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth
 from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import StatusSummary
-from fastapi import APIRouter, Query, Response
 
 router = APIRouter(prefix="/v1", tags=["status"], responses=ERRORS)
 

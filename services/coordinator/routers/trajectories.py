@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Request, Response
+
 from deltarl.services.coordinator.deps import CoordinatorDep, WorkerAuth
 from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
 from deltarl.services.coordinator.schemas import SubmitResult
-from fastapi import APIRouter, Request, Response
 
 router = APIRouter(prefix="/v1", tags=["trajectories"], responses={**ERRORS, 415: ERRORS[422]})
 

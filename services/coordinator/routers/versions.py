@@ -6,13 +6,14 @@ import re
 from collections.abc import AsyncIterator
 from typing import Annotated
 
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from sse_starlette.sse import EventSourceResponse
+
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, TrainerAuth
 from deltarl.services.coordinator.errors import invalid, not_found
 from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import VersionPublish, VersionRecord
 from deltarl.services.coordinator.schemas.common import MAX_VERSION
-from fastapi import APIRouter, Header, Path, Query, Request, Response
-from sse_starlette.sse import EventSourceResponse
 
 router = APIRouter(prefix="/v1/versions", tags=["versions"], responses=ERRORS)
 After = Annotated[

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Path, Response
+
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, WorkerAuth
 from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import (
@@ -13,7 +15,6 @@ from deltarl.services.coordinator.schemas import (
     WorkerRegistration,
 )
 from deltarl.services.coordinator.schemas.common import ID_PATTERN
-from fastapi import APIRouter, Path, Response
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"], responses=ERRORS)
 WorkerId = Annotated[str, Path(pattern=ID_PATTERN)]

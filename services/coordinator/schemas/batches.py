@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+from pydantic import Field
+
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, Count, Version, WireModel
 from deltarl.services.coordinator.schemas.trajectories import (
     MAX_TOKENS_PER_TRAJECTORY,
@@ -29,7 +31,6 @@ from deltarl.services.coordinator.schemas.trajectories import (
     TrajectoryGroup,
     decode_group,
 )
-from pydantic import Field
 
 BATCH_FORMAT = "deltarl-batch-v1"
 

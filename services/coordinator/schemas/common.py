@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from deltarl.services.weightsync.manifest import INT64_MAX, MAX_VERSION
 from pydantic import BaseModel, ConfigDict, Field
+
+from deltarl.services.weightsync.manifest import INT64_MAX, MAX_VERSION
 
 # Identifiers chosen by clients (worker ids, group ids, idempotency keys): printable, no spaces,
 # short enough to be used as Redis keys and Prometheus label values, and path-safe (no '/': a

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from deltarl.services.coordinator.schemas.common import Count, Version, WireModel
 from deltarl.services.coordinator.schemas.workers import WorkerInfo
-from pydantic import Field
 
 
 class QueueStats(WireModel):

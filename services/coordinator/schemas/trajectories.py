@@ -30,8 +30,9 @@ from array import array
 from typing import Any
 
 import msgpack
-from deltarl.services.coordinator.schemas.common import ID_PATTERN, Version, WireModel
 from pydantic import Field, model_validator
+
+from deltarl.services.coordinator.schemas.common import ID_PATTERN, Version, WireModel
 
 TRAJECTORY_FORMAT = "deltarl-traj-v1"
 MAX_TRAJECTORIES_PER_GROUP = 4096

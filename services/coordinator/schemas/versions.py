@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from deltarl.services.coordinator.schemas.common import Count, Version, WireModel
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
-from pydantic import Field
 
 VersionKind = Literal["anchor", "delta"]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from deltarl.services.coordinator.schemas.common import (
     ID_PATTERN,
     MAX_IN_FLIGHT,
@@ -17,7 +19,6 @@ from deltarl.services.coordinator.schemas.common import (
     Version,
     WireModel,
 )
-from pydantic import Field
 
 WorkerState = Literal["active", "lost"]
 

@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 import redis
+
 from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store.base import (
     CoordinatorStore,

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import xxhash
 import zstandard
+
 from deltarl.services.weightsync.codec import kernels
 from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.services.weightsync.codec.compact_chunks import (

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from deltarl.services.weightsync.codec import kernels
 from deltarl.services.weightsync.codec.bits import FloatFormat
 from deltarl.services.weightsync.codec.context import (

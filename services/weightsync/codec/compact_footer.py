@@ -20,8 +20,9 @@ import json
 from typing import Annotated, Any, Literal
 
 import zstandard
-from deltarl.services.weightsync.errors import CorruptDeltaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from deltarl.services.weightsync.errors import CorruptDeltaError
 
 FORMAT_NAME = "deltarl-compact"
 FORMAT_VERSION = 1

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import xxhash
+
 from deltarl.services.weightsync.codec import kernels
 from deltarl.services.weightsync.codec.bits import FloatFormat, bits_view, float_format
 from deltarl.services.weightsync.delta import Delta

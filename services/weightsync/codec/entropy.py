@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from deltarl.services.weightsync.codec import kernels
 from deltarl.services.weightsync.codec.bits import FloatFormat
 from deltarl.services.weightsync.errors import CorruptDeltaError

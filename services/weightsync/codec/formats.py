@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
+
 from deltarl.services.weightsync.codec import compact, trl_format
 from deltarl.services.weightsync.codec.context import DeltaContext
 from deltarl.services.weightsync.delta import Delta

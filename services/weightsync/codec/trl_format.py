@@ -65,6 +65,10 @@ from typing import Literal
 import numpy as np
 import torch
 import xxhash
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
 from deltarl.services.weightsync.anchor import parse_header, tensor_bytes
 from deltarl.services.weightsync.codec.bits import dtype_name, float_format, from_bits
 from deltarl.services.weightsync.delta import (
@@ -76,9 +80,6 @@ from deltarl.services.weightsync.delta import (
 )
 from deltarl.services.weightsync.digest import tensor_digest
 from deltarl.services.weightsync.errors import CorruptDeltaError, DeltaError, StateMismatchError
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 logger = logging.getLogger(__name__)
 
