@@ -52,7 +52,7 @@ for step in "${steps[@]}"; do
       --run-dir "$RES/wordle-hf" "${WORDLE[@]}" ;;
     system_2gpu) run system_2gpu python3 bench/wordle_gpu_run.py --engine vllm \
       --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" "${WORDLE[@]}" ;;
-    faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
+    faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;
     *) echo "unknown step $step" >&2; exit 2 ;;

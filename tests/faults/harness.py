@@ -48,8 +48,13 @@ TRAINER_OUTAGE_BUG = (
 )
 
 
+TIMEOUT_SCALE = float(os.environ.get("DELTARL_TEST_TIMEOUT_SCALE", "1"))
+
+
 def wait_for(cond: Callable[[], Any], timeout: float, what: str | Callable[[], str]) -> Any:
-    """Poll ``cond`` every 50 ms until it returns something truthy; fail after ``timeout`` s."""
+    """Poll ``cond`` every 50 ms until it returns something truthy; fail after ``timeout`` s
+    (times ``DELTARL_TEST_TIMEOUT_SCALE``: vLLM workers take a minute or more to start)."""
+    timeout *= TIMEOUT_SCALE
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
