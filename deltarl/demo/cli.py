@@ -33,8 +33,10 @@ from datetime import datetime
 from pathlib import Path
 
 import typer
+from rich.console import Console
 
 from deltarl.demo.plan import DemoPlan
+from deltarl.run.config import RunConfig
 
 EXIT_INTERRUPTED = 130
 
@@ -107,31 +109,48 @@ def demo(
     """Run the whole system locally: coordinator, env server, rollout workers, trainer and a
     local-directory bucket, each its own process on loopback; show live progress, then prove
     that every worker ends with the trainer's exact weights and draw the reward curve."""
-    from rich.console import Console
-
     console = Console(soft_wrap=True)
     if task not in ("wordle", "charset"):
         raise typer.BadParameter(f"unknown task {task!r}: choose wordle or charset")
     plan = DemoPlan.for_model(tiny, steps, workers, "charset" if task == "charset" else "wordle")
     plan = dataclasses.replace(plan, seed=seed)
-    rd = make_run_dir(run_dir)
+    launch(plan.run_config(), make_run_dir(run_dir), cache_dir, console, timeout_s, live, "demo")
+
+
+def launch(
+    config: RunConfig,
+    rd: Path,
+    cache_dir: Path,
+    console: Console,
+    timeout_s: float,
+    live: bool | None,
+    name: str,
+) -> None:
+    """Run ``config`` in ``rd`` (``deltarl demo`` and ``deltarl run``): logs to
+    ``rd/logs/<name>.log``, SIGTERM and Ctrl-C stop every child; exits non-zero on failure."""
     (rd / "logs").mkdir(exist_ok=True)
-    quiet_console_logging(rd / "logs" / "demo.log")
+    (rd / "run.json").write_text(config.model_dump_json(indent=2) + "\n")
+    quiet_console_logging(rd / "logs" / f"{name}.log")
     use_live = console.is_terminal if live is None else live
 
     from deltarl.demo.runner import DemoFailedError, run_demo
 
     signal.signal(signal.SIGTERM, interrupt)  # stop the children as on Ctrl-C
-
     try:
         summary = run_demo(
-            plan.run_config(), rd, cache_dir, console, timeout_s=timeout_s, live=use_live
+            config,
+            rd,
+            cache_dir,
+            console,
+            timeout_s=timeout_s,
+            live=use_live,
+            title=f"deltarl {name}",
         )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: every process was stopped[/yellow]")
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except DemoFailedError as exc:
-        console.print(f"[red]demo failed:[/red] {exc}")
+        console.print(f"[red]{name} failed:[/red] {exc}")
         if exc.log_tail:
             console.print(exc.log_tail, markup=False, highlight=False)
         raise typer.Exit(1) from None

@@ -3,12 +3,11 @@ own process on loopback (the same launcher as ``deltarl demo``, which is one pre
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import typer
 
-from deltarl.demo.cli import EXIT_INTERRUPTED, interrupt, make_run_dir, quiet_console_logging
+from deltarl.demo.cli import launch, make_run_dir
 
 
 def run(
@@ -51,35 +50,7 @@ def run(
         console.print_json(config.model_dump_json())
         return
     base = run_dir if run_dir is not None else _default_dir(config_file)
-    rd = make_run_dir(base)
-    (rd / "logs").mkdir(exist_ok=True)
-    (rd / "run.json").write_text(config.model_dump_json(indent=2) + "\n")
-    quiet_console_logging(rd / "logs" / "run.log")
-    use_live = console.is_terminal if live is None else live
-
-    from deltarl.demo.runner import DemoFailedError, run_demo
-
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        summary = run_demo(
-            config,
-            rd,
-            cache_dir,
-            console,
-            timeout_s=timeout_s,
-            live=use_live,
-            title=f"deltarl run {config_file.name}",
-        )
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: every process was stopped[/yellow]")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-    except DemoFailedError as exc:
-        console.print(f"[red]run failed:[/red] {exc}")
-        if exc.log_tail:
-            console.print(exc.log_tail, markup=False, highlight=False)
-        raise typer.Exit(1) from None
-    if not summary["ok"]:
-        raise typer.Exit(1)
+    launch(config, make_run_dir(base), cache_dir, console, timeout_s, live, "run")
 
 
 def _default_dir(config_file: Path) -> Path:
