@@ -92,7 +92,7 @@ def test_demo_tiny_end_to_end(demo_run: tuple[subprocess.CompletedProcess[str], 
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logs = {p.name for p in (run_dir / "logs").iterdir()}
     assert {"coordinator.log", "env.log", "trainer.log", "demo.log"} <= logs
-    assert {f"demo-worker-{i + 1}.log" for i in range(WORKERS)} <= logs
+    assert {f"worker-{i + 1}.log" for i in range(WORKERS)} <= logs
 
 
 def test_demo_stops_every_process(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
@@ -202,14 +202,14 @@ def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
         pids = {
             k: v["pid"] for k, v in json.loads((run_dir / "processes.json").read_text()).items()
         }
-        os.kill(pids["demo-worker-2"], 9)
+        os.kill(pids["worker-2"], 9)
         assert demo.wait(timeout=90) == 1
     finally:
         if demo.poll() is None:
             demo.kill()
     text = out_path.read_text()
-    assert "demo-worker-2 died (exit code -9)" in text
-    assert "registered as demo-worker-2" in text  # the tail of its log
+    assert "worker-2 died (exit code -9)" in text
+    assert "registered as worker-2" in text  # the tail of its log
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # every child is gone

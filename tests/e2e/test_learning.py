@@ -68,7 +68,8 @@ def learning_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, An
 
 def test_reward_goes_up(learning_run: tuple[dict[str, Any], Path]) -> None:
     summary, _ = learning_run
-    assert summary["plan"]["task"] == "charset" and summary["plan"]["model_kind"] == "tiny-bytes"
+    assert summary["config"]["env"]["task"] == "charset"
+    assert summary["config"]["run"]["model"] == "tiny-bytes"
     trained = summary["reward"]["trained"]
     assert [step for step, _ in trained] == list(range(1, STEPS + 1))
     rewards = [r for _, r in trained]
@@ -89,7 +90,7 @@ def test_workers_end_bit_identical_to_the_trainer(
     digest = final["state_digest"]
     # each worker's own heartbeat digest, verified by the coordinator
     assert summary["proof"]["method"] == "coordinator"
-    assert summary["worker_digests"] == {f"demo-worker-{i + 1}": digest for i in range(WORKERS)}
+    assert summary["worker_digests"] == {f"worker-{i + 1}": digest for i in range(WORKERS)}
     assert sorted(summary["workers_identical"]) == sorted(summary["workers"])
     # the coordinator's record of the final version, and the chain in the bucket
     assert summary["proof"]["published_digest"] == digest
