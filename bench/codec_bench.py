@@ -27,9 +27,9 @@ import platform
 import time
 from pathlib import Path
 
+import real_deltas  # bench/real_deltas.py (the script's own folder is on sys.path)
 import torch
 
-from bench import real_deltas
 from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
 from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
 from deltarl.services.weightsync.codec.trl_format import encode_trl

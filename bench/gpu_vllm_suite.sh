@@ -4,6 +4,10 @@
 #
 #   bash bench/gpu_vllm_suite.sh RESULTS_DIR [STEP...]
 #
+# deltarl must be installed (`pip install -e .`, or `pip install --no-deps --target DIR .` with DIR
+# on PYTHONPATH): the top-level folders are deltarl.* only through the install. PYTHONSAFEPATH
+# keeps the repository's own deltarl/ folder from shadowing a non-editable install.
+#
 # Steps (default: all, in this order), each logging to RESULTS_DIR/<step>.log; RESULTS_DIR/status
 # gets one line per finished step with its exit code:
 #   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
@@ -21,7 +25,7 @@ shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check tests speed system faults system_hf)
 mkdir -p "$RES"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 SECONDS_RUN=${DELTARL_SUITE_RUN_S:-300}
 WORDLE=(--max-guesses 6 --max-invalid 1 --max-new-tokens 24 --format-credit 0.5 --lr 1e-5
   --duration "$SECONDS_RUN")

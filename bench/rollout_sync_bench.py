@@ -55,8 +55,7 @@ def build(model: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.M
         cfg = AutoConfig.from_pretrained(str(d), gguf_file=gguf)
     elif model == "qwen3-0.6b":
         from transformers import Qwen3Config
-
-        from bench.vllm_speed import QWEN3_0_6B
+        from vllm_speed import QWEN3_0_6B  # bench/vllm_speed.py
 
         cfg = Qwen3Config(**QWEN3_0_6B)
         torch.manual_seed(0)
