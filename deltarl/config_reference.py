@@ -135,6 +135,33 @@ def render() -> str:
         *experiment_rows(ExperimentSettings),
         "",
     ]
+    from deltarl.run.config import SHARED_FIELDS, SharedSettings
+
+    shared = {
+        key: ", ".join(
+            f"[{section}] {field}"
+            for section, f in SHARED_FIELDS.items()
+            for field, k in f.items()
+            if k == key
+        )
+        for key in SharedSettings.model_fields
+    }
+    out += [
+        "## Run config `[run]` (TOML)",
+        "",
+        "`deltarl run exp.toml` ([docs/run.md](run.md)): the values several services must agree",
+        "on, declared once; the other sections (`[coordinator]`, `[env]`, `[rollout]`,",
+        "`[trainer]`) take the keys above, without these.",
+        "",
+        "| key | default | meaning | handed to |",
+        "|---|---|---|---|",
+        *(
+            f"| `{name}` | {_default(name, field)} | {_cell(field.description or '')} | "
+            f"{shared[name]} |"
+            for name, field in SharedSettings.model_fields.items()
+        ),
+        "",
+    ]
     return "\n".join(out)
 
 
