@@ -61,7 +61,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=1000, help="stop after this many steps")
-    ap.add_argument("--duration", type=float, default=480.0, help="stop after this many seconds")
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=480.0,
+        help="stop this many seconds after the trainer starts",
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--group-size", type=int, default=8)
@@ -361,11 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = prepare_model(a.model_kind, a.cache_dir)
     t0 = time.monotonic()
     group, curl, metrics = start_all(a, rd, model_dir)
+    # --duration counts from the trainer's start: vLLM workers start one after another and
+    # may take minutes (a 150 s run once ended before the trainer had run a step)
+    t_train = time.monotonic()
     trainer = next(c for c in group.children if c.name == "trainer")
     status: Any = None
     scrapes: dict[str, list[tuple[float, float]]] = {wid: [] for wid in metrics}
     try:
-        while time.monotonic() - t0 < a.duration and trainer.exit_code() is None:
+        while time.monotonic() - t_train < a.duration and trainer.exit_code() is None:
             group.check_alive({"trainer": 0})
             time.sleep(5)
             for wid, url in metrics.items():
