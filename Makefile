@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck unit bench system-deps clean
+.PHONY: demo test test-fast lint typecheck unit bench system-deps docker-deps clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,15 @@ system-deps:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+# A Docker engine for the `docker` tests (tools/docker-setup.sh: root, Debian). Where it cannot be
+# set up they skip, unless DELTARL_REQUIRE_DOCKER=1 (CI) makes that an error.
+docker-deps:
+	@if ! docker info >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then bash tools/docker-setup.sh; \
+	  elif [ "$${DELTARL_REQUIRE_DOCKER:-0}" = 1 ]; then echo "docker is needed (run tools/docker-setup.sh as root)"; exit 1; \
+	  else echo "no Docker engine: the docker tests will skip (tools/docker-setup.sh as root sets one up)"; fi; \
+	fi
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -35,7 +44,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) tools/typecheck.py
 
-unit: $(STAMP) system-deps
+unit: $(STAMP) system-deps docker-deps
 	$(VENV)/bin/pytest -q -m "not gpu"
 
 test: lint typecheck unit
