@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # deltarl rollout worker on a GPU: the vLLM engine (DELTARL_ROLLOUT_ENGINE=vllm, docs/vllm.md) by
 # default; the embedded transformers engine stays selectable (DELTARL_ROLLOUT_ENGINE=transformers).
 #
@@ -26,15 +25,9 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /src
-# deltarl/<folder> are symlinks to the top-level folders: copy both, the wheel packages them.
-COPY pyproject.toml README.md ./
-COPY deltarl/ deltarl/
-COPY services/ services/
-COPY env_server/ env_server/
-COPY trainer/ trainer/
-COPY rollout/ rollout/
-RUN pip wheel --no-deps . -w /wheels
+# the whole build context, which .dockerignore limits to the package (docker/README.md)
+COPY . /src
+RUN pip wheel --no-deps /src -w /wheels
 
 FROM ${VLLM_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

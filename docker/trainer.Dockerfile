@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # deltarl trainer (GPU): GRPO on the coordinator's trajectories, publishes every step to the bucket.
 # Base: PyTorch's CUDA runtime image (torch + CUDA + cuDNN); deltarl and the `model` and `s3`
 # extras are installed on top, keeping the base image's torch (it must satisfy pyproject's range).
@@ -10,15 +9,9 @@ ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /src
-# deltarl/<folder> are symlinks to the top-level folders: copy both, the wheel packages them.
-COPY pyproject.toml README.md ./
-COPY deltarl/ deltarl/
-COPY services/ services/
-COPY env_server/ env_server/
-COPY trainer/ trainer/
-COPY rollout/ rollout/
-RUN pip wheel --no-deps . -w /wheels
+# the whole build context, which .dockerignore limits to the package (docker/README.md)
+COPY . /src
+RUN pip wheel --no-deps /src -w /wheels
 
 FROM ${TORCH_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -60,6 +60,7 @@ def train(
         help="Continue from the latest checkpoint of the run (publishes its weights as an anchor).",
     ),
 ) -> None:
+    quiet_http_logs()
     try:
         settings = ExperimentSettings.load(config, overrides)
         deploy = TrainerDeployment()
@@ -85,6 +86,13 @@ def train(
     code = _run(settings, deploy, resume=resume)
     if code:
         raise typer.Exit(code)
+
+
+def quiet_http_logs() -> None:
+    """httpx logs every request at INFO: one line per lease poll (every second while the trainer
+    waits for data). Keep its warnings only, unless the log level is DEBUG."""
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: bool) -> int:
