@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -72,11 +73,13 @@ from deltarl.services.coordinator.client import (
 from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
     SubmitResult,
+    WeightChallenge,
     WorkerHeartbeat,
     WorkerRegistration,
     encode_group,
 )
 from deltarl.services.weightsync.errors import StateMismatchError
+from deltarl.services.weightsync.proof import ProofSpec
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +149,11 @@ class RolloutWorker:
         self._drain: asyncio.Timeout | None = None
         self._async_client: AsyncCoordinatorClient | None = None
         self._registered = False
+        # weight proofs run in their own thread (a whole-state proof of a large model takes
+        # seconds: heartbeats go on meanwhile); at most one at a time
+        self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
+        self._proving: Future[None] | None = None
+        self._proving_nonce: str | None = None
         self.metrics = metrics if metrics is not None else RolloutMetrics()
         self.metrics.watch(self)
         self.http = WorkerHttpServer(create_app(self), settings)
@@ -225,7 +233,41 @@ class RolloutWorker:
             logger.warning("the coordinator does not know this worker: registering again")
             ack = self._register()
         self.follower.follow(ack.latest_version)
+        if ack.challenge is not None:
+            self._take_challenge(ack.challenge)
         return ack
+
+    def _take_challenge(self, challenge: WeightChallenge) -> None:
+        """Answer a weight challenge in the proof thread (unless that one is already being
+        answered; a challenge is re-sent with every heartbeat until answered)."""
+        busy = self._proving is not None and not self._proving.done()
+        if busy or challenge.nonce == self._proving_nonce:
+            return
+        self._proving_nonce = challenge.nonce
+        self._proving = self._prover.submit(self._answer, challenge)
+
+    def _answer(self, challenge: WeightChallenge) -> None:
+        try:
+            spec = ProofSpec(challenge.chunk_bytes, challenge.chunks)
+            answer = self.sync.prove(challenge.version, bytes.fromhex(challenge.nonce), spec)
+            if answer is None:  # moved on: the next heartbeat brings a challenge for that
+                self._proving_nonce = None
+                return
+            result = self.coordinator.prove(self.worker_id, challenge.nonce, answer)
+        except Exception as exc:
+            logger.warning("weight proof for v%d not delivered: %s", challenge.version, exc)
+            self._proving_nonce = None  # try again with the next heartbeat's challenge
+            return
+        if result.verified:
+            self.stats.proofs_ok += 1
+            logger.info("weights proven at v%d", result.version)
+        else:
+            self.stats.proofs_failed += 1
+            self._last_error = (
+                f"weight proof at v{result.version} refused: the served weights are not the "
+                "trainer's (or the answer came too late)"
+            )
+            logger.error(self._last_error)
 
     # ------------------------------------------------------------------ the run
 
@@ -365,6 +407,7 @@ class RolloutWorker:
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5.0)
         self.follower.stop()
+        self._prover.shutdown(wait=True, cancel_futures=True)
         self.sync.close()
         self._deregister()
         self.coordinator.close()

@@ -212,6 +212,24 @@ class PublishSettings(_Settings):
         "every manifest and latest pointer is signed, for workers that trust only signed versions "
         "(docs/security.md). None: unsigned.",
     )
+    proof_challenges: int = Field(
+        default=8,
+        ge=0,
+        le=4096,
+        description="Weight challenges handed to the coordinator per version (fresh nonces with "
+        "the answers computed on the published state): each proves one worker's weights once "
+        "(docs/security.md). 0: none (workers then stay unproven, weights_verified None).",
+    )
+    proof_chunks: int = Field(
+        default=256,
+        ge=0,
+        le=65_536,
+        description="Chunks of the state a weight proof samples; 0: the whole state (strongest, "
+        "costs hashing every byte on the trainer and on the worker).",
+    )
+    proof_chunk_bytes: int = Field(
+        default=4096, ge=1, le=1 << 20, description="Bytes per sampled chunk of a weight proof."
+    )
     chained_deltas: bool = Field(
         default=True,
         description="With the compact format, also publish each delta chained on the previous "

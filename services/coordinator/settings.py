@@ -83,6 +83,17 @@ class CoordinatorSettings(TLSServerSettings):
     lost_after_s: float = Field(
         default=10.0, gt=0, description="Silence after which a worker is reported lost."
     )
+    proof_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="Seconds a worker has to answer a weight challenge (docs/security.md).",
+    )
+    proof_pool_versions: int = Field(
+        default=64,
+        ge=1,
+        description="Weight-challenge pools are kept for this many newest versions.",
+    )
     default_lease_s: float = Field(default=120.0, gt=0, description="Default batch lease (s).")
     max_lease_s: float = Field(default=3600.0, gt=0, description="Longest lease allowed (s).")
     max_batch_groups: int = Field(default=1024, ge=1, description="Most groups in one lease.")

@@ -42,6 +42,9 @@ from deltarl.services.coordinator.schemas.trajectories import (
     encode_group,
 )
 from deltarl.services.coordinator.schemas.versions import (
+    ChallengePair,
+    ChallengePool,
+    ChallengePoolResult,
     ObjectRef,
     VersionKind,
     VersionManifest,
@@ -50,6 +53,9 @@ from deltarl.services.coordinator.schemas.versions import (
 )
 from deltarl.services.coordinator.schemas.workers import (
     HeartbeatAck,
+    ProofAnswer,
+    ProofResult,
+    WeightChallenge,
     WorkerHeartbeat,
     WorkerInfo,
     WorkerRegistration,
@@ -65,6 +71,9 @@ __all__ = [
     "BatchItem",
     "BatchLease",
     "CatchUpPlan",
+    "ChallengePair",
+    "ChallengePool",
+    "ChallengePoolResult",
     "ErrorBody",
     "ErrorResponse",
     "Health",
@@ -72,6 +81,8 @@ __all__ = [
     "LeaseExtension",
     "LeasedBatch",
     "ObjectRef",
+    "ProofAnswer",
+    "ProofResult",
     "QueueStats",
     "RewardPoint",
     "StatusSummary",
@@ -83,6 +94,7 @@ __all__ = [
     "VersionPoint",
     "VersionPublish",
     "VersionRecord",
+    "WeightChallenge",
     "WorkerHeartbeat",
     "WorkerInfo",
     "WorkerRegistration",
