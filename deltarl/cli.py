@@ -27,6 +27,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("env", "deltarl.env_server.cli", "serve"),
     ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
     ("status", "deltarl.services.coordinator.cli", "status"),
+    ("worker-token", "deltarl.services.coordinator.cli", "worker_token"),
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("demo", "deltarl.demo.cli", "demo"),

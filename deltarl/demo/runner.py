@@ -119,7 +119,9 @@ def _run(
     live: bool,
 ) -> dict[str, Any]:
     endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
-    tokens = Tokens(trainer=new_token(), worker=new_token(), env=new_token())
+    tokens = Tokens(
+        trainer=new_token(), worker=new_token(), env=new_token(), worker_key=new_token()
+    )
     launches = derive(
         config,
         run_dir=rd,

@@ -368,12 +368,22 @@ class Coordinator:
             raise unknown_worker(worker_id)
 
     # -- trajectories -----------------------------------------------------------------------
-    def submit(self, payload: bytes) -> tuple[int, bool, int, int | None]:
-        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``."""
+    def submit(
+        self, payload: bytes, token_worker: str | None = None
+    ) -> tuple[int, bool, int, int | None]:
+        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``.
+        ``token_worker``: the worker a per-worker token authenticated (the group must be its)."""
         try:
             group = decode_group(payload)
         except ValueError as exc:
             raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
+        if token_worker is not None and group.worker_id != token_worker:
+            raise ApiError(
+                403,
+                "forbidden",
+                f"this token belongs to worker {token_worker!r}; it cannot submit for worker "
+                f"{group.worker_id!r}",
+            )
         if self.store.get_worker(group.worker_id) is None:
             raise unknown_worker(group.worker_id)
         latest = self.latest_at_least(group.version_max)
