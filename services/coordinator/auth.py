@@ -80,13 +80,13 @@ def check_role(settings: CoordinatorSettings, role: Role, request: Request) -> N
                 403,
                 "forbidden",
                 "the token is not a worker token of this coordinator (with per-worker "
-                "credentials each worker uses its own: 'deltarl coordinator worker-token ID')",
+                "credentials each worker uses its own: 'deltarl worker-token ID')",
             )
         request.state.worker_id = worker_id
         return
     if role == "reader" and not settings.public_reads and settings.worker_key:
-        token = presented_token(request)
-        if token is not None and token_worker(settings.worker_key, token) is not None:
+        presented = presented_token(request)
+        if presented is not None and token_worker(settings.worker_key, presented) is not None:
             return
     if role == "trainer":
         allowed = [settings.trainer_token]
