@@ -34,6 +34,7 @@ from pydantic_settings import SettingsConfigDict
 
 from deltarl.services.common.settings import ServiceSettings
 
+DistillMode = Literal["none", "jsd", "teacher_advantage"]
 AdvantageScale = Literal["group", "batch", "none"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sum"]
 ImportanceSampling = Literal[
@@ -123,6 +124,26 @@ class LossSettings(_Settings):
         ge=0,
         description="Weight of the k3 KL estimate to a reference policy; 0: no reference "
         "model is needed.",
+    )
+    distill: DistillMode = Field(
+        default="none",
+        description="On-policy distillation from the teacher logprobs the workers attach "
+        "(docs/distillation.md): 'jsd' adds distill_coef x the generalized JSD over the teacher's "
+        "top-k plus a tail bucket; 'teacher_advantage' adds teacher_tau x (teacher logprob - "
+        "student logprob) to each token's advantage; 'none': ignore teacher data.",
+    )
+    distill_beta: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="JSD interpolation: 0 = forward KL(teacher || student), 1 = reverse "
+        "KL(student || teacher).",
+    )
+    distill_coef: float = Field(
+        default=1.0, ge=0, description="Weight of the JSD term next to the policy loss."
+    )
+    teacher_tau: float = Field(
+        default=1.0, ge=0, description="Weight of the teacher term in 'teacher_advantage'."
     )
 
 

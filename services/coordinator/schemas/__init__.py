@@ -36,6 +36,8 @@ from deltarl.services.coordinator.schemas.status import (
 )
 from deltarl.services.coordinator.schemas.trajectories import (
     TRAJECTORY_FORMAT,
+    TRAJECTORY_FORMAT_TEACHER,
+    TeacherLogprobs,
     Trajectory,
     TrajectoryGroup,
     decode_group,
@@ -65,6 +67,7 @@ from deltarl.services.weightsync.planner import CatchUpPlan
 
 __all__ = [
     "TRAJECTORY_FORMAT",
+    "TRAJECTORY_FORMAT_TEACHER",
     "AckResult",
     "AdmissionRequest",
     "AdmissionResponse",
@@ -87,6 +90,7 @@ __all__ = [
     "RewardPoint",
     "StatusSummary",
     "SubmitResult",
+    "TeacherLogprobs",
     "Trajectory",
     "TrajectoryGroup",
     "VersionKind",
