@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
+from deltarl.services.coordinator.schemas import TeacherLogprobs, Trajectory, TrajectoryGroup
 from deltarl.trainer.distill import TeacherBatch
 from deltarl.trainer.loss import group_advantages
 from deltarl.trainer.settings import AdvantageScale
@@ -68,6 +68,7 @@ class TrainBatch:
     staleness: Tensor  # [B] int64: policy_version - version_min (0 without a policy version)
     temperature: Tensor | None = None  # [B] float32 sampling temperature, NaN: not reported
     teacher: TeacherBatch | None = None  # a teacher's top-k at trained positions, if any
+    hint: TeacherBatch | None = None  # hinted self-distillation targets (one turn), if any
 
     def temperatures(self, default: float) -> Tensor:
         """[B] float32: each trajectory's reported sampling temperature, ``default`` where
@@ -99,6 +100,7 @@ class TrainBatch:
             staleness=self.staleness[rows],
             temperature=None if self.temperature is None else self.temperature[rows],
             teacher=None if self.teacher is None else self.teacher.select(rows, width),
+            hint=None if self.hint is None else self.hint.select(rows, width),
         )
 
 
@@ -147,7 +149,8 @@ def collate(
         else None
     )
     return TrainBatch(
-        teacher=_collate_teacher([t for _, t in trajs], width),
+        teacher=_collate_teacher([t.teacher for _, t in trajs], [t for _, t in trajs], width),
+        hint=_collate_teacher([t.hint for _, t in trajs], [t for _, t in trajs], width),
         tokens=tokens,
         attention_mask=attention,
         loss_mask=loss_mask,
@@ -161,9 +164,12 @@ def collate(
     )
 
 
-def _collate_teacher(trajs: Sequence[Trajectory], width: int) -> TeacherBatch | None:
-    """The teachers' top-k scattered to the trained positions; None when no trajectory has any."""
-    with_teacher = [t.teacher for t in trajs if t.teacher is not None]
+def _collate_teacher(
+    views: Sequence[TeacherLogprobs | None], trajs: Sequence[Trajectory], width: int
+) -> TeacherBatch | None:
+    """Top-k views (a teacher's, or a hint's) scattered to their positions (the trained ones in
+    order unless listed); None when no trajectory has one."""
+    with_teacher = [v for v in views if v is not None]
     if not with_teacher:
         return None
     b, k = len(trajs), max(t.k for t in with_teacher)
@@ -172,11 +178,13 @@ def _collate_teacher(trajs: Sequence[Trajectory], width: int) -> TeacherBatch | 
     valid = torch.zeros((b, width, k), dtype=torch.bool)
     sampled = torch.zeros((b, width), dtype=torch.float32)
     present = torch.zeros((b, width), dtype=torch.bool)
-    for i, t in enumerate(trajs):
-        teacher = t.teacher
+    for i, (teacher, t) in enumerate(zip(views, trajs, strict=True)):
         if teacher is None:
             continue
-        pos = torch.nonzero(torch.tensor(t.mask, dtype=torch.bool)).squeeze(-1)
+        if teacher.positions is not None:
+            pos = torch.tensor(teacher.positions, dtype=torch.int64)
+        else:
+            pos = torch.nonzero(torch.tensor(t.mask, dtype=torch.bool)).squeeze(-1)
         m, tk = len(teacher.sampled), teacher.k
         ids[i, pos, :tk] = torch.tensor(teacher.ids, dtype=torch.int64).view(m, tk)
         logprobs[i, pos, :tk] = torch.tensor(teacher.logprobs, dtype=torch.float32).view(m, tk)

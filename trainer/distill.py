@@ -19,6 +19,12 @@ wire format). Two ways to use them, selected by ``loss.distill``:
   ``A + teacher_tau * (teacher_lp - student_lp)`` (detached), the reward-plus-teacher advantage
   of prime-rl and NeMo-RL: tokens the teacher likes more than the student get pushed up.
 
+**Hinted self-distillation** uses the same machinery: a trajectory's ``hint`` holds, for the
+tokens of the turn that went wrong, the top-k the policy gave them once a hint was inserted as
+a user message before that turn (one forward pass, no new decoding). The policy, without the
+hint, is trained on those tokens only towards that distribution: ``hint_coef`` x the JSD with
+``hint_beta`` (default 1: reverse KL, as HinT-SD), next to the RL loss; metrics ``hint/*``.
+
 Positions without teacher data (a trajectory submitted without it) contribute nothing to the
 distillation term; ``distill/coverage`` reports the share of trained tokens that had it.
 Metrics, both modes: ``distill/coverage``, ``distill/teacher_logprob`` (of the sampled tokens)
@@ -126,9 +132,11 @@ def jsd_loss(
     temperature: Temperature,
     normalizer: float,
     stats: LossStats,
+    prefix: str = "distill/",
 ) -> Tensor:
     """The summed JSD term over trained positions with teacher data, divided by ``normalizer``
-    (the policy loss's token normalizer), with gradient; metrics go to ``stats``."""
+    (the policy loss's token normalizer), with gradient; metrics go to ``stats`` (named
+    ``prefix`` + ``loss``, ``kl_teacher``, ``topk_mass_teacher``, ``topk_mass_student``)."""
     where = loss_mask.bool() & teacher.present
     student_k = _student_topk(logits, teacher.ids, temperature)
     s = bucket_logprobs(student_k, teacher.valid)
@@ -137,11 +145,11 @@ def jsd_loss(
     per_pos = generalized_jsd(s, t, valid, beta)
     total = torch.where(where, per_pos, torch.zeros_like(per_pos)).sum() / normalizer
     with torch.no_grad():
-        stats.add_sum("distill/loss", total.detach())
+        stats.add_sum(prefix + "loss", total.detach())
         if where.any():
-            stats.add_values("distill/kl_teacher", _kl(t, s.detach(), valid)[where])
-            stats.add_values("distill/topk_mass_teacher", (1 - t[..., -1].exp())[where])
-            stats.add_values("distill/topk_mass_student", (1 - s.detach()[..., -1].exp())[where])
+            stats.add_values(prefix + "kl_teacher", _kl(t, s.detach(), valid)[where])
+            stats.add_values(prefix + "topk_mass_teacher", (1 - t[..., -1].exp())[where])
+            stats.add_values(prefix + "topk_mass_student", (1 - s.detach()[..., -1].exp())[where])
     return total
 
 

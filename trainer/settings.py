@@ -145,6 +145,19 @@ class LossSettings(_Settings):
     teacher_tau: float = Field(
         default=1.0, ge=0, description="Weight of the teacher term in 'teacher_advantage'."
     )
+    hint_coef: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of hinted self-distillation on trajectories that carry a hint (the "
+        "hinted turn's tokens pulled towards the policy's own hinted distribution); 0: ignore "
+        "hints.",
+    )
+    hint_beta: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="JSD interpolation of the hint term (1: reverse KL, as HinT-SD).",
+    )
 
 
 class SamplingSettings(_Settings):

@@ -176,6 +176,20 @@ def _micro_step(
                 stats=distill_stats,
             )
         loss = loss + settings.loss.distill_coef * jsd
+    if part.hint is not None and settings.loss.hint_coef > 0:
+        hint = part.hint.to(device)
+        with _autocast(device, settings.precision):
+            hinted = jsd_loss(
+                logits,
+                hint,
+                mask,
+                beta=settings.loss.hint_beta,
+                temperature=temp_arg,
+                normalizer=normalizer,
+                stats=distill_stats,
+                prefix="hint/",
+            )
+        loss = loss + settings.loss.hint_coef * hinted
     (loss * scale if scale != 1.0 else loss).backward()
     stats = stats.merge(out.stats).merge(distill_stats)
     with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ

@@ -226,3 +226,34 @@ def test_bad_teacher_data_is_refused() -> None:
             decode_group(msgpack.packb(bad))
     with pytest.raises(ValidationError, match="must hold k=2 entries"):
         TeacherLogprobs(k=2, temperature=1.0, sampled=[-1.0], ids=[1], logprobs=[-1.0])
+
+
+def test_hints_travel_with_their_positions() -> None:
+    g = _with_teacher()
+    first = g.trajectories[0]
+    hint = TeacherLogprobs(
+        k=1, temperature=1.0, sampled=[-0.125], ids=[7], logprobs=[-0.125], positions=[4]
+    )
+    hinted = first.model_copy(update={"teacher": None, "hint": hint, "hint_text": "E is out"})
+    g2 = g.model_copy(update={"trajectories": [Trajectory.model_validate(hinted.model_dump())]})
+    payload = encode_group(g2)
+    assert msgpack.unpackb(payload)["format"] == TRAJECTORY_FORMAT_TEACHER
+    assert decode_group(payload) == g2
+    data = hinted.model_dump()
+    for positions, message in (
+        ([3], "trained positions"),  # mask 0 there
+        ([9], "trained positions"),  # beyond the tokens
+        (None, "hint.positions is required"),
+    ):
+        bad = {**data, "hint": {**data["hint"], "positions": positions}}
+        with pytest.raises(ValidationError, match=message):
+            Trajectory.model_validate(bad)
+    with pytest.raises(ValidationError, match="strictly increasing"):
+        TeacherLogprobs(
+            k=1,
+            temperature=1.0,
+            sampled=[-1.0, -1.0],
+            ids=[1, 2],
+            logprobs=[-1.0, -1.0],
+            positions=[4, 2],
+        )

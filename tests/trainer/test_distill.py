@@ -74,10 +74,17 @@ def teacher_table(strength: float = 4.0) -> torch.Tensor:
 
 @torch.no_grad()
 def rollout(
-    student: Bigram, teacher: torch.Tensor | None, gen: torch.Generator, k: int, version: int
+    student: Bigram,
+    teacher: torch.Tensor | None,
+    gen: torch.Generator,
+    k: int,
+    version: int,
+    hints: bool = False,
 ) -> list[TrajectoryGroup]:
     """Groups of 8; reward 1 only when every completion token is TARGET (sparse: GRPO alone
-    rarely sees a signal); with ``teacher``, its top-k at each sampled position attached."""
+    rarely sees a signal); with ``teacher``, its top-k at each sampled position attached, or with
+    ``hints``, only on failed trajectories and only at the first wrong token (the "turn that went
+    wrong"): the distribution of a policy that read the hint (here: the teacher table's)."""
     groups = []
     for gi in range(4):
         prompt = int(torch.randint(0, VOCAB, (1,), generator=gen))
@@ -95,6 +102,23 @@ def rollout(
                     sampled.append(float(tlp[tok]))
                 tokens.append(tok)
                 logprobs.append(float(logp[tok]))
+            view = (
+                None
+                if teacher is None
+                else TeacherLogprobs(k=k, temperature=1.0, sampled=sampled, ids=ids, logprobs=lps)
+            )
+            wrong = [p for p in range(1, len(tokens)) if tokens[p] != TARGET]
+            hint = None
+            if hints and view is not None and wrong:
+                j = wrong[0] - 1  # index among the trained positions
+                hint = TeacherLogprobs(
+                    k=k,
+                    temperature=1.0,
+                    sampled=[sampled[j]],
+                    ids=ids[j * k : (j + 1) * k],
+                    logprobs=lps[j * k : (j + 1) * k],
+                    positions=[wrong[0]],
+                )
             trajs.append(
                 Trajectory(
                     tokens=tokens,
@@ -104,11 +128,9 @@ def rollout(
                     reward=float(all(t == TARGET for t in tokens[1:])),
                     version_min=version,
                     version_max=version,
-                    teacher=None
-                    if teacher is None
-                    else TeacherLogprobs(
-                        k=k, temperature=1.0, sampled=sampled, ids=ids, logprobs=lps
-                    ),
+                    teacher=None if hints else view,
+                    hint=hint,
+                    hint_text="play the target" if hint is not None else None,
                 )
             )
         groups.append(
@@ -131,7 +153,7 @@ def train(mode: str, seed: int, steps: int = 30) -> list[float]:
             f"max_steps={steps}",
             "optimizer.lr=0.1",
             "batch.micro_batch_size=16",
-            f"loss.distill={mode}",
+            f"loss.distill={'none' if mode == 'hint' else mode}",
             "loss.distill_beta=0.5",
             "loss.teacher_tau=1.0",
         ],
@@ -141,11 +163,13 @@ def train(mode: str, seed: int, steps: int = 30) -> list[float]:
     teacher = None if mode == "none" else teacher_table()
     success = []
     for step in range(steps):
-        groups = rollout(student, teacher, gen, 3, step)
+        groups = rollout(student, teacher, gen, 3, step, hints=mode == "hint")
         batch = collate(groups, step)
         metrics = train_step(student, opt, sched, batch, settings)
         success.append(float(batch.rewards.mean()))
-        if mode != "none":
+        if mode == "hint":
+            assert "hint/loss" in metrics and "distill/coverage" not in metrics
+        elif mode != "none":
             assert metrics["distill/coverage"] == 1.0
             assert "distill/teacher_minus_student" in metrics
             if mode == "jsd":
@@ -154,7 +178,7 @@ def train(mode: str, seed: int, steps: int = 30) -> list[float]:
     return success
 
 
-@pytest.mark.parametrize("mode", ["jsd", "teacher_advantage"])
+@pytest.mark.parametrize("mode", ["jsd", "teacher_advantage", "hint"])
 def test_distillation_beats_grpo_alone_on_a_sparse_reward(mode: str) -> None:
     """Same seeds, same steps: with the teacher the student learns to play TARGET; GRPO alone,
     which needs a whole completion of TARGETs to see any reward, stays near chance."""

@@ -25,7 +25,13 @@ the ``m`` trained positions (mask 1, in order) of that trajectory::
          "temperature": float64,   # the teacher's distribution is softmax(logits / temperature)
          "sampled": bin,           # float32 [m]: teacher logprob of the token actually sampled
          "ids": bin,               # int32 [m * k]: the teacher's top-k token ids per position
-         "logprobs": bin}          # float32 [m * k]: their teacher logprobs (descending)
+         "logprobs": bin,          # float32 [m * k]: their teacher logprobs (descending)
+         "positions": bin}         # optional int32 [m]: the token positions (default: every
+                                   # trained position in order)
+
+and, for hinted self-distillation, ``"hint"`` (the same map, ``positions`` required: the tokens
+of the turn that went wrong, scored by the policy with a hint inserted before that turn) and
+``"hint_text"`` (str).
 
 Position ``t`` (mask 1) is the prediction of token ``t`` from the tokens before it, as for the
 behaviour logprobs. A v1 payload never carries ``teacher``; a reader of v1 refuses v2 by name.
@@ -58,7 +64,8 @@ _LITTLE = sys.byteorder == "little"
 
 class TeacherLogprobs(WireModel):
     """A teacher's view of a trajectory's trained positions (on-policy distillation): for each of
-    the ``m`` positions with mask 1, in order, the logprob of the sampled token and the top-k."""
+    the ``m`` positions with mask 1, in order (or for the ``positions`` listed), the logprob of
+    the sampled token and the top-k."""
 
     k: int = Field(ge=1, le=MAX_TEACHER_TOP_K, description="Top-k kept per position.")
     temperature: float = Field(gt=0, description="The teacher's softmax temperature.")
@@ -69,10 +76,21 @@ class TeacherLogprobs(WireModel):
     logprobs: list[float] = Field(
         description="[m * k] the top-k ids' teacher logprobs per position (finite, <= 0)."
     )
+    positions: list[int] | None = Field(
+        default=None,
+        description="[m] token positions (strictly increasing, each with mask 1) the entries "
+        "are for; None: every trained position in order.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TeacherLogprobs:
         m = len(self.sampled)
+        if self.positions is not None and (
+            len(self.positions) != m
+            or any(b <= a for a, b in zip(self.positions, self.positions[1:], strict=False))
+            or (m and self.positions[0] < 0)
+        ):
+            raise ValueError(f"teacher.positions must be {m} strictly increasing token positions")
         if len(self.ids) != m * self.k or len(self.logprobs) != m * self.k:
             raise ValueError(
                 f"teacher: ids and logprobs must hold k={self.k} entries for each of the {m} "
@@ -120,6 +138,15 @@ class Trajectory(WireModel):
         description="A teacher's logprobs at the trained positions (on-policy distillation); "
         "None: none (the group is then plain deltarl-traj-v1).",
     )
+    hint: TeacherLogprobs | None = Field(
+        default=None,
+        description="Hinted self-distillation: the distribution the policy gives the tokens of "
+        "the turn that went wrong once a hint is inserted before it (positions: that turn's "
+        "tokens); None: no hint.",
+    )
+    hint_text: str | None = Field(
+        default=None, max_length=4000, description="The hint that was inserted (for the logs)."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
@@ -137,11 +164,19 @@ class Trajectory(WireModel):
             raise ValueError("reward and signals must be finite numbers")
         if self.temperature is not None and not math.isfinite(self.temperature):
             raise ValueError("temperature must be a finite number > 0")
-        if self.teacher is not None and len(self.teacher.sampled) != sum(self.mask):
-            raise ValueError(
-                f"teacher: {len(self.teacher.sampled)} positions, but the mask trains on "
-                f"{sum(self.mask)}"
-            )
+        if self.hint is not None and self.hint.positions is None:
+            raise ValueError("hint.positions is required (the hinted turn's tokens)")
+        for name, view in (("teacher", self.teacher), ("hint", self.hint)):
+            if view is None:
+                continue
+            if view.positions is None:
+                if len(view.sampled) != sum(self.mask):
+                    raise ValueError(
+                        f"{name}: {len(view.sampled)} positions, but the mask trains on "
+                        f"{sum(self.mask)}"
+                    )
+            elif any(p >= n or not self.mask[p] for p in view.positions):
+                raise ValueError(f"{name}.positions must be trained positions (mask 1) below {n}")
         return self
 
 
@@ -179,7 +214,8 @@ class TrajectoryGroup(WireModel):
 
     @property
     def has_teacher(self) -> bool:
-        return any(t.teacher is not None for t in self.trajectories)
+        """Some trajectory carries teacher or hint data (the payload is then v2)."""
+        return any(t.teacher is not None or t.hint is not None for t in self.trajectories)
 
 
 def _pack_array(code: str, values: list[int] | list[float], what: str) -> bytes:
@@ -205,21 +241,25 @@ def _unpack_array(code: str, raw: Any, what: str) -> array[Any]:
 
 
 def _encode_teacher(t: TeacherLogprobs, what: str) -> dict[str, Any]:
-    return {
+    out = {
         "k": t.k,
         "temperature": float(t.temperature),
         "sampled": _pack_array("f", t.sampled, f"{what}.sampled"),
         "ids": _pack_array("i", t.ids, f"{what}.ids"),
         "logprobs": _pack_array("f", t.logprobs, f"{what}.logprobs"),
     }
+    if t.positions is not None:
+        out["positions"] = _pack_array("i", t.positions, f"{what}.positions")
+    return out
 
 
 def _decode_teacher(raw: Any, what: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{what} must be a map")
-    extra = set(raw) - {"k", "temperature", "sampled", "ids", "logprobs"}
+    extra = set(raw) - {"k", "temperature", "sampled", "ids", "logprobs", "positions"}
     if extra:
         raise ValueError(f"{what}: unknown fields {sorted(extra)}")
+    positions = raw.get("positions")
     sampled = _unpack_array("f", raw.get("sampled"), f"{what}.sampled")
     ids = _unpack_array("i", raw.get("ids"), f"{what}.ids")
     logprobs = _unpack_array("f", raw.get("logprobs"), f"{what}.logprobs")
@@ -236,6 +276,9 @@ def _decode_teacher(raw: Any, what: str) -> dict[str, Any]:
         "sampled": sampled.tolist(),
         "ids": ids.tolist(),
         "logprobs": logprobs.tolist(),
+        "positions": None
+        if positions is None
+        else _unpack_array("i", positions, f"{what}.positions").tolist(),
     }
 
 
@@ -244,11 +287,13 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     when a trajectory carries teacher logprobs."""
     trajs = []
     for i, t in enumerate(group.trajectories):
-        teacher = (
-            {}
-            if t.teacher is None
-            else {"teacher": _encode_teacher(t.teacher, f"trajectories[{i}].teacher")}
-        )
+        teacher: dict[str, Any] = {}
+        if t.teacher is not None:
+            teacher["teacher"] = _encode_teacher(t.teacher, f"trajectories[{i}].teacher")
+        if t.hint is not None:
+            teacher["hint"] = _encode_teacher(t.hint, f"trajectories[{i}].hint")
+        if t.hint_text is not None:
+            teacher["hint_text"] = t.hint_text
         trajs.append(
             {
                 "tokens": _pack_array("i", t.tokens, f"trajectories[{i}].tokens"),
@@ -299,11 +344,11 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
         "version_min",
         "version_max",
         "temperature",
-        *(("teacher",) if teacher_ok else ()),
+        *(("teacher", "hint", "hint_text") if teacher_ok else ()),
     }
     if extra:
         raise ValueError(f"trajectories[{i}]: unknown fields {sorted(extra)}")
-    teacher = raw.get("teacher")
+    teacher, hint = raw.get("teacher"), raw.get("hint")
     # Element-wise checks are done above on the arrays; pydantic validates the scalars and the
     # lengths (lists are passed through without per-element re-validation cost being an issue).
     return Trajectory.model_validate(
@@ -320,6 +365,8 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
             "teacher": None
             if teacher is None
             else _decode_teacher(teacher, f"trajectories[{i}].teacher"),
+            "hint": None if hint is None else _decode_teacher(hint, f"trajectories[{i}].hint"),
+            "hint_text": raw.get("hint_text"),
         },
         strict=False,
     )
