@@ -56,8 +56,17 @@ import httpx
 from deltarl.env_server.core.client import EnvClient
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Engine
-from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
+from deltarl.rollout.episodes import Episode, EpisodeGroup, EpisodeRunner
 from deltarl.rollout.follower import VersionFollower
+from deltarl.rollout.hints import (
+    ChatHinter,
+    Hint,
+    Hinter,
+    HintStats,
+    WordleHinter,
+    hint_episodes,
+    score_hint,
+)
 from deltarl.rollout.http import WorkerHttpServer, create_app
 from deltarl.rollout.metrics import RolloutMetrics
 from deltarl.rollout.settings import RolloutSettings
@@ -73,6 +82,7 @@ from deltarl.services.coordinator.client import (
 from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
     SubmitResult,
+    TeacherLogprobs,
     WeightChallenge,
     WorkerHeartbeat,
     WorkerRegistration,
@@ -152,6 +162,8 @@ class RolloutWorker:
         # weight proofs run in their own thread (a whole-state proof of a large model takes
         # seconds: heartbeats go on meanwhile); at most one at a time
         self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
+        self.hint_stats = HintStats()
+        self._hinter = self._make_hinter()
         self._proving: Future[None] | None = None
         self._proving_nonce: str | None = None
         self.metrics = metrics if metrics is not None else RolloutMetrics()
@@ -304,6 +316,8 @@ class RolloutWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
             await asyncio.to_thread(self._shutdown_threads)
+            if isinstance(self._hinter, ChatHinter):
+                await self._hinter.aclose()
             await self.http.stop()
             self._loop = None
         logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
@@ -547,8 +561,44 @@ class RolloutWorker:
                 return True
             await asyncio.sleep(_VERDICT_POLL_S)
 
+    def _make_hinter(self) -> Hinter | None:
+        cfg = self.settings
+        if cfg.hint_mode == "env":
+            return WordleHinter()
+        if cfg.hint_mode == "chat":
+            assert cfg.hint_url is not None
+            token = cfg.hint_token.get_secret_value() if cfg.hint_token else None
+            return ChatHinter(
+                cfg.hint_url, cfg.hint_model, token=token, timeout_s=cfg.hint_timeout_s
+            )
+        return None
+
+    async def _hints(self, group: EpisodeGroup) -> dict[int, tuple[TeacherLogprobs, str]]:
+        """Hinted self-distillation targets for the group's failed episodes (module
+        :mod:`deltarl.rollout.hints`); failures are counted and skipped, never block."""
+        if self._hinter is None:
+            return {}
+        cfg = self.settings
+
+        async def score(ep: Episode, hint: Hint) -> TeacherLogprobs:
+            return await asyncio.to_thread(
+                score_hint,
+                ep,
+                hint,
+                self.format,
+                self.sync.engine,
+                k=cfg.hint_top_k,
+                temperature=ep.temperature or 1.0,
+                gate=self.sync,
+            )
+
+        return await hint_episodes(
+            group.episodes, self._hinter, score, self.hint_stats, cfg.hint_below
+        )
+
     async def _send(self, group: EpisodeGroup) -> SubmitResult | None:
-        payload = encode_group(to_submission(group, self.worker_id))
+        hints = await self._hints(group)
+        payload = encode_group(to_submission(group, self.worker_id, hints=hints))
         delay = 0.2
         while True:
             try:
