@@ -13,7 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from deltarl.services.common.settings import validate_token
 from deltarl.services.common.tls import TLSServerSettings
-from deltarl.teacher.wire import MAX_TOP_K, Limits
+from deltarl.teacher.limits import MAX_TOP_K, Limits
 
 DEFAULT_PORT = 8703
 """Port of the teacher (the coordinator's default is 8700, the env's 8001, a worker's 8702)."""

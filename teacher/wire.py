@@ -26,6 +26,12 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from deltarl.teacher.limits import DEFAULT_TOP_K as DEFAULT_TOP_K  # re-exported
+from deltarl.teacher.limits import MAX_TEMPERATURE as MAX_TEMPERATURE
+from deltarl.teacher.limits import MAX_TOP_K as MAX_TOP_K
+from deltarl.teacher.limits import MIN_TEMPERATURE as MIN_TEMPERATURE
+from deltarl.teacher.limits import Limits as Limits
+
 BINARY_MEDIA_TYPE = "application/vnd.deltarl.teacher+binary"
 JSON_MEDIA_TYPE = "application/json"
 REQUEST_MAGIC = b"DRTQ"
@@ -41,13 +47,6 @@ DTYPE_CODES = (DTYPE_INT32, DTYPE_INT32, DTYPE_FLOAT32, 0)
 I32 = np.dtype("<i4")
 F32 = np.dtype("<f4")
 
-MAX_TOP_K = 128
-"""Hard upper bound of top-k, whatever the settings say (a row of the answer is 8 K bytes)."""
-MIN_TEMPERATURE = 1e-2
-MAX_TEMPERATURE = 100.0
-DEFAULT_TOP_K = -1
-"""A sequence's ``top_k`` on the wire meaning "the server's default" (``DELTARL_TEACHER_TOP_K``)."""
-
 
 class WireError(ValueError):
     """A malformed or out-of-bounds message. ``field`` names what is wrong; ``status`` is the
@@ -57,17 +56,6 @@ class WireError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.status = status
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds a decoder enforces (the server's settings; clients decode answers unbounded)."""
-
-    max_sequences: int = 4096
-    max_tokens: int = 1 << 20
-    max_seq_len: int = 1 << 16
-    max_top_k: int = MAX_TOP_K
-    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
