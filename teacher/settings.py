@@ -79,7 +79,9 @@ class TeacherSettings(TLSServerSettings):
     max_batch_tokens: int = Field(
         default=16384,
         ge=2,
-        description="Padded tokens (sequences x longest) of one forward; at least max_seq_len.",
+        description="Padded tokens (sequences x longest) of one forward; at least max_seq_len. "
+        "The transformers engine holds logits of up to this many positions x the vocabulary in "
+        "the model's dtype (16384 x 49152 in bf16: 1.6 GB), plus float32 chunks of 128 MiB.",
     )
     batch_window_ms: float = Field(
         default=5.0,
