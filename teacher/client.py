@@ -18,6 +18,7 @@ import asyncio
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
@@ -115,6 +116,60 @@ def make_request(
     else:
         ks = top_k if isinstance(top_k, int) else list(top_k)
     return LogprobRequest.build([np.asarray(s) for s in sequences], list(prompt_lens), temps, ks)
+
+
+def first_trained(mask: Sequence[int] | np.ndarray) -> int:
+    """The ``prompt_len`` to send for a trajectory: its first trained position (mask 1).
+    Multi-turn trajectories have environment tokens (mask 0) after it: they are scored too and
+    dropped by :func:`trained_view`."""
+    hits = np.flatnonzero(np.asarray(mask) == 1)
+    if not len(hits) or hits[0] < 1:
+        raise ValueError("a trajectory needs a trained position (mask 1) after its first token")
+    return int(hits[0])
+
+
+@dataclass(frozen=True)
+class TeacherView:
+    """The teacher's scores at a trajectory's trained positions, shaped like the ``teacher`` map
+    of the trajectory wire format ``deltarl-traj-v2`` (services/coordinator/schemas/
+    trajectories.py): ``m`` positions, ``k`` entries each, flattened row-major."""
+
+    k: int
+    temperature: float
+    sampled: np.ndarray  # float32 [m]
+    ids: np.ndarray  # int32 [m * k]
+    logprobs: np.ndarray  # float32 [m * k]
+    positions: np.ndarray  # int32 [m]: the trained token positions, ascending
+
+
+def trained_view(
+    response: LogprobResponse,
+    index: int,
+    mask: Sequence[int] | np.ndarray,
+    prompt_len: int,
+    temperature: float,
+) -> TeacherView:
+    """Sequence ``index`` of ``response`` (sent with ``prompt_len``, e.g. :func:`first_trained`)
+    reduced to the positions where ``mask`` is 1."""
+    sampled, ids, lps = response.sequence(index)
+    mask_arr = np.asarray(mask)
+    if len(sampled) != len(mask_arr) - prompt_len:
+        raise ValueError(
+            f"sequence {index} has {len(sampled)} scored positions; the mask implies "
+            f"{len(mask_arr) - prompt_len}"
+        )
+    k = ids.shape[1]
+    if k < 1:
+        raise ValueError("the trajectory format needs top_k >= 1")
+    positions = np.flatnonzero(mask_arr[prompt_len:] == 1)
+    return TeacherView(
+        k=k,
+        temperature=float(temperature),
+        sampled=np.ascontiguousarray(sampled[positions]),
+        ids=np.ascontiguousarray(ids[positions]).reshape(-1),
+        logprobs=np.ascontiguousarray(lps[positions]).reshape(-1),
+        positions=(positions + prompt_len).astype(np.int32),
+    )
 
 
 class TeacherClient:

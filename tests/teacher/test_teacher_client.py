@@ -24,8 +24,10 @@ from deltarl.teacher.client import (
     TeacherError,
     TeacherRequestError,
     TeacherUnavailable,
+    first_trained,
+    trained_view,
 )
-from deltarl.teacher.engines.base import Scores
+from deltarl.teacher.engines.base import ScoreJob, Scores
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 from deltarl.teacher.wire import BINARY_MEDIA_TYPE, encode_response
 
@@ -202,7 +204,6 @@ def test_the_default_model_scores_text() -> None:
     pytest.importorskip("transformers")
     from deltarl.rollout.settings import smollm2_gguf
     from deltarl.teacher.app import load_engine
-    from deltarl.teacher.engines.base import ScoreJob
     from deltarl.teacher.settings import TeacherSettings
 
     try:
@@ -222,3 +223,28 @@ def test_the_default_model_scores_text() -> None:
     row = berlin - 4
     assert tok.decode([ids[berlin]]) == " Berlin"
     assert scores.top_ids[row, 0] == ids[berlin] and scores.sampled[row] > np.log(0.5)
+
+
+def test_a_multi_turn_trajectory_reduces_to_its_trained_positions(
+    engine: TransformersTeacher,
+) -> None:
+    """prompt | reply 1 | environment tokens | reply 2: scored from the first reply on, kept where
+    the mask is 1, flattened as the trajectory format's ``teacher`` map."""
+    tokens = [3, 9, 27, 81, 50, 60, 70, 11, 12, 13, 14, 15, 16]
+    mask = [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0]
+    prompt_len = first_trained(mask)
+    assert prompt_len == 3
+    scores = engine.score([ScoreJob(np.asarray(tokens, np.int32), prompt_len, 0.9, 4)])
+    view = trained_view(assemble(scores, [4]), 0, mask, prompt_len, 0.9)
+    assert view.positions.tolist() == [3, 4, 5, 9, 10] and view.k == 4
+    assert view.ids.shape == (20,) and view.logprobs.shape == (20,)
+    want = reference(engine.model, tokens, 1, 0.9)  # rows for positions 1..12
+    pos = view.positions
+    np.testing.assert_allclose(view.sampled, want[pos - 1, np.asarray(tokens)[pos]], atol=ATOL)
+    np.testing.assert_allclose(
+        view.logprobs.reshape(5, 4), -np.sort(-want[pos - 1], axis=1)[:, :4], atol=ATOL
+    )
+    with pytest.raises(ValueError, match="trained position"):
+        first_trained([1, 0, 0])
+    with pytest.raises(ValueError, match="scored positions"):
+        trained_view(assemble(scores, [4]), 0, mask[:-1], prompt_len, 0.9)
