@@ -30,6 +30,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("worker-token", "deltarl.services.coordinator.cli", "worker_token"),
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
+    ("teacher", "deltarl.teacher.cli", "teacher"),
     ("demo", "deltarl.demo.cli", "demo"),
     ("run", "deltarl.run.cli", "run"),
     ("spaces", "deltarl.services.spaces.cli", "app"),
@@ -94,6 +95,7 @@ EXTRAS: dict[str, str] = {
 COMMAND_EXTRAS: dict[str, str] = {
     "train": "model",
     "rollout": "model",
+    "teacher": "model",
     "demo": "model",
     "run": "model",
 }
