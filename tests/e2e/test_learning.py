@@ -88,8 +88,10 @@ def test_workers_end_bit_identical_to_the_trainer(
     final = trainer_final(run_dir / "trainer")
     assert final is not None and final["version"] == STEPS
     digest = final["state_digest"]
-    # each worker's own heartbeat digest, verified by the coordinator
-    assert summary["proof"]["method"] == "coordinator"
+    # each worker answered a weight challenge at the final version (and its self-reported
+    # heartbeat digest is the trainer's too)
+    assert summary["proof"]["method"] == "weight-challenge"
+    assert summary["proof"]["proven_versions"] == {f"worker-{i + 1}": STEPS for i in range(WORKERS)}
     assert summary["worker_digests"] == {f"worker-{i + 1}": digest for i in range(WORKERS)}
     assert sorted(summary["workers_identical"]) == sorted(summary["workers"])
     # the coordinator's record of the final version, and the chain in the bucket
