@@ -193,6 +193,15 @@ class RolloutSettings(TLSServerSettings):
         "coordinator's admission control may grant fewer. Also the registered capacity.",
     )
 
+    apply_kernel: Literal["auto", "triton", "torch"] = Field(
+        default="auto",
+        description="How a weight delta is written while generation is paused, on a CUDA "
+        "engine: 'auto' one Triton store kernel launch per bit width where Triton is installed "
+        "(vLLM brings it), else 'torch'; 'triton' the kernel or a startup error; 'torch' one "
+        "index_copy_ per changed tensor (the kill switch; ~3 ms p50, 16 ms p99 for SmolLM2 on an "
+        "H100). Bit-identical either way (digests are verified after every apply).",
+    )
+
     # -- timing -----------------------------------------------------------------------------
     heartbeat_interval_s: float | None = Field(
         default=None,

@@ -167,7 +167,7 @@ class RolloutWorker:
         )
         engine = make_engine(settings.engine_settings())
         reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
-        sync = WeightSync(engine, reader)
+        sync = WeightSync(engine, reader, apply_kernel=settings.apply_kernel)
         return cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
 
     # ------------------------------------------------------------------ public surface
