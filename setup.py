@@ -14,6 +14,7 @@ PACKAGE_DIRS = {
     "deltarl.trainer": "trainer",
     "deltarl.rollout": "rollout",
     "deltarl.env_server": "env_server",
+    "deltarl.teacher": "teacher",
 }
 
 

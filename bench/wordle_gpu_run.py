@@ -156,7 +156,9 @@ def start_all(
         "PYTHONUNBUFFERED": "1",
     }
     endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
-    tokens = Tokens(trainer=new_token(), worker=new_token(), env=new_token())
+    tokens = Tokens(
+        trainer=new_token(), worker=new_token(), env=new_token(), worker_key=new_token()
+    )
     layout = RunLayout(run_config(a), rd, str(model_dir), endpoints, tokens, str(rd / "bucket"))
     group = ProcessGroup(rd / "logs")
     coordinator, env = layout.coordinator(), layout.env()

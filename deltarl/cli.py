@@ -27,8 +27,10 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("env", "deltarl.env_server.cli", "serve"),
     ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
     ("status", "deltarl.services.coordinator.cli", "status"),
+    ("worker-token", "deltarl.services.coordinator.cli", "worker_token"),
     ("train", "deltarl.trainer.cli", "train"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
+    ("teacher", "deltarl.teacher.cli", "teacher"),
     ("demo", "deltarl.demo.cli", "demo"),
     ("run", "deltarl.run.cli", "run"),
     ("spaces", "deltarl.services.spaces.cli", "app"),
@@ -93,6 +95,7 @@ EXTRAS: dict[str, str] = {
 COMMAND_EXTRAS: dict[str, str] = {
     "train": "model",
     "rollout": "model",
+    "teacher": "model",
     "demo": "model",
     "run": "model",
 }

@@ -37,6 +37,12 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
         "`deltarl rollout` ([docs/rollout.md](rollout.md))",
     ),
     (
+        "Teacher",
+        "deltarl.teacher.settings",
+        "TeacherSettings",
+        "`deltarl teacher` ([docs/teacher.md](teacher.md))",
+    ),
+    (
         "Trainer (deployment)",
         "deltarl.trainer.settings",
         "TrainerDeployment",

@@ -92,6 +92,14 @@ class _StateCollector(Collector):
         ):
             dropped.add_metric([reason], n)
         yield dropped
+        proofs = c(
+            P + "weight_proofs",
+            "Weight challenges answered (docs/security.md), by the coordinator's verdict",
+            labels=["result"],
+        )
+        proofs.add_metric(["verified"], s.proofs_ok)
+        proofs.add_metric(["refused"], s.proofs_failed)
+        yield proofs
         m = self._metrics
         syncs = c(P + "weight_syncs", "Weight syncs (sync_to runs), by result", labels=["result"])
         syncs.add_metric(["ok"], m.initial_syncs_ok + w.follower.syncs)

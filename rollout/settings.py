@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from deltarl.rollout.engines.base import (
@@ -248,6 +248,37 @@ class RolloutSettings(TLSServerSettings):
         description="On SIGTERM/SIGINT, seconds the groups in flight get to finish; their "
         "submissions then get up to submit_timeout_s more (unfinished groups are lost).",
     )
+    hint_mode: Literal["off", "env", "chat"] = Field(
+        default="off",
+        description="Hinted self-distillation (docs/distillation.md): for episodes below "
+        "hint_below, 'env' replays the environment's feedback (Wordle) to find the turn that went "
+        "wrong and a hint, 'chat' asks an OpenAI-compatible endpoint (hint_url); the worker then "
+        "scores that turn after the hint with its own engine and attaches it to the trajectory.",
+    )
+    hint_below: float = Field(
+        default=1.0, description="Episodes with a reward below this get a hint (if any)."
+    )
+    hint_top_k: int = Field(
+        default=20, ge=1, le=128, description="Top-k kept per hinted token (with the tail)."
+    )
+    hint_url: str | None = Field(
+        default=None,
+        description="'chat' hints: base URL of an OpenAI-compatible server (POST "
+        "<url>/v1/chat/completions).",
+    )
+    hint_model: str = Field(default="default", description="'chat' hints: the model to ask.")
+    hint_token: SecretStr | None = Field(
+        default=None, description="'chat' hints: bearer token of the endpoint, if it needs one."
+    )
+    hint_timeout_s: float = Field(
+        default=20.0, gt=0, description="'chat' hints: seconds before a hint request is skipped."
+    )
+
+    @model_validator(mode="after")
+    def _hint_endpoint(self) -> RolloutSettings:
+        if self.hint_mode == "chat" and not self.hint_url:
+            raise ValueError("hint_mode 'chat' needs DELTARL_ROLLOUT_HINT_URL")
+        return self
 
     @field_validator("worker_id")
     @classmethod
@@ -269,7 +300,7 @@ class RolloutSettings(TLSServerSettings):
             raise ValueError(f"the CA bundle {value} is not a file (a PEM file of trusted CAs)")
         return value
 
-    @field_validator("worker_token", "env_token")
+    @field_validator("worker_token", "env_token", "hint_token")
     @classmethod
     def _empty_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         return None if value is None or value.get_secret_value() == "" else value

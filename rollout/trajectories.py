@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 from deltarl.rollout.episodes import Episode, EpisodeGroup
-from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup, encode_group
+from deltarl.services.coordinator.schemas import (
+    TeacherLogprobs,
+    Trajectory,
+    TrajectoryGroup,
+    encode_group,
+)
 
 __all__ = [
     "PayloadSizes",
@@ -67,8 +72,14 @@ def episode_signals(ep: Episode) -> dict[str, float]:
     return out
 
 
-def to_trajectory(ep: Episode, *, reward: float | None = None) -> Trajectory:
-    """One episode as a wire :class:`Trajectory` (``reward`` overrides ``ep.reward``).
+def to_trajectory(
+    ep: Episode,
+    *,
+    reward: float | None = None,
+    hint: tuple[TeacherLogprobs, str] | None = None,
+) -> Trajectory:
+    """One episode as a wire :class:`Trajectory` (``reward`` overrides ``ep.reward``; ``hint``:
+    the hinted turn's scores and the hint's text, :mod:`deltarl.rollout.hints`).
 
     Raises ``ValueError`` if the episode has no versions (an unmanaged engine without
     ``policy_version``) or no sampled token.
@@ -91,6 +102,8 @@ def to_trajectory(ep: Episode, *, reward: float | None = None) -> Trajectory:
         version_min=lo,
         version_max=hi,
         temperature=ep.temperature,
+        hint=None if hint is None else hint[0],
+        hint_text=None if hint is None else hint[1],
     )
 
 
@@ -100,19 +113,25 @@ def to_submission(
     *,
     reward: Callable[[Episode], float] | None = None,
     key: str | None = None,
+    hints: Mapping[int, tuple[TeacherLogprobs, str]] | None = None,
 ) -> TrajectoryGroup:
     """The group as the coordinator's :class:`TrajectoryGroup` (validated by pydantic).
 
     ``reward``: optional shaping, episode -> scalar (default: the environment's final reward).
     ``key``: idempotency key (default :func:`idempotency_key` of worker and group).
+    ``hints``: by episode index, the hinted turn's scores and the hint (hinted self-distillation).
     """
     return TrajectoryGroup(
         idempotency_key=key or idempotency_key(worker_id, group.group_id),
         worker_id=worker_id,
         group_id=group.group_id,
         trajectories=[
-            to_trajectory(ep, reward=None if reward is None else reward(ep))
-            for ep in group.episodes
+            to_trajectory(
+                ep,
+                reward=None if reward is None else reward(ep),
+                hint=None if hints is None else hints.get(i),
+            )
+            for i, ep in enumerate(group.episodes)
         ],
     )
 

@@ -26,6 +26,8 @@ class WorkerStats:
     dropped_timeout: int = 0  # groups not submitted within submit_timeout_s / shutdown
     group_errors: int = 0  # groups that failed while playing (engine, env)
     abandoned: int = 0  # groups cancelled unfinished at the shutdown deadline
+    proofs_ok: int = 0  # weight challenges answered and accepted
+    proofs_failed: int = 0  # weight challenges answered and refused (wrong or late)
 
 
 class MetricsText(Protocol):

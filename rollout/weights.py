@@ -103,6 +103,7 @@ from deltarl.services.weightsync.errors import (
 )
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
+from deltarl.services.weightsync.proof import ProofSpec, proof_answer
 from deltarl.services.weightsync.reader import BucketReader
 
 logger = logging.getLogger(__name__)
@@ -296,6 +297,27 @@ class WeightSync:
                 reason=self._reason,
                 seq=self._stamp.seq,
             )
+
+    def prove(self, version: int, nonce: bytes, spec: ProofSpec) -> str | None:
+        """The answer to a weight challenge (:mod:`deltarl.services.weightsync.proof`), computed
+        on the tensors the engine serves right now, without pausing generation (it only reads).
+        None when the served weights are not verified weights of ``version`` or changed while
+        they were read (an apply bumps the stamp): the next challenge is for the new version."""
+        with self._cond:
+            stamp = self._stamp
+            current = (
+                self._healthy
+                and not self._writer
+                and stamp.version == version
+                and self._verified_seq == stamp.seq
+            )
+        if not current:
+            return None
+        answer = proof_answer(self.engine.named_parameters(), nonce, version, spec)
+        with self._cond:
+            if self._writer or self._stamp.seq != stamp.seq or not self._healthy:
+                return None
+        return answer
 
     def check(self, completion: Completion) -> Verdict:
         """Whether every weight state that sampled ``completion`` passed verification.

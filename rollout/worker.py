@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -55,8 +56,17 @@ import httpx
 from deltarl.env_server.core.client import EnvClient
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Engine
-from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
+from deltarl.rollout.episodes import Episode, EpisodeGroup, EpisodeRunner
 from deltarl.rollout.follower import VersionFollower
+from deltarl.rollout.hints import (
+    ChatHinter,
+    Hint,
+    Hinter,
+    HintStats,
+    WordleHinter,
+    hint_episodes,
+    score_hint,
+)
 from deltarl.rollout.http import WorkerHttpServer, create_app
 from deltarl.rollout.metrics import RolloutMetrics
 from deltarl.rollout.settings import RolloutSettings
@@ -72,11 +82,14 @@ from deltarl.services.coordinator.client import (
 from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
     SubmitResult,
+    TeacherLogprobs,
+    WeightChallenge,
     WorkerHeartbeat,
     WorkerRegistration,
     encode_group,
 )
 from deltarl.services.weightsync.errors import StateMismatchError
+from deltarl.services.weightsync.proof import ProofSpec
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +159,13 @@ class RolloutWorker:
         self._drain: asyncio.Timeout | None = None
         self._async_client: AsyncCoordinatorClient | None = None
         self._registered = False
+        # weight proofs run in their own thread (a whole-state proof of a large model takes
+        # seconds: heartbeats go on meanwhile); at most one at a time
+        self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
+        self.hint_stats = HintStats()
+        self._hinter = self._make_hinter()
+        self._proving: Future[None] | None = None
+        self._proving_nonce: str | None = None
         self.metrics = metrics if metrics is not None else RolloutMetrics()
         self.metrics.watch(self)
         self.http = WorkerHttpServer(create_app(self), settings)
@@ -225,7 +245,41 @@ class RolloutWorker:
             logger.warning("the coordinator does not know this worker: registering again")
             ack = self._register()
         self.follower.follow(ack.latest_version)
+        if ack.challenge is not None:
+            self._take_challenge(ack.challenge)
         return ack
+
+    def _take_challenge(self, challenge: WeightChallenge) -> None:
+        """Answer a weight challenge in the proof thread (unless that one is already being
+        answered; a challenge is re-sent with every heartbeat until answered)."""
+        busy = self._proving is not None and not self._proving.done()
+        if busy or challenge.nonce == self._proving_nonce:
+            return
+        self._proving_nonce = challenge.nonce
+        self._proving = self._prover.submit(self._answer, challenge)
+
+    def _answer(self, challenge: WeightChallenge) -> None:
+        try:
+            spec = ProofSpec(challenge.chunk_bytes, challenge.chunks)
+            answer = self.sync.prove(challenge.version, bytes.fromhex(challenge.nonce), spec)
+            if answer is None:  # moved on: the next heartbeat brings a challenge for that
+                self._proving_nonce = None
+                return
+            result = self.coordinator.prove(self.worker_id, challenge.nonce, answer)
+        except Exception as exc:
+            logger.warning("weight proof for v%d not delivered: %s", challenge.version, exc)
+            self._proving_nonce = None  # try again with the next heartbeat's challenge
+            return
+        if result.verified:
+            self.stats.proofs_ok += 1
+            logger.info("weights proven at v%d", result.version)
+        else:
+            self.stats.proofs_failed += 1
+            self._last_error = (
+                f"weight proof at v{result.version} refused: the served weights are not the "
+                "trainer's (or the answer came too late)"
+            )
+            logger.error(self._last_error)
 
     # ------------------------------------------------------------------ the run
 
@@ -262,6 +316,8 @@ class RolloutWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
             await asyncio.to_thread(self._shutdown_threads)
+            if isinstance(self._hinter, ChatHinter):
+                await self._hinter.aclose()
             await self.http.stop()
             self._loop = None
         logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
@@ -365,6 +421,7 @@ class RolloutWorker:
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5.0)
         self.follower.stop()
+        self._prover.shutdown(wait=True, cancel_futures=True)
         self.sync.close()
         self._deregister()
         self.coordinator.close()
@@ -504,8 +561,44 @@ class RolloutWorker:
                 return True
             await asyncio.sleep(_VERDICT_POLL_S)
 
+    def _make_hinter(self) -> Hinter | None:
+        cfg = self.settings
+        if cfg.hint_mode == "env":
+            return WordleHinter()
+        if cfg.hint_mode == "chat":
+            assert cfg.hint_url is not None
+            token = cfg.hint_token.get_secret_value() if cfg.hint_token else None
+            return ChatHinter(
+                cfg.hint_url, cfg.hint_model, token=token, timeout_s=cfg.hint_timeout_s
+            )
+        return None
+
+    async def _hints(self, group: EpisodeGroup) -> dict[int, tuple[TeacherLogprobs, str]]:
+        """Hinted self-distillation targets for the group's failed episodes (module
+        :mod:`deltarl.rollout.hints`); failures are counted and skipped, never block."""
+        if self._hinter is None:
+            return {}
+        cfg = self.settings
+
+        async def score(ep: Episode, hint: Hint) -> TeacherLogprobs:
+            return await asyncio.to_thread(
+                score_hint,
+                ep,
+                hint,
+                self.format,
+                self.sync.engine,
+                k=cfg.hint_top_k,
+                temperature=ep.temperature or 1.0,
+                gate=self.sync,
+            )
+
+        return await hint_episodes(
+            group.episodes, self._hinter, score, self.hint_stats, cfg.hint_below
+        )
+
     async def _send(self, group: EpisodeGroup) -> SubmitResult | None:
-        payload = encode_group(to_submission(group, self.worker_id))
+        hints = await self._hints(group)
+        payload = encode_group(to_submission(group, self.worker_id, hints=hints))
         delay = 0.2
         while True:
             try:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltarl.services.coordinator.schemas import TrajectoryGroup
+from deltarl.services.coordinator.schemas import TeacherLogprobs, Trajectory, TrajectoryGroup
+from deltarl.trainer.distill import TeacherBatch
 from deltarl.trainer.loss import group_advantages
 from deltarl.trainer.settings import AdvantageScale
 
@@ -66,6 +67,8 @@ class TrainBatch:
     group_index: Tensor  # [B] int64: index of the trajectory's group in this batch
     staleness: Tensor  # [B] int64: policy_version - version_min (0 without a policy version)
     temperature: Tensor | None = None  # [B] float32 sampling temperature, NaN: not reported
+    teacher: TeacherBatch | None = None  # a teacher's top-k at trained positions, if any
+    hint: TeacherBatch | None = None  # hinted self-distillation targets (one turn), if any
 
     def temperatures(self, default: float) -> Tensor:
         """[B] float32: each trajectory's reported sampling temperature, ``default`` where
@@ -96,6 +99,8 @@ class TrainBatch:
             group_index=self.group_index[rows],
             staleness=self.staleness[rows],
             temperature=None if self.temperature is None else self.temperature[rows],
+            teacher=None if self.teacher is None else self.teacher.select(rows, width),
+            hint=None if self.hint is None else self.hint.select(rows, width),
         )
 
 
@@ -144,6 +149,8 @@ def collate(
         else None
     )
     return TrainBatch(
+        teacher=_collate_teacher([t.teacher for _, t in trajs], [t for _, t in trajs], width),
+        hint=_collate_teacher([t.hint for _, t in trajs], [t for _, t in trajs], width),
         tokens=tokens,
         attention_mask=attention,
         loss_mask=loss_mask,
@@ -155,6 +162,36 @@ def collate(
         staleness=staleness,
         temperature=temperature,
     )
+
+
+def _collate_teacher(
+    views: Sequence[TeacherLogprobs | None], trajs: Sequence[Trajectory], width: int
+) -> TeacherBatch | None:
+    """Top-k views (a teacher's, or a hint's) scattered to their positions (the trained ones in
+    order unless listed); None when no trajectory has one."""
+    with_teacher = [v for v in views if v is not None]
+    if not with_teacher:
+        return None
+    b, k = len(trajs), max(t.k for t in with_teacher)
+    ids = torch.zeros((b, width, k), dtype=torch.int64)
+    logprobs = torch.zeros((b, width, k), dtype=torch.float32)
+    valid = torch.zeros((b, width, k), dtype=torch.bool)
+    sampled = torch.zeros((b, width), dtype=torch.float32)
+    present = torch.zeros((b, width), dtype=torch.bool)
+    for i, (teacher, t) in enumerate(zip(views, trajs, strict=True)):
+        if teacher is None:
+            continue
+        if teacher.positions is not None:
+            pos = torch.tensor(teacher.positions, dtype=torch.int64)
+        else:
+            pos = torch.nonzero(torch.tensor(t.mask, dtype=torch.bool)).squeeze(-1)
+        m, tk = len(teacher.sampled), teacher.k
+        ids[i, pos, :tk] = torch.tensor(teacher.ids, dtype=torch.int64).view(m, tk)
+        logprobs[i, pos, :tk] = torch.tensor(teacher.logprobs, dtype=torch.float32).view(m, tk)
+        valid[i, pos, :tk] = True
+        sampled[i, pos] = torch.tensor(teacher.sampled, dtype=torch.float32)
+        present[i, pos] = True
+    return TeacherBatch(ids=ids, logprobs=logprobs, valid=valid, sampled=sampled, present=present)
 
 
 def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:

@@ -144,7 +144,7 @@ def _run_main(
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
     from deltarl.trainer.reporting import build_reporter
-    from deltarl.trainer.weights import WeightPublisher
+    from deltarl.trainer.weights import WeightPublisher, coordinator_challenges
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None
@@ -153,6 +153,7 @@ def _run_main(
             bucket,
             settings.publish,
             register=client.publish_version,
+            challenges=coordinator_challenges(client),
             tmp_dir=Path(settings.run_dir),
         )
         with build_reporter(settings) as reporter:

@@ -34,6 +34,7 @@ from pydantic_settings import SettingsConfigDict
 
 from deltarl.services.common.settings import ServiceSettings
 
+DistillMode = Literal["none", "jsd", "teacher_advantage"]
 AdvantageScale = Literal["group", "batch", "none"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sum"]
 ImportanceSampling = Literal[
@@ -124,6 +125,39 @@ class LossSettings(_Settings):
         description="Weight of the k3 KL estimate to a reference policy; 0: no reference "
         "model is needed.",
     )
+    distill: DistillMode = Field(
+        default="none",
+        description="On-policy distillation from the teacher logprobs the workers attach "
+        "(docs/distillation.md): 'jsd' adds distill_coef x the generalized JSD over the teacher's "
+        "top-k plus a tail bucket; 'teacher_advantage' adds teacher_tau x (teacher logprob - "
+        "student logprob) to each token's advantage; 'none': ignore teacher data.",
+    )
+    distill_beta: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="JSD interpolation: 0 = forward KL(teacher || student), 1 = reverse "
+        "KL(student || teacher).",
+    )
+    distill_coef: float = Field(
+        default=1.0, ge=0, description="Weight of the JSD term next to the policy loss."
+    )
+    teacher_tau: float = Field(
+        default=1.0, ge=0, description="Weight of the teacher term in 'teacher_advantage'."
+    )
+    hint_coef: float = Field(
+        default=1.0,
+        ge=0,
+        description="Weight of hinted self-distillation on trajectories that carry a hint (the "
+        "hinted turn's tokens pulled towards the policy's own hinted distribution); 0: ignore "
+        "hints.",
+    )
+    hint_beta: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="JSD interpolation of the hint term (1: reverse KL, as HinT-SD).",
+    )
 
 
 class SamplingSettings(_Settings):
@@ -211,6 +245,24 @@ class PublishSettings(_Settings):
         description="Ed25519 private key file (64 hex digits; 'deltarl delta keygen' writes one): "
         "every manifest and latest pointer is signed, for workers that trust only signed versions "
         "(docs/security.md). None: unsigned.",
+    )
+    proof_challenges: int = Field(
+        default=8,
+        ge=0,
+        le=4096,
+        description="Weight challenges handed to the coordinator per version (fresh nonces with "
+        "the answers computed on the published state): each proves one worker's weights once "
+        "(docs/security.md). 0: none (workers then stay unproven, weights_verified None).",
+    )
+    proof_chunks: int = Field(
+        default=256,
+        ge=0,
+        le=65_536,
+        description="Chunks of the state a weight proof samples; 0: the whole state (strongest, "
+        "costs hashing every byte on the trainer and on the worker).",
+    )
+    proof_chunk_bytes: int = Field(
+        default=4096, ge=1, le=1 << 20, description="Bytes per sampled chunk of a weight proof."
     )
     chained_deltas: bool = Field(
         default=True,

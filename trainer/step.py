@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from deltarl.trainer.batch import TrainBatch, batch_metrics, micro_batches
+from deltarl.trainer.distill import jsd_loss, teacher_advantages, teacher_stats
 from deltarl.trainer.distributed import DistContext, gather_stats, shard_rows
 from deltarl.trainer.loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from deltarl.trainer.optim import clip_gradients
@@ -141,10 +142,20 @@ def _micro_step(
                 ref_logits = forward_logits(ref_model, tokens, attn)
                 ref_lp = token_logprobs(ref_logits, tokens, temperature=temp_arg)
     logprobs = token_logprobs(logits, tokens, temperature=temp_arg)
+    advantages = _on(device, part.advantages)
+    mode = settings.loss.distill
+    teacher = part.teacher.to(device) if part.teacher is not None and mode != "none" else None
+    distill_stats = LossStats()
+    if teacher is not None:
+        teacher_stats(teacher, logprobs, mask, distill_stats)
+        if mode == "teacher_advantage":
+            advantages = teacher_advantages(
+                advantages, teacher, logprobs, mask, settings.loss.teacher_tau
+            )
     out = grpo_loss(
         logprobs,
         behaviour,
-        _on(device, part.advantages),
+        advantages,
         mask,
         settings.loss,
         ref_logprobs=ref_lp,
@@ -152,8 +163,35 @@ def _micro_step(
         normalizer=normalizer,
         temperature=temp_arg,
     )
-    (out.loss * scale if scale != 1.0 else out.loss).backward()
-    stats = stats.merge(out.stats)
+    loss = out.loss
+    if teacher is not None and mode == "jsd" and settings.loss.distill_coef > 0:
+        with _autocast(device, settings.precision):
+            jsd = jsd_loss(
+                logits,
+                teacher,
+                mask,
+                beta=settings.loss.distill_beta,
+                temperature=temp_arg,
+                normalizer=normalizer,
+                stats=distill_stats,
+            )
+        loss = loss + settings.loss.distill_coef * jsd
+    if part.hint is not None and settings.loss.hint_coef > 0:
+        hint = part.hint.to(device)
+        with _autocast(device, settings.precision):
+            hinted = jsd_loss(
+                logits,
+                hint,
+                mask,
+                beta=settings.loss.hint_beta,
+                temperature=temp_arg,
+                normalizer=normalizer,
+                stats=distill_stats,
+                prefix="hint/",
+            )
+        loss = loss + settings.loss.hint_coef * hinted
+    (loss * scale if scale != 1.0 else loss).backward()
+    stats = stats.merge(out.stats).merge(distill_stats)
     with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ
         onpolicy = mask.bool() & (_on(device, part.staleness) == 0)[:, None]
         d = (logprobs.detach() - behaviour.float())[onpolicy]

@@ -67,12 +67,30 @@ from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
+from deltarl.services.weightsync.proof import ProofSpec, make_challenges
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from deltarl.trainer.settings import PublishSettings
 
 logger = logging.getLogger(__name__)
 
 Register = Callable[[VersionManifest], Any]
+# (version, spec, [(nonce hex, answer hex)]): hands a version's weight challenges over
+Challenges = Callable[[int, ProofSpec, list[tuple[str, str]]], Any]
+
+
+def coordinator_challenges(client: Any) -> Challenges:
+    """:data:`Challenges` that uploads to a coordinator (``CoordinatorClient``)."""
+    from deltarl.services.coordinator.schemas import ChallengePair, ChallengePool
+
+    def upload(version: int, spec: ProofSpec, pairs: list[tuple[str, str]]) -> Any:
+        pool = ChallengePool(
+            chunk_bytes=spec.chunk_bytes,
+            chunks=spec.chunks,
+            items=[ChallengePair(nonce=n, answer=a) for n, a in pairs],
+        )
+        return client.add_challenges(version, pool)
+
+    return upload
 
 
 def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -130,6 +148,7 @@ class PublishReport:
     upload_s: float  # objects, manifest and latest pointer
     register_s: float  # coordinator registration (0 without coordinator)
     total_s: float  # from the end of the snapshot to registration
+    prove_s: float = 0.0  # weight challenges computed and handed over (after total_s)
 
     @property
     def density(self) -> float | None:
@@ -143,7 +162,15 @@ class PublishReport:
             value = getattr(self, key)
             if value is not None:
                 out[key] = float(value)
-        for key in ("snapshot_s", "diff_s", "encode_s", "anchor_s", "upload_s", "register_s"):
+        for key in (
+            "snapshot_s",
+            "diff_s",
+            "encode_s",
+            "anchor_s",
+            "upload_s",
+            "register_s",
+            "prove_s",
+        ):
             out[key] = getattr(self, key)
         out["total_s"] = self.total_s
         return {prefix + k: v for k, v in out.items()}
@@ -161,7 +188,10 @@ class WeightPublisher:
 
     ``bucket``: where versions go (one publisher per bucket). ``settings``: format, anchor
     policy, background thread. ``register``: called with each committed manifest, e.g.
-    ``CoordinatorClient.publish_version``; None: no coordinator. ``dtype``: what is published
+    ``CoordinatorClient.publish_version``; None: no coordinator. ``challenges``: called after
+    ``register`` with ``publish.proof_challenges`` fresh weight challenges of the version (nonces
+    and the answers computed on the published state, :mod:`deltarl.services.weightsync.proof`),
+    e.g. :func:`coordinator_challenges`; None: none. ``dtype``: what is published
     (the bf16 cast of fp32 master weights). ``tmp_dir``: where large anchors are staged (None:
     the system temp dir). ``on_report``: called (in the publishing thread) with each version's
     :class:`PublishReport`.
@@ -173,6 +203,7 @@ class WeightPublisher:
         settings: PublishSettings | None = None,
         *,
         register: Register | None = None,
+        challenges: Challenges | None = None,
         dtype: torch.dtype = torch.bfloat16,
         tmp_dir: str | Path | None = None,
         on_report: Callable[[PublishReport], None] | None = None,
@@ -180,6 +211,7 @@ class WeightPublisher:
         self.settings = settings if settings is not None else PublishSettings()
         self.bucket = bucket
         self.register = register
+        self.challenges = challenges
         self.dtype = dtype
         self.tmp_dir = None if tmp_dir is None else Path(tmp_dir)
         self.on_report = on_report
@@ -456,6 +488,8 @@ class WeightPublisher:
         if self.register is not None:
             self.register(manifest)
         t5 = time.perf_counter()
+        self._prove(new, version)
+        t6 = time.perf_counter()
 
         # Success: the new state becomes the base; the old base's buffers are reused.
         self._spare, self._base, self._base_digests = base, new, digests
@@ -480,6 +514,7 @@ class WeightPublisher:
             upload_s=t4 - t3,
             register_s=t5 - t4,
             total_s=t5 - t_start,
+            prove_s=t6 - t5,
         )
         logger.info(
             "version %d: %s, %.2f%% changed, %.3f s (diff %.3f, encode %.3f, anchor %.3f, "
@@ -499,6 +534,19 @@ class WeightPublisher:
             report.register_s,
         )
         return report
+
+    def _prove(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Hand the version's weight challenges over. The version is already published and
+        registered: a failure here costs only its proofs (workers stay unproven), so it is
+        logged, not raised."""
+        count = self.settings.proof_challenges
+        if self.challenges is None or count == 0:
+            return
+        spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        try:
+            self.challenges(version, spec, make_challenges(state, version, spec, count))
+        except Exception as exc:
+            logger.warning("version %d: weight challenges not handed over: %s", version, exc)
 
     def _encode_anchor(
         self, state: dict[str, torch.Tensor], version: int, digests: dict[str, str], size: int

@@ -149,7 +149,7 @@ def live_view(
         table.add_column(col)
     for w in sorted(workers, key=lambda w: w.worker_id):
         log = logs.get(w.worker_id)
-        verified = {True: "identical", False: "MISMATCH", None: "-"}[w.weights_verified]
+        verified = {True: "proven", False: "PROOF FAILED", None: "unproven"}[w.weights_verified]
         pause = log.last_pause_ms if log else None
         table.add_row(
             w.worker_id,

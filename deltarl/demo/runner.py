@@ -119,7 +119,9 @@ def _run(
     live: bool,
 ) -> dict[str, Any]:
     endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
-    tokens = Tokens(trainer=new_token(), worker=new_token(), env=new_token())
+    tokens = Tokens(
+        trainer=new_token(), worker=new_token(), env=new_token(), worker_key=new_token()
+    )
     launches = derive(
         config,
         run_dir=rd,
@@ -191,7 +193,9 @@ def _run(
                 elif status is not None and status.latest_version != printed_version:
                     printed_version = status.latest_version
                     _print_line(console, status, workers, logs, elapsed(t0))
-                if final is not None and _workers_done(workers, worker_ids, final):
+                if final is not None and _workers_done(
+                    workers, worker_ids, final, _proofs_expected(config)
+                ):
                     break
                 time.sleep(1.0)
         versions = _all_versions(client)
@@ -218,13 +222,22 @@ def _timeout_message(final: int | None, workers: list[WorkerInfo], timeout_s: fl
     )
 
 
-def _workers_done(workers: list[WorkerInfo], ids: list[str], final: int) -> bool:
-    """Every worker holds ``final`` and, if it reports a digest, has it verified."""
+def _proofs_expected(config: RunConfig) -> bool:
+    """Whether the trainer hands weight challenges to the coordinator (its default)."""
+    publish = config.trainer.get("publish", {})
+    return not (isinstance(publish, dict) and publish.get("proof_challenges") == 0)
+
+
+def _workers_done(
+    workers: list[WorkerInfo], ids: list[str], final: int, proofs: bool = True
+) -> bool:
+    """Every worker holds ``final`` and has proven it (answered a weight challenge at
+    ``final``) when the trainer publishes challenges; never when a proof failed."""
     by_id = {w.worker_id: w for w in workers}
     return all(
         (w := by_id.get(i)) is not None
         and w.applied_version == final
-        and w.weights_verified is not False
+        and (w.weights_verified is True if proofs else w.weights_verified is not False)
         for i in ids
     )
 
@@ -275,12 +288,16 @@ def _summarize(
     proof: dict[str, Any]
     if all(v is True for v in reported):
         proof = {
-            "method": "coordinator",
-            "detail": "each worker's weights_digest heartbeat equals the trainer's state digest "
-            f"of v{final} (WorkerInfo.weights_verified) and the digest in the trainer's final "
-            f"checkpoint; v{final} rebuilt from the bucket ({len(keys)} objects) has it too",
+            "method": "weight-challenge",
+            "detail": "each worker answered a fresh weight challenge at "
+            f"v{final} correctly (WorkerInfo.weights_verified): a keyed digest, under a nonce "
+            "used once, of a nonce-chosen sample of the tensors its engine serves, which the "
+            "trainer computed on its own published state and only the coordinator holds; the "
+            f"trainer's final checkpoint digest equals v{final}'s, and v{final} rebuilt from the "
+            f"bucket ({len(keys)} objects) has it too",
+            "proven_versions": {i: by_id[i].weights_proven_version for i in logs},
         }
-        identical = [i for i in logs if chain_ok and by_id[i].weights_digest == trainer_digest]
+        identical = [i for i in logs if chain_ok and by_id[i].weights_proven_version == final]
     else:
         identical = [
             i
@@ -289,7 +306,7 @@ def _summarize(
         ]
         proof = {
             "method": "bucket-rebuild",
-            "detail": "the workers report no weights_digest yet: v"
+            "detail": "the workers proved no weights (the trainer hands out no challenges): v"
             f"{final} rebuilt from the bucket ({len(keys)} objects, every delta checked against "
             "its base and result digests) has the trainer's final state digest, and every "
             "worker applied that chain to v"

@@ -33,11 +33,26 @@ ROLLOUT_LAUNCH = frozenset({"workers"})  # [rollout] keys the launcher reads its
 
 @dataclass(frozen=True)
 class Tokens:
-    """One token per role, generated once per run."""
+    """One token per role, generated once per run. With ``worker_key``, each worker gets its
+    own token derived from it (per-worker credentials) and the coordinator accepts no shared
+    worker token."""
 
     trainer: str
     worker: str
     env: str
+    worker_key: str | None = None
+
+    def coordinator_env(self) -> dict[str, str]:
+        if self.worker_key is not None:
+            return {"DELTARL_COORDINATOR_WORKER_KEY": self.worker_key}
+        return {"DELTARL_COORDINATOR_WORKER_TOKEN": self.worker}
+
+    def for_worker(self, worker_id: str) -> str:
+        if self.worker_key is None:
+            return self.worker
+        from deltarl.services.coordinator.auth import worker_token_for
+
+        return worker_token_for(self.worker_key, worker_id)
 
 
 @dataclass(frozen=True)
@@ -132,8 +147,8 @@ class RunLayout:
             | {
                 "DELTARL_COORDINATOR_SQLITE_PATH": str(self.run_dir / "coordinator.sqlite3"),
                 "DELTARL_COORDINATOR_TRAINER_TOKEN": self.tokens.trainer,
-                "DELTARL_COORDINATOR_WORKER_TOKEN": self.tokens.worker,
-            },
+            }
+            | self.tokens.coordinator_env(),
         )
 
     def env(self) -> ServiceLaunch:
@@ -165,7 +180,7 @@ class RunLayout:
             | section_env("rollout", values)
             | {
                 "DELTARL_ROLLOUT_COORDINATOR_URL": e.coordinator_url,
-                "DELTARL_ROLLOUT_WORKER_TOKEN": self.tokens.worker,
+                "DELTARL_ROLLOUT_WORKER_TOKEN": self.tokens.for_worker(wid),
                 "DELTARL_ROLLOUT_ENV_URL": e.env_url,
                 "DELTARL_ROLLOUT_ENV_TOKEN": self.tokens.env,
                 "DELTARL_ROLLOUT_WORKER_ID": wid,

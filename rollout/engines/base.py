@@ -158,8 +158,33 @@ class Engine(ABC):
         id outside the vocabulary, and whatever the gate raises.
         """
 
+    def score(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> ScoredTokens:
+        """One forward pass over ``tokens`` (no decoding): for each position ``p >= start``,
+        the logprob of ``tokens[p]`` given ``tokens[:p]`` and the ``k`` most likely ids there,
+        under ``softmax(logits / temperature)`` (hinted self-distillation scores a turn this
+        way). Engines that cannot raise :class:`NotImplementedError`."""
+        raise NotImplementedError(f"the {self.type} engine cannot score token sequences")
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the engine's resources (default: nothing to do)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredTokens:
+    """What :meth:`Engine.score` returns for positions ``start .. n-1`` (``m`` of them)."""
+
+    sampled: list[float]  # [m] logprob of the token at each position
+    ids: list[list[int]]  # [m][k] the most likely ids, most likely first
+    logprobs: list[list[float]]  # [m][k] their logprobs
+    stamp: WeightsStamp  # the weights that scored them
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:

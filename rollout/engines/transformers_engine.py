@@ -37,6 +37,7 @@ from deltarl.rollout.engines.base import (
     Engine,
     FinishReason,
     SamplingParams,
+    ScoredTokens,
     TransformersEngineSettings,
     WeightsGate,
     WeightsStamp,
@@ -184,6 +185,37 @@ class TransformersEngine(Engine):
             ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p) :] = 1
         return ids.to(self._device), mask.to(self._device)
+
+    def score(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> ScoredTokens:
+        check_prompts([tokens], self._vocab)
+        if not 1 <= start < len(tokens):
+            raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
+        if not 1 <= k <= self._vocab or not temperature > 0:
+            raise ValueError(f"need 1 <= k <= {self._vocab} and temperature > 0")
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
+        with self._busy, torch.inference_mode():
+            ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
+            with ctx as stamp:
+                logits = self._model(input_ids=ids, use_cache=False).logits
+            # position p is predicted by the logits at p - 1
+            lp = torch.log_softmax(logits[0, start - 1 : -1].float() / temperature, dim=-1)
+            target = ids[0, start:]
+            sampled = lp.gather(-1, target[:, None]).squeeze(-1)
+            top = torch.topk(lp, k, dim=-1)
+        return ScoredTokens(
+            sampled=sampled.tolist(),
+            ids=top.indices.tolist(),
+            logprobs=top.values.tolist(),
+            stamp=stamp,
+        )
 
     def generate(
         self,

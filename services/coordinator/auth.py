@@ -4,11 +4,21 @@ Roles: ``trainer`` (publish versions, lease/ack batches), ``worker`` (register, 
 admission), ``reader`` (status, versions, plans, metrics, page: public unless
 ``public_reads=false``, then any configured token). The token travels in ``X-Deltarl-Token``
 (which the Hugging Face Spaces proxy leaves alone) or ``Authorization: Bearer <token>``.
+
+Per-worker credentials: with ``worker_key`` set, each worker has its own token,
+``dw1/<worker id>/<HMAC-SHA256(worker_key, "deltarl-worker-token-v1\0" + worker id) hex>``
+(:func:`worker_token_for`). The coordinator recomputes the MAC (nothing to store, any number of
+workers), and a worker route accepts the token only for the worker id it acts on (the path's
+``worker_id``, the body's, or the submitted group's), so a worker holding its own token cannot
+register, heartbeat, prove, submit or leave as another. Revoking one worker means rotating the
+key (every worker gets a new token).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import json
 from typing import Literal
 
 from fastapi import Request
@@ -31,12 +41,53 @@ def presented_token(request: Request) -> str | None:
     return None
 
 
+WORKER_TOKEN_PREFIX = "dw1/"
+
+
+def worker_token_for(worker_key: str, worker_id: str) -> str:
+    """The token of ``worker_id`` under ``worker_key`` (see the module docstring)."""
+    mac = hmac.new(
+        worker_key.encode(), b"deltarl-worker-token-v1\0" + worker_id.encode(), hashlib.sha256
+    )
+    return f"{WORKER_TOKEN_PREFIX}{worker_id}/{mac.hexdigest()}"
+
+
+def token_worker(worker_key: str, token: str) -> str | None:
+    """The worker id a per-worker token belongs to, or None if it is not a valid one (the MAC
+    is compared in constant time)."""
+    if not token.startswith(WORKER_TOKEN_PREFIX):
+        return None
+    worker_id, sep, _ = token[len(WORKER_TOKEN_PREFIX) :].rpartition("/")
+    if not sep or not worker_id:
+        return None
+    expected = worker_token_for(worker_key, worker_id)
+    return worker_id if hmac.compare_digest(token.encode(), expected.encode()) else None
+
+
 def _matches(token: str, expected: str | None) -> bool:
     return expected is not None and hmac.compare_digest(token.encode(), expected.encode())
 
 
 def check_role(settings: CoordinatorSettings, role: Role, request: Request) -> None:
-    """Raise 401/403 unless the request carries a token granting ``role``."""
+    """Raise 401/403 unless the request carries a token granting ``role``. With per-worker
+    credentials, a worker token also records its worker id in ``request.state.worker_id``
+    (the caller checks it against the worker the request acts for: :func:`check_worker`)."""
+    if role == "worker" and settings.worker_key:
+        token = _presented_or_401(request, role)
+        worker_id = token_worker(settings.worker_key, token)
+        if worker_id is None:
+            raise ApiError(
+                403,
+                "forbidden",
+                "the token is not a worker token of this coordinator (with per-worker "
+                "credentials each worker uses its own: 'deltarl worker-token ID')",
+            )
+        request.state.worker_id = worker_id
+        return
+    if role == "reader" and not settings.public_reads and settings.worker_key:
+        presented = presented_token(request)
+        if presented is not None and token_worker(settings.worker_key, presented) is not None:
+            return
     if role == "trainer":
         allowed = [settings.trainer_token]
     elif role == "worker":
@@ -48,6 +99,16 @@ def check_role(settings: CoordinatorSettings, role: Role, request: Request) -> N
     configured = [t for t in allowed if t]
     if not configured:  # insecure development mode: this role is open
         return
+    token = _presented_or_401(request, role)
+    # compare against every candidate (no early exit) so timing does not tell which matched
+    ok = False
+    for expected in configured:
+        ok |= _matches(token, expected)
+    if not ok:
+        raise ApiError(403, "forbidden", f"the token does not grant the {role} role")
+
+
+def _presented_or_401(request: Request, role: Role) -> str:
     token = presented_token(request)
     if token is None:
         raise ApiError(
@@ -56,9 +117,38 @@ def check_role(settings: CoordinatorSettings, role: Role, request: Request) -> N
             f"this endpoint needs the {role} token in the {TOKEN_HEADER} header "
             "(or Authorization: Bearer)",
         )
-    # compare against every candidate (no early exit) so timing does not tell which matched
-    ok = False
-    for expected in configured:
-        ok |= _matches(token, expected)
-    if not ok:
-        raise ApiError(403, "forbidden", f"the token does not grant the {role} role")
+    return token
+
+
+def check_acting_worker(request: Request, worker_id: object) -> None:
+    """403 unless a per-worker token (if one authenticated the request) is ``worker_id``'s."""
+    holder = getattr(request.state, "worker_id", None)
+    if holder is None:  # shared worker token or insecure mode: nothing to check
+        return
+    if worker_id != holder:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"this token belongs to worker {holder!r}; it cannot act for worker {worker_id!r}",
+        )
+
+
+async def check_worker(settings: CoordinatorSettings, request: Request) -> None:
+    """The worker role, and with per-worker credentials the worker the request acts for: the
+    path's ``worker_id``, else a JSON body's ``worker_id`` (register, admission). A binary
+    trajectory group names its worker inside the payload: the route checks it after decoding
+    (:func:`check_acting_worker`)."""
+    check_role(settings, "worker", request)
+    if getattr(request.state, "worker_id", None) is None:
+        return
+    worker_id = request.path_params.get("worker_id")
+    if worker_id is None:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return  # msgpack submission: checked once decoded
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return  # not JSON: the route's validation answers 422
+        worker_id = body.get("worker_id") if isinstance(body, dict) else None
+    check_acting_worker(request, worker_id)

@@ -1,4 +1,5 @@
-"""``deltarl coordinator`` (run the service) and ``deltarl status URL`` (summary in a terminal).
+"""``deltarl coordinator`` (run the service), ``deltarl status URL`` (summary in a terminal) and
+``deltarl worker-token ID`` (a worker's own token, for per-worker credentials).
 
 Only typer and the settings class are imported here; uvicorn, fastapi and the app are imported
 inside the command, after the arguments are parsed.
@@ -116,3 +117,38 @@ def status(
         console.print_json(summary.model_dump_json())
     else:
         console.print(render_status(summary, url))
+
+
+def worker_token(
+    worker_id: str = typer.Argument(..., help="The worker's id (DELTARL_ROLLOUT_WORKER_ID)."),
+    key: str | None = typer.Option(
+        None,
+        "--key",
+        envvar="DELTARL_COORDINATOR_WORKER_KEY",
+        help="The coordinator's worker key (env DELTARL_COORDINATOR_WORKER_KEY; prefer the "
+        "variable: options show in process lists).",
+        show_default=False,
+    ),
+) -> None:
+    """Print the token of one worker under the coordinator's worker key (per-worker
+    credentials): give it to that worker as DELTARL_ROLLOUT_COORDINATOR_TOKEN."""
+    import re
+
+    from deltarl.services.common.settings import validate_token
+    from deltarl.services.coordinator.auth import worker_token_for
+    from deltarl.services.coordinator.schemas.common import ID_PATTERN
+
+    if re.fullmatch(ID_PATTERN, worker_id) is None:
+        raise typer.BadParameter(
+            "a worker id is 1 to 128 letters, digits or ._:@- starting with a letter or digit",
+            param_hint="WORKER_ID",
+        )
+    try:
+        secret = validate_token(key, "DELTARL_COORDINATOR_WORKER_KEY")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--key") from exc
+    if secret is None:
+        raise typer.BadParameter(
+            "set DELTARL_COORDINATOR_WORKER_KEY (the coordinator's worker key)", param_hint="--key"
+        )
+    typer.echo(worker_token_for(secret, worker_id))

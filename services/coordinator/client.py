@@ -40,10 +40,14 @@ from deltarl.services.coordinator.schemas import (
     AdmissionRequest,
     AdmissionResponse,
     CatchUpPlan,
+    ChallengePool,
+    ChallengePoolResult,
     Health,
     HeartbeatAck,
     LeasedBatch,
     LeaseExtension,
+    ProofAnswer,
+    ProofResult,
     StatusSummary,
     SubmitResult,
     TrajectoryGroup,
@@ -188,6 +192,16 @@ class _Calls:
     def heartbeat(worker_id: str, hb: WorkerHeartbeat) -> _Call[HeartbeatAck]:
         path = f"/v1/workers/{worker_id}/heartbeat"
         return _Call("POST", path, _model(HeartbeatAck), json=hb.model_dump(mode="json"))
+
+    @staticmethod
+    def prove(worker_id: str, answer: ProofAnswer) -> _Call[ProofResult]:
+        path = f"/v1/workers/{worker_id}/proof"
+        return _Call("POST", path, _model(ProofResult), json=answer.model_dump(mode="json"))
+
+    @staticmethod
+    def add_challenges(version: int, pool: ChallengePool) -> _Call[ChallengePoolResult]:
+        path = f"/v1/versions/{int(version)}/challenges"
+        return _Call("POST", path, _model(ChallengePoolResult), json=pool.model_dump(mode="json"))
 
     @staticmethod
     def workers() -> _Call[list[WorkerInfo]]:
@@ -391,6 +405,9 @@ class CoordinatorClient:
     def publish_version(self, manifest: VersionManifest) -> VersionRecord:
         return self._run(_Calls.publish_version(manifest))
 
+    def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
+        return self._run(_Calls.add_challenges(version, pool))
+
     def lease(
         self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
     ) -> LeasedBatch:
@@ -415,6 +432,9 @@ class CoordinatorClient:
 
     def remove_worker(self, worker_id: str) -> None:
         self._run(_Calls.remove_worker(worker_id))
+
+    def prove(self, worker_id: str, nonce: str, answer: str) -> ProofResult:
+        return self._run(_Calls.prove(worker_id, ProofAnswer(nonce=nonce, answer=answer)))
 
     def submit(self, group: TrajectoryGroup | bytes) -> SubmitResult:
         return self._run(_Calls.submit(group))
@@ -553,6 +573,9 @@ class AsyncCoordinatorClient:
     async def publish_version(self, manifest: VersionManifest) -> VersionRecord:
         return await self._run(_Calls.publish_version(manifest))
 
+    async def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
+        return await self._run(_Calls.add_challenges(version, pool))
+
     async def lease(
         self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
     ) -> LeasedBatch:
@@ -575,6 +598,9 @@ class AsyncCoordinatorClient:
 
     async def remove_worker(self, worker_id: str) -> None:
         await self._run(_Calls.remove_worker(worker_id))
+
+    async def prove(self, worker_id: str, nonce: str, answer: str) -> ProofResult:
+        return await self._run(_Calls.prove(worker_id, ProofAnswer(nonce=nonce, answer=answer)))
 
     async def submit(self, group: TrajectoryGroup | bytes) -> SubmitResult:
         return await self._run(_Calls.submit(group))

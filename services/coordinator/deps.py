@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from deltarl.services.coordinator.auth import check_role
+from deltarl.services.coordinator.auth import check_role, check_worker
 from deltarl.services.coordinator.service import Coordinator
 
 
@@ -24,7 +24,7 @@ async def _trainer(request: Request) -> None:
 
 
 async def _worker(request: Request) -> None:
-    check_role(request.app.state.coordinator.settings, "worker", request)
+    await check_worker(request.app.state.coordinator.settings, request)
 
 
 async def _reader(request: Request) -> None:

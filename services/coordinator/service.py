@@ -13,6 +13,7 @@ A group citing a version newer than ``V`` is refused (409 ``future_version``).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -29,14 +30,19 @@ from deltarl.services.coordinator.schemas import (
     BatchItem,
     BatchLease,
     CatchUpPlan,
+    ChallengePool,
+    ChallengePoolResult,
     HeartbeatAck,
     LeaseExtension,
+    ProofAnswer,
+    ProofResult,
     QueueStats,
     RewardPoint,
     StatusSummary,
     VersionManifest,
     VersionPoint,
     VersionRecord,
+    WeightChallenge,
     WorkerHeartbeat,
     WorkerInfo,
     WorkerRegistration,
@@ -214,11 +220,17 @@ class Coordinator:
             newer = self.versions.first_newer_than(w.applied_version)
             lag_s = 0.0 if newer is None else max(0.0, now - newer.recorded_at)
         lost = now - w.last_seen > self.settings.lost_after_s
-        verified = None
+        matches = None
         if w.weights_digest is not None and w.applied_version is not None:
             record = self.versions.get(w.applied_version)
             if record is not None:
-                verified = record.state_digest == w.weights_digest
+                matches = record.state_digest == w.weights_digest
+        verified = None
+        if w.applied_version is not None:
+            if w.proven_version == w.applied_version:
+                verified = True
+            elif w.failed_version == w.applied_version:
+                verified = False
         return WorkerInfo(
             worker_id=w.worker_id,
             engine=w.engine,
@@ -235,10 +247,16 @@ class Coordinator:
             lag_seconds=lag_s,
             submitted=w.submitted,
             weights_digest=w.weights_digest,
+            digest_matches=matches,
             weights_verified=verified,
+            weights_proven_version=w.proven_version,
+            weights_proven_at=w.proven_at,
+            proof_failures=w.proof_failures,
         )
 
-    def _ack(self, w: WorkerRecord, now: float) -> HeartbeatAck:
+    def _ack(
+        self, w: WorkerRecord, now: float, challenge: WeightChallenge | None = None
+    ) -> HeartbeatAck:
         latest = self.versions.latest()
         return HeartbeatAck(
             worker=self._info(w, now, None if latest is None else latest.version),
@@ -247,6 +265,7 @@ class Coordinator:
             max_staleness=self.settings.max_staleness,
             heartbeat_interval_s=self.settings.heartbeat_interval_s,
             lost_after_s=self.settings.lost_after_s,
+            challenge=challenge,
         )
 
     def register(self, reg: WorkerRegistration) -> HeartbeatAck:
@@ -273,7 +292,66 @@ class Coordinator:
         w = self.store.heartbeat(worker_id, hb, now, self.settings.lost_after_s)
         if w is None:
             raise unknown_worker(worker_id)
-        return self._ack(w, now)
+        challenge = None
+        if w.applied_version is not None and w.proven_version != w.applied_version:
+            issued = self.store.issue_challenge(
+                worker_id, w.applied_version, now, now + self.settings.proof_ttl_s
+            )
+            if issued is not None:
+                challenge = WeightChallenge(
+                    version=issued.version,
+                    nonce=issued.nonce,
+                    chunk_bytes=issued.chunk_bytes,
+                    chunks=issued.chunks,
+                    expires_at=issued.expires_at,
+                )
+        return self._ack(w, now, challenge)
+
+    # -- weight proofs ----------------------------------------------------------------------
+    def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
+        """Store the trainer's (nonce, answer) pairs for a recorded version (trainer)."""
+        if self.versions.get(version) is None:
+            self.versions.refresh()
+            if self.versions.get(version) is None:
+                raise not_found("unknown_version", f"version {version} was never recorded")
+        latest = self.latest_number()
+        keep_from = (version if latest is None else latest) - self.settings.proof_pool_versions + 1
+        added, size = self.store.add_challenges(
+            version,
+            pool.chunk_bytes,
+            pool.chunks,
+            [(p.nonce, p.answer) for p in pool.items],
+            keep_from,
+        )
+        return ChallengePoolResult(version=version, added=added, pool_size=size)
+
+    def prove(self, worker_id: str, body: ProofAnswer) -> ProofResult:
+        """Check a worker's answer to its outstanding challenge (used once, right or wrong)."""
+        now = self.clock()
+        taken = self.store.take_challenge(worker_id, body.nonce)
+        if taken is None:
+            if self.store.get_worker(worker_id) is None:
+                raise unknown_worker(worker_id)
+            raise conflict(
+                "unknown_challenge",
+                "no outstanding weight challenge with this nonce for this worker (never issued, "
+                "already answered, or replaced by a newer one): answer the challenge of the "
+                "latest heartbeat",
+            )
+        # constant-time comparison: the answer must not leak through timing
+        right = hmac.compare_digest(body.answer.encode(), taken.answer.encode())
+        in_time = now <= taken.expires_at
+        ok = right and in_time
+        if self.store.record_proof(worker_id, taken.version, ok, now) is None:
+            raise unknown_worker(worker_id)
+        if not ok:
+            logger.warning(
+                "worker %s failed its weight proof at v%d (%s)",
+                worker_id,
+                taken.version,
+                "wrong answer" if not right else "too late",
+            )
+        return ProofResult(worker_id=worker_id, version=taken.version, verified=ok)
 
     def worker(self, worker_id: str) -> WorkerInfo:
         w = self.store.get_worker(worker_id)
@@ -290,12 +368,22 @@ class Coordinator:
             raise unknown_worker(worker_id)
 
     # -- trajectories -----------------------------------------------------------------------
-    def submit(self, payload: bytes) -> tuple[int, bool, int, int | None]:
-        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``."""
+    def submit(
+        self, payload: bytes, token_worker: str | None = None
+    ) -> tuple[int, bool, int, int | None]:
+        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``.
+        ``token_worker``: the worker a per-worker token authenticated (the group must be its)."""
         try:
             group = decode_group(payload)
         except ValueError as exc:
             raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
+        if token_worker is not None and group.worker_id != token_worker:
+            raise ApiError(
+                403,
+                "forbidden",
+                f"this token belongs to worker {token_worker!r}; it cannot submit for worker "
+                f"{group.worker_id!r}",
+            )
         if self.store.get_worker(group.worker_id) is None:
             raise unknown_worker(group.worker_id)
         latest = self.latest_at_least(group.version_max)

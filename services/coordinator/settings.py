@@ -59,6 +59,14 @@ class CoordinatorSettings(TLSServerSettings):
         description="Token of the worker role (register, heartbeat, submit); at least "
         f"{MIN_TOKEN_CHARS} printable ASCII characters. Empty: unset.",
     )
+    worker_key: str | None = Field(
+        default=None,
+        description="Secret from which each worker's own token is derived (per-worker "
+        "credentials: 'deltarl coordinator worker-token ID' prints one). When set, worker routes "
+        "accept only the token of the worker id they act for, so a worker cannot speak for "
+        "another; the shared worker_token is then not accepted. At least "
+        f"{MIN_TOKEN_CHARS} printable ASCII characters. Empty: unset (one shared worker token).",
+    )
     read_token: str | None = Field(
         default=None,
         description="Extra token accepted for read-only endpoints when public_reads is false; at "
@@ -82,6 +90,17 @@ class CoordinatorSettings(TLSServerSettings):
     )
     lost_after_s: float = Field(
         default=10.0, gt=0, description="Silence after which a worker is reported lost."
+    )
+    proof_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="Seconds a worker has to answer a weight challenge (docs/security.md).",
+    )
+    proof_pool_versions: int = Field(
+        default=64,
+        ge=1,
+        description="Weight-challenge pools are kept for this many newest versions.",
     )
     default_lease_s: float = Field(default=120.0, gt=0, description="Default batch lease (s).")
     max_lease_s: float = Field(default=3600.0, gt=0, description="Longest lease allowed (s).")
@@ -114,18 +133,23 @@ class CoordinatorSettings(TLSServerSettings):
         default=1.0, gt=0, description="How often expired leases are returned to the queue."
     )
 
-    @field_validator("trainer_token", "worker_token", "read_token")
+    @field_validator("trainer_token", "worker_token", "read_token", "worker_key")
     @classmethod
     def _token_strength(cls, value: str | None, info: ValidationInfo) -> str | None:
         return validate_token(value, f"DELTARL_COORDINATOR_{str(info.field_name).upper()}")
 
     @model_validator(mode="after")
     def _tokens(self) -> CoordinatorSettings:
-        if not self.insecure and (not self.trainer_token or not self.worker_token):
+        if not self.insecure and (
+            not self.trainer_token or not (self.worker_token or self.worker_key)
+        ):
             raise ValueError(
                 "set DELTARL_COORDINATOR_TRAINER_TOKEN and DELTARL_COORDINATOR_WORKER_TOKEN "
-                "(or DELTARL_COORDINATOR_INSECURE=1 for local development)"
+                "(or DELTARL_COORDINATOR_WORKER_KEY for per-worker tokens; or "
+                "DELTARL_COORDINATOR_INSECURE=1 for local development)"
             )
+        if self.trainer_token and self.trainer_token == self.worker_key:
+            raise ValueError("the trainer token and the worker key must differ")
         if self.trainer_token and self.trainer_token == self.worker_token:
             raise ValueError(
                 "the trainer and worker tokens must differ (they grant different roles)"

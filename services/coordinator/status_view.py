@@ -89,9 +89,15 @@ def render_status(s: StatusSummary, url: str) -> Group:
                 w.state,
                 w.engine,
                 str(w.applied_version),
-                "-"
-                if w.weights_verified is None
-                else ("= trainer" if w.weights_verified else "MISMATCH"),
+                (
+                    (
+                        "unproven"
+                        if w.weights_proven_version is None
+                        else f"proven v{w.weights_proven_version}"
+                    )
+                    if w.weights_verified is None
+                    else ("proven" if w.weights_verified else "PROOF FAILED")
+                ),
                 str(w.lag_versions),
                 "-" if w.lag_seconds is None else f"{w.lag_seconds:.1f}",
                 str(w.in_flight),

@@ -33,7 +33,7 @@ PYTHON_IMAGE = "python:3.11-slim"
 SOURCE_DIR = "src"
 SOURCE_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
 # the folders of setup.py's package map (tests/deploy/test_spaces.py checks they agree)
-SOURCE_FOLDERS = ("deltarl", "services", "trainer", "rollout", "env_server")
+SOURCE_FOLDERS = ("deltarl", "services", "trainer", "rollout", "env_server", "teacher")
 SOURCE_IGNORE = (".*", "__pycache__", "*.pyc", "*.pyo", "*.so", "*.env", "*.pem", "*.key")
 
 

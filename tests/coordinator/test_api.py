@@ -76,18 +76,21 @@ def test_full_cycle(server: LiveServer) -> None:
     assert anon.get_version(1) == rec1
 
 
-def test_weights_digest_proves_the_worker_serves_the_trainers_weights(server: LiveServer) -> None:
+def test_a_reported_digest_is_only_a_self_report(server: LiveServer) -> None:
+    """The state digest is public: a worker reporting it proves nothing (finding 12), so it
+    sets digest_matches, never weights_verified."""
     trainer, worker, anon = clients(server)
     trainer.publish_version(manifest(0))
     trainer.publish_version(manifest(1))
     worker.register(reg())
-    hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1, weights_digest=digest(1)))
-    assert hb.worker.weights_verified is True and hb.worker.weights_digest == digest(1)
+    copied = anon.get_version(1).state_digest  # anyone can read it
+    hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1, weights_digest=copied))
+    assert hb.worker.digest_matches is True and hb.worker.weights_digest == copied
+    assert hb.worker.weights_verified is None and hb.challenge is None  # no challenge pool yet
     hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1, weights_digest=digest(0)))
-    assert hb.worker.weights_verified is False
-    assert anon.workers()[0].weights_verified is False
+    assert hb.worker.digest_matches is False and anon.workers()[0].digest_matches is False
     hb = worker.heartbeat("w1", WorkerHeartbeat(applied_version=1))
-    assert hb.worker.weights_verified is None and hb.worker.weights_digest is None
+    assert hb.worker.digest_matches is None and hb.worker.weights_digest is None
     with pytest.raises(ValidationError, match="weights_digest"):
         WorkerHeartbeat(applied_version=1, weights_digest="not hex")
 

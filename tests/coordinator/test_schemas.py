@@ -10,8 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from deltarl.services.coordinator.schemas import (
+    TRAJECTORY_FORMAT,
+    TRAJECTORY_FORMAT_TEACHER,
     BatchItem,
     BatchLease,
+    TeacherLogprobs,
+    Trajectory,
     TrajectoryGroup,
     VersionPublish,
     decode_group,
@@ -164,3 +168,92 @@ def test_every_wire_field_is_documented() -> None:
         if not info.description
     ]
     assert undocumented == []
+
+
+def _with_teacher(k: int = 2) -> TrajectoryGroup:
+    traj = Trajectory(
+        tokens=[5, 6, 7, 8, 9],
+        logprobs=[0.0, 0.0, -1.0, 0.0, -0.25],
+        mask=[0, 0, 1, 0, 1],
+        prompt_len=2,
+        reward=1.0,
+        version_min=3,
+        version_max=3,
+        teacher=TeacherLogprobs(
+            k=k,
+            temperature=0.7,
+            sampled=[-0.5, -2.0],
+            ids=list(range(2 * k)),
+            logprobs=[-0.5 - i / 8 for i in range(2 * k)],
+        ),
+    )
+    plain = traj.model_copy(update={"teacher": None})
+    return TrajectoryGroup(
+        idempotency_key="k-t", worker_id="w1", group_id="g", trajectories=[traj, plain]
+    )
+
+
+def test_teacher_logprobs_travel_as_v2() -> None:
+    g = _with_teacher()
+    payload = encode_group(g)
+    assert msgpack.unpackb(payload)["format"] == TRAJECTORY_FORMAT_TEACHER
+    assert decode_group(payload) == g  # exact: every value is a float32
+    # without teacher data the payload stays v1, readable by older coordinators
+    plain = g.model_copy(update={"trajectories": g.trajectories[1:]})
+    assert msgpack.unpackb(encode_group(plain))["format"] == TRAJECTORY_FORMAT
+
+
+def test_bad_teacher_data_is_refused() -> None:
+    g = _with_teacher()
+    body = msgpack.unpackb(encode_group(g))
+    v1 = {**body, "format": TRAJECTORY_FORMAT}
+    with pytest.raises(ValueError, match=r"unknown fields \['teacher'\]"):
+        decode_group(msgpack.packb(v1))
+    t = body["trajectories"][0]["teacher"]
+    for change, message in (
+        ({"k": 3}, "k=3 entries for each of the 2 positions"),
+        ({"k": 0}, "greater than or equal to 1"),
+        (
+            {"sampled": t["sampled"][:4], "ids": t["ids"][:8], "logprobs": t["logprobs"][:8]},
+            "1 positions, but the mask trains on 2",
+        ),
+        ({"logprobs": t["logprobs"][:-4] + b"\x00\x00\x80\x7f"}, "finite and <= 0"),  # +inf
+        ({"ids": b"\xff\xff\xff\xff" + t["ids"][4:]}, "negative token id"),
+        ({"extra": 1}, "unknown fields"),
+    ):
+        bad = {**body, "trajectories": [{**body["trajectories"][0], "teacher": {**t, **change}}]}
+        with pytest.raises(ValueError, match=message):
+            decode_group(msgpack.packb(bad))
+    with pytest.raises(ValidationError, match="must hold k=2 entries"):
+        TeacherLogprobs(k=2, temperature=1.0, sampled=[-1.0], ids=[1], logprobs=[-1.0])
+
+
+def test_hints_travel_with_their_positions() -> None:
+    g = _with_teacher()
+    first = g.trajectories[0]
+    hint = TeacherLogprobs(
+        k=1, temperature=1.0, sampled=[-0.125], ids=[7], logprobs=[-0.125], positions=[4]
+    )
+    hinted = first.model_copy(update={"teacher": None, "hint": hint, "hint_text": "E is out"})
+    g2 = g.model_copy(update={"trajectories": [Trajectory.model_validate(hinted.model_dump())]})
+    payload = encode_group(g2)
+    assert msgpack.unpackb(payload)["format"] == TRAJECTORY_FORMAT_TEACHER
+    assert decode_group(payload) == g2
+    data = hinted.model_dump()
+    for positions, message in (
+        ([3], "trained positions"),  # mask 0 there
+        ([9], "trained positions"),  # beyond the tokens
+        (None, "hint.positions is required"),
+    ):
+        bad = {**data, "hint": {**data["hint"], "positions": positions}}
+        with pytest.raises(ValidationError, match=message):
+            Trajectory.model_validate(bad)
+    with pytest.raises(ValidationError, match="strictly increasing"):
+        TeacherLogprobs(
+            k=1,
+            temperature=1.0,
+            sampled=[-1.0, -1.0],
+            ids=[1, 2],
+            logprobs=[-1.0, -1.0],
+            positions=[4, 2],
+        )

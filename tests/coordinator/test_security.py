@@ -193,6 +193,8 @@ def test_worker_ids_are_path_safe(server: LiveServer) -> None:
         ({"worker_token": " " + WORKER_TOKEN}, "WORKER_TOKEN needs"),  # headers drop the space
         ({"read_token": "read-token-with-é-inside"}, "READ_TOKEN needs"),
         ({"read_token": "short"}, "READ_TOKEN needs at least 16"),
+        ({"worker_key": "k" * 15}, "WORKER_KEY needs at least 16"),
+        ({"worker_key": TRAINER_TOKEN}, "trainer token and the worker key must differ"),
     ],
 )
 def test_weak_tokens_are_refused_at_start(

@@ -268,3 +268,65 @@ def test_concurrent_submit_and_lease_lose_nothing(store: CoordinatorStore) -> No
     assert sorted(delivered) == sorted(f"g-t{t}-{i}" for t in range(n_threads) for i in range(per))
     c = store.counters()
     assert (c.submitted_total, c.acked_total, c.duplicates_total) == (100, 100, 100)
+
+
+def _nonce(i: int) -> str:
+    return f"{i:064x}"
+
+
+def test_weight_challenges_issued_once_and_taken_once(store: CoordinatorStore) -> None:
+    for wid in ("w1", "w2"):
+        store.register_worker(
+            WorkerRegistration(worker_id=wid, engine="hf", model="m", capacity=1), T0
+        )
+    pairs = [(_nonce(i), _nonce(100 + i)) for i in range(3)]
+    assert store.add_challenges(4, 64, 16, pairs, keep_from=0) == (3, 3)
+    assert store.add_challenges(4, 64, 16, pairs[:1], keep_from=0) == (0, 3)  # known nonce
+    assert store.issue_challenge("w1", 9, T0, T0 + 10) is None  # no pool for v9
+    c1 = store.issue_challenge("w1", 4, T0, T0 + 10)
+    assert c1 is not None and (c1.version, c1.chunk_bytes, c1.chunks) == (4, 64, 16)
+    assert store.issue_challenge("w1", 4, T0 + 1, T0 + 11) == c1  # outstanding: the same
+    c2 = store.issue_challenge("w2", 4, T0, T0 + 10)
+    assert c2 is not None and c2.nonce != c1.nonce  # never one pair for two workers
+    assert store.take_challenge("w2", c1.nonce) is None  # not w2's
+    taken = store.take_challenge("w1", c1.nonce)
+    assert taken is not None and taken.version == 4 and taken.expires_at == T0 + 10
+    assert taken.answer == dict(pairs)[c1.nonce]
+    assert store.take_challenge("w1", c1.nonce) is None  # used once
+    # an expired outstanding challenge is replaced by the last pair; then the pool is empty
+    c3 = store.issue_challenge("w2", 4, T0 + 20, T0 + 30)
+    assert c3 is not None and c3.nonce not in {c1.nonce, c2.nonce}
+    assert store.take_challenge("w2", c2.nonce) is None  # the replaced one is gone
+    assert store.issue_challenge("w1", 4, T0 + 20, T0 + 30) is None
+    # pools of old versions are dropped
+    assert store.add_challenges(70, 64, 16, [(_nonce(9), _nonce(10))], keep_from=7) == (1, 1)
+    assert store.add_challenges(4, 64, 0, [(_nonce(11), _nonce(12))], keep_from=7)[1] == 1
+    assert store.add_challenges(71, 64, 16, [(_nonce(13), _nonce(14))], keep_from=8) == (1, 1)
+    assert store.issue_challenge("w1", 4, T0 + 20, T0 + 30) is None
+
+
+def test_proofs_recorded_and_reset_by_registration(store: CoordinatorStore) -> None:
+    reg = WorkerRegistration(worker_id="w1", engine="hf", model="m", capacity=1)
+    store.register_worker(reg, T0)
+    assert store.record_proof("nobody", 1, True, T0) is None
+    w = store.record_proof("w1", 3, False, T0 + 1)
+    assert w is not None and (w.failed_version, w.proof_failures, w.proven_version) == (3, 1, None)
+    w = store.record_proof("w1", 3, True, T0 + 2)
+    assert w is not None and (w.proven_version, w.proven_at, w.proof_failures) == (3, T0 + 2, 1)
+    got = store.get_worker("w1")
+    assert got is not None and got.proven_version == 3
+    assert [x.proven_version for x in store.list_workers()] == [3]
+    hb = store.heartbeat("w1", WorkerHeartbeat(applied_version=3), T0 + 3, 10.0)
+    assert hb is not None and hb.proven_version == 3  # heartbeats keep proofs
+    store.add_challenges(3, 64, 16, [(_nonce(1), _nonce(2))], keep_from=0)
+    assert store.issue_challenge("w1", 3, T0, T0 + 10) is not None
+    w = store.register_worker(reg, T0 + 4)  # a restart: proofs and the outstanding one go
+    assert (w.proven_version, w.proven_at, w.failed_version, w.proof_failures) == (
+        None,
+        None,
+        None,
+        0,
+    )
+    assert store.take_challenge("w1", _nonce(1)) is None
+    store.remove_worker("w1")
+    assert store.record_proof("w1", 3, True, T0) is None

@@ -77,8 +77,10 @@ def test_demo_tiny_end_to_end(demo_run: tuple[subprocess.CompletedProcess[str], 
     assert summary["bytes"]["published_bytes"] < summary["bytes"]["full_sync_bytes_per_version"]
     assert sorted(summary["workers_identical"]) == sorted(summary["workers"])
     assert len(summary["workers"]) == WORKERS
-    assert summary["proof"]["method"] in ("coordinator", "bucket-rebuild")
+    # the trainer hands out weight challenges by default: every worker proved the final weights
     proof = summary["proof"]
+    assert proof["method"] == "weight-challenge", proof
+    assert proof["proven_versions"] == {w: STEPS for w in summary["workers"]}
     assert proof["trainer_digest"] == proof["published_digest"] == proof["rebuilt_digest"]
     # the bucket-rebuild proof on its own: the chain in the bucket gives the trainer's weights
     digest, keys = rebuild_digest(str(run_dir / "bucket"), STEPS)

@@ -37,7 +37,9 @@ from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
 from deltarl.services.weightsync.manifest import VersionManifest
+from deltarl.services.weightsync.proof import ProofSpec, make_challenges
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.trainer.weights import coordinator_challenges
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -74,6 +76,7 @@ class Versions:
         self.publisher = BucketWriter(self.bucket, anchor_every=0)
         self.cluster = cluster
         self.version = -1
+        self.states: dict[int, dict[str, torch.Tensor]] = {}  # for the weight challenges
 
     def publish(self, *, anchor: bool, delta: bool = True) -> VersionManifest:
         """Publish the next version to the bucket (not to the coordinator yet)."""
@@ -110,10 +113,15 @@ class Versions:
             step=version,
         )
         self.state, self.digests, self.version = new, digests, version
+        self.states[version] = new
         return manifest
 
     def register(self, manifest: VersionManifest) -> None:
+        """Record the version and hand over its weight challenges, as the trainer does."""
         self.cluster.client.publish_version(manifest)
+        spec = ProofSpec()
+        pairs = make_challenges(self.states[manifest.version], manifest.version, spec, 4)
+        coordinator_challenges(self.cluster.client)(manifest.version, spec, pairs)
 
     def next(self, *, anchor: bool = False) -> VersionManifest:
         manifest = self.publish(anchor=anchor)

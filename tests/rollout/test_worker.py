@@ -88,11 +88,15 @@ def test_worker_submits_follows_a_new_version_and_shuts_down(
         assert same_bits(dict(worker.engine.named_parameters()), trainer.state())
         before = worker.stats.submitted
         wait_for(lambda: worker.stats.submitted >= before + 2, 20, "no group submitted at v1")
-        worker.heartbeat()
+        ack = worker.heartbeat()  # brings a weight challenge for v1, answered in a thread
+        assert ack.challenge is not None and ack.challenge.version == v1
+        wait_for(lambda: worker.stats.proofs_ok >= 1, 5, "the weight challenge was not answered")
         seen = info(coordinator)
         assert seen is not None and seen.applied_version == v1 and seen.state == "active"
         assert seen.last_error is None and seen.capacity == 2
-        assert seen.weights_verified is True  # the digest matches the trainer's
+        # proven: a fresh challenge answered from the served tensors, not a copied digest
+        assert seen.weights_verified is True and seen.weights_proven_version == v1
+        assert seen.digest_matches is True and worker.stats.proofs_failed == 0
         runner.stop()
     assert info(coordinator) is None  # deregistered
     groups = drain_queue(coordinator)

@@ -25,7 +25,7 @@ from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher, publishable_state
+from deltarl.trainer.weights import WeightPublisher, coordinator_challenges, publishable_state
 
 TRAINER_TOKEN = "trainer-secret-token"
 WORKER_TOKEN = "worker-secret-token"
@@ -113,6 +113,7 @@ class Trainer:
             bucket,
             PublishSettings(background=False, anchor_every=0),
             register=self.client.publish_version,
+            challenges=coordinator_challenges(self.client),
         )
         self.publish()
 

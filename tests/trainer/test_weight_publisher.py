@@ -504,3 +504,33 @@ def test_no_chained_delta_after_a_failure(bucket: FlakyBucket) -> None:
     got, kinds = rebuild(bucket, states[2], at=2)
     assert kinds == ["anchor", "delta", "chained"]
     assert_bit_identical(got, last)
+
+
+def test_each_version_hands_over_weight_challenges(bucket: FlakyBucket) -> None:
+    """After registration, ``proof_challenges`` fresh (nonce, answer) pairs computed on exactly
+    the published state; a failing hand-over costs only the proofs, never the version."""
+    from deltarl.services.weightsync.proof import proof_answer
+
+    model = TinyModel()
+    got: list[tuple[int, Any, list[tuple[str, str]]]] = []
+    settings = PublishSettings(background=False, proof_challenges=3, proof_chunks=8)
+    with WeightPublisher(
+        bucket, settings, challenges=lambda v, spec, pairs: got.append((v, spec, pairs))
+    ) as pub:
+        pub.publish(model.params)
+        published = {n: t.to(torch.bfloat16) for n, t in model.params.items()}
+    assert [(v, spec.chunks, len(pairs)) for v, spec, pairs in got] == [(0, 8, 3)]
+    _, spec, pairs = got[0]
+    for nonce, answer in pairs:
+        assert proof_answer(published, bytes.fromhex(nonce), 0, spec) == answer
+
+    def broken(*_: object) -> None:
+        raise ConnectionError("coordinator down")
+
+    with WeightPublisher(bucket, settings, challenges=broken) as pub:
+        pub.publish(model.params)
+        report = pub.wait()
+    assert report is not None and report.version == 1  # published all the same
+    off = PublishSettings(background=False, proof_challenges=0)
+    with WeightPublisher(bucket, off, challenges=broken) as pub:
+        pub.publish(model.params)  # 0: no challenge computed, the callback never called

@@ -100,7 +100,7 @@ def test_no_import_cycles() -> None:
 def test_the_top_level_folders_do_not_import_on_their_own() -> None:
     """Only the installed names exist: ``trainer.loop`` cannot load beside
     ``deltarl.trainer.loop`` as a second copy."""
-    code = "import importlib.util as u; print([n for n in ('trainer', 'services', 'rollout', 'env_server') if u.find_spec(n)])"
+    code = "import importlib.util as u; print([n for n in ('trainer', 'services', 'rollout', 'env_server', 'teacher') if u.find_spec(n)])"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
     )

@@ -185,3 +185,31 @@ def test_run_check_and_bad_file_from_the_command_line(tmp_path: Path) -> None:
     )
     missing = runner.invoke(app, ["run", str(tmp_path / "nope.toml"), "--check"])
     assert missing.exit_code == 2 and "cannot read" in missing.output
+
+
+def test_per_worker_credentials_give_each_worker_its_own_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deltarl.services.coordinator.auth import token_worker
+
+    tokens = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40, worker_key="k" * 40)
+    config = load_run_config(ROOT / "examples" / "demo.toml")
+    layout = RunLayout(
+        config,
+        run_dir=tmp_path,
+        model="/models/m",
+        endpoints=Endpoints("127.0.0.1", 8700, 8001),
+        tokens=tokens,
+        bucket_uri=str(tmp_path / "bucket"),
+    )
+    coord = layout.coordinator().env
+    assert coord["DELTARL_COORDINATOR_WORKER_KEY"] == "k" * 40
+    assert "DELTARL_COORDINATOR_WORKER_TOKEN" not in coord  # no shared worker token
+    for name in list(__import__("os").environ):
+        if name.startswith("DELTARL_"):
+            monkeypatch.delenv(name)
+    for k, v in coord.items():
+        monkeypatch.setenv(k, v)
+    assert CoordinatorSettings().worker_key == "k" * 40  # starts with the key alone
+    got = [layout.worker(i).env["DELTARL_ROLLOUT_WORKER_TOKEN"] for i in range(2)]
+    assert [token_worker("k" * 40, t) for t in got] == ["worker-1", "worker-2"]

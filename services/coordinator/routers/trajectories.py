@@ -36,7 +36,8 @@ async def submit(request: Request, coordinator: CoordinatorDep) -> Response:
         )
     payload = await request.body()
     # like heartbeats: on the loop with SQLite (decode ~20 KB + one INSERT: well under 1 ms)
-    sid, duplicate, depth, latest = await coordinator.run(coordinator.submit, payload)
+    holder = getattr(request.state, "worker_id", None)  # set by a per-worker token
+    sid, duplicate, depth, latest = await coordinator.run(coordinator.submit, payload, holder)
     result = SubmitResult(
         submission_id=sid, duplicate=duplicate, queue_depth=depth, current_version=latest
     )

@@ -1,4 +1,5 @@
-"""``/v1/versions``: record (trainer), list, get, and the live event stream."""
+"""``/v1/versions``: record (trainer), list, get, the live event stream, and the trainer's weight
+challenges for each version."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from sse_starlette.sse import EventSourceResponse
 from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, TrainerAuth
 from deltarl.services.coordinator.errors import invalid, not_found
 from deltarl.services.coordinator.routers.common import ERRORS
-from deltarl.services.coordinator.schemas import VersionPublish, VersionRecord
+from deltarl.services.coordinator.schemas import (
+    ChallengePool,
+    ChallengePoolResult,
+    VersionPublish,
+    VersionRecord,
+)
 from deltarl.services.coordinator.schemas.common import MAX_VERSION
 
 router = APIRouter(prefix="/v1/versions", tags=["versions"], responses=ERRORS)
@@ -91,3 +97,19 @@ async def get_version(
     coordinator: CoordinatorDep,
 ) -> VersionRecord:
     return await coordinator.run(coordinator.version, version)
+
+
+@router.post(
+    "/{version}/challenges",
+    response_model=ChallengePoolResult,
+    dependencies=[TrainerAuth],
+)
+async def add_challenges(
+    version: Annotated[int, Path(ge=0, le=MAX_VERSION, description="Policy version.")],
+    body: ChallengePool,
+    coordinator: CoordinatorDep,
+) -> ChallengePoolResult:
+    """Weight challenges for a recorded version: (nonce, answer) pairs the trainer computed on
+    its own state; each nonce is issued once to a worker serving that version, and the answers
+    are never shown on any route (docs/security.md)."""
+    return await coordinator.run(coordinator.add_challenges, version, body)

@@ -1,4 +1,4 @@
-"""``/v1/workers``: register (rejoin), heartbeat, list, get, remove."""
+"""``/v1/workers``: register (rejoin), heartbeat, weight proof, list, get, remove."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, Worker
 from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
+    ProofAnswer,
+    ProofResult,
     WorkerHeartbeat,
     WorkerInfo,
     WorkerRegistration,
@@ -34,6 +36,14 @@ async def heartbeat(
     a Response skips FastAPI's re-validation of the response model)."""
     ack = await coordinator.run(coordinator.heartbeat, worker_id, body)
     return Response(ack.model_dump_json(), media_type="application/json")
+
+
+@router.post("/{worker_id}/proof", response_model=ProofResult, dependencies=[WorkerAuth])
+async def prove(worker_id: WorkerId, body: ProofAnswer, coordinator: CoordinatorDep) -> ProofResult:
+    """Answer the weight challenge of a heartbeat: ``verified`` when the answer is right and in
+    time (then ``weights_verified`` is true at that version); each challenge is answered once.
+    409 ``unknown_challenge`` when no such challenge is outstanding."""
+    return await coordinator.run(coordinator.prove, worker_id, body)
 
 
 @router.get("", response_model=list[WorkerInfo], dependencies=[ReaderAuth])

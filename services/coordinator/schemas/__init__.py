@@ -36,12 +36,17 @@ from deltarl.services.coordinator.schemas.status import (
 )
 from deltarl.services.coordinator.schemas.trajectories import (
     TRAJECTORY_FORMAT,
+    TRAJECTORY_FORMAT_TEACHER,
+    TeacherLogprobs,
     Trajectory,
     TrajectoryGroup,
     decode_group,
     encode_group,
 )
 from deltarl.services.coordinator.schemas.versions import (
+    ChallengePair,
+    ChallengePool,
+    ChallengePoolResult,
     ObjectRef,
     VersionKind,
     VersionManifest,
@@ -50,6 +55,9 @@ from deltarl.services.coordinator.schemas.versions import (
 )
 from deltarl.services.coordinator.schemas.workers import (
     HeartbeatAck,
+    ProofAnswer,
+    ProofResult,
+    WeightChallenge,
     WorkerHeartbeat,
     WorkerInfo,
     WorkerRegistration,
@@ -59,12 +67,16 @@ from deltarl.services.weightsync.planner import CatchUpPlan
 
 __all__ = [
     "TRAJECTORY_FORMAT",
+    "TRAJECTORY_FORMAT_TEACHER",
     "AckResult",
     "AdmissionRequest",
     "AdmissionResponse",
     "BatchItem",
     "BatchLease",
     "CatchUpPlan",
+    "ChallengePair",
+    "ChallengePool",
+    "ChallengePoolResult",
     "ErrorBody",
     "ErrorResponse",
     "Health",
@@ -72,10 +84,13 @@ __all__ = [
     "LeaseExtension",
     "LeasedBatch",
     "ObjectRef",
+    "ProofAnswer",
+    "ProofResult",
     "QueueStats",
     "RewardPoint",
     "StatusSummary",
     "SubmitResult",
+    "TeacherLogprobs",
     "Trajectory",
     "TrajectoryGroup",
     "VersionKind",
@@ -83,6 +98,7 @@ __all__ = [
     "VersionPoint",
     "VersionPublish",
     "VersionRecord",
+    "WeightChallenge",
     "WorkerHeartbeat",
     "WorkerInfo",
     "WorkerRegistration",

@@ -14,7 +14,27 @@ Wire format ``deltarl-traj-v1`` (``Content-Type: application/msgpack``), one msg
          "prompt_len": int,
          "reward": float64, "signals": {str: float64},
          "version_min": int, "version_max": int,
-         "temperature": float64}, ...]}  # optional: the sampling temperature (absent: unknown)
+         "temperature": float64,   # optional: the sampling temperature (absent: unknown)
+         "teacher": {...}}, ...]}  # optional, only in deltarl-traj-v2 (below)
+
+``deltarl-traj-v2`` is the same map with ``"format": "deltarl-traj-v2"``, written when some
+trajectory carries a teacher's logprobs (on-policy distillation): its ``teacher`` map holds, for
+the ``m`` trained positions (mask 1, in order) of that trajectory::
+
+        {"k": int,                 # top-k kept per position (1..128)
+         "temperature": float64,   # the teacher's distribution is softmax(logits / temperature)
+         "sampled": bin,           # float32 [m]: teacher logprob of the token actually sampled
+         "ids": bin,               # int32 [m * k]: the teacher's top-k token ids per position
+         "logprobs": bin,          # float32 [m * k]: their teacher logprobs (descending)
+         "positions": bin}         # optional int32 [m]: the token positions (default: every
+                                   # trained position in order)
+
+and, for hinted self-distillation, ``"hint"`` (the same map, ``positions`` required: the tokens
+of the turn that went wrong, scored by the policy with a hint inserted before that turn) and
+``"hint_text"`` (str).
+
+Position ``t`` (mask 1) is the prediction of token ``t`` from the tokens before it, as for the
+behaviour logprobs. A v1 payload never carries ``teacher``; a reader of v1 refuses v2 by name.
 
 Arrays travel as raw little-endian bytes (the trainer can ``torch.frombuffer`` them); scalars as
 msgpack float64/int. Logprobs are float32: ``decode(encode(g))`` returns each logprob rounded to
@@ -35,9 +55,50 @@ from pydantic import Field, model_validator
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, Version, WireModel
 
 TRAJECTORY_FORMAT = "deltarl-traj-v1"
+TRAJECTORY_FORMAT_TEACHER = "deltarl-traj-v2"
 MAX_TRAJECTORIES_PER_GROUP = 4096
+MAX_TEACHER_TOP_K = 128
 MAX_TOKENS_PER_TRAJECTORY = 1 << 20
 _LITTLE = sys.byteorder == "little"
+
+
+class TeacherLogprobs(WireModel):
+    """A teacher's view of a trajectory's trained positions (on-policy distillation): for each of
+    the ``m`` positions with mask 1, in order (or for the ``positions`` listed), the logprob of
+    the sampled token and the top-k."""
+
+    k: int = Field(ge=1, le=MAX_TEACHER_TOP_K, description="Top-k kept per position.")
+    temperature: float = Field(gt=0, description="The teacher's softmax temperature.")
+    sampled: list[float] = Field(
+        description="[m] teacher logprob of the token actually sampled (finite, <= 0)."
+    )
+    ids: list[int] = Field(description="[m * k] top-k token ids per position (>= 0).")
+    logprobs: list[float] = Field(
+        description="[m * k] the top-k ids' teacher logprobs per position (finite, <= 0)."
+    )
+    positions: list[int] | None = Field(
+        default=None,
+        description="[m] token positions (strictly increasing, each with mask 1) the entries "
+        "are for; None: every trained position in order.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TeacherLogprobs:
+        m = len(self.sampled)
+        if self.positions is not None and (
+            len(self.positions) != m
+            or any(b <= a for a, b in zip(self.positions, self.positions[1:], strict=False))
+            or (m and self.positions[0] < 0)
+        ):
+            raise ValueError(f"teacher.positions must be {m} strictly increasing token positions")
+        if len(self.ids) != m * self.k or len(self.logprobs) != m * self.k:
+            raise ValueError(
+                f"teacher: ids and logprobs must hold k={self.k} entries for each of the {m} "
+                f"positions (got {len(self.ids)} and {len(self.logprobs)})"
+            )
+        if not math.isfinite(self.temperature):
+            raise ValueError("teacher.temperature must be a finite number > 0")
+        return self
 
 
 class Trajectory(WireModel):
@@ -72,6 +133,20 @@ class Trajectory(WireModel):
         "softmax(logits / temperature)); None: not reported (greedy, or an older worker): the "
         "trainer assumes its own sampling.temperature.",
     )
+    teacher: TeacherLogprobs | None = Field(
+        default=None,
+        description="A teacher's logprobs at the trained positions (on-policy distillation); "
+        "None: none (the group is then plain deltarl-traj-v1).",
+    )
+    hint: TeacherLogprobs | None = Field(
+        default=None,
+        description="Hinted self-distillation: the distribution the policy gives the tokens of "
+        "the turn that went wrong once a hint is inserted before it (positions: that turn's "
+        "tokens); None: no hint.",
+    )
+    hint_text: str | None = Field(
+        default=None, max_length=4000, description="The hint that was inserted (for the logs)."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
@@ -89,6 +164,19 @@ class Trajectory(WireModel):
             raise ValueError("reward and signals must be finite numbers")
         if self.temperature is not None and not math.isfinite(self.temperature):
             raise ValueError("temperature must be a finite number > 0")
+        if self.hint is not None and self.hint.positions is None:
+            raise ValueError("hint.positions is required (the hinted turn's tokens)")
+        for name, view in (("teacher", self.teacher), ("hint", self.hint)):
+            if view is None:
+                continue
+            if view.positions is None:
+                if len(view.sampled) != sum(self.mask):
+                    raise ValueError(
+                        f"{name}: {len(view.sampled)} positions, but the mask trains on "
+                        f"{sum(self.mask)}"
+                    )
+            elif any(p >= n or not self.mask[p] for p in view.positions):
+                raise ValueError(f"{name}.positions must be trained positions (mask 1) below {n}")
         return self
 
 
@@ -124,6 +212,11 @@ class TrajectoryGroup(WireModel):
     def mean_reward(self) -> float:
         return sum(t.reward for t in self.trajectories) / len(self.trajectories)
 
+    @property
+    def has_teacher(self) -> bool:
+        """Some trajectory carries teacher or hint data (the payload is then v2)."""
+        return any(t.teacher is not None or t.hint is not None for t in self.trajectories)
+
 
 def _pack_array(code: str, values: list[int] | list[float], what: str) -> bytes:
     try:
@@ -147,10 +240,60 @@ def _unpack_array(code: str, raw: Any, what: str) -> array[Any]:
     return arr
 
 
+def _encode_teacher(t: TeacherLogprobs, what: str) -> dict[str, Any]:
+    out = {
+        "k": t.k,
+        "temperature": float(t.temperature),
+        "sampled": _pack_array("f", t.sampled, f"{what}.sampled"),
+        "ids": _pack_array("i", t.ids, f"{what}.ids"),
+        "logprobs": _pack_array("f", t.logprobs, f"{what}.logprobs"),
+    }
+    if t.positions is not None:
+        out["positions"] = _pack_array("i", t.positions, f"{what}.positions")
+    return out
+
+
+def _decode_teacher(raw: Any, what: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be a map")
+    extra = set(raw) - {"k", "temperature", "sampled", "ids", "logprobs", "positions"}
+    if extra:
+        raise ValueError(f"{what}: unknown fields {sorted(extra)}")
+    positions = raw.get("positions")
+    sampled = _unpack_array("f", raw.get("sampled"), f"{what}.sampled")
+    ids = _unpack_array("i", raw.get("ids"), f"{what}.ids")
+    logprobs = _unpack_array("f", raw.get("logprobs"), f"{what}.logprobs")
+    for name, arr in (("sampled", sampled), ("logprobs", logprobs)):
+        if len(arr):
+            total = sum(arr)
+            if not math.isfinite(total) or max(arr) > 0.0:
+                raise ValueError(f"{what}.{name} must be finite and <= 0")
+    if len(ids) and min(ids) < 0:
+        raise ValueError(f"{what}.ids: negative token id")
+    return {
+        "k": raw.get("k"),
+        "temperature": raw.get("temperature"),
+        "sampled": sampled.tolist(),
+        "ids": ids.tolist(),
+        "logprobs": logprobs.tolist(),
+        "positions": None
+        if positions is None
+        else _unpack_array("i", positions, f"{what}.positions").tolist(),
+    }
+
+
 def encode_group(group: TrajectoryGroup) -> bytes:
-    """Serialize a group to the ``deltarl-traj-v1`` msgpack payload."""
+    """Serialize a group to its msgpack payload: ``deltarl-traj-v1``, or ``deltarl-traj-v2``
+    when a trajectory carries teacher logprobs."""
     trajs = []
     for i, t in enumerate(group.trajectories):
+        teacher: dict[str, Any] = {}
+        if t.teacher is not None:
+            teacher["teacher"] = _encode_teacher(t.teacher, f"trajectories[{i}].teacher")
+        if t.hint is not None:
+            teacher["hint"] = _encode_teacher(t.hint, f"trajectories[{i}].hint")
+        if t.hint_text is not None:
+            teacher["hint_text"] = t.hint_text
         trajs.append(
             {
                 "tokens": _pack_array("i", t.tokens, f"trajectories[{i}].tokens"),
@@ -162,10 +305,11 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                 "version_min": t.version_min,
                 "version_max": t.version_max,
                 **({} if t.temperature is None else {"temperature": float(t.temperature)}),
+                **teacher,
             }
         )
     body = {
-        "format": TRAJECTORY_FORMAT,
+        "format": TRAJECTORY_FORMAT_TEACHER if group.has_teacher else TRAJECTORY_FORMAT,
         "idempotency_key": group.idempotency_key,
         "worker_id": group.worker_id,
         "group_id": group.group_id,
@@ -174,7 +318,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def _decode_trajectory(i: int, raw: Any) -> Trajectory:
+def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory:
     if not isinstance(raw, dict):
         raise ValueError(f"trajectories[{i}] must be a map")
     tokens = _unpack_array("i", raw.get("tokens"), f"trajectories[{i}].tokens")
@@ -200,9 +344,11 @@ def _decode_trajectory(i: int, raw: Any) -> Trajectory:
         "version_min",
         "version_max",
         "temperature",
+        *(("teacher", "hint", "hint_text") if teacher_ok else ()),
     }
     if extra:
         raise ValueError(f"trajectories[{i}]: unknown fields {sorted(extra)}")
+    teacher, hint = raw.get("teacher"), raw.get("hint")
     # Element-wise checks are done above on the arrays; pydantic validates the scalars and the
     # lengths (lists are passed through without per-element re-validation cost being an issue).
     return Trajectory.model_validate(
@@ -216,13 +362,18 @@ def _decode_trajectory(i: int, raw: Any) -> Trajectory:
             "version_min": raw.get("version_min"),
             "version_max": raw.get("version_max"),
             "temperature": raw.get("temperature"),
+            "teacher": None
+            if teacher is None
+            else _decode_teacher(teacher, f"trajectories[{i}].teacher"),
+            "hint": None if hint is None else _decode_teacher(hint, f"trajectories[{i}].hint"),
+            "hint_text": raw.get("hint_text"),
         },
         strict=False,
     )
 
 
 def decode_group(payload: bytes) -> TrajectoryGroup:
-    """Parse and validate a ``deltarl-traj-v1`` payload.
+    """Parse and validate a ``deltarl-traj-v1`` (or ``-v2``, with teacher logprobs) payload.
 
     Raises ``ValueError`` (pydantic ``ValidationError`` is one) with a message naming the bad field.
     """
@@ -232,10 +383,13 @@ def decode_group(payload: bytes) -> TrajectoryGroup:
         raise ValueError(f"payload is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict):
         raise ValueError("payload must be a msgpack map")
-    if body.get("format") != TRAJECTORY_FORMAT:
+    fmt = body.get("format")
+    if fmt not in (TRAJECTORY_FORMAT, TRAJECTORY_FORMAT_TEACHER):
         raise ValueError(
-            f"payload format must be {TRAJECTORY_FORMAT!r}, got {body.get('format')!r}"
+            f"payload format must be {TRAJECTORY_FORMAT!r} or {TRAJECTORY_FORMAT_TEACHER!r}, "
+            f"got {fmt!r}"
         )
+    teacher_ok = fmt == TRAJECTORY_FORMAT_TEACHER
     trajs = body.get("trajectories")
     if not isinstance(trajs, list):
         raise ValueError("'trajectories' must be a list")
@@ -248,5 +402,5 @@ def decode_group(payload: bytes) -> TrajectoryGroup:
         idempotency_key=body.get("idempotency_key"),  # type: ignore[arg-type]
         worker_id=body.get("worker_id"),  # type: ignore[arg-type]
         group_id=body.get("group_id"),  # type: ignore[arg-type]
-        trajectories=[_decode_trajectory(i, t) for i, t in enumerate(trajs)],
+        trajectories=[_decode_trajectory(i, t, teacher_ok) for i, t in enumerate(trajs)],
     )

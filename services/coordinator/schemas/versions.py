@@ -21,7 +21,18 @@ from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 
 VersionKind = Literal["anchor", "delta"]
 
-__all__ = ["ObjectRef", "VersionKind", "VersionManifest", "VersionPublish", "VersionRecord"]
+__all__ = [
+    "ChallengePair",
+    "ChallengePool",
+    "ChallengePoolResult",
+    "ObjectRef",
+    "VersionKind",
+    "VersionManifest",
+    "VersionPublish",
+    "VersionRecord",
+]
+
+MAX_CHALLENGES = 4096  # pairs per request and per version's pool
 
 
 class VersionPublish(WireModel):
@@ -62,3 +73,31 @@ class VersionRecord(WireModel):
     published_at: float = Field(description="Manifest creation time (Unix s).")
     recorded_at: float = Field(description="Coordinator's wall clock at acceptance (Unix s).")
     manifest: VersionManifest = Field(description="The manifest as published (objects, digests).")
+
+
+class ChallengePair(WireModel):
+    """A nonce and the answer the trainer computed on its own state (never shown to anyone)."""
+
+    nonce: str = Field(pattern=r"^[0-9a-f]{64}$", description="32 random bytes (hex).")
+    answer: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="proof_answer on the trainer's state."
+    )
+
+
+class ChallengePool(WireModel):
+    """``POST /v1/versions/{version}/challenges`` body (trainer role): weight challenges for a
+    recorded version, each to be issued once to a worker serving it (docs/security.md)."""
+
+    chunk_bytes: int = Field(ge=1, le=1 << 20, description="Bytes per sampled chunk.")
+    chunks: int = Field(ge=0, le=65_536, description="Chunks sampled per proof; 0: all.")
+    items: list[ChallengePair] = Field(
+        min_length=1, max_length=MAX_CHALLENGES, description="Fresh (nonce, answer) pairs."
+    )
+
+
+class ChallengePoolResult(WireModel):
+    """Answer to a challenge upload."""
+
+    version: Version = Field(description="The version the pairs are for.")
+    added: Count = Field(description="Pairs added (a nonce already known is skipped).")
+    pool_size: Count = Field(description="Unused pairs now in this version's pool.")

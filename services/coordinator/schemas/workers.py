@@ -92,12 +92,61 @@ class WorkerInfo(WireModel):
     weights_digest: str | None = Field(
         default=None, description="Last reported state digest of the served weights; None if none."
     )
+    digest_matches: bool | None = Field(
+        default=None,
+        description="Self-reported: True when weights_digest equals the trainer's state digest of "
+        "applied_version, False on a mismatch, None when not reported or the version is unknown. "
+        "Not a proof (the digest is public): see weights_verified.",
+    )
     weights_verified: bool | None = Field(
         default=None,
-        description="True when weights_digest equals the trainer's state digest of applied_version "
-        "(proof that the worker serves the trainer's weights bit for bit); False on a mismatch; "
-        "None when not reported or the version is unknown.",
+        description="Proven: True when the worker answered a fresh weight challenge correctly at "
+        "the version it serves now (applied_version), a keyed digest of a nonce-chosen sample of "
+        "its weights that only a holder of the trainer's weights can compute (docs/security.md); "
+        "False when its last answer at that version was wrong; None while unproven (no challenge "
+        "answered yet at this version, or the trainer publishes no challenges).",
     )
+    weights_proven_version: Version | None = Field(
+        default=None, description="Version of the last correct weight proof; None if none."
+    )
+    weights_proven_at: float | None = Field(
+        default=None, description="When the last correct proof was received (Unix s)."
+    )
+    proof_failures: Count = Field(
+        default=0, description="Wrong or late answers to weight challenges since registration."
+    )
+
+
+HEX_NONCE = r"^[0-9a-f]{64}$"
+
+
+class WeightChallenge(WireModel):
+    """A weight challenge (in a heartbeat answer): prove that the weights served at ``version``
+    are the trainer's by answering ``POST /v1/workers/{id}/proof`` before ``expires_at`` with
+    :func:`deltarl.services.weightsync.proof.proof_answer` of the served tensors."""
+
+    version: Version = Field(description="The version to prove (the one the worker reported).")
+    nonce: str = Field(pattern=HEX_NONCE, description="32 random bytes (hex), used once.")
+    chunk_bytes: int = Field(ge=1, le=1 << 20, description="Bytes per sampled chunk.")
+    chunks: int = Field(ge=0, le=65_536, description="Chunks sampled; 0: the whole state.")
+    expires_at: float = Field(description="Answers after this time (Unix s) are refused.")
+
+
+class ProofAnswer(WireModel):
+    """``POST /v1/workers/{worker_id}/proof`` body (worker role)."""
+
+    nonce: str = Field(pattern=HEX_NONCE, description="The challenge's nonce.")
+    answer: str = Field(
+        pattern=HEX_NONCE, description="proof_answer(served weights, nonce, version, spec) (hex)."
+    )
+
+
+class ProofResult(WireModel):
+    """Outcome of a weight proof."""
+
+    worker_id: str = Field(description="The worker that answered.")
+    version: Version = Field(description="The version the challenge was for.")
+    verified: bool = Field(description="True when the answer was right (and in time).")
 
 
 class HeartbeatAck(WireModel):
@@ -109,3 +158,8 @@ class HeartbeatAck(WireModel):
     max_staleness: Count = Field(description="Samples older than latest - this are dropped.")
     heartbeat_interval_s: float = Field(description="Send the next heartbeat within this.")
     lost_after_s: float = Field(description="Silence after which the worker is marked lost.")
+    challenge: WeightChallenge | None = Field(
+        default=None,
+        description="A weight challenge to answer (POST /v1/workers/{id}/proof) when the worker "
+        "serves a version it has not proven yet; None otherwise.",
+    )

@@ -123,7 +123,10 @@ function render(s) {
   body.replaceChildren(...s.workers.slice(0, 200).map((w) => {
     const tr = document.createElement("tr");
     tr.className = w.state;
-    const weights = w.weights_verified == null ? "–" : (w.weights_verified ? "= trainer" : "MISMATCH");
+    // proven by a weight challenge; "unproven" while none was answered at this version
+    const weights = w.weights_verified == null
+      ? (w.weights_proven_version == null ? "unproven" : `proven v${w.weights_proven_version}`)
+      : (w.weights_verified ? "proven" : "PROOF FAILED");
     for (const v of [w.worker_id, w.state, w.engine, w.applied_version ?? "–", weights, w.lag_versions ?? "–",
       w.lag_seconds == null ? "–" : w.lag_seconds.toFixed(1), w.in_flight, w.last_error ?? ""]) {
       const td = document.createElement("td");

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
+    IssuedChallenge,
     LeaseExpired,
     LeaseOutcome,
     NewSubmission,
@@ -18,6 +19,7 @@ from deltarl.services.coordinator.store.base import (
     StoreCounters,
     StoreError,
     SubmitOutcome,
+    TakenChallenge,
     UnknownLease,
     VersionConflict,
     WorkerRecord,
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CoordinatorStore",
     "IdempotencyConflict",
+    "IssuedChallenge",
     "LeaseExpired",
     "LeaseOutcome",
     "NewSubmission",
@@ -36,6 +39,7 @@ __all__ = [
     "StoreCounters",
     "StoreError",
     "SubmitOutcome",
+    "TakenChallenge",
     "UnknownLease",
     "VersionConflict",
     "WorkerRecord",

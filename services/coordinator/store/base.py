@@ -59,6 +59,32 @@ class WorkerRecord:
     rejoins: int = 0
     submitted: int = 0
     weights_digest: str | None = None
+    # weight proofs (docs/security.md): last version proven by a correct answer, when, the last
+    # version a wrong or late answer was given for, and how many such answers since registering
+    proven_version: int | None = None
+    proven_at: float | None = None
+    failed_version: int | None = None
+    proof_failures: int = 0
+
+
+@dataclass(slots=True)
+class IssuedChallenge:
+    """A weight challenge issued to one worker (the answer stays in the store)."""
+
+    version: int
+    nonce: str
+    chunk_bytes: int
+    chunks: int
+    expires_at: float
+
+
+@dataclass(slots=True)
+class TakenChallenge:
+    """A worker's outstanding challenge, removed from the store to be checked (used once)."""
+
+    version: int
+    answer: str
+    expires_at: float
 
 
 @dataclass(slots=True)
@@ -159,7 +185,8 @@ class CoordinatorStore(ABC):
     @abstractmethod
     def register_worker(self, reg: WorkerRegistration, now: float) -> WorkerRecord:
         """Create or refresh a worker. Re-registering an id keeps its counters and counts a
-        rejoin; its reported version/in-flight/error are reset (it restarted)."""
+        rejoin; its reported version/in-flight/error, its proofs and its outstanding challenge
+        are reset (it restarted: what it proved before says nothing about its new weights)."""
 
     @abstractmethod
     def heartbeat(
@@ -176,7 +203,40 @@ class CoordinatorStore(ABC):
 
     @abstractmethod
     def remove_worker(self, worker_id: str) -> bool:
-        """Forget a worker; False if unknown. Its accepted groups stay queued."""
+        """Forget a worker (and its outstanding challenge); False if unknown. Its accepted
+        groups stay queued."""
+
+    # -- weight proofs ----------------------------------------------------------------------
+    @abstractmethod
+    def add_challenges(
+        self,
+        version: int,
+        chunk_bytes: int,
+        chunks: int,
+        pairs: list[tuple[str, str]],
+        keep_from: int,
+    ) -> tuple[int, int]:
+        """Add (nonce, answer) pairs to ``version``'s pool (a nonce already in it is skipped)
+        and drop the pools of versions below ``keep_from``. Returns ``(added, pool size)``."""
+
+    @abstractmethod
+    def issue_challenge(
+        self, worker_id: str, version: int, now: float, expires_at: float
+    ) -> IssuedChallenge | None:
+        """The worker's challenge for ``version``: its outstanding one if it is for that version
+        and not expired, else a pair taken from the pool (replacing any other outstanding one);
+        None when the pool is empty. Atomic: no pair is ever issued twice."""
+
+    @abstractmethod
+    def take_challenge(self, worker_id: str, nonce: str) -> TakenChallenge | None:
+        """Remove and return the worker's outstanding challenge if its nonce is ``nonce``."""
+
+    @abstractmethod
+    def record_proof(
+        self, worker_id: str, version: int, ok: bool, now: float
+    ) -> WorkerRecord | None:
+        """Record a checked answer: a right one sets ``proven_version``/``proven_at``, a wrong
+        or late one sets ``failed_version`` and counts a failure. None if the worker is unknown."""
 
     # -- trajectory queue -------------------------------------------------------------------
     @abstractmethod

@@ -10,6 +10,9 @@ Layout (every key starts with ``<prefix>:``):
   ``seq`` counter; ``l:<batch>`` list of a lease's ids; ``leases`` zset batch -> expiry;
   ``lx:<batch>`` outcome of a finished lease (``acked:<n>``, ``expired``, ``nacked``; 1 day TTL).
 * ``c`` hash of counters; ``rw`` hash reward sums by version; ``sh`` staleness histogram.
+* weight proofs: ``ch:p:<v>`` list of ``nonce:answer:chunk_bytes:chunks`` (the pool of version
+  ``v``), ``ch:n:<v>`` set of its nonces, ``ch:vs`` zset of versions with a pool;
+  ``ch:o:<worker>`` hash of the worker's outstanding challenge.
 
 Every multi-key change is one Lua script, so it is atomic against other coordinators. Scripts build
 key names at run time, so use one Redis (or a primary with replicas), not Redis Cluster. Durability
@@ -29,12 +32,14 @@ from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat,
 from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
+    IssuedChallenge,
     LeaseExpired,
     LeaseOutcome,
     NewSubmission,
     QueuedMeta,
     StoreCounters,
     SubmitOutcome,
+    TakenChallenge,
     UnknownLease,
     VersionConflict,
     WorkerRecord,
@@ -58,13 +63,65 @@ _REGISTER = """
 local p = ARGV[1]; local k = p..':w:'..ARGV[2]
 if redis.call('EXISTS', k) == 1 then
   redis.call('HINCRBY', k, 'rejoins', 1)
-  redis.call('HDEL', k, 'applied_version', 'last_error', 'weights_digest')
+  redis.call('HDEL', k, 'applied_version', 'last_error', 'weights_digest', 'proven_version',
+             'proven_at', 'failed_version')
+  redis.call('DEL', p..':ch:o:'..ARGV[2])
 else
   redis.call('HSET', k, 'registered_at', ARGV[6], 'rejoins', 0, 'submitted', 0)
   redis.call('SADD', p..':w:ids', ARGV[2])
 end
 redis.call('HSET', k, 'engine', ARGV[3], 'model', ARGV[4], 'capacity', ARGV[5],
-           'last_seen', ARGV[6], 'in_flight', 0)
+           'last_seen', ARGV[6], 'in_flight', 0, 'proof_failures', 0)
+return redis.call('HGETALL', k)
+"""
+
+_ADD_CHALLENGES = """
+local p = ARGV[1]; local v = ARGV[2]
+local old = redis.call('ZRANGEBYSCORE', p..':ch:vs', '-inf', '('..ARGV[3])
+for _, o in ipairs(old) do redis.call('DEL', p..':ch:p:'..o, p..':ch:n:'..o) end
+if #old > 0 then redis.call('ZREMRANGEBYSCORE', p..':ch:vs', '-inf', '('..ARGV[3]) end
+local added = 0
+for i = 6, #ARGV, 2 do
+  if redis.call('SADD', p..':ch:n:'..v, ARGV[i]) == 1 then
+    redis.call('RPUSH', p..':ch:p:'..v, ARGV[i]..':'..ARGV[i + 1]..':'..ARGV[4]..':'..ARGV[5])
+    added = added + 1
+  end
+end
+redis.call('ZADD', p..':ch:vs', v, v)
+return {added, redis.call('LLEN', p..':ch:p:'..v)}
+"""
+
+_ISSUE_CHALLENGE = """
+local p = ARGV[1]; local o = p..':ch:o:'..ARGV[2]; local v = ARGV[3]
+local cur = redis.call('HMGET', o, 'nonce', 'version', 'chunk_bytes', 'chunks', 'expires_at')
+if cur[1] and cur[2] == v and tonumber(cur[5]) > tonumber(ARGV[4]) then
+  return {cur[1], cur[3], cur[4], cur[5]}
+end
+local item = redis.call('LPOP', p..':ch:p:'..v)
+if not item then return nil end
+local n, a, cb, ch = string.match(item, '^(%x+):(%x+):(%d+):(%d+)$')
+redis.call('DEL', o)
+redis.call('HSET', o, 'nonce', n, 'version', v, 'answer', a, 'chunk_bytes', cb, 'chunks', ch,
+           'expires_at', ARGV[5])
+return {n, cb, ch, ARGV[5]}
+"""
+
+_TAKE_CHALLENGE = """
+local o = ARGV[1]..':ch:o:'..ARGV[2]
+local cur = redis.call('HMGET', o, 'nonce', 'version', 'answer', 'expires_at')
+if not cur[1] or cur[1] ~= ARGV[3] then return nil end
+redis.call('DEL', o)
+return {cur[2], cur[3], cur[4]}
+"""
+
+_RECORD_PROOF = """
+local k = ARGV[1]..':w:'..ARGV[2]
+if redis.call('EXISTS', k) == 0 then return nil end
+if ARGV[4] == '1' then redis.call('HSET', k, 'proven_version', ARGV[3], 'proven_at', ARGV[5])
+else
+  redis.call('HSET', k, 'failed_version', ARGV[3])
+  redis.call('HINCRBY', k, 'proof_failures', 1)
+end
 return redis.call('HGETALL', k)
 """
 
@@ -259,6 +316,10 @@ _FIELDS = (
     "rejoins",
     "submitted",
     "weights_digest",
+    "proven_version",
+    "proven_at",
+    "failed_version",
+    "proof_failures",
 )
 
 
@@ -280,6 +341,10 @@ def _worker_fields(worker_id: str, v: list[bytes | None]) -> WorkerRecord | None
         rejoins=0 if v[8] is None else int(v[8]),
         submitted=0 if v[9] is None else int(v[9]),
         weights_digest=None if v[10] is None else v[10].decode(),
+        proven_version=None if v[11] is None else int(v[11]),
+        proven_at=None if v[12] is None else float(v[12]),
+        failed_version=None if v[13] is None else int(v[13]),
+        proof_failures=0 if v[14] is None else int(v[14]),
     )
 
 
@@ -301,6 +366,10 @@ def _worker(worker_id: str, flat: list[Any] | dict[Any, Any]) -> WorkerRecord:
         rejoins=int(d.get("rejoins", 0)),
         submitted=int(d.get("submitted", 0)),
         weights_digest=d.get("weights_digest"),
+        proven_version=int(d["proven_version"]) if "proven_version" in d else None,
+        proven_at=float(d["proven_at"]) if "proven_at" in d else None,
+        failed_version=int(d["failed_version"]) if "failed_version" in d else None,
+        proof_failures=int(d.get("proof_failures", 0)),
     )
 
 
@@ -326,6 +395,10 @@ class RedisStore(CoordinatorStore):
         self._reclaim = self._r.register_script(_RECLAIM)
         self._extend = self._r.register_script(_EXTEND)
         self._list_workers = self._r.register_script(_LIST_WORKERS)
+        self._add_challenges = self._r.register_script(_ADD_CHALLENGES)
+        self._issue_challenge = self._r.register_script(_ISSUE_CHALLENGE)
+        self._take_challenge = self._r.register_script(_TAKE_CHALLENGE)
+        self._record_proof = self._r.register_script(_RECORD_PROOF)
 
     def _k(self, name: str) -> str:
         return f"{self.prefix}:{name}"
@@ -421,8 +494,50 @@ class RedisStore(CoordinatorStore):
         pipe = self._r.pipeline(transaction=True)
         pipe.srem(self._k("w:ids"), worker_id)
         pipe.delete(self._k(f"w:{worker_id}"))
-        removed, _ = pipe.execute()
+        pipe.delete(self._k(f"ch:o:{worker_id}"))
+        removed, _, _ = pipe.execute()
         return bool(removed)
+
+    # -- weight proofs ----------------------------------------------------------------------
+    def add_challenges(
+        self,
+        version: int,
+        chunk_bytes: int,
+        chunks: int,
+        pairs: list[tuple[str, str]],
+        keep_from: int,
+    ) -> tuple[int, int]:
+        flat = [x for pair in pairs for x in pair]
+        added, size = self._add_challenges(
+            args=[self.prefix, version, keep_from, chunk_bytes, chunks, *flat]
+        )
+        return int(added), int(size)
+
+    def issue_challenge(
+        self, worker_id: str, version: int, now: float, expires_at: float
+    ) -> IssuedChallenge | None:
+        res = self._issue_challenge(
+            args=[self.prefix, worker_id, version, repr(now), repr(expires_at)]
+        )
+        if res is None:
+            return None
+        nonce, cb, chunks, exp = (x.decode() for x in res)
+        return IssuedChallenge(version, nonce, int(cb), int(chunks), float(exp))
+
+    def take_challenge(self, worker_id: str, nonce: str) -> TakenChallenge | None:
+        res = self._take_challenge(args=[self.prefix, worker_id, nonce])
+        if res is None:
+            return None
+        version, answer, exp = (x.decode() for x in res)
+        return TakenChallenge(int(version), answer, float(exp))
+
+    def record_proof(
+        self, worker_id: str, version: int, ok: bool, now: float
+    ) -> WorkerRecord | None:
+        flat = self._record_proof(
+            args=[self.prefix, worker_id, version, "1" if ok else "0", repr(now)]
+        )
+        return None if flat is None else _worker(worker_id, flat)
 
     # -- queue ------------------------------------------------------------------------------
     def submit(

@@ -20,12 +20,14 @@ from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat,
 from deltarl.services.coordinator.store.base import (
     CoordinatorStore,
     IdempotencyConflict,
+    IssuedChallenge,
     LeaseExpired,
     LeaseOutcome,
     NewSubmission,
     QueuedMeta,
     StoreCounters,
     SubmitOutcome,
+    TakenChallenge,
     UnknownLease,
     VersionConflict,
     WorkerRecord,
@@ -38,7 +40,9 @@ CREATE TABLE IF NOT EXISTS versions (
 CREATE TABLE IF NOT EXISTS workers (
     worker_id TEXT PRIMARY KEY, engine TEXT, model TEXT, capacity INTEGER,
     registered_at REAL, last_seen REAL, applied_version INTEGER, in_flight INTEGER,
-    last_error TEXT, rejoins INTEGER, submitted INTEGER, weights_digest TEXT);
+    last_error TEXT, rejoins INTEGER, submitted INTEGER, weights_digest TEXT,
+    proven_version INTEGER, proven_at REAL, failed_version INTEGER,
+    proof_failures INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS submissions (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, idem_key TEXT NOT NULL UNIQUE, digest TEXT NOT NULL,
     worker_id TEXT, group_id TEXT, version_min INTEGER, version_max INTEGER,
@@ -52,7 +56,25 @@ CREATE INDEX IF NOT EXISTS leases_active ON leases(state, expires_at);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS rewards (version INTEGER PRIMARY KEY, n INTEGER, total REAL);
 CREATE TABLE IF NOT EXISTS staleness (k INTEGER PRIMARY KEY, n INTEGER);
+CREATE TABLE IF NOT EXISTS challenge_pool (
+    nonce TEXT PRIMARY KEY, version INTEGER NOT NULL, answer TEXT NOT NULL,
+    chunk_bytes INTEGER NOT NULL, chunks INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS challenge_pool_version ON challenge_pool(version);
+CREATE TABLE IF NOT EXISTS challenges_out (
+    worker_id TEXT PRIMARY KEY, nonce TEXT NOT NULL, version INTEGER NOT NULL,
+    answer TEXT NOT NULL, chunk_bytes INTEGER NOT NULL, chunks INTEGER NOT NULL,
+    expires_at REAL NOT NULL);
 """
+
+# columns added to ``workers`` after its first release: (name, type) added by ALTER TABLE to a
+# database written before them
+_WORKER_MIGRATIONS = (
+    ("weights_digest", "TEXT"),
+    ("proven_version", "INTEGER"),
+    ("proven_at", "REAL"),
+    ("failed_version", "INTEGER"),
+    ("proof_failures", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 _META_COLS = (
     "seq, worker_id, group_id, version_min, version_max, submitted_at, num_trajectories, num_tokens"
@@ -81,8 +103,9 @@ class SQLiteStore(CoordinatorStore):
         with self._lock:
             self._db.executescript(_SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(workers)")}
-            if "weights_digest" not in cols:  # a database written before the column existed
-                self._db.execute("ALTER TABLE workers ADD COLUMN weights_digest TEXT")
+            for col, kind in _WORKER_MIGRATIONS:
+                if col not in cols:  # a database written before the column existed
+                    self._db.execute(f"ALTER TABLE workers ADD COLUMN {col} {kind}")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -162,19 +185,23 @@ class SQLiteStore(CoordinatorStore):
     # -- workers ----------------------------------------------------------------------------
     _WORKER_COLS = (
         "worker_id, engine, model, capacity, registered_at, last_seen, applied_version, "
-        "in_flight, last_error, rejoins, submitted, weights_digest"
+        "in_flight, last_error, rejoins, submitted, weights_digest, proven_version, proven_at, "
+        "failed_version, proof_failures"
     )
 
     def register_worker(self, reg: WorkerRegistration, now: float) -> WorkerRecord:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, 0, 0, NULL) "
+                f"INSERT INTO workers({self._WORKER_COLS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, NULL, 0, 0, NULL, NULL, NULL, NULL, 0) "
                 "ON CONFLICT(worker_id) DO UPDATE SET engine = excluded.engine, "
                 "model = excluded.model, capacity = excluded.capacity, last_seen = ?, "
                 "applied_version = NULL, in_flight = 0, last_error = NULL, weights_digest = NULL, "
-                "rejoins = rejoins + 1",
+                "proven_version = NULL, proven_at = NULL, failed_version = NULL, "
+                "proof_failures = 0, rejoins = rejoins + 1",
                 (reg.worker_id, reg.engine, reg.model, reg.capacity, now, now, now),
             )
+            db.execute("DELETE FROM challenges_out WHERE worker_id = ?", (reg.worker_id,))
             row = db.execute(
                 f"SELECT {self._WORKER_COLS} FROM workers WHERE worker_id = ?", (reg.worker_id,)
             ).fetchone()
@@ -216,7 +243,88 @@ class SQLiteStore(CoordinatorStore):
 
     def remove_worker(self, worker_id: str) -> bool:
         with self._tx() as db:
+            db.execute("DELETE FROM challenges_out WHERE worker_id = ?", (worker_id,))
             return db.execute("DELETE FROM workers WHERE worker_id = ?", (worker_id,)).rowcount > 0
+
+    # -- weight proofs ----------------------------------------------------------------------
+    def add_challenges(
+        self,
+        version: int,
+        chunk_bytes: int,
+        chunks: int,
+        pairs: list[tuple[str, str]],
+        keep_from: int,
+    ) -> tuple[int, int]:
+        with self._tx() as db:
+            db.execute("DELETE FROM challenge_pool WHERE version < ?", (keep_from,))
+            added = 0
+            for nonce, answer in pairs:
+                cur = db.execute(
+                    "INSERT OR IGNORE INTO challenge_pool VALUES (?, ?, ?, ?, ?)",
+                    (nonce, version, answer, chunk_bytes, chunks),
+                )
+                added += cur.rowcount
+            size = db.execute(
+                "SELECT COUNT(*) FROM challenge_pool WHERE version = ?", (version,)
+            ).fetchone()[0]
+        return added, size
+
+    def issue_challenge(
+        self, worker_id: str, version: int, now: float, expires_at: float
+    ) -> IssuedChallenge | None:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT nonce, version, chunk_bytes, chunks, expires_at FROM challenges_out "
+                "WHERE worker_id = ?",
+                (worker_id,),
+            ).fetchone()
+            if row is not None and row[1] == version and row[4] > now:
+                return IssuedChallenge(version, row[0], row[2], row[3], row[4])
+            row = db.execute(
+                "SELECT nonce, answer, chunk_bytes, chunks FROM challenge_pool WHERE version = ? "
+                "ORDER BY rowid LIMIT 1",
+                (version,),
+            ).fetchone()
+            if row is None:
+                return None
+            db.execute("DELETE FROM challenge_pool WHERE nonce = ?", (row[0],))
+            db.execute(
+                "INSERT OR REPLACE INTO challenges_out VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (worker_id, row[0], version, row[1], row[2], row[3], expires_at),
+            )
+        return IssuedChallenge(version, row[0], row[2], row[3], expires_at)
+
+    def take_challenge(self, worker_id: str, nonce: str) -> TakenChallenge | None:
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT version, answer, expires_at FROM challenges_out "
+                "WHERE worker_id = ? AND nonce = ?",
+                (worker_id, nonce),
+            ).fetchone()
+            if row is None:
+                return None
+            db.execute("DELETE FROM challenges_out WHERE worker_id = ?", (worker_id,))
+        return TakenChallenge(row[0], row[1], row[2])
+
+    def record_proof(
+        self, worker_id: str, version: int, ok: bool, now: float
+    ) -> WorkerRecord | None:
+        with self._tx() as db:
+            if ok:
+                db.execute(
+                    "UPDATE workers SET proven_version = ?, proven_at = ? WHERE worker_id = ?",
+                    (version, now, worker_id),
+                )
+            else:
+                db.execute(
+                    "UPDATE workers SET failed_version = ?, proof_failures = proof_failures + 1 "
+                    "WHERE worker_id = ?",
+                    (version, worker_id),
+                )
+            row = db.execute(
+                f"SELECT {self._WORKER_COLS} FROM workers WHERE worker_id = ?", (worker_id,)
+            ).fetchone()
+        return None if row is None else WorkerRecord(*row)
 
     # -- queue ------------------------------------------------------------------------------
     def submit(

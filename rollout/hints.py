@@ -1,0 +1,337 @@
+"""Hinted self-distillation on the worker: find the turn that went wrong, insert a hint before
+it, score that turn's tokens once with the policy (no new decoding), attach the result.
+
+For a finished episode whose reward is below ``hint_below``, a :class:`Hinter` names the turn
+where the mistake was made and a hint of at most three sentences. The worker then builds the
+hinted context (the conversation up to that turn's user message, the hint as one more user
+message, the generation prompt) followed by the turn's original reply tokens, runs one forward
+pass of its engine over it (:meth:`Engine.score <deltarl.rollout.engines.base.Engine.score>`),
+and attaches, for the turn's tokens, the top-k and the logprob of each sampled token as the
+trajectory's ``hint`` (positions in the original trajectory). The trainer pulls the policy,
+without the hint, towards that distribution on those tokens only (``loss.hint_coef``,
+reverse KL by default: HinT-SD, arXiv 2605.17873; OpenClaw-RL's hindsight hints, 2603.10165;
+SDPO, 2601.20802).
+
+Hinters:
+
+* :class:`WordleHinter` (``hint_mode = "env"``): the environment's own feedback, replayed: the
+  first guess that ignores what earlier feedback established (a letter known absent, a green
+  moved, a yellow left out or put back where it was yellow, a repeated word), or the first
+  malformed move. Deterministic, instant, always right about the rules.
+* :class:`ChatHinter` (``hint_mode = "chat"``): any OpenAI-compatible chat endpoint (the teacher
+  service, a vLLM server) asked for JSON ``{"failure_turn": int, "hint": str}``; a timeout, an
+  HTTP error or an answer that is not that JSON (or names no real turn, or says more than three
+  sentences) is skipped and counted, never retried into the trainer's way.
+
+Who computes the hinted distribution: the worker's own engine (the default: the policy at the
+version that played the episode, on a machine that is already generating; the trainer never
+waits for it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+
+from deltarl.rollout.chat_format import ChatFormat
+from deltarl.rollout.engines.base import Engine, WeightsGate
+from deltarl.rollout.episodes import Episode
+from deltarl.services.coordinator.schemas import TeacherLogprobs
+
+logger = logging.getLogger(__name__)
+
+MAX_HINT_CHARS = 600
+_SENTENCE_END = re.compile(r"[.!?](\s|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """``turn``: index of the model turn that went wrong (0-based); ``text``: the hint."""
+
+    turn: int
+    text: str
+
+
+@dataclass(slots=True)
+class HintStats:
+    """Counters of one worker's hinting (for logs and metrics)."""
+
+    asked: int = 0  # episodes given to a hinter
+    hinted: int = 0  # hints attached
+    none: int = 0  # the hinter found nothing to say
+    malformed: int = 0  # answers that were not a valid hint (skipped)
+    failed: int = 0  # hinter or scoring errors, timeouts (skipped)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+class Hinter(Protocol):
+    name: str
+
+    async def hint(self, episode: Episode) -> Hint | None:
+        """The turn that went wrong and a hint, or None when there is nothing to say."""
+        ...
+
+
+def _sentences(text: str) -> int:
+    return len(_SENTENCE_END.findall(text.strip() + " ")) or 1
+
+
+def check_hint(raw: object, turns: int) -> Hint:
+    """A hinter's JSON answer as a :class:`Hint`; ``ValueError`` saying what is wrong."""
+    if not isinstance(raw, dict):
+        raise ValueError("the answer is not a JSON object")
+    turn, text = raw.get("failure_turn"), raw.get("hint")
+    if not isinstance(turn, int) or isinstance(turn, bool) or not 0 <= turn < turns:
+        raise ValueError(f"failure_turn must be an integer within 0..{turns - 1}, got {turn!r}")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("hint must be a non-empty string")
+    text = text.strip()
+    if len(text) > MAX_HINT_CHARS or _sentences(text) > 3:
+        raise ValueError(f"hint must be at most three sentences and {MAX_HINT_CHARS} characters")
+    return Hint(turn=turn, text=text)
+
+
+# -- the environment's own feedback (Wordle) ---------------------------------------------------
+
+_GUESS = re.compile(r"\[([A-Za-z]+)\]")
+
+
+def _parse_feedback(message: str) -> tuple[str, str] | None:
+    """(guess, pattern) from a Wordle feedback message ("You submitted [crane]. Feedback: C R A N
+    E / G X Y X X ..."), None when the move was not scored."""
+    if "Feedback:" not in message:
+        return None
+    m = _GUESS.search(message)
+    lines = [ln.strip() for ln in message.split("Feedback:", 1)[1].strip().splitlines()]
+    if m is None or len(lines) < 2:
+        return None
+    pattern = lines[1].replace(" ", "")
+    if len(pattern) != 5 or set(pattern) - set("GYX"):
+        return None
+    return m.group(1).lower(), pattern
+
+
+class WordleHinter:
+    """Replays the game's feedback and names the first move that ignored it (module docstring)."""
+
+    name = "env"
+
+    async def hint(self, episode: Episode) -> Hint | None:
+        users = [m["content"] for m in episode.messages if m["role"] == "user"]
+        # the user message after turn i holds the feedback to turn i
+        known_absent: set[str] = set()
+        greens: dict[int, str] = {}
+        yellows: dict[str, set[int]] = {}
+        seen: set[str] = set()
+        for i, turn in enumerate(episode.turns):
+            guess_m = _GUESS.search(turn.reply)
+            if guess_m is None or len(guess_m.group(1)) != 5:
+                return Hint(
+                    i,
+                    "Reply with exactly one 5-letter word in square brackets, like [crane], and "
+                    "nothing else.",
+                )
+            guess = guess_m.group(1).lower()
+            problem = self._contradiction(guess, known_absent, greens, yellows, seen)
+            if problem is not None:
+                return Hint(i, problem)
+            seen.add(guess)
+            feedback = _parse_feedback(users[i + 1]) if i + 1 < len(users) else None
+            if feedback is None:
+                continue
+            word, pattern = feedback
+            for pos, (ch, mark) in enumerate(zip(word, pattern, strict=True)):
+                if mark == "G":
+                    greens[pos] = ch
+                elif mark == "Y":
+                    yellows.setdefault(ch, set()).add(pos)
+            for ch, mark in zip(word, pattern, strict=True):
+                if mark == "X" and ch not in greens.values() and ch not in yellows:
+                    known_absent.add(ch)
+        return None
+
+    @staticmethod
+    def _contradiction(
+        guess: str,
+        absent: set[str],
+        greens: dict[int, str],
+        yellows: dict[str, set[int]],
+        seen: set[str],
+    ) -> str | None:
+        if guess in seen:
+            return f"[{guess}] was already guessed; every guess must be a new word."
+        for ch in sorted(set(guess) & absent):
+            return f"{ch.upper()} is not in the word (the feedback marked it X), yet this guess uses it."
+        for pos, ch in sorted(greens.items()):
+            if guess[pos] != ch:
+                return (
+                    f"Letter {pos + 1} is known to be {ch.upper()} (green); keep it there in "
+                    "every guess."
+                )
+        for ch, bad in sorted(yellows.items()):
+            if ch not in guess:
+                return f"{ch.upper()} is in the word (yellow); the guess must include it."
+            for pos in sorted(bad):
+                if guess[pos] == ch:
+                    return (
+                        f"{ch.upper()} was yellow at position {pos + 1}: it is in the word but "
+                        "not there; move it."
+                    )
+        return None
+
+
+# -- a chat model --------------------------------------------------------------------------------
+
+_INSTRUCTIONS = (
+    "You review an agent's multi-turn episode that did not succeed. Find the first turn where "
+    "the agent made the mistake that cost it the episode, and write a short hint (at most three "
+    "sentences) that would have made it act correctly at that turn, without giving away the "
+    'final answer. Answer with JSON only: {"failure_turn": <0-based index of the agent turn>, '
+    '"hint": "<text>"}.'
+)
+
+
+class ChatHinter:
+    """Asks an OpenAI-compatible ``/v1/chat/completions`` endpoint (module docstring)."""
+
+    name = "chat"
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 20.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+        )
+        self.model = model
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @staticmethod
+    def transcript(episode: Episode) -> str:
+        lines = []
+        turn = 0
+        for m in episode.messages:
+            if m["role"] == "assistant":
+                lines.append(f"[agent turn {turn}] {m['content']}")
+                turn += 1
+            elif m["role"] == "user":
+                lines.append(f"[environment] {m['content']}")
+        lines.append(f"[final reward] {episode.reward:.3f}")
+        return "\n".join(lines)
+
+    async def hint(self, episode: Episode) -> Hint | None:
+        body = {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": _INSTRUCTIONS},
+                {"role": "user", "content": self.transcript(episode)},
+            ],
+            "temperature": 0.0,
+            "max_tokens": 256,
+        }
+        r = await self._http.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+        content = r.json()["choices"][0]["message"]["content"]
+        text = content.strip()
+        if text.startswith("```"):  # a fenced block: take its inside
+            text = text.strip("`").removeprefix("json").strip()
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"the answer is not JSON: {content[:120]!r}") from exc
+        return check_hint(raw, episode.num_turns)
+
+
+# -- scoring the hinted turn ---------------------------------------------------------------------
+
+
+def hinted_context(episode: Episode, hint: Hint, fmt: ChatFormat) -> list[int]:
+    """Tokens of the conversation up to (not including) model turn ``hint.turn``, with the hint
+    as one more user message, and the generation prompt."""
+    messages, seen = [], 0
+    for m in episode.messages:
+        if m["role"] == "assistant":
+            if seen == hint.turn:
+                break
+            seen += 1
+        messages.append(m)
+    return fmt.prompt_ids([*messages, {"role": "user", "content": hint.text}])
+
+
+def score_hint(
+    episode: Episode,
+    hint: Hint,
+    fmt: ChatFormat,
+    engine: Engine,
+    *,
+    k: int,
+    temperature: float,
+    gate: WeightsGate | None = None,
+) -> TeacherLogprobs:
+    """The trajectory's ``hint``: the turn's reply tokens scored after the hinted context."""
+    turn = episode.turns[hint.turn]
+    reply = episode.tokens[turn.start : turn.end]
+    context = hinted_context(episode, hint, fmt)
+    scored = engine.score([*context, *reply], len(context), k, temperature, gate=gate)
+    positions = list(range(turn.start, turn.end))
+    return TeacherLogprobs(
+        k=k,
+        temperature=temperature,
+        sampled=[min(0.0, x) for x in scored.sampled],
+        ids=[i for row in scored.ids for i in row],
+        logprobs=[min(0.0, x) for row in scored.logprobs for x in row],
+        positions=positions,
+    )
+
+
+async def hint_episodes(
+    episodes: Sequence[Episode],
+    hinter: Hinter,
+    score: Callable[[Episode, Hint], Awaitable[TeacherLogprobs]],
+    stats: HintStats,
+    below: float,
+) -> dict[int, tuple[TeacherLogprobs, str]]:
+    """Hints for the episodes of a group whose reward is below ``below``: ``{index: (hint view,
+    text)}``; every failure is counted in ``stats`` and skipped. ``score``: an async callable
+    ``(episode, hint) -> TeacherLogprobs``."""
+    out: dict[int, tuple[TeacherLogprobs, str]] = {}
+    for i, ep in enumerate(episodes):
+        if ep.reward >= below or not ep.turns:
+            continue
+        stats.asked += 1
+        try:
+            hint = await hinter.hint(ep)
+        except ValueError as exc:
+            stats.malformed += 1
+            logger.info("hinter answer skipped: %s", exc)
+            continue
+        except Exception as exc:
+            stats.failed += 1
+            logger.warning("hinter failed (%s): skipped", exc)
+            continue
+        if hint is None:
+            stats.none += 1
+            continue
+        try:
+            view = await score(ep, hint)
+        except Exception as exc:
+            stats.failed += 1
+            logger.warning("scoring the hinted turn failed (%s): skipped", exc)
+            continue
+        out[i] = (view, hint.text)
+        stats.hinted += 1
+    return out

@@ -1,0 +1,110 @@
+"""The vLLM teacher engine, written against vLLM 0.33.0's offline API. **It has not run yet**
+(vLLM is not installable on the machines this was written on; its test is marked ``gpu``).
+
+Each sequence is one ``TokensPrompt`` generated with ``SamplingParams(max_tokens=1,
+prompt_logprobs=k)``: vLLM then returns, for every prompt position after the first, a dict
+``{token id: Logprob(logprob, rank, decoded_token)}`` holding the top-k entries *and* the token
+that actually came next (with its own rank), which is exactly what the service answers. vLLM
+batches the prompts itself (continuous batching), so the whole batch is one ``generate`` call.
+
+Limits, both from vLLM rather than from us:
+
+* prompt logprobs are always those of the raw distribution (vLLM's ``logprobs_mode`` and the
+  request's temperature apply to sampled tokens only; vllm-project/vllm#47680), so this engine
+  scores at temperature 1.0 only and the service refuses any other temperature with a 422;
+* ``max_logprobs`` (the engine's cap on k) is set to the service's top-k limit at start.
+
+vLLM is imported when the engine is built, never at module import.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from deltarl.teacher.engines.base import ScoreJob, Scores
+
+logger = logging.getLogger(__name__)
+
+
+class VllmTeacher:
+    """``vllm.LLM`` scoring prompts through ``prompt_logprobs``."""
+
+    engine = "vllm"
+
+    def __init__(self, llm: Any, model_name: str, max_top_k: int) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        config = llm.llm_engine.model_config
+        self.vocab_size = int(config.get_vocab_size())
+        self.max_top_k = max_top_k
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        *,
+        dtype: str,
+        max_top_k: int,
+        max_seq_len: int,
+        gpu_memory_utilization: float,
+        name: str,
+    ) -> VllmTeacher:
+        from vllm import LLM
+
+        llm = LLM(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_seq_len,
+            max_logprobs=max_top_k,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=False,  # prompt logprobs need every position computed
+        )
+        return cls(llm, model_name=name, max_top_k=max_top_k)
+
+    def check_temperature(self, temperature: float) -> str | None:
+        if temperature != 1.0:
+            return (
+                "the vllm engine scores at temperature 1.0 only (vLLM's prompt_logprobs ignore "
+                "the sampling temperature); use the transformers engine for other temperatures"
+            )
+        return None
+
+    def score(self, jobs: list[ScoreJob]) -> list[Scores]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not jobs:
+            return []
+        prompts = [TokensPrompt(prompt_token_ids=j.tokens.tolist()) for j in jobs]
+        params = [
+            SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=max(j.top_k, 1))
+            for j in jobs
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [_scores(j, out.prompt_logprobs) for j, out in zip(jobs, outputs, strict=True)]
+
+
+def _scores(job: ScoreJob, prompt_logprobs: list[dict[int, Any] | None]) -> Scores:
+    """Rows ``prompt_len..len-1`` of vLLM's per-position dicts (entry 0 is None)."""
+    n, k = job.scored, job.top_k
+    sampled = np.empty(n, dtype=np.float32)
+    top_ids = np.full((n, k), -1, dtype=np.int32)
+    top_lps = np.full((n, k), -math.inf, dtype=np.float32)
+    for r, p in enumerate(range(job.prompt_len, len(job.tokens))):
+        entries = prompt_logprobs[p]
+        if entries is None:
+            raise RuntimeError(f"vLLM returned no prompt logprobs at position {p}")
+        token = int(job.tokens[p])
+        sampled[r] = entries[token].logprob
+        ranked = sorted(
+            ((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank <= k),
+            key=lambda e: e[0],
+        )[:k]
+        for c, (_, tid, logprob) in enumerate(ranked):
+            top_ids[r, c] = tid
+            top_lps[r, c] = logprob
+    return Scores(sampled=sampled, top_ids=top_ids, top_logprobs=top_lps)

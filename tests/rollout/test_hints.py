@@ -1,0 +1,191 @@
+"""Hinted self-distillation on the worker (rollout/hints.py): the Wordle hinter finds the turn
+that ignored the feedback, chat hints are validated (malformed ones skipped and counted), the
+hinted turn is scored once after the hint, and a worker attaches hints to what it submits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from test_worker import drain_queue
+from worker_helpers import (
+    CoordinatorServer,
+    Trainer,
+    WorkerThread,
+    tiny_model,
+    wait_for,
+    worker_settings,
+)
+
+from deltarl.rollout.chat_format import ChatFormat
+from deltarl.rollout.engines.base import UNMANAGED, Completion
+from deltarl.rollout.engines.transformers_engine import TransformersEngine
+from deltarl.rollout.episodes import Episode, Turn
+from deltarl.rollout.hints import (
+    ChatHinter,
+    Hint,
+    HintStats,
+    WordleHinter,
+    check_hint,
+    hint_episodes,
+    hinted_context,
+    score_hint,
+)
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.trainer.batch import collate
+
+
+def feedback(word: str, pattern: str, left: int) -> str:
+    return (
+        f"You submitted [{word}].\nFeedback:\n{' '.join(word.upper())}\n{' '.join(pattern)}\n"
+        f"\nYou have {left} guesses left."
+    )
+
+
+def episode(replies: list[str], patterns: list[str], reward: float = 0.0) -> Episode:
+    ep = Episode(group_id="g", index=0, seed=1, reward=reward)
+    ep.messages.append({"role": "user", "content": "You are Player 0 in Wordle. ..."})
+    for i, reply in enumerate(replies):
+        ep.messages.append({"role": "assistant", "content": reply})
+        word = reply.strip("[]")
+        if i < len(patterns):
+            ep.messages.append({"role": "user", "content": feedback(word, patterns[i], 5 - i)})
+        c = Completion([1], [-0.1], "stop", UNMANAGED, UNMANAGED)
+        ep.turns.append(Turn(i, i + 1, c, reply, 0, 0, 0.0, {}, False))
+    return ep
+
+
+@pytest.mark.parametrize(
+    ("replies", "patterns", "turn", "says"),
+    [
+        (["[crane]", "[crane]"], ["XXXXX"], 1, "already guessed"),
+        (["[crane]", "[slate]"], ["XXXXX"], 1, "A is not in the word"),
+        (["[crane]", "[sloth]"], ["GXXXX"], 1, "Letter 1 is known to be C"),
+        (["[crane]", "[moist]"], ["XYXXX"], 1, "R is in the word"),
+        (["[crane]", "[prism]"], ["XYXXX"], 1, "R was yellow at position 2"),
+        (["crane", "[moist]"], [], 0, "square brackets"),
+        (["[crane]", "[cr]"], ["GXXXX"], 1, "5-letter word"),
+    ],
+)
+def test_wordle_hinter_names_the_turn_that_ignored_the_feedback(
+    replies: list[str], patterns: list[str], turn: int, says: str
+) -> None:
+    hint = asyncio.run(WordleHinter().hint(episode(replies, patterns)))
+    assert hint is not None and hint.turn == turn and says in hint.text, hint
+
+
+def test_wordle_hinter_is_silent_on_consistent_play() -> None:
+    ep = episode(["[crane]", "[chore]"], ["GYXXG", "GGGGG"], reward=1.0)
+    assert asyncio.run(WordleHinter().hint(ep)) is None
+
+
+def test_chat_hints_are_validated() -> None:
+    assert check_hint({"failure_turn": 1, "hint": "Use the yellow R."}, 3) == Hint(
+        1, "Use the yellow R."
+    )
+    for raw, message in (
+        ([1, "x"], "not a JSON object"),
+        ({"failure_turn": 3, "hint": "x."}, "within 0..2"),
+        ({"failure_turn": True, "hint": "x."}, "integer"),
+        ({"failure_turn": 0, "hint": "  "}, "non-empty"),
+        ({"failure_turn": 0, "hint": "One. Two. Three. Four."}, "three sentences"),
+        ({"failure_turn": 0, "hint": "x" * 700}, "600 characters"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_hint(raw, 3)
+
+
+def test_chat_hinter_over_http_skips_and_counts_bad_answers() -> None:
+    answers = iter(
+        [
+            '```json\n{"failure_turn": 1, "hint": "R is in the word."}\n```',
+            "I think turn 1 was wrong.",
+            '{"failure_turn": 9, "hint": "x."}',
+        ]
+    )
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer tok":
+            return httpx.Response(401)
+        body = json.loads(request.content)
+        seen.append(body)
+        try:
+            content = next(answers)
+        except StopIteration:
+            return httpx.Response(503, json={"error": "overloaded"})
+        return httpx.Response(200, json={"choices": [{"message": {"content": content}}]})
+
+    hinter = ChatHinter(
+        "http://hints.test", "teacher", token="tok", transport=httpx.MockTransport(handler)
+    )
+    eps = [episode(["[crane]", "[moist]"], ["XYXXX"]) for _ in range(5)]
+    eps[4].reward = 1.0  # not below: never asked
+    stats = HintStats()
+
+    async def score(ep: Episode, hint: Hint) -> Any:
+        return ("view", hint.turn)
+
+    got = asyncio.run(hint_episodes(eps, hinter, score, stats, below=1.0))
+    assert got == {0: (("view", 1), "R is in the word.")}  # type: ignore[comparison-overlap]
+    assert (stats.asked, stats.hinted, stats.malformed, stats.failed) == (4, 1, 2, 1)
+    assert "[agent turn 1] [moist]" in seen[0]["messages"][1]["content"]
+    asyncio.run(hinter.aclose())
+
+
+def test_the_hinted_turn_is_scored_once_after_the_hint(tok: Any) -> None:
+    fmt = ChatFormat(tok)
+    torch.manual_seed(0)
+    engine = TransformersEngine(tiny_model(len(tok), seed=3))
+    ep = Episode(group_id="g", index=0, seed=None)
+    ep.messages = [{"role": "user", "content": "Guess a word."}]
+    ep.tokens = fmt.prompt_ids(ep.messages)
+    ep.mask = [0] * len(ep.tokens)
+    ep.prompt_len = len(ep.tokens)
+    reply = fmt.encode("[crane]")
+    start = len(ep.tokens)
+    ep.tokens += reply
+    ep.mask += [1] * len(reply)
+    ep.messages.append({"role": "assistant", "content": "[crane]"})
+    c = Completion(reply, [-1.0] * len(reply), "length", UNMANAGED, UNMANAGED)
+    ep.turns.append(Turn(start, len(ep.tokens), c, "[crane]", 0, 0, 0.0, {}, True))
+    hint = Hint(0, "The word starts with S.")
+    view = score_hint(ep, hint, fmt, engine, k=5, temperature=1.0)
+    assert view.positions == list(range(start, len(ep.tokens))) and view.k == 5
+    context = hinted_context(ep, hint, fmt)
+    assert "The word starts with S." in tok.decode(context)
+    # the same numbers as a plain forward pass over context + reply
+    ids = torch.tensor([context + reply])
+    with torch.no_grad():
+        lp = torch.log_softmax(engine.model(input_ids=ids).logits[0].float(), -1)
+    want = [float(lp[len(context) + j - 1, t]) for j, t in enumerate(reply)]
+    assert view.sampled == pytest.approx(want, abs=1e-4)
+    other = score_hint(ep, Hint(0, "Think of fruit."), fmt, engine, k=5, temperature=1.0)
+    assert other.sampled != view.sampled  # the hint changes the distribution
+
+
+def test_a_worker_attaches_env_hints_to_failed_episodes(
+    coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any
+) -> None:
+    trainer = Trainer(bucket, coordinator, len(tok))
+    settings = worker_settings(coordinator, env.url, hint_mode="env", hint_top_k=4)
+    runner = WorkerThread(settings, bucket, tok, len(tok))
+    with runner as worker:
+        wait_for(lambda: worker.stats.submitted >= 2, 30, "no group submitted")
+        runner.stop()
+    groups = drain_queue(coordinator)
+    trajs = [t for g in groups for t in g.trajectories]
+    hinted = [t for t in trajs if t.hint is not None]
+    # a random tiny model never wins: every episode is below 1 and gets a hint
+    assert hinted and worker.hint_stats.hinted == len(hinted) and worker.hint_stats.failed == 0
+    for t in hinted:
+        assert t.hint is not None and t.hint.positions and t.hint_text
+        assert all(t.mask[p] == 1 for p in t.hint.positions) and t.hint.k == 4
+    batch = collate(groups, trainer.publisher.last_version)
+    assert batch.hint is not None and int(batch.hint.present.sum()) == sum(
+        len(t.hint.positions or []) for t in hinted if t.hint is not None
+    )

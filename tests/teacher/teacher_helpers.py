@@ -1,0 +1,107 @@
+"""Helpers of the teacher tests: a tiny random Llama, its engine, settings and a live server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+import uvicorn
+from fastapi import FastAPI
+
+from deltarl.teacher.engines.transformers_engine import TransformersTeacher
+from deltarl.teacher.settings import TeacherSettings
+
+TOKEN = "teacher-test-token-0123456789"
+VOCAB = 96
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    """A random two-layer Llama over ``VOCAB`` ids, float32, on CPU."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config)
+    # a random init gives nearly uniform logits; scale the head so that distributions are peaked
+    # and positions differ clearly
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model.eval()
+
+
+def tiny_engine(seed: int = 0) -> TransformersTeacher:
+    return TransformersTeacher(tiny_model(seed), model_name="tiny-llama")
+
+
+def settings(**overrides: Any) -> TeacherSettings:
+    """Settings independent of the caller's DELTARL_TEACHER_* environment."""
+    return TeacherSettings.model_validate({"token": TOKEN, "batch_window_ms": 0} | overrides)
+
+
+def reference(
+    model: torch.nn.Module,
+    tokens: list[int],
+    prompt_len: int,
+    temperature: float = 1.0,
+    shift: int = 0,
+) -> np.ndarray:
+    """log_softmax(logits / T) of the scored positions, one sequence alone (no padding):
+    rows ``prompt_len - 1 + shift .. len - 2 + shift`` of the logits."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp[prompt_len - 1 + shift : len(tokens) - 1 + shift].numpy()
+
+
+def random_sequences(
+    n: int, seed: int = 0, lo: int = 3, hi: int = 40
+) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    seqs, prompts = [], []
+    for _ in range(n):
+        length = int(rng.integers(lo, hi))
+        seqs.append(rng.integers(0, VOCAB, length).tolist())
+        prompts.append(int(rng.integers(1, length)))
+    return seqs, prompts
+
+
+class LiveServer:
+    """uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+        self.app = app
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
