@@ -44,7 +44,7 @@ for step in "${steps[@]}"; do
   case $step in
     check) run check python3 bench/vllm_check.py --json "$RES/vllm_check.json" ;;
     tests) run tests timeout 420 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
-      tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
+      tests/rollout/test_apply_kernel_gpu.py tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
     speed) run speed python3 bench/vllm_speed.py --json "$RES/vllm_speed.json" ;;
     speed_vllm) run speed_vllm python3 bench/vllm_speed.py --columns engine llm_same llm_default \
       --json "$RES/vllm_speed_vllm.json" ;;

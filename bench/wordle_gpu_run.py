@@ -94,6 +94,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="vllm, per worker")
     ap.add_argument("--worker-gpus", type=int, nargs="*", default=None, help="GPU of worker i")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help='run-config override, as `deltarl run --set` (e.g. rollout.hint_mode="env")',
+    )
     return ap.parse_args(argv)
 
 
@@ -121,7 +129,7 @@ def run_config(a: argparse.Namespace) -> RunConfig:
             "allow_non_words": True,
             "format_credit": a.format_credit,
         }
-    return RunConfig.model_validate(
+    config = RunConfig.model_validate(
         {
             "run": {
                 "group_size": a.group_size,
@@ -144,6 +152,7 @@ def run_config(a: argparse.Namespace) -> RunConfig:
             },
         }
     )
+    return config.with_overrides(a.overrides) if a.overrides else config
 
 
 def start_all(
@@ -294,7 +303,14 @@ def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> d
     rows = (
         [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     )
-    keys = sorted({k for r in rows for k in r if re.match(r"reward/.*mean$", k)})
+    keys = sorted(
+        {
+            k
+            for r in rows
+            for k in r
+            if re.match(r"reward/.*mean$|(hint|distill)/(loss|kl_teacher|coverage)$", k)
+        }
+    )
     w = a.window
     out: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(a).items()},

@@ -272,6 +272,37 @@ def hinted_context(episode: Episode, hint: Hint, fmt: ChatFormat) -> list[int]:
     return fmt.prompt_ids([*messages, {"role": "user", "content": hint.text}])
 
 
+def score_hints(
+    hinted: Sequence[tuple[Episode, Hint]],
+    fmt: ChatFormat,
+    engine: Engine,
+    *,
+    k: int,
+    temperature: float,
+    gate: WeightsGate | None = None,
+) -> list[TeacherLogprobs]:
+    """Each trajectory's ``hint``: the turn's reply tokens scored after the hinted context, all
+    of them in one forward pass of ``engine``."""
+    items, spans = [], []
+    for episode, hint in hinted:
+        turn = episode.turns[hint.turn]
+        context = hinted_context(episode, hint, fmt)
+        items.append(([*context, *episode.tokens[turn.start : turn.end]], len(context)))
+        spans.append(list(range(turn.start, turn.end)))
+    scored = engine.score_batch(items, k, temperature, gate=gate)
+    return [
+        TeacherLogprobs(
+            k=k,
+            temperature=temperature,
+            sampled=[min(0.0, x) for x in s.sampled],
+            ids=[i for row in s.ids for i in row],
+            logprobs=[min(0.0, x) for row in s.logprobs for x in row],
+            positions=positions,
+        )
+        for s, positions in zip(scored, spans, strict=True)
+    ]
+
+
 def score_hint(
     episode: Episode,
     hint: Hint,
@@ -282,33 +313,21 @@ def score_hint(
     temperature: float,
     gate: WeightsGate | None = None,
 ) -> TeacherLogprobs:
-    """The trajectory's ``hint``: the turn's reply tokens scored after the hinted context."""
-    turn = episode.turns[hint.turn]
-    reply = episode.tokens[turn.start : turn.end]
-    context = hinted_context(episode, hint, fmt)
-    scored = engine.score([*context, *reply], len(context), k, temperature, gate=gate)
-    positions = list(range(turn.start, turn.end))
-    return TeacherLogprobs(
-        k=k,
-        temperature=temperature,
-        sampled=[min(0.0, x) for x in scored.sampled],
-        ids=[i for row in scored.ids for i in row],
-        logprobs=[min(0.0, x) for row in scored.logprobs for x in row],
-        positions=positions,
-    )
+    """:func:`score_hints` of one episode."""
+    return score_hints([(episode, hint)], fmt, engine, k=k, temperature=temperature, gate=gate)[0]
 
 
 async def hint_episodes(
     episodes: Sequence[Episode],
     hinter: Hinter,
-    score: Callable[[Episode, Hint], Awaitable[TeacherLogprobs]],
+    score: Callable[[list[tuple[Episode, Hint]]], Awaitable[list[TeacherLogprobs]]],
     stats: HintStats,
     below: float,
 ) -> dict[int, tuple[TeacherLogprobs, str]]:
     """Hints for the episodes of a group whose reward is below ``below``: ``{index: (hint view,
     text)}``; every failure is counted in ``stats`` and skipped. ``score``: an async callable
-    ``(episode, hint) -> TeacherLogprobs``."""
-    out: dict[int, tuple[TeacherLogprobs, str]] = {}
+    scoring a list of ``(episode, hint)`` at once (one forward pass per group)."""
+    found: dict[int, Hint] = {}
     for i, ep in enumerate(episodes):
         if ep.reward >= below or not ep.turns:
             continue
@@ -326,12 +345,14 @@ async def hint_episodes(
         if hint is None:
             stats.none += 1
             continue
-        try:
-            view = await score(ep, hint)
-        except Exception as exc:
-            stats.failed += 1
-            logger.warning("scoring the hinted turn failed (%s): skipped", exc)
-            continue
-        out[i] = (view, hint.text)
-        stats.hinted += 1
-    return out
+        found[i] = hint
+    if not found:
+        return {}
+    try:
+        views = await score([(episodes[i], h) for i, h in found.items()])
+    except Exception as exc:
+        stats.failed += len(found)
+        logger.warning("scoring %d hinted turns failed (%s): skipped", len(found), exc)
+        return {}
+    stats.hinted += len(found)
+    return {i: (v, h.text) for (i, h), v in zip(found.items(), views, strict=True)}

@@ -193,6 +193,16 @@ class RolloutSettings(TLSServerSettings):
         "coordinator's admission control may grant fewer. Also the registered capacity.",
     )
 
+    apply_kernel: Literal["auto", "triton", "torch"] = Field(
+        default="auto",
+        description="How a weight delta is written while generation is paused, on a CUDA "
+        "engine: 'auto' one Triton store kernel launch per bit width where Triton is installed "
+        "(vLLM brings it), else 'torch'; 'triton' the kernel or a startup error; 'torch' one "
+        "index_copy_ per changed tensor (the kill switch). SmolLM2 on an H100, pause p50 / p99: "
+        "0.36 / 2.7 ms with the kernel, 3.3 / 33 ms with index_copy_. Bit-identical either way "
+        "(digests are verified after every apply).",
+    )
+
     # -- timing -----------------------------------------------------------------------------
     heartbeat_interval_s: float | None = Field(
         default=None,

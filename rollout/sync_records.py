@@ -28,7 +28,9 @@ class StepTiming:
     generation was paused (the apply, plus verification with ``verify_before_resume`` and for
     anchors); ``publish_to_*``: from the manifest's ``created_at`` (publisher's clock) to the
     weights being applied / verified here. ``chained``: a chained delta (decoded against the
-    context of the delta applied before it).
+    context of the delta applied before it). ``apply``: how a delta was written in the pause,
+    ``"kernel"`` (one store launch per bit width) or ``"index_copy"`` (one per changed tensor);
+    empty for anchors.
     """
 
     version: int
@@ -47,6 +49,7 @@ class StepTiming:
     publish_to_applied_s: float | None
     publish_to_verified_s: float | None
     chained: bool = False
+    apply: str = ""
 
 
 @dataclass(slots=True)

@@ -46,8 +46,10 @@ Guarantees:
   says ``"verified"`` once the verification passed, ``"failed"`` if it did not (drop the sample),
   so nothing generated with bad weights need ever be submitted. ``verify_before_resume=True``
   verifies inside the pause instead (longer pause, no pending window).
-* The paused window is one ``index_copy_`` per changed tensor (plus a device synchronize on
-  CUDA); download, decode, staging and verification run while generation continues.
+* The paused window is one store kernel launch per value bit width on CUDA (``apply_kernel``,
+  addresses built at staging; see services/weightsync/apply_kernel.py), else one
+  ``index_copy_`` per changed tensor, plus a device synchronize on CUDA; download, decode,
+  staging and verification run while generation continues.
 
 Timings of every step are kept in :attr:`WeightSync.timings` (:class:`StepTiming`).
 """
@@ -83,6 +85,7 @@ from deltarl.services.weightsync.codec.bits import bits_view
 from deltarl.services.weightsync.codec.context import DeltaContext
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, decode_delta
 from deltarl.services.weightsync.delta import (
+    APPLY_KERNELS,
     UNKNOWN_DIGEST,
     Delta,
     apply_staged,
@@ -138,6 +141,10 @@ class WeightSync:
     child vs 3.4-17 s in process next to a busy Python thread). Needs ``host_mirror``. Chained
     deltas decode in the child too: it keeps the contexts of the deltas it decoded itself (they
     never cross the pipe); one it lacks (a restarted child) means an in-process decode.
+    ``apply_kernel``: how a delta is written inside the pause on CUDA (:data:`APPLY_KERNELS`):
+    ``"auto"`` one Triton store launch per bit width where Triton runs (warmed up before the
+    first anchor's pause), else one ``index_copy_`` per changed tensor; ``"triton"`` insists
+    (ValueError here on a non-CUDA engine or without Triton); ``"torch"`` always ``index_copy_``.
     """
 
     def __init__(
@@ -151,11 +158,19 @@ class WeightSync:
         host_mirror: bool | None = None,
         decode_threads: int | None = None,
         decode_process: bool = False,
+        apply_kernel: str = "auto",
         max_attempts: int = 4,
         history: int = 1000,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if apply_kernel not in APPLY_KERNELS:
+            raise ValueError(f"apply_kernel must be one of {APPLY_KERNELS}, got {apply_kernel!r}")
+        if apply_kernel == "triton":
+            from deltarl.services.weightsync import apply_kernel as kernel_module
+
+            kernel_module.use_kernel("triton", engine.device)  # raises where it cannot run
+        self.apply_kernel = apply_kernel
         self.engine = engine
         self.reader = reader
         self.formats = tuple(formats) if formats is not None else DEFAULT_FORMATS
@@ -542,7 +557,7 @@ class WeightSync:
         params = self.engine.named_parameters()
         # binding the target tensors now (checked: names, dtypes, shapes, device) leaves only
         # the scatters for the pause
-        staged = stage_delta(delta, self.engine.device, params)
+        staged = stage_delta(delta, self.engine.device, params, kernel=self.apply_kernel)
         t3 = time.perf_counter()
         seq = self._stamp.seq + 1
         verify_s = 0.0
@@ -550,7 +565,7 @@ class WeightSync:
         with self._exclusive() as wait_s:
             tp = time.perf_counter()
             try:
-                apply_staged(params, staged)
+                applied_by = apply_staged(params, staged)
                 self._sync_device()
             except BaseException as err:
                 self._set_unhealthy(f"apply of v{ref.version} was interrupted: {err}", seq)
@@ -599,6 +614,7 @@ class WeightSync:
             publish_to_applied_s=None if created is None else applied - created,
             publish_to_verified_s=None if created is None else verified - created,
             chained=ref.context_version is not None,
+            apply=applied_by,
         )
 
     def _decode(self, data: bytes, context: DeltaContext | None) -> Delta:
@@ -662,6 +678,7 @@ class WeightSync:
         t2 = time.perf_counter()
         seq = self._stamp.seq + 1
         self._context = None  # the weights are about to come from an anchor, not a delta
+        self._warm_apply_kernel(params)  # outside the pause: the first launch compiles
         with self._exclusive() as wait_s:
             tp = time.perf_counter()
             try:
@@ -715,6 +732,20 @@ class WeightSync:
             publish_to_applied_s=None if created is None else done - created,
             publish_to_verified_s=None if created is None else done - created,
         )
+
+    def _warm_apply_kernel(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Compile and load the store kernel for the engine's bit widths now, outside any pause
+        (a no-op once done, or where the kernel is not used)."""
+        device = self.engine.device
+        if self.apply_kernel == "torch" or device.type != "cuda":
+            return
+        from deltarl.services.weightsync import apply_kernel as kernel_module
+
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if kernel_module.use_kernel(self.apply_kernel, device):
+            widths = {bits_view(t).dtype for t in params.values() if t.numel()}
+            kernel_module.warm_up(device, widths)
 
     def timing_summary(self) -> dict[str, dict[str, float]]:
         """p50 / p99 / max of every timing field over the kept delta steps (seconds)."""

@@ -65,7 +65,7 @@ from deltarl.rollout.hints import (
     HintStats,
     WordleHinter,
     hint_episodes,
-    score_hint,
+    score_hints,
 )
 from deltarl.rollout.http import WorkerHttpServer, create_app
 from deltarl.rollout.metrics import RolloutMetrics
@@ -187,7 +187,7 @@ class RolloutWorker:
         )
         engine = make_engine(settings.engine_settings())
         reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
-        sync = WeightSync(engine, reader)
+        sync = WeightSync(engine, reader, apply_kernel=settings.apply_kernel)
         return cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
 
     # ------------------------------------------------------------------ public surface
@@ -580,15 +580,15 @@ class RolloutWorker:
             return {}
         cfg = self.settings
 
-        async def score(ep: Episode, hint: Hint) -> TeacherLogprobs:
+        async def score(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
+            temperature = hinted[0][0].temperature or 1.0
             return await asyncio.to_thread(
-                score_hint,
-                ep,
-                hint,
+                score_hints,
+                hinted,
                 self.format,
                 self.sync.engine,
                 k=cfg.hint_top_k,
-                temperature=ep.temperature or 1.0,
+                temperature=temperature,
                 gate=self.sync,
             )
 

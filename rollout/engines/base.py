@@ -173,6 +173,17 @@ class Engine(ABC):
         way). Engines that cannot raise :class:`NotImplementedError`."""
         raise NotImplementedError(f"the {self.type} engine cannot score token sequences")
 
+    def score_batch(
+        self,
+        items: Sequence[tuple[Sequence[int], int]],
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> list[ScoredTokens]:
+        """:meth:`score` of several ``(tokens, start)`` at once (default: one by one)."""
+        return [self.score(t, s, k, temperature, gate=gate) for t, s in items]
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the engine's resources (default: nothing to do)."""
 

@@ -195,27 +195,56 @@ class TransformersEngine(Engine):
         *,
         gate: WeightsGate | None = None,
     ) -> ScoredTokens:
-        check_prompts([tokens], self._vocab)
-        if not 1 <= start < len(tokens):
-            raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
+        return self.score_batch([(tokens, start)], k, temperature, gate=gate)[0]
+
+    def score_batch(
+        self,
+        items: Sequence[tuple[Sequence[int], int]],
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> list[ScoredTokens]:
+        """One right-padded forward pass over every sequence. It does not wait for a running
+        :meth:`generate` (a pure forward shares nothing with it; only the weights gate is
+        entered, so an apply is never read half-done): scoring next to a generation loop that
+        keeps the engine busy would otherwise wait for whole batches, again and again."""
+        if not items:
+            return []
+        check_prompts([t for t, _ in items], self._vocab)
+        for tokens, start in items:
+            if not 1 <= start < len(tokens):
+                raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
         if not 1 <= k <= self._vocab or not temperature > 0:
             raise ValueError(f"need 1 <= k <= {self._vocab} and temperature > 0")
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
-        with self._busy, torch.inference_mode():
+        width = max(len(t) for t, _ in items)
+        ids = torch.full((len(items), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for i, (tokens, _) in enumerate(items):
+            ids[i, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
+            mask[i, : len(tokens)] = 1
+        ids, mask = ids.to(self._device), mask.to(self._device)
+        out: list[ScoredTokens] = []
+        with torch.inference_mode():
             ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
             with ctx as stamp:
-                logits = self._model(input_ids=ids, use_cache=False).logits
-            # position p is predicted by the logits at p - 1
-            lp = torch.log_softmax(logits[0, start - 1 : -1].float() / temperature, dim=-1)
-            target = ids[0, start:]
-            sampled = lp.gather(-1, target[:, None]).squeeze(-1)
-            top = torch.topk(lp, k, dim=-1)
-        return ScoredTokens(
-            sampled=sampled.tolist(),
-            ids=top.indices.tolist(),
-            logprobs=top.values.tolist(),
-            stamp=stamp,
-        )
+                logits = self._model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            for i, (tokens, start) in enumerate(items):
+                # position p is predicted by the logits at p - 1
+                lp = torch.log_softmax(
+                    logits[i, start - 1 : len(tokens) - 1].float() / temperature, dim=-1
+                )
+                sampled = lp.gather(-1, ids[i, start : len(tokens), None]).squeeze(-1)
+                top = torch.topk(lp, k, dim=-1)
+                out.append(
+                    ScoredTokens(
+                        sampled=sampled.tolist(),
+                        ids=top.indices.tolist(),
+                        logprobs=top.values.tolist(),
+                        stamp=stamp,
+                    )
+                )
+        return out
 
     def generate(
         self,

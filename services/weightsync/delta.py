@@ -31,6 +31,7 @@ from deltarl.services.weightsync.codec.bits import bits_view, dtype_name, float_
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import (
     BaseMismatchError,
+    CorruptDeltaError,
     DeltaError,
     StateMismatchError,
     VerificationError,
@@ -306,13 +307,22 @@ def iter_changed_tensors(delta: Delta) -> Iterable[TensorPatch]:
     return (p for p in delta.patches.values() if p.changed)
 
 
+APPLY_KERNELS = ("auto", "triton", "torch")
+"""How :func:`apply_staged` writes on CUDA (``kernel`` of :func:`stage_delta`): ``"auto"`` one
+Triton launch per bit width where Triton runs, else ``"torch"`` (one ``index_copy_`` per changed
+tensor, the fallback and kill switch); ``"triton"`` insists on the kernel (see apply_kernel.py)."""
+
+
 @dataclass(slots=True)
 class StagedDelta:
     """A delta whose indices and values already sit on the target device.
 
     Staging (host-to-device copies) happens while inference still runs; the paused window is then
-    only :func:`apply_staged`: one ``index_copy_`` per changed tensor, no allocation, no host
-    round trip. Build it with :func:`stage_delta`.
+    only :func:`apply_staged`, no allocation, no host round trip: on CUDA with the targets bound
+    and the kernel selected, one store kernel per value bit width (``stores``: the absolute
+    destination address of every changed element, built at staging, and the packed values of
+    that width); otherwise one ``index_copy_`` per changed tensor. Build it with
+    :func:`stage_delta`.
     """
 
     delta: Delta
@@ -322,10 +332,28 @@ class StagedDelta:
     # was given; used only for that same state mapping
     targets: list[torch.Tensor] | None = None
     bound_to: Mapping[str, torch.Tensor] | None = None
+    # per bit width: (int64 device addresses, values), aligned; only with bound targets
+    stores: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass(slots=True)
+class _WidthGroup:
+    """Consecutive parts ``parts[first:end]`` whose values share one buffer (one bit width); their
+    indices are ``index`` (a slice of the shared index buffer, aligned with ``values``)."""
+
+    first: int
+    end: int
+    index: torch.Tensor
+    values: torch.Tensor
+    counts: list[int]  # changed elements of each part
 
 
 def stage_delta(
-    delta: Delta, device: torch.device | str, state: Mapping[str, torch.Tensor] | None = None
+    delta: Delta,
+    device: torch.device | str,
+    state: Mapping[str, torch.Tensor] | None = None,
+    *,
+    kernel: str = "auto",
 ) -> StagedDelta:
     """Copy every non-empty patch of ``delta`` to ``device`` (pinned, asynchronous on CUDA).
 
@@ -337,15 +365,24 @@ def stage_delta(
 
     With ``state`` (the tensors the delta will be applied to), names, dtypes, shapes and devices
     are checked now and the targets bound, so that :func:`apply_staged` on that state does nothing
-    but the scatters.
+    but the scatters. On CUDA, where ``kernel`` (:data:`APPLY_KERNELS`) selects the store kernel,
+    the destination addresses are built here too (on the device, indices bounds-checked on the
+    host) and the kernel warmed up, so the pause is one launch per bit width.
     """
+    if kernel not in APPLY_KERNELS:
+        raise ValueError(f"kernel must be one of {APPLY_KERNELS}, got {kernel!r}")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    use_kernel = False
+    if kernel != "torch":
+        from deltarl.services.weightsync import apply_kernel
+
+        use_kernel = apply_kernel.use_kernel(kernel, dev)
     patches = list(iter_changed_tensors(delta))
+    groups: list[_WidthGroup] = []
     if dev.type == "cuda":
-        parts = _stage_batched(patches, dev)
-        torch.cuda.synchronize(dev)
+        parts, groups = _stage_batched(patches, dev)
     else:
         parts = [
             (
@@ -359,6 +396,14 @@ def stage_delta(
     if state is not None:
         staged.targets = _targets(state, staged)
         staged.bound_to = state
+        if use_kernel and groups:
+            from deltarl.services.weightsync import apply_kernel
+
+            _check_bounds(patches)
+            if apply_kernel.warm_up(dev, {g.values.dtype for g in groups}):
+                staged.stores = _store_plan(groups, staged.targets)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return staged
 
 
@@ -380,32 +425,71 @@ _TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {
 
 def _stage_batched(
     patches: list[TensorPatch], dev: torch.device, *, pin: bool = True
-) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], list[_WidthGroup]]:
     """Parts of :class:`StagedDelta` as views into one index buffer and one value buffer per
-    bit width on ``dev`` (asynchronous copies: synchronize before using them)."""
+    bit width on ``dev`` (asynchronous copies: synchronize before using them), and the width
+    groups. Parts are ordered by bit width (first seen first), then as in ``patches``, so each
+    width's indices are one slice of the index buffer, aligned with its value buffer."""
     if not patches:
-        return []
+        return [], []
+    by_width: dict[np.dtype, list[TensorPatch]] = {}
+    for p in patches:
+        by_width.setdefault(np.dtype(p.value.dtype), []).append(p)
+    ordered = [p for group in by_width.values() for p in group]
     index_dev = _host_concat(
-        [np.asarray(p.index, np.int64) for p in patches], np.dtype(np.int64), pin
+        [np.asarray(p.index, np.int64) for p in ordered], np.dtype(np.int64), pin
     ).to(dev, non_blocking=True)
-    by_width: dict[np.dtype, list[int]] = {}
-    for i, p in enumerate(patches):
-        by_width.setdefault(np.dtype(p.value.dtype), []).append(i)
-    values: list[torch.Tensor | None] = [None] * len(patches)
-    for dtype, ids in by_width.items():
-        buf = _host_concat([patches[i].value for i in ids], dtype, pin).to(dev, non_blocking=True)
-        at = 0
-        for i in ids:
-            k = patches[i].changed
-            values[i] = buf[at : at + k]
-            at += k
-    parts = []
+    parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    groups: list[_WidthGroup] = []
     at = 0
-    for p, val in zip(patches, values, strict=True):
-        assert val is not None
-        parts.append((p.name, index_dev[at : at + p.changed], val))
-        at += p.changed
-    return parts
+    for dtype, group in by_width.items():
+        buf = _host_concat([p.value for p in group], dtype, pin).to(dev, non_blocking=True)
+        first, start, v = len(parts), at, 0
+        for p in group:
+            k = p.changed
+            parts.append((p.name, index_dev[at : at + k], buf[v : v + k]))
+            at += k
+            v += k
+        groups.append(
+            _WidthGroup(first, len(parts), index_dev[start:at], buf, [p.changed for p in group])
+        )
+    return parts, groups
+
+
+def _check_bounds(patches: Sequence[TensorPatch]) -> None:
+    """Every index within its tensor: a raw store (the kernel) has no bounds check of its own,
+    where ``index_copy_`` would fail."""
+    for p in patches:
+        if p.index.size and (int(p.index.min()) < 0 or int(p.index.max()) >= p.numel):
+            raise CorruptDeltaError(
+                f"{p.name}: indices outside the tensor's {p.numel} elements; nothing was written"
+            )
+
+
+def _store_plan(
+    groups: Sequence[_WidthGroup], targets: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per width group, the absolute address of every changed element (``target.data_ptr() +
+    index * element_size``, computed on the indices' device without a host round trip) and the
+    group's values. ``targets`` are the parts' flat bit views (contiguous; views into a fused
+    parameter have their own data_ptr)."""
+    out = []
+    for g in groups:
+        tgts = targets[g.first : g.end]
+        es = g.values.element_size()
+        for t in tgts:
+            if t.dtype != g.values.dtype or not t.is_contiguous():
+                raise StateMismatchError(
+                    f"a target is {t.dtype} (contiguous: {t.is_contiguous()}), its values "
+                    f"{g.values.dtype}: cannot store them in place"
+                )
+        dev = g.index.device
+        bases = torch.tensor([t.data_ptr() for t in tgts], dtype=torch.int64).to(dev)
+        counts = torch.tensor(g.counts, dtype=torch.int64).to(dev)
+        addr = torch.repeat_interleave(bases, counts, output_size=g.index.numel())
+        addr.add_(g.index * es)
+        out.append((addr, g.values))
+    return out
 
 
 def _targets(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> list[torch.Tensor]:
@@ -423,15 +507,32 @@ def _targets(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> list[tor
     return out
 
 
-def apply_staged(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> None:
+def apply_staged(state: Mapping[str, torch.Tensor], staged: StagedDelta) -> str:
     """Scatter a staged delta into ``state`` in place. The caller has already checked the base
     (e.g. with :func:`verify_base` against trusted digests) and verifies the result afterwards
-    (:func:`verify_result`); this is the part that runs while inference is paused."""
-    targets = staged.targets if staged.bound_to is state else None
+    (:func:`verify_result`); this is the part that runs while inference is paused.
+
+    Returns how it wrote: ``"kernel"`` (one store launch per bit width; asynchronous) or
+    ``"index_copy"`` (one ``index_copy_`` per changed tensor). A kernel launch that fails
+    switches the kernel off for the process and falls back to ``index_copy_`` (the values are
+    absolute bit patterns, so writing them again is harmless).
+    """
+    bound = staged.bound_to is state
+    if bound and staged.stores is not None:
+        from deltarl.services.weightsync import apply_kernel
+
+        try:
+            for addr, val in staged.stores:
+                apply_kernel.launch(addr, val)
+            return "kernel"
+        except Exception as err:  # pragma: no cover - GPU only
+            apply_kernel.switch_off(f"launch failed: {err!r}")
+    targets = staged.targets if bound else None
     if targets is None:
         targets = _targets(state, staged)
     for flat, (_, idx, val) in zip(targets, staged.parts, strict=True):
         flat.index_copy_(0, idx, val)
+    return "index_copy"
 
 
 def verify_result(state: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, str]:

@@ -34,6 +34,7 @@ from deltarl.rollout.hints import (
     hint_episodes,
     hinted_context,
     score_hint,
+    score_hints,
 )
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.trainer.batch import collate
@@ -127,8 +128,8 @@ def test_chat_hinter_over_http_skips_and_counts_bad_answers() -> None:
     eps[4].reward = 1.0  # not below: never asked
     stats = HintStats()
 
-    async def score(ep: Episode, hint: Hint) -> Any:
-        return ("view", hint.turn)
+    async def score(hinted: list[tuple[Episode, Hint]]) -> Any:
+        return [("view", hint.turn) for _, hint in hinted]
 
     got = asyncio.run(hint_episodes(eps, hinter, score, stats, below=1.0))
     assert got == {0: (("view", 1), "R is in the word.")}  # type: ignore[comparison-overlap]
@@ -166,6 +167,13 @@ def test_the_hinted_turn_is_scored_once_after_the_hint(tok: Any) -> None:
     assert view.sampled == pytest.approx(want, abs=1e-4)
     other = score_hint(ep, Hint(0, "Think of fruit."), fmt, engine, k=5, temperature=1.0)
     assert other.sampled != view.sampled  # the hint changes the distribution
+    # several at once (one right-padded forward) give the same numbers
+    both = score_hints(
+        [(ep, hint), (ep, Hint(0, "Think of fruit."))], fmt, engine, k=5, temperature=1.0
+    )
+    assert both[0].sampled == pytest.approx(view.sampled, abs=1e-4)
+    assert both[1].sampled == pytest.approx(other.sampled, abs=1e-4)
+    assert both[0].ids == view.ids
 
 
 def test_a_worker_attaches_env_hints_to_failed_episodes(

@@ -50,3 +50,29 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
         assert RolloutSettings().gil_switch_interval_ms == 0.2
     finally:
         sys.setswitchinterval(before)
+
+
+def test_apply_kernel_setting(monkeypatch) -> None:
+    """DELTARL_ROLLOUT_APPLY_KERNEL reaches the settings; WeightSync refuses unknown modes."""
+    import pytest
+    import torch
+    from pydantic import ValidationError
+
+    from deltarl.rollout.weights import WeightSync
+
+    assert RolloutSettings().apply_kernel == "auto"
+    monkeypatch.setenv("DELTARL_ROLLOUT_APPLY_KERNEL", "torch")
+    assert RolloutSettings().apply_kernel == "torch"
+    monkeypatch.setenv("DELTARL_ROLLOUT_APPLY_KERNEL", "cuda")
+    with pytest.raises(ValidationError):
+        RolloutSettings()
+
+    class CpuEngine:
+        device = torch.device("cpu")
+
+    with pytest.raises(ValueError, match="apply_kernel must be one of"):
+        WeightSync(CpuEngine(), None, apply_kernel="fast")  # type: ignore[arg-type]
+    for mode in ("auto", "torch"):  # a CPU engine: index_copy_
+        assert WeightSync(CpuEngine(), None, apply_kernel=mode).apply_kernel == mode  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not CUDA"):
+        WeightSync(CpuEngine(), None, apply_kernel="triton")  # type: ignore[arg-type]

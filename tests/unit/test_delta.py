@@ -180,10 +180,18 @@ def test_batched_staging_views_match_each_patch(state):
     d = compute_delta(mixed, new, 0, 1)
     patches = list(iter_changed_tensors(d))
     assert {p.value.dtype for p in patches} == {np.dtype(np.int16), np.dtype(np.int32)}
-    parts = _stage_batched(patches, torch.device("cpu"), pin=False)
-    assert [name for name, _, _ in parts] == [p.name for p in patches]
-    for (_, idx, val), p in zip(parts, patches, strict=True):
+    parts, groups = _stage_batched(patches, torch.device("cpu"), pin=False)
+    # grouped by bit width (first seen first), in the patches' order within a width
+    widths = list(dict.fromkeys(p.value.dtype for p in patches))
+    ordered = [p for w in widths for p in patches if p.value.dtype == w]
+    assert [name for name, _, _ in parts] == [p.name for p in ordered]
+    for (_, idx, val), p in zip(parts, ordered, strict=True):
         assert np.array_equal(idx.numpy(), p.index) and np.array_equal(val.numpy(), p.value)
+    assert [g.values.dtype for g in groups] == [torch.int16, torch.int32]
+    for g in groups:  # each width's index slice is aligned with its value buffer
+        assert g.index.numel() == g.values.numel() == sum(g.counts)
+        assert torch.equal(g.index, torch.cat([parts[i][1] for i in range(g.first, g.end)]))
+        assert torch.equal(g.values, torch.cat([parts[i][2] for i in range(g.first, g.end)]))
     s = clone(mixed)
     from deltarl.services.weightsync.delta import StagedDelta, apply_staged
 
