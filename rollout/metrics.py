@@ -100,6 +100,23 @@ class _StateCollector(Collector):
         proofs.add_metric(["verified"], s.proofs_ok)
         proofs.add_metric(["refused"], s.proofs_failed)
         yield proofs
+        t = w.teacher_stats
+        teacher = c(
+            P + "teacher_requests",
+            "Teacher requests (one per group, on-policy distillation), by result: ok, failed "
+            "(after the client's retries), refused (4xx: the group is dropped)",
+            labels=["result"],
+        )
+        teacher.add_metric(["ok"], t.requests_ok)
+        teacher.add_metric(["failed"], t.requests_failed)
+        teacher.add_metric(["refused"], t.refused)
+        yield teacher
+        yield g(P + "teacher_waiting_groups", "Groups waiting for teacher data", value=t.waiting)
+        yield c(
+            P + "teacher_missing_groups",
+            "Groups submitted without teacher data (DELTARL_ROLLOUT_TEACHER_REQUIRED=false)",
+            value=t.missing,
+        )
         m = self._metrics
         syncs = c(P + "weight_syncs", "Weight syncs (sync_to runs), by result", labels=["result"])
         syncs.add_metric(["ok"], m.initial_syncs_ok + w.follower.syncs)

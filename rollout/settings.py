@@ -274,6 +274,30 @@ class RolloutSettings(TLSServerSettings):
         default=20.0, gt=0, description="'chat' hints: seconds before a hint request is skipped."
     )
 
+    teacher_url: str | None = Field(
+        default=None,
+        description="On-policy distillation (docs/distillation.md): base URL of a teacher service "
+        "(`deltarl teacher`). Set: after each group's episodes end, the worker sends every "
+        "trajectory of the group to it in one request and submits the teacher's top-k at the "
+        "trained positions with the group (deltarl-traj-v2). Unset: no teacher.",
+    )
+    teacher_token: SecretStr | None = Field(
+        default=None, description="The teacher service's token (its DELTARL_TEACHER_TOKEN)."
+    )
+    teacher_top_k: int = Field(
+        default=20, ge=1, le=128, description="Teacher top-k kept per trained token."
+    )
+    teacher_required: bool = Field(
+        default=True,
+        description="With a teacher_url: true, a group is never submitted without its teacher "
+        "data (the worker keeps retrying until submit_timeout_s, then drops the group, counted "
+        "as a timeout); false, a group whose teacher request failed after the client's retry "
+        "budget is submitted without teacher data (counted: teacher_missing).",
+    )
+    teacher_timeout_s: float = Field(
+        default=60.0, gt=0, description="Seconds one teacher request may take before a retry."
+    )
+
     @model_validator(mode="after")
     def _hint_endpoint(self) -> RolloutSettings:
         if self.hint_mode == "chat" and not self.hint_url:
@@ -300,7 +324,12 @@ class RolloutSettings(TLSServerSettings):
             raise ValueError(f"the CA bundle {value} is not a file (a PEM file of trusted CAs)")
         return value
 
-    @field_validator("worker_token", "env_token", "hint_token")
+    @field_validator("teacher_url")
+    @classmethod
+    def _empty_url(cls, value: str | None) -> str | None:
+        return value or None
+
+    @field_validator("worker_token", "env_token", "hint_token", "teacher_token")
     @classmethod
     def _empty_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         return None if value is None or value.get_secret_value() == "" else value

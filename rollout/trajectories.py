@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,9 +77,11 @@ def to_trajectory(
     *,
     reward: float | None = None,
     hint: tuple[TeacherLogprobs, str] | None = None,
+    teacher: TeacherLogprobs | None = None,
 ) -> Trajectory:
     """One episode as a wire :class:`Trajectory` (``reward`` overrides ``ep.reward``; ``hint``:
-    the hinted turn's scores and the hint's text, :mod:`deltarl.rollout.hints`).
+    the hinted turn's scores and the hint's text, :mod:`deltarl.rollout.hints`; ``teacher``: the
+    teacher's scores at the trained positions, :mod:`deltarl.rollout.teaching`).
 
     Raises ``ValueError`` if the episode has no versions (an unmanaged engine without
     ``policy_version``) or no sampled token.
@@ -104,6 +106,7 @@ def to_trajectory(
         temperature=ep.temperature,
         hint=None if hint is None else hint[0],
         hint_text=None if hint is None else hint[1],
+        teacher=teacher,
     )
 
 
@@ -114,13 +117,17 @@ def to_submission(
     reward: Callable[[Episode], float] | None = None,
     key: str | None = None,
     hints: Mapping[int, tuple[TeacherLogprobs, str]] | None = None,
+    teacher: Sequence[TeacherLogprobs] | None = None,
 ) -> TrajectoryGroup:
     """The group as the coordinator's :class:`TrajectoryGroup` (validated by pydantic).
 
     ``reward``: optional shaping, episode -> scalar (default: the environment's final reward).
     ``key``: idempotency key (default :func:`idempotency_key` of worker and group).
     ``hints``: by episode index, the hinted turn's scores and the hint (hinted self-distillation).
+    ``teacher``: the teacher's map of each episode, in order (on-policy distillation).
     """
+    if teacher is not None and len(teacher) != len(group.episodes):
+        raise ValueError(f"{len(teacher)} teacher maps for {len(group.episodes)} episodes")
     return TrajectoryGroup(
         idempotency_key=key or idempotency_key(worker_id, group.group_id),
         worker_id=worker_id,
@@ -130,6 +137,7 @@ def to_submission(
                 ep,
                 reward=None if reward is None else reward(ep),
                 hint=None if hints is None else hints.get(i),
+                teacher=None if teacher is None else teacher[i],
             )
             for i, ep in enumerate(group.episodes)
         ],

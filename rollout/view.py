@@ -30,6 +30,17 @@ class WorkerStats:
     proofs_failed: int = 0  # weight challenges answered and refused (wrong or late)
 
 
+@dataclass(slots=True)
+class TeacherStats:
+    """Counters of a worker's teacher requests (on-policy distillation; also in ``/metrics``)."""
+
+    requests_ok: int = 0  # group requests answered
+    requests_failed: int = 0  # group requests that failed after the client's retry budget
+    refused: int = 0  # group requests the teacher refused (4xx): those groups are dropped
+    waiting: int = 0  # groups waiting for their teacher data now (a gauge)
+    missing: int = 0  # groups submitted without teacher data (teacher_required false)
+
+
 class MetricsText(Protocol):
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -45,6 +56,7 @@ class WorkerView(Protocol):
     sync: WeightSync  # status() and timings
     follower: VersionFollower  # wanted, syncs, failures
     stats: WorkerStats
+    teacher_stats: TeacherStats
 
     @property
     def metrics(self) -> MetricsText: ...

@@ -70,6 +70,13 @@ from deltarl.rollout.hints import (
 from deltarl.rollout.http import WorkerHttpServer, create_app
 from deltarl.rollout.metrics import RolloutMetrics
 from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.teaching import (
+    TeacherMismatch,
+    TeacherStats,
+    check_vocab,
+    group_request,
+    teacher_maps,
+)
 from deltarl.rollout.trajectories import to_submission
 from deltarl.rollout.view import WorkerStats
 from deltarl.rollout.weights import WeightSync
@@ -90,6 +97,12 @@ from deltarl.services.coordinator.schemas import (
 )
 from deltarl.services.weightsync.errors import StateMismatchError
 from deltarl.services.weightsync.proof import ProofSpec
+from deltarl.teacher.client import (
+    TeacherClient,
+    TeacherError,
+    TeacherRequestError,
+    TeacherUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +177,10 @@ class RolloutWorker:
         self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
         self.hint_stats = HintStats()
         self._hinter = self._make_hinter()
+        self.teacher_stats = TeacherStats()
+        self._teacher: TeacherClient | None = None
+        self._teacher_checked = False
+        self._fatal: BaseException | None = None
         self._proving: Future[None] | None = None
         self._proving_nonce: str | None = None
         self.metrics = metrics if metrics is not None else RolloutMetrics()
@@ -311,6 +328,8 @@ class RolloutWorker:
                 return
             self.follower.start()
             await self._episode_loop()
+            if self._fatal is not None:
+                raise self._fatal
         finally:
             if handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -318,6 +337,9 @@ class RolloutWorker:
             await asyncio.to_thread(self._shutdown_threads)
             if isinstance(self._hinter, ChatHinter):
                 await self._hinter.aclose()
+            if self._teacher is not None:
+                await self._teacher.aclose()
+                self._teacher = None
             await self.http.stop()
             self._loop = None
         logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
@@ -493,6 +515,7 @@ class RolloutWorker:
         assert self._stop is not None
         settings = self.settings
         submits: set[asyncio.Task[None]] = set()
+        await self._open_teacher()
         async with (
             AsyncCoordinatorClient(
                 settings.coordinator_url, _secret(settings.worker_token), verify=self._verify
@@ -596,9 +619,94 @@ class RolloutWorker:
             group.episodes, self._hinter, score, self.hint_stats, cfg.hint_below
         )
 
+    # ------------------------------------------------------------------ teacher
+
+    async def _open_teacher(self) -> None:
+        """Open the teacher client (with a teacher_url) and check its vocabulary once if it
+        answers now; if not, the first group's request checks it (:meth:`_teacher_scores`)."""
+        cfg = self.settings
+        if cfg.teacher_url is None or self._teacher is not None:
+            return
+        self._teacher = TeacherClient(
+            cfg.teacher_url,
+            _secret(cfg.teacher_token),
+            timeout_s=cfg.teacher_timeout_s,
+            # the retry budget of one request: half the group's submit budget (the worker's
+            # own loop retries past it while teacher data is required)
+            deadline_s=min(cfg.submit_timeout_s / 2, 120.0),
+            ca_bundle=cfg.ca_bundle,
+        )
+        try:
+            await self._check_teacher()
+        except (httpx.TransportError, TeacherError) as exc:
+            logger.warning("the teacher at %s does not answer yet (%s)", cfg.teacher_url, exc)
+
+    async def _check_teacher(self) -> None:
+        assert self._teacher is not None
+        if self._teacher_checked:
+            return
+        try:
+            info = await self._teacher.info()
+        except TeacherRequestError as exc:
+            if exc.status in (429, 500, 502, 503, 504):  # loading or overloaded: later
+                raise TeacherUnavailable(str(exc)) from None
+            raise
+        check_vocab(info, getattr(self.engine, "vocab_size", None), self._teacher.base_url)
+        self._teacher_checked = True
+        logger.info(
+            "teacher %s at %s (vocabulary %s)",
+            info.get("model"),
+            self._teacher.base_url,
+            info.get("vocab_size"),
+        )
+
+    async def _teacher_scores(self, group: EpisodeGroup) -> list[TeacherLogprobs] | None:
+        """The teacher's map of each trajectory of ``group`` (None: no teacher configured, or
+        it failed and teacher_required is false). With teacher_required, retries until it
+        answers (the submit task's submit_timeout_s ends the wait: the group is dropped).
+        Raises :class:`_TeacherRefused` when the teacher refuses the group's request."""
+        if self._teacher is None:
+            return None
+        cfg, stats = self.settings, self.teacher_stats
+        request = group_request(group.episodes, cfg.teacher_top_k)
+        stats.waiting += 1
+        delay = 0.5
+        try:
+            while True:
+                try:
+                    await self._check_teacher()
+                    answer = await self._teacher.score(request)
+                except TeacherMismatch as exc:
+                    self._fatal = exc
+                    self._error(str(exc))
+                    self.request_stop()
+                    raise _TeacherRefused(str(exc)) from None
+                except TeacherRequestError as exc:
+                    stats.refused += 1
+                    raise _TeacherRefused(str(exc)) from None
+                except (httpx.TransportError, TeacherError) as exc:
+                    stats.requests_failed += 1
+                    self._error(f"teacher for {group.group_id}: {exc}")
+                    if not cfg.teacher_required:
+                        stats.missing += 1
+                        return None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                stats.requests_ok += 1
+                return teacher_maps(answer, group.episodes)
+        finally:
+            stats.waiting -= 1
+
     async def _send(self, group: EpisodeGroup) -> SubmitResult | None:
         hints = await self._hints(group)
-        payload = encode_group(to_submission(group, self.worker_id, hints=hints))
+        try:
+            teacher = await self._teacher_scores(group)
+        except _TeacherRefused as exc:
+            self.stats.dropped_refused += 1
+            self._error(f"group {group.group_id} dropped: the teacher refused it: {exc}")
+            return None
+        payload = encode_group(to_submission(group, self.worker_id, hints=hints, teacher=teacher))
         delay = 0.2
         while True:
             try:
@@ -633,6 +741,10 @@ class RolloutWorker:
                 return result
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+class _TeacherRefused(Exception):
+    """The teacher refused a group's request (or cannot score this policy at all)."""
 
 
 def _secret(value: Any) -> str | None:

@@ -105,6 +105,19 @@ def demo(
         help="Live progress table (default: when the output is a terminal); --no-live prints "
         "one line per version instead.",
     ),
+    distill: bool = typer.Option(
+        False,
+        "--distill",
+        help="On-policy distillation: also run a teacher service (the run's model, or "
+        "--teacher-model) that the workers ask for every group, and train with "
+        'loss.distill = "jsd" (docs/distillation.md).',
+    ),
+    teacher_model: str | None = typer.Option(
+        None,
+        "--teacher-model",
+        help="With --distill: the teacher's model directory or Hub id (it must share the "
+        "policy's tokenizer); default: the run's model.",
+    ),
 ) -> None:
     """Run the whole system locally: coordinator, env server, rollout workers, trainer and a
     local-directory bucket, each its own process on loopback; show live progress, then prove
@@ -113,7 +126,9 @@ def demo(
     if task not in ("wordle", "charset"):
         raise typer.BadParameter(f"unknown task {task!r}: choose wordle or charset")
     plan = DemoPlan.for_model(tiny, steps, workers, "charset" if task == "charset" else "wordle")
-    plan = dataclasses.replace(plan, seed=seed)
+    if teacher_model is not None and not distill:
+        raise typer.BadParameter("--teacher-model goes with --distill")
+    plan = dataclasses.replace(plan, seed=seed, distill=distill, teacher_model=teacher_model)
     launch(plan.run_config(), make_run_dir(run_dir), cache_dir, console, timeout_s, live, "demo")
 
 

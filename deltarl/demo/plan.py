@@ -46,6 +46,10 @@ class DemoPlan:
     # model never scores): it keeps --tiny's deltas realistic in density.
     weight_decay: float = 0.0
     anchor_every: int = 0  # only version 0 carries an anchor
+    # On-policy distillation (`--distill`): a teacher service (the run's model unless
+    # teacher_model names another directory) that the workers ask, and loss.distill = "jsd"
+    distill: bool = False
+    teacher_model: str | None = None
 
     @classmethod
     def for_model(
@@ -117,6 +121,23 @@ class DemoPlan:
                 "max_invalid_moves": self.max_turns - 1,
                 "allow_non_words": True,
             }
+        trainer: dict[str, Any] = {
+            "device": "cpu",
+            "max_steps": self.steps,
+            "optimizer": {"lr": self.lr, "weight_decay": self.weight_decay},
+            "batch": {
+                "groups_per_step": self.groups_per_step,
+                "micro_batch_size": self.group_size * self.groups_per_step,
+            },
+            "publish": {"anchor_every": self.anchor_every},
+            "checkpoint": {"every": 0, "keep": 1},
+        }
+        teacher: dict[str, Any] | None = None
+        if self.distill:
+            trainer["loss"] = {"distill": "jsd"}
+            teacher = {"device": "cpu", "dtype": "float32"}
+            if self.teacher_model is not None:
+                teacher["model"] = self.teacher_model
         return RunConfig.model_validate(
             {
                 "run": {
@@ -129,17 +150,8 @@ class DemoPlan:
                 # a few steps' worth of groups: workers idle instead of filling a long queue
                 "coordinator": {"target_queue_groups": 2 * self.groups_per_step},
                 "rollout": rollout,
-                "trainer": {
-                    "device": "cpu",
-                    "max_steps": self.steps,
-                    "optimizer": {"lr": self.lr, "weight_decay": self.weight_decay},
-                    "batch": {
-                        "groups_per_step": self.groups_per_step,
-                        "micro_batch_size": self.group_size * self.groups_per_step,
-                    },
-                    "publish": {"anchor_every": self.anchor_every},
-                    "checkpoint": {"every": 0, "keep": 1},
-                },
+                "trainer": trainer,
+                "teacher": teacher,
             }
         )
 

@@ -167,12 +167,42 @@ def rebuild_digest(bucket_uri: str, version: int) -> tuple[str, list[str]]:
     """Rebuild ``version`` from the bucket (planner from nothing: anchor, then deltas, each
     checked against its base and result digests by the codec) and return its state digest and
     the keys applied."""
+    from deltarl.services.weightsync.digest import state_digest
+
+    state, keys = rebuild_state(bucket_uri, version)
+    return state_digest(state), keys
+
+
+def export_version(bucket_uri: str, version: int, model_dir: Path, out: Path) -> Path:
+    """Version ``version`` of the bucket as a Hugging Face model directory ``out`` (the config
+    and tokenizer of ``model_dir``, the run's model; the weights rebuilt from the bucket, as
+    published): e.g. a trained policy to serve as a teacher (``deltarl teacher``)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    state, _ = rebuild_state(bucket_uri, version)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"v{version} does not fit {model_dir}: missing {missing}, {unexpected}")
+    model.save_pretrained(out, safe_serialization=True)
+    for f in model_dir.iterdir():  # the tokenizer's files
+        if f.is_file() and not (out / f.name).exists() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def rebuild_state(bucket_uri: str, version: int) -> tuple[dict[str, Any], list[str]]:
+    """The weights of ``version`` rebuilt from the bucket (see :func:`rebuild_digest`) and the
+    keys applied."""
     from deltarl.services.buckets import open_bucket
     from deltarl.services.weightsync.anchor import decode_anchor
     from deltarl.services.weightsync.codec.context import DeltaContext
     from deltarl.services.weightsync.codec.formats import decode_delta
     from deltarl.services.weightsync.delta import apply_delta
-    from deltarl.services.weightsync.digest import state_digest
     from deltarl.services.weightsync.reader import BucketReader
 
     reader = BucketReader(open_bucket(bucket_uri))
@@ -188,7 +218,7 @@ def rebuild_digest(bucket_uri: str, version: int) -> tuple[str, list[str]]:
             delta = decode_delta(data, state, check_base=True, context=context)
             context = DeltaContext.of(delta, state)
             apply_delta(state, delta, check_base=True, verify=True)
-    return state_digest(state), plan.keys
+    return state, plan.keys
 
 
 def trainer_final(trainer_dir: Path) -> dict[str, Any] | None:

@@ -94,15 +94,18 @@ def run_demo(
         console.print(f"model directory: {model} ({elapsed(t0):.0f} s)")
 
     group = ProcessGroup(rd / "logs")
+    servers: set[str] = set()
     try:
-        return _run(config, rd, model, group, console, t0=t0, timeout_s=timeout_s, live=live)
+        return _run(
+            config, rd, model, group, console, servers, t0=t0, timeout_s=timeout_s, live=live
+        )
     except ProcessDiedError as exc:
         raise DemoFailedError(
             f"{exc.child.name} died (exit code {exc.code}); the end of {exc.child.log}:",
             tail(exc.child.log),
         ) from exc
     finally:
-        clients = {c.name for c in group.children if c.name not in ("coordinator", "env")}
+        clients = {c.name for c in group.children if c.name not in servers}
         codes = group.stop_all(timeout_s=30.0, first=clients)
         logger.info("children stopped: %s", codes)
 
@@ -113,14 +116,22 @@ def _run(
     model: str,
     group: ProcessGroup,
     console: Console,
+    servers: set[str],
     *,
     t0: float,
     timeout_s: float,
     live: bool,
 ) -> dict[str, Any]:
-    endpoints = Endpoints(HOST, free_port(HOST), free_port(HOST))
+    teacher = config.teacher is not None
+    endpoints = Endpoints(
+        HOST, free_port(HOST), free_port(HOST), free_port(HOST) if teacher else None
+    )
     tokens = Tokens(
-        trainer=new_token(), worker=new_token(), env=new_token(), worker_key=new_token()
+        trainer=new_token(),
+        worker=new_token(),
+        env=new_token(),
+        worker_key=new_token(),
+        teacher=new_token() if teacher else None,
     )
     launches = derive(
         config,
@@ -133,17 +144,22 @@ def _run(
     common = demo_environment()
     by_name = {launch.name: launch for launch in launches}
     children = {}
-    for launch in launches:
+    first = [launch for launch in launches if launch.role == "server"]
+    servers.update(launch.name for launch in first)
+    for launch in first:  # the servers start together (a teacher loads its model meanwhile)
         children[launch.name] = group.start(launch.name, launch.args, common | launch.env)
-        if launch.name == "env":  # both servers up before any client starts
-            wait_healthy(f"{endpoints.coordinator_url}/health", children["coordinator"])
-            wait_healthy(f"{endpoints.env_url}/health", children["env"])
-            console.print(
-                f"status page: [link={endpoints.coordinator_url}/]{endpoints.coordinator_url}/[/link]"
-            )
+    for launch in first:  # and are all up before any client starts
+        if launch.health is not None:
+            wait_healthy(launch.health, children[launch.name], timeout_s=launch.ready_s)
+    console.print(
+        f"status page: [link={endpoints.coordinator_url}/]{endpoints.coordinator_url}/[/link]"
+    )
+    for launch in launches:
+        if launch.role != "server":
+            children[launch.name] = group.start(launch.name, launch.args, common | launch.env)
     trainer = children["trainer"]
     coord_url = endpoints.coordinator_url
-    worker_ids = [n for n in by_name if n not in ("coordinator", "env", "trainer")]
+    worker_ids = [n for n, launch in by_name.items() if launch.role == "worker"]
     trainer_dir = rd / "trainer"
     steps = int(config.trainer.get("max_steps", 200))
     task = str(config.env.get("task", "wordle"))

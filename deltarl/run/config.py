@@ -16,6 +16,9 @@ the services cannot disagree::
     [rollout]                  # every worker's (DELTARL_ROLLOUT_*), plus `workers`
     [trainer]                  # the experiment settings of `deltarl train`, plus `device`
     optimizer.lr = 1e-6
+    [teacher]                  # optional: a teacher service (DELTARL_TEACHER_*) for on-policy
+    model = "runs/t/model"     # distillation; model defaults to [run] model; the workers then
+                               # ask it (use it with [trainer.loss] distill = "jsd")
 
 Tokens, URLs, ports, worker ids, file paths and the bucket are the launcher's: it generates the
 tokens once per run (each role's token reaches every service that checks or sends it) and
@@ -49,6 +52,7 @@ SHARED_FIELDS: dict[str, dict[str, str]] = {
         "batch.max_staleness": "max_staleness",
     },
     "env": {},
+    "teacher": {},
 }
 # Fields the launcher owns (deployment: who talks to whom, with which secret, where files go)
 LAUNCHER_FIELDS: dict[str, frozenset[str]] = {
@@ -66,9 +70,12 @@ LAUNCHER_FIELDS: dict[str, frozenset[str]] = {
             "env_token",
             "bucket_uri",
             "worker_id",
+            "teacher_url",
+            "teacher_token",
         }
     ),
     "trainer": frozenset({"run_dir"}),
+    "teacher": frozenset({"host", "port", "token"}),
 }
 PREPARED_MODELS = ("smollm2", "tiny", "tiny-bytes")
 
@@ -118,11 +125,18 @@ class RunConfig(BaseModel):
     env: dict[str, Any] = Field(default_factory=dict)
     rollout: dict[str, Any] = Field(default_factory=dict)
     trainer: dict[str, Any] = Field(default_factory=dict)
+    teacher: dict[str, Any] | None = Field(
+        default=None,
+        description="A teacher service for on-policy distillation (its DELTARL_TEACHER_* "
+        "settings; an empty section: the run's model as teacher); None: no teacher.",
+    )
 
-    @field_validator("coordinator", "env", "rollout", "trainer")
+    @field_validator("coordinator", "env", "rollout", "trainer", "teacher")
     @classmethod
-    def _owned_elsewhere(cls, values: dict[str, Any], info: Any) -> dict[str, Any]:
+    def _owned_elsewhere(cls, values: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
         section = info.field_name
+        if values is None:
+            return None
         for key in _flatten(values):
             if key in SHARED_FIELDS[section]:
                 raise ValueError(
@@ -153,6 +167,8 @@ class RunConfig(BaseModel):
                 value = tomllib.loads(f"v = {raw}")["v"]
             except tomllib.TOMLDecodeError:
                 value = raw  # a bare string
+            if data[parts[0]] is None:  # [teacher]: --set teacher.model=... adds one
+                data[parts[0]] = {}
             node = data[parts[0]]
             for p in parts[1:-1]:
                 node = node.setdefault(p, {})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from deltarl.run.config import LAUNCHER_FIELDS, SHARED_FIELDS, RunConfig, _flatten
 
@@ -20,12 +20,14 @@ ENV_PREFIX = {
     "coordinator": "DELTARL_COORDINATOR_",
     "env": "DELTARL_ENV_",
     "rollout": "DELTARL_ROLLOUT_",
+    "teacher": "DELTARL_TEACHER_",
 }
 # stand-ins for the launcher's per-run tokens while a config is checked
 _PLACEHOLDERS: dict[str, dict[str, str]] = {
     "coordinator": {"trainer_token": "t" * 32, "worker_token": "w" * 32},
     "env": {"token": "e" * 32},
     "rollout": {"worker_token": "w" * 32, "env_token": "e" * 32},
+    "teacher": {"token": "s" * 32},
 }
 TRAINER_DEPLOYMENT = frozenset({"device"})  # [trainer] keys that are TrainerDeployment's
 ROLLOUT_LAUNCH = frozenset({"workers"})  # [rollout] keys the launcher reads itself
@@ -41,6 +43,7 @@ class Tokens:
     worker: str
     env: str
     worker_key: str | None = None
+    teacher: str | None = None  # the teacher service's (only with a [teacher] section)
 
     def coordinator_env(self) -> dict[str, str]:
         if self.worker_key is not None:
@@ -57,11 +60,12 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Where the launcher puts the two servers."""
+    """Where the launcher puts the servers (the teacher's only with a [teacher] section)."""
 
     host: str
     coordinator_port: int
     env_port: int
+    teacher_port: int | None = None
 
     @property
     def coordinator_url(self) -> str:
@@ -71,14 +75,26 @@ class Endpoints:
     def env_url(self) -> str:
         return f"http://{self.host}:{self.env_port}"
 
+    @property
+    def teacher_url(self) -> str:
+        if self.teacher_port is None:
+            raise ValueError("a [teacher] section needs a teacher port (Endpoints.teacher_port)")
+        return f"http://{self.host}:{self.teacher_port}"
+
 
 @dataclass(frozen=True)
 class ServiceLaunch:
-    """One process: ``deltarl <args>`` with ``env`` added to the launcher's environment."""
+    """One process: ``deltarl <args>`` with ``env`` added to the launcher's environment.
+
+    ``role``: ``server`` (the coordinator, the env server, the teacher: started first and waited
+    for at ``health``, stopped last), ``worker`` or ``trainer`` (clients)."""
 
     name: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    role: Literal["server", "worker", "trainer"] = "worker"
+    health: str | None = None  # URL answering 200 once the server is ready
+    ready_s: float = 60.0  # how long the launcher waits for ``health``
 
 
 def env_value(value: Any) -> str:
@@ -149,6 +165,8 @@ class RunLayout:
                 "DELTARL_COORDINATOR_TRAINER_TOKEN": self.tokens.trainer,
             }
             | self.tokens.coordinator_env(),
+            role="server",
+            health=f"{e.coordinator_url}/health",
         )
 
     def env(self) -> ServiceLaunch:
@@ -159,6 +177,26 @@ class RunLayout:
             self.common
             | section_env("env", self.config.env)
             | {"DELTARL_ENV_TOKEN": self.tokens.env},
+            role="server",
+            health=f"{e.env_url}/health",
+        )
+
+    def teacher(self) -> ServiceLaunch | None:
+        """The teacher service of a ``[teacher]`` section (None without one): ``[teacher]
+        model``, else the run's model (as the processes load it)."""
+        section, e = self.config.teacher, self.endpoints
+        if section is None:
+            return None
+        if self.tokens.teacher is None:
+            raise ValueError("a [teacher] section needs a teacher token (Tokens.teacher)")
+        values = {"model": self.model} | section
+        return ServiceLaunch(
+            "teacher",
+            ["teacher", "--host", e.host, "--port", str(e.teacher_port)],
+            section_env("teacher", values) | {"DELTARL_TEACHER_TOKEN": self.tokens.teacher},
+            role="server",
+            health=f"{e.teacher_url}/health",
+            ready_s=600.0,  # loads its model first (SmolLM2 on 2 CPU cores: ~35 s)
         )
 
     def worker(
@@ -184,8 +222,17 @@ class RunLayout:
                 "DELTARL_ROLLOUT_ENV_URL": e.env_url,
                 "DELTARL_ROLLOUT_ENV_TOKEN": self.tokens.env,
                 "DELTARL_ROLLOUT_WORKER_ID": wid,
-            },
+            }
+            | self._teacher_env(),
         )
+
+    def _teacher_env(self) -> dict[str, str]:
+        if self.config.teacher is None or self.tokens.teacher is None:
+            return {}
+        return {
+            "DELTARL_ROLLOUT_TEACHER_URL": self.endpoints.teacher_url,
+            "DELTARL_ROLLOUT_TEACHER_TOKEN": self.tokens.teacher,
+        }
 
     def trainer(self) -> ServiceLaunch:
         """Writes the resolved experiment to ``run_dir/trainer.json`` (``--config``)."""
@@ -202,12 +249,16 @@ class RunLayout:
                 "DELTARL_TRAINER_TOKEN": self.tokens.trainer,
                 "DELTARL_TRAINER_DEVICE": str(self.config.trainer.get("device", "cpu")),
             },
+            role="trainer",
         )
 
     def all(self) -> list[ServiceLaunch]:
-        """Every service in start order: coordinator, env, the workers, the trainer."""
+        """Every service in start order: coordinator, env, the teacher (with a ``[teacher]``
+        section), the workers, the trainer."""
         workers = [self.worker(i) for i in range(self.config.workers)]
-        return [self.coordinator(), self.env(), *workers, self.trainer()]
+        teacher = self.teacher()
+        servers = [self.coordinator(), self.env(), *([teacher] if teacher else [])]
+        return [*servers, *workers, self.trainer()]
 
 
 def derive(
@@ -231,14 +282,18 @@ def check_services(config: RunConfig) -> None:
     from deltarl.env_server.settings import EnvSettings
     from deltarl.rollout.settings import RolloutSettings
     from deltarl.services.coordinator.settings import CoordinatorSettings
+    from deltarl.teacher.settings import TeacherSettings
     from deltarl.trainer.settings import ExperimentSettings
 
     classes: dict[str, type[BaseModel]] = {
         "coordinator": CoordinatorSettings,
         "env": EnvSettings,
         "rollout": RolloutSettings,
+        "teacher": TeacherSettings,
     }
     for section, cls in classes.items():
+        if getattr(config, section) is None:
+            continue
         values = dict(getattr(config, section))
         if section == "rollout":
             workers = values.pop("workers", 2)

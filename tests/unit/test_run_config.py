@@ -4,7 +4,10 @@ service's settings derived from it and checked by that service's own settings cl
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -213,3 +216,73 @@ def test_per_worker_credentials_give_each_worker_its_own_token(
     assert CoordinatorSettings().worker_key == "k" * 40  # starts with the key alone
     got = [layout.worker(i).env["DELTARL_ROLLOUT_WORKER_TOKEN"] for i in range(2)]
     assert [token_worker("k" * 40, t) for t in got] == ["worker-1", "worker-2"]
+
+
+def test_a_teacher_section_adds_the_teacher_service_and_tells_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deltarl.teacher.settings import TeacherSettings
+
+    text = (ROOT / "examples" / "charset-tiny.toml").read_text()
+    plain = load_run_config(write(tmp_path, text))
+    assert plain.teacher is None
+    tokens = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40, teacher="s" * 40)
+    endpoints = Endpoints("127.0.0.1", 8700, 8001, 8703)
+
+    def launches(config: RunConfig) -> dict[str, Any]:
+        out = derive(
+            config,
+            run_dir=tmp_path,
+            model="/models/m",
+            endpoints=endpoints,
+            tokens=tokens,
+            bucket_uri=str(tmp_path / "bucket"),
+        )
+        return {x.name: x for x in out}
+
+    without = launches(plain)
+    assert "teacher" not in without
+    assert not any("TEACHER" in k for x in without.values() for k in x.env)
+
+    def read(cls: Any, env: dict[str, str]) -> Any:
+        for name in list(os.environ):
+            if name.startswith("DELTARL_"):
+                monkeypatch.delenv(name)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        return cls()
+
+    config = load_run_config(write(tmp_path, text + '\n[teacher]\ntop_k = 8\ndtype = "float32"\n'))
+    by = launches(config)
+    assert list(by) == ["coordinator", "env", "teacher", "worker-1", "worker-2", "trainer"]
+    assert [x.role for x in by.values()] == ["server"] * 3 + ["worker"] * 2 + ["trainer"]
+    teacher = by["teacher"]
+    assert teacher.args == ["teacher", "--host", "127.0.0.1", "--port", "8703"]
+    assert teacher.health == "http://127.0.0.1:8703/health"
+    ts = read(TeacherSettings, teacher.env)
+    assert ts.model == "/models/m" and ts.top_k == 8 and ts.dtype == "float32"  # the run's model
+    assert ts.token.get_secret_value() == "s" * 40
+    for wid in ("worker-1", "worker-2"):
+        rs = read(RolloutSettings, by[wid].env)
+        assert rs.teacher_url == "http://127.0.0.1:8703" and rs.teacher_required
+        assert rs.teacher_token is not None and rs.teacher_token.get_secret_value() == "s" * 40
+    other = config.with_overrides(['teacher.model="/models/teacher"'])
+    assert read(TeacherSettings, launches(other)["teacher"].env).model == "/models/teacher"
+    added = plain.with_overrides(['teacher.model="/models/teacher"'])
+    assert added.teacher == {"model": "/models/teacher"}
+    with pytest.raises(RunConfigError, match=r"\[teacher\] token: set by the launcher"):
+        plain.with_overrides(['teacher.token="x"'])
+    with pytest.raises(RunConfigError, match=r"\[teacher\] top_k"):
+        plain.with_overrides(["teacher.top_k=-1"])
+    with pytest.raises(RunConfigError, match=r"\[rollout\] teacher_url: set by the launcher"):
+        plain.with_overrides(['rollout.teacher_url="http://x"'])
+
+
+def test_the_distill_demo_plan_runs_a_teacher_with_the_jsd_loss() -> None:
+    plan = DemoPlan.for_model(True, 4, 2, "charset")
+    assert plan.run_config().teacher is None
+    config = replace(plan, distill=True).run_config()
+    assert config.teacher == {"device": "cpu", "dtype": "float32"}
+    assert config.trainer["loss"] == {"distill": "jsd"}
+    config = replace(plan, distill=True, teacher_model="/t").run_config()
+    assert config.teacher is not None and config.teacher["model"] == "/t"

@@ -1,0 +1,78 @@
+"""On-policy distillation on the worker: a finished group's trajectories scored by the teacher
+service (``deltarl teacher``, docs/teacher.md) and shaped as ``deltarl-traj-v2``'s ``teacher``
+map.
+
+Order of calls, in the group's submit task (:meth:`RolloutWorker._send`), after its episodes
+ended and its weights were verified::
+
+    request = group_request(group.episodes)   # one request: every trajectory of the group,
+                                              # prompt_len = first trained token, the episode's
+                                              # sampling temperature (1.0 when greedy)
+    answer = await client.score(request)      # TeacherClient: back-off and retries
+    teacher = teacher_maps(answer, group.episodes, request)   # TeacherLogprobs per trajectory
+
+Positions: the teacher scores every token from the first trained one on (environment tokens of
+later turns too); :func:`~deltarl.teacher.client.trained_view` keeps the positions where the
+mask is 1 and lists them in ``positions``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deltarl.rollout.episodes import Episode
+from deltarl.rollout.view import TeacherStats
+from deltarl.services.coordinator.schemas import TeacherLogprobs
+from deltarl.teacher.client import first_trained, make_request, trained_view
+from deltarl.teacher.wire import LogprobRequest, LogprobResponse
+
+__all__ = ["TeacherMismatch", "TeacherStats", "group_request", "teacher_maps"]
+
+
+class TeacherMismatch(ValueError):
+    """The teacher cannot score this policy's tokens (a different vocabulary)."""
+
+
+def temperature_of(ep: Episode) -> float:
+    """The temperature the teacher scores an episode at: its sampling temperature (greedy
+    episodes: 1.0)."""
+    return ep.temperature if ep.temperature and ep.temperature > 0 else 1.0
+
+
+def group_request(episodes: Sequence[Episode], top_k: int) -> LogprobRequest:
+    """One request holding every trajectory of a group."""
+    return make_request(
+        [ep.tokens for ep in episodes],
+        [first_trained(ep.mask) for ep in episodes],
+        [temperature_of(ep) for ep in episodes],
+        top_k,
+    )
+
+
+def teacher_maps(response: LogprobResponse, episodes: Sequence[Episode]) -> list[TeacherLogprobs]:
+    """The ``teacher`` map of each trajectory, in episode order (trained positions only)."""
+    out = []
+    for i, ep in enumerate(episodes):
+        view = trained_view(response, i, ep.mask, first_trained(ep.mask), temperature_of(ep))
+        out.append(
+            TeacherLogprobs(
+                k=view.k,
+                temperature=view.temperature,
+                sampled=view.sampled.tolist(),
+                ids=view.ids.tolist(),
+                logprobs=view.logprobs.tolist(),
+                positions=view.positions.tolist(),
+            )
+        )
+    return out
+
+
+def check_vocab(info: dict[str, object], policy_vocab: int | None, url: str) -> None:
+    """Raise :class:`TeacherMismatch` unless the teacher's vocabulary is the policy's."""
+    teacher_vocab = info.get("vocab_size")
+    if policy_vocab is not None and teacher_vocab != policy_vocab:
+        raise TeacherMismatch(
+            f"the teacher at {url} ({info.get('model')}) has a vocabulary of {teacher_vocab} "
+            f"token ids, the policy {policy_vocab}: teacher and student must share a tokenizer "
+            "(the teacher scores the policy's token ids as they are)"
+        )
