@@ -28,6 +28,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
     ("status", "deltarl.services.coordinator.cli", "status"),
     ("train", "deltarl.trainer.cli", "train"),
+    ("sft", "deltarl.trainer.sft", "sft"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("demo", "deltarl.demo.cli", "demo"),
     ("run", "deltarl.run.cli", "run"),
@@ -92,6 +93,7 @@ EXTRAS: dict[str, str] = {
 # trainer and the rollout worker need transformers as well as torch).
 COMMAND_EXTRAS: dict[str, str] = {
     "train": "model",
+    "sft": "model",
     "rollout": "model",
     "demo": "model",
     "run": "model",
