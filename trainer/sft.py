@@ -56,9 +56,10 @@ class SftSettings(BaseSettings):
         description="Model to start from: a Hugging Face directory or id, or a prepared model "
         "(smollm2 | tiny | tiny-bytes, built in cache_dir as deltarl run does).",
     )
-    cache_dir: Path = Field(
-        default=Path.home() / ".cache" / "deltarl" / "demo",
-        description="Where prepared models are built (deltarl run's --cache-dir).",
+    cache_dir: Path | None = Field(
+        default=None,
+        description="Where prepared models are built (deltarl run's --cache-dir); unset: "
+        "~/.cache/deltarl/demo.",
     )
     data: Path | None = Field(
         default=None,
@@ -158,7 +159,8 @@ def _resolve_model(settings: SftSettings) -> str:
     if settings.model in PREPARED:
         from deltarl.demo.model import prepare_model
 
-        return str(prepare_model(settings.model, settings.cache_dir))  # type: ignore[arg-type]
+        cache = settings.cache_dir or Path.home() / ".cache" / "deltarl" / "demo"
+        return str(prepare_model(settings.model, cache))  # type: ignore[arg-type]
     return settings.model
 
 
