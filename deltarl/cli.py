@@ -29,6 +29,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("status", "deltarl.services.coordinator.cli", "status"),
     ("worker-token", "deltarl.services.coordinator.cli", "worker_token"),
     ("train", "deltarl.trainer.cli", "train"),
+    ("sft", "deltarl.trainer.sft", "sft"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("teacher", "deltarl.teacher.cli", "teacher"),
     ("demo", "deltarl.demo.cli", "demo"),
@@ -94,6 +95,7 @@ EXTRAS: dict[str, str] = {
 # trainer and the rollout worker need transformers as well as torch).
 COMMAND_EXTRAS: dict[str, str] = {
     "train": "model",
+    "sft": "model",
     "rollout": "model",
     "teacher": "model",
     "demo": "model",

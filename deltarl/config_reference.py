@@ -49,6 +49,12 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
         "`deltarl train`: where it connects ([docs/trainer.md](trainer.md))",
     ),
     (
+        "Supervised warm start",
+        "deltarl.trainer.sft",
+        "SftSettings",
+        "`deltarl sft` ([docs/wordle.md](wordle.md))",
+    ),
+    (
         "Bucket",
         "deltarl.services.buckets.settings",
         "BucketSettings",

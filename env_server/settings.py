@@ -12,7 +12,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from deltarl.env_server.charset.environment import CharsetRules
-from deltarl.env_server.wordle.game import WordleRules
+from deltarl.env_server.core.wire import MAX_SHAPING_WEIGHT
+from deltarl.env_server.wordle.game import Shaping, WordleRules
 from deltarl.services.common.settings import validate_token
 from deltarl.services.common.tls import TLSServerSettings
 
@@ -78,6 +79,46 @@ class EnvSettings(TLSServerSettings):
         "(format_credit * valid moves / moves; the rest is the partial credit); a win stays 1.0. "
         "0: no format term.",
     )
+    reward: Literal["final", "shaped"] = Field(
+        default="final",
+        description="Wordle reward: 'final' (0 on every step, the final reward on the last; "
+        "partial_credit and format_credit apply) or 'shaped' (a reward on every move, the "
+        "weighted sum of its signals with the shaping_* weights; the return is their sum). A "
+        "session may choose at reset (options.reward, options.shaping).",
+    )
+    shaping_win: float = Field(
+        default=1.0, ge=0, le=MAX_SHAPING_WEIGHT, description="Shaped reward of the winning move."
+    )
+    shaping_greens: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SHAPING_WEIGHT,
+        description="Shaped reward per guess: this weight times greens/5.",
+    )
+    shaping_yellows: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SHAPING_WEIGHT,
+        description="Shaped reward per guess: this weight times yellows/5.",
+    )
+    shaping_format: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SHAPING_WEIGHT,
+        description="Shaped reward of each valid move (a forfeit keeps what it earned).",
+    )
+    shaping_repetition: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SHAPING_WEIGHT,
+        description="Shaped penalty of a move repeating an earlier guess (subtracted).",
+    )
+    shaping_invalid: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SHAPING_WEIGHT,
+        description="Shaped penalty of an invalid move (subtracted).",
+    )
     charset_target: str = Field(
         default="abcdefghijklmnopqrstuvwxyz",
         min_length=1,
@@ -106,6 +147,18 @@ class EnvSettings(TLSServerSettings):
         """The charset task's rules these settings select."""
         return CharsetRules(target=self.charset_target, min_chars=self.charset_min_chars)
 
+    def shaping(self) -> Shaping:
+        """The server's shaping weights (used when the reward is 'shaped', by default or by a
+        session's choice)."""
+        return Shaping(
+            win=self.shaping_win,
+            greens=self.shaping_greens,
+            yellows=self.shaping_yellows,
+            format=self.shaping_format,
+            repetition=self.shaping_repetition,
+            invalid=self.shaping_invalid,
+        )
+
     def rules(self) -> WordleRules:
         """The Wordle rules these settings select."""
         return WordleRules(
@@ -116,4 +169,5 @@ class EnvSettings(TLSServerSettings):
             allow_repeats=self.allow_repeats,
             partial_credit=self.partial_credit,
             format_credit=self.format_credit,
+            shaping=self.shaping() if self.reward == "shaped" else None,
         )

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from deltarl.env_server.charset.environment import CharsetEnvironment
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState
-from deltarl.env_server.core.models import StepResult
+from deltarl.env_server.core.models import ResetOptions, StepResult
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordLists
@@ -36,7 +36,12 @@ TaskName = Literal["wordle", "charset"]
 class TextEnvironment(Protocol):
     """One session's environment: text in, observation + reward out."""
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None) -> StepResult: ...
+    def reset(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: ResetOptions | None = None,
+    ) -> StepResult: ...
 
     def step(self, message: str) -> StepResult: ...
 
@@ -77,11 +82,12 @@ def make_task(settings: EnvSettings, words: WordLists | None = None) -> TaskSpec
     words = words if words is not None else WordLists.load()
     wordle = settings.rules()
     reveal = settings.debug_reveal_answer
+    shaping = settings.shaping()
     return TaskSpec(
         name="wordle",
         description=f"Wordle: {wordle.max_guesses} guesses, feedback G/Y/X; answer list of "
         f"{len(words.answers)} words, {len(words.allowed)} allowed guesses (SCOWL).",
-        factory=lambda: WordleEnvironment(wordle, words, reveal_answer=reveal),
+        factory=lambda: WordleEnvironment(wordle, words, reveal_answer=reveal, shaping=shaping),
         observation=WordleObservation,
         state=WordleState,
         empty_state=lambda: WordleState(

@@ -51,6 +51,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
+import random
 import time
 import uuid
 from collections import deque
@@ -64,9 +66,9 @@ from collections.abc import (
 )
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltarl.env_server.core.models import StepResult
 from deltarl.rollout import fault_points
@@ -87,6 +89,7 @@ __all__ = [
     "EpisodeRunner",
     "EpisodeSettings",
     "GroupAborted",
+    "GuessCurriculum",
     "TokenGenerator",
     "Truncation",
     "Turn",
@@ -104,6 +107,37 @@ WORDLE_SYSTEM_PROMPT = (
 """Default system prompt (in the spirit of TRL's Wordle example: guesses in square brackets)."""
 
 Truncation = Literal["max_turns", "max_tokens"]
+
+
+class GuessCurriculum(BaseModel):
+    """How many guesses a group's game allows, sent as the reset option ``max_guesses``.
+
+    ``linear``: ``start + round((end - start) * min(v, over_versions) / over_versions)`` at
+    policy version ``v`` (read when the group starts; version unknown: ``start``), so the game
+    grows (or shrinks) from ``start`` to ``end`` guesses over the first ``over_versions``
+    versions. ``random``: a uniform integer in ``[min(start, end), max(start, end)]`` per group,
+    drawn from the group's seed (reproducible). Every episode of a group plays the same number
+    of guesses (GRPO compares them).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mode: Literal["linear", "random"] = Field(
+        default="linear", description="'linear' over versions, or 'random' per group."
+    )
+    start: int = Field(ge=1, le=100, description="Guesses at version 0 (linear) / range end.")
+    end: int = Field(ge=1, le=100, description="Guesses from over_versions on / range end.")
+    over_versions: int = Field(
+        default=1, ge=1, description="Versions over which linear goes from start to end."
+    )
+
+    def guesses(self, version: int | None, seed: int | None) -> int:
+        """The number of guesses of a group started at ``version`` with game ``seed``."""
+        if self.mode == "random":
+            lo, hi = sorted((self.start, self.end))
+            return random.Random(seed).randint(lo, hi)
+        v = min(max(version or 0, 0), self.over_versions)
+        return self.start + round((self.end - self.start) * v / self.over_versions)
 
 
 class EpisodeSettings(BaseModel):
@@ -146,6 +180,37 @@ class EpisodeSettings(BaseModel):
         "generate call (seconds); the call starts as soon as every live episode is waiting. "
         "0: no waiting (for an engine that batches continuously by itself).",
     )
+    env_options: dict[str, Any] | None = Field(
+        default=None,
+        description="Reset options sent with every episode (the env server validates them; "
+        "Wordle: max_guesses, reward, shaping); None: the server's settings.",
+    )
+    curriculum: GuessCurriculum | None = Field(
+        default=None,
+        description="Guesses per group (the reset option max_guesses, over env_options'); "
+        "None: env_options' or the server's.",
+    )
+
+    @model_validator(mode="after")
+    def _turns_cover_guesses(self) -> EpisodeSettings:
+        most = max(self.curriculum.start, self.curriculum.end) if self.curriculum else None
+        if most is None and self.env_options:
+            most = self.env_options.get("max_guesses")
+        if isinstance(most, int) and most > self.max_turns:
+            raise ValueError(
+                f"max_turns ({self.max_turns}) is below the {most} guesses a game may allow "
+                "(curriculum or env_options.max_guesses): episodes would be cut before the "
+                "game ends; raise max_turns"
+            )
+        return self
+
+    def reset_options(self, version: int | None, seed: int | None) -> dict[str, Any] | None:
+        """The reset options of a group: ``env_options`` with the curriculum's
+        ``max_guesses`` (None when neither is set)."""
+        options = dict(self.env_options or {})
+        if self.curriculum is not None:
+            options["max_guesses"] = self.curriculum.guesses(version, seed)
+        return options or None
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +250,10 @@ class EpisodeEnv(Protocol):
 
     def episode(
         self, *, seed: int | None = None, episode_id: str | None = None
-    ) -> AbstractAsyncContextManager[EnvSession]: ...
+    ) -> AbstractAsyncContextManager[EnvSession]:
+        """Open a session; a client that takes reset options also accepts ``options=`` (the
+        runner passes it only when the settings ask for options)."""
+        ...
 
 
 def observation_text(previous: StepResult | None, result: StepResult) -> str:
@@ -243,7 +311,10 @@ class Turn:
 class Episode:
     """One finished episode: flat tokens with mask and logprobs, turns, reward, truncation.
 
-    ``reward`` is the environment's reward of the last step (its final reward when ``done``).
+    ``reward`` is the episode's return: the sum of its steps' rewards (:attr:`Turn.reward`).
+    An environment that rewards only the last step (Wordle's default, charset) makes it that
+    final reward; a shaped Wordle session (reset option ``shaping``) the sum of its per-move
+    rewards, so a game cut short keeps what its moves earned.
     ``truncated``: None when the environment ended the episode; ``"max_turns"`` /
     ``"max_tokens"`` when a limit did. ``messages``: the conversation as text (for logs).
     """
@@ -261,6 +332,7 @@ class Episode:
     done: bool = False
     truncated: Truncation | None = None
     temperature: float | None = None  # sampling temperature of its turns (None: greedy)
+    options: dict[str, Any] | None = None  # the environment's reset options (None: none sent)
 
     @property
     def num_turns(self) -> int:
@@ -541,6 +613,8 @@ class EpisodeRunner:
             metrics=metrics,
         )
         self._task: asyncio.Task[None] | None = None
+        self._generator = generator
+        self._policy_version = policy_version
 
     @property
     def batch_sizes(self) -> deque[int]:
@@ -645,8 +719,9 @@ class EpisodeRunner:
             seed = uuid.uuid4().int & ((1 << 63) - 1)
         gid = group_id or new_group_id(prefix)
         abort = asyncio.Event()
+        options = self.settings.reset_options(self._version(), seed)
         results = await asyncio.gather(
-            *(self.run_episode(gid, i, seed, abort=abort) for i in range(n)),
+            *(self.run_episode(gid, i, seed, abort=abort, options=options) for i in range(n)),
             return_exceptions=True,
         )
         error = _first_error(results)
@@ -654,21 +729,40 @@ class EpisodeRunner:
             raise error
         return EpisodeGroup(gid, seed, [r for r in results if isinstance(r, Episode)])
 
+    def _version(self) -> int | None:
+        """The policy version a group starts at (for the curriculum): ``policy_version()``,
+        else the generator's ``version`` (a ``WeightSync``), else None."""
+        if self._policy_version is not None:
+            return self._policy_version()
+        version = getattr(self._generator, "version", None)
+        return version if isinstance(version, int) else None
+
     async def run_episode(
-        self, group_id: str, index: int, seed: int | None, *, abort: asyncio.Event | None = None
+        self,
+        group_id: str,
+        index: int,
+        seed: int | None,
+        *,
+        abort: asyncio.Event | None = None,
+        options: dict[str, Any] | None = None,
     ) -> Episode:
         """Play one episode (see the module docstring); errors of the env or engine propagate.
 
         ``abort``: checked at every turn boundary (raises :class:`GroupAborted` once set); set
-        by this episode when it fails.
+        by this episode when it fails. ``options``: the environment's reset options (passed to
+        ``env.episode`` only when set).
         """
         abort = abort if abort is not None else asyncio.Event()
         batcher = self._batcher
         batcher.live += 1
+        extra: dict[str, Any] = {"options": options} if options else {}
         try:
-            async with self.env.episode(seed=seed, episode_id=f"{group_id}/{index}") as session:
+            async with self.env.episode(
+                seed=seed, episode_id=f"{group_id}/{index}", **extra
+            ) as session:
                 t = self.sampling.temperature
                 ep = Episode(group_id, index, seed, temperature=t if t > 0 else None)
+                ep.options = options
                 ep = await self._play(session, ep, abort)
             if self.metrics is not None:
                 self.metrics.episode_finished(ep)
@@ -742,7 +836,7 @@ class EpisodeRunner:
             ep._append(more)
             ep.messages.append({"role": "user", "content": feedback})
         ep.done = result.done
-        ep.reward = float(result.reward or 0.0)
+        ep.reward = math.fsum(t.reward for t in ep.turns)
         logger.debug(
             "episode %s/%s: %d turns, %d tokens, reward %.3f, truncated %s",
             ep.group_id,

@@ -16,17 +16,18 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from deltarl.env_server.core.wire import ResetOptions
 from deltarl.rollout.engines.base import (
     SamplingParams,
     TransformersEngineSettings,
     VllmEngineSettings,
 )
-from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings
+from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings, GuessCurriculum
 from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
 
@@ -185,6 +186,38 @@ class RolloutSettings(TLSServerSettings):
             "DELTARL_ENV_TASK=charset); any other text is used as it is."
         ),
     )
+    env_options: dict[str, Any] | None = Field(
+        default=None,
+        description="Reset options of every episode, as JSON (the env server's ResetOptions, "
+        "checked here and by the server): max_guesses, reward ('final' | 'shaped') and shaping "
+        '{win, greens, yellows, format, repetition, invalid}, e.g. {"shaping": {"format": 0.1, '
+        '"greens": 0.5}}. Unset: the server\'s settings (docs/env_server.md).',
+    )
+    guesses_start: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Guess curriculum: guesses per game at version 0 (linear) or one end of the "
+        "range (random); sent as the reset option max_guesses. Unset: no curriculum.",
+    )
+    guesses_end: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Guess curriculum: guesses from guesses_over_versions on (linear) or the "
+        "other end of the range (random); unset: guesses_start.",
+    )
+    guesses_over_versions: int = Field(
+        default=1,
+        ge=1,
+        description="Guess curriculum (linear): versions over which the guesses go from "
+        "guesses_start to guesses_end.",
+    )
+    guesses_mode: Literal["linear", "random"] = Field(
+        default="linear",
+        description="Guess curriculum: 'linear' in the policy version, or 'random' (uniform in "
+        "the range, per group, from the group's seed).",
+    )
     in_flight_groups: int = Field(
         default=8,
         ge=1,
@@ -304,6 +337,40 @@ class RolloutSettings(TLSServerSettings):
             raise ValueError("hint_mode 'chat' needs DELTARL_ROLLOUT_HINT_URL")
         return self
 
+    @field_validator("env_options")
+    @classmethod
+    def _env_options(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not value:
+            return None
+        try:
+            ResetOptions.model_validate(value)
+        except ValidationError as err:
+            e = err.errors()[0]
+            where = ".".join(str(p) for p in e["loc"]) or "options"
+            raise ValueError(f"env_options.{where}: {e['msg']}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _curriculum(self) -> RolloutSettings:
+        if self.guesses_start is None and self.guesses_end is not None:
+            raise ValueError("guesses_end needs guesses_start (the guess curriculum)")
+        try:  # max_turns must cover the guesses (EpisodeSettings checks)
+            self.episode_settings()
+        except ValidationError as err:
+            raise ValueError(err.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        return self
+
+    def curriculum(self) -> GuessCurriculum | None:
+        """The guess curriculum these settings select (None: none)."""
+        if self.guesses_start is None:
+            return None
+        return GuessCurriculum(
+            mode=self.guesses_mode,
+            start=self.guesses_start,
+            end=self.guesses_end if self.guesses_end is not None else self.guesses_start,
+            over_versions=self.guesses_over_versions,
+        )
+
     @field_validator("worker_id")
     @classmethod
     def _worker_id(cls, value: str) -> str:
@@ -400,4 +467,6 @@ class RolloutSettings(TLSServerSettings):
                 top_p=self.top_p,
                 top_k=self.top_k,
             ),
+            env_options=self.env_options,
+            curriculum=self.curriculum(),
         )

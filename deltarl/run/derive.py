@@ -307,6 +307,7 @@ def check_services(config: RunConfig) -> None:
             cls.model_validate(values)
         except ValidationError as err:
             raise ValueError(_first_error(section, err)) from None
+    check_sampling(config)
     data = experiment(config, model=config.run.model, run_dir=Path("run"))
     try:
         ExperimentSettings.model_validate(data)
@@ -315,6 +316,23 @@ def check_services(config: RunConfig) -> None:
     device = config.trainer.get("device", "cpu")
     if not isinstance(device, str):
         raise ValueError(f"[trainer] device: a string such as 'cpu' or 'cuda', got {device!r}")
+
+
+def check_sampling(config: RunConfig) -> None:
+    """Refuse sampling the trainer cannot score: its importance correction computes each
+    sampled token's logprob under ``softmax(logits / T)`` over the whole vocabulary, so the
+    workers must sample from exactly that (``top_k = 0``, ``top_p = 1``); a truncated
+    distribution would make every ratio wrong (docs/trainer.md, Sampling)."""
+    top_k = config.rollout.get("top_k", 0)
+    top_p = config.rollout.get("top_p", 1.0)
+    if top_k or top_p != 1.0:
+        raise ValueError(
+            f"[rollout] top_k = {top_k!r}, top_p = {top_p!r}: a training run samples from the "
+            "full softmax(logits / temperature), which the trainer's importance correction "
+            "reproduces; truncated sampling (top_k > 0 or top_p < 1) it cannot. Keep top_k = 0 "
+            "and top_p = 1.0, shorten replies with max_new_tokens and sharpen them with "
+            "[run] temperature"
+        )
 
 
 def _first_error(section: str, err: Any) -> str:

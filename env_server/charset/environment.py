@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from deltarl.env_server.charset.models import CharsetObservation, CharsetSignals, CharsetState
-from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult, TextMessage
+from deltarl.env_server.core.models import (
+    EnvError,
+    ErrorCode,
+    ResetOptions,
+    StepResult,
+    TextMessage,
+)
 
 GAME_ID = -1
 PLAYER_ID = 0
@@ -93,8 +99,20 @@ class CharsetEnvironment:
             return None
         return "won" if self.reward >= 1.0 else "lost"
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None) -> StepResult:
-        """Start an episode. The seed is only recorded: every episode has the same task."""
+    def reset(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: ResetOptions | None = None,
+    ) -> StepResult:
+        """Start an episode. The seed is only recorded: every episode has the same task. The
+        charset task takes no options: any set is refused (``VALIDATION_ERROR``)."""
+        if options is not None and options.model_dump(exclude_none=True):
+            raise EnvError(
+                ErrorCode.VALIDATION_ERROR,
+                "options: the charset task takes no reset options (max_guesses and reward "
+                "shaping are Wordle's)",
+            )
         self.started = True
         self.seed = seed
         self.episode_id = episode_id if episode_id is not None else uuid.uuid4().hex

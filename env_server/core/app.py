@@ -293,7 +293,14 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         req = _parse(ResetRequest, await _body(request), default=True)
         session = store.get(req.session_id) if req.session_id else store.open("http")
         with session.claim():
-            result = session.env.reset(seed=req.seed, episode_id=req.episode_id)
+            try:
+                result = session.env.reset(
+                    seed=req.seed, episode_id=req.episode_id, options=req.options
+                )
+            except EnvError:
+                if not req.session_id:  # refused options: no half-opened session is left
+                    store.close(session.id, "http")
+                raise
             session.last_request_id = session.last_response = None
         store.touch(session)
         result.session_id = session.id
@@ -399,7 +406,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         try:
             if kind == "reset":
                 req = ResetRequest.model_validate(data if data is not None else {})
-                result = env.reset(seed=req.seed, episode_id=req.episode_id)
+                result = env.reset(seed=req.seed, episode_id=req.episode_id, options=req.options)
                 metrics.reset["ws"].inc()
                 return (
                     '{"type":"observation","data":'

@@ -26,7 +26,7 @@ import asyncio
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -102,9 +102,17 @@ class _Calls:
 
     @staticmethod
     def _reset(
-        seed: int | None, episode_id: str | None, session_id: str | None
+        seed: int | None,
+        episode_id: str | None,
+        session_id: str | None,
+        options: Mapping[str, Any] | None = None,
     ) -> _Call[StepResult]:
-        body = {"seed": seed, "episode_id": episode_id, "session_id": session_id}
+        body = {
+            "seed": seed,
+            "episode_id": episode_id,
+            "session_id": session_id,
+            "options": dict(options) if options else None,
+        }
         return _Call(
             "POST", "/reset", StepResult, json={k: v for k, v in body.items() if v is not None}
         )
@@ -191,9 +199,12 @@ class EnvClient(_Calls):
         seed: int | None = None,
         episode_id: str | None = None,
         session_id: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> StepResult:
-        """Open a session (or reset ``session_id``); the result carries ``session_id``."""
-        return await self._send(self._reset(seed, episode_id, session_id))
+        """Open a session (or reset ``session_id``); the result carries ``session_id``.
+        ``options``: the episode's reset options (``ResetOptions``: max_guesses, reward
+        shaping), validated by the server."""
+        return await self._send(self._reset(seed, episode_id, session_id, options))
 
     async def step(
         self, session_id: str, message: str, *, request_id: str | None = None
@@ -210,10 +221,14 @@ class EnvClient(_Calls):
 
     @asynccontextmanager
     async def episode(
-        self, *, seed: int | None = None, episode_id: str | None = None
+        self,
+        *,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[AsyncEpisode]:
         """A session that is closed on exit, whatever happens inside."""
-        first = await self.reset(seed=seed, episode_id=episode_id)
+        first = await self.reset(seed=seed, episode_id=episode_id, options=options)
         assert first.session_id is not None
         try:
             yield AsyncEpisode(self, first.session_id, first)
@@ -294,8 +309,9 @@ class SyncEnvClient(_Calls):
         seed: int | None = None,
         episode_id: str | None = None,
         session_id: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> StepResult:
-        return self._send(self._reset(seed, episode_id, session_id))
+        return self._send(self._reset(seed, episode_id, session_id, options))
 
     def step(self, session_id: str, message: str, *, request_id: str | None = None) -> StepResult:
         return self._send(self._step(session_id, message, request_id))
@@ -308,9 +324,13 @@ class SyncEnvClient(_Calls):
 
     @contextmanager
     def episode(
-        self, *, seed: int | None = None, episode_id: str | None = None
+        self,
+        *,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> Iterator[SyncEpisode]:
-        first = self.reset(seed=seed, episode_id=episode_id)
+        first = self.reset(seed=seed, episode_id=episode_id, options=options)
         assert first.session_id is not None
         try:
             yield SyncEpisode(self, first.session_id, first)

@@ -7,14 +7,22 @@ the game is done (or always, with ``reveal_answer`` for debugging).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Literal
 
-from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult, TextMessage
+from deltarl.env_server.core.models import (
+    EnvError,
+    ErrorCode,
+    ResetOptions,
+    StepResult,
+    TextMessage,
+)
 from deltarl.env_server.wordle.game import (
     WORD_LENGTH,
     InvalidReason,
     Move,
+    Shaping,
     WordleGame,
     WordleRules,
     WordLists,
@@ -54,6 +62,31 @@ def make_prompt(rules: WordleRules) -> str:
     )
 
 
+def apply_options(
+    rules: WordleRules, options: ResetOptions | None, shaping: Shaping | None = None
+) -> WordleRules:
+    """The rules of one episode: the server's ``rules`` with a reset's ``options`` applied.
+
+    ``max_guesses`` replaces the server's. The reward is shaped when ``options.reward`` is
+    'shaped', or ``options.shaping`` is given, or (no ``options.reward``) the server shapes;
+    the weights are ``options.shaping``'s where given, else the server's shaping (``rules
+    .shaping``, else ``shaping``: the server's default weights, ``DELTARL_ENV_SHAPING_*``).
+    ``options.reward == 'final'`` turns shaping off.
+    """
+    if options is None:
+        return rules
+    guesses = options.max_guesses if options.max_guesses is not None else rules.max_guesses
+    mode = options.reward or (
+        "shaped" if options.shaping is not None or rules.shaping is not None else "final"
+    )
+    weights: Shaping | None = None
+    if mode == "shaped":
+        base = rules.shaping or shaping or Shaping()
+        given = options.shaping.model_dump(exclude_none=True) if options.shaping else {}
+        weights = dataclasses.replace(base, **given)
+    return dataclasses.replace(rules, max_guesses=guesses, shaping=weights)
+
+
 def _signals(move: Move) -> RewardSignals:
     pattern = move.pattern or ""
     formatted = move.guess is not None and len(move.guess) == WORD_LENGTH
@@ -71,8 +104,17 @@ def _signals(move: Move) -> RewardSignals:
 class WordleEnvironment:
     """Reset/step/state for one session. Not thread-safe; the server serialises calls."""
 
-    def __init__(self, rules: WordleRules, words: WordLists, *, reveal_answer: bool = False):
+    def __init__(
+        self,
+        rules: WordleRules,
+        words: WordLists,
+        *,
+        reveal_answer: bool = False,
+        shaping: Shaping | None = None,
+    ):
+        self.server_rules = rules  # the server's; a reset's options give self.rules
         self.rules = rules
+        self.shaping = shaping  # the server's default shaping weights (for options.reward)
         self.words = words
         self.reveal_answer = reveal_answer
         self.prompt = make_prompt(rules)
@@ -94,8 +136,19 @@ class WordleEnvironment:
             return None
         return "won" if game.won else "forfeit" if game.forfeited else "lost"
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None) -> StepResult:
-        self.game = WordleGame(self.rules, self.words, seed=seed)
+    def reset(
+        self,
+        seed: int | None = None,
+        episode_id: str | None = None,
+        options: ResetOptions | None = None,
+    ) -> StepResult:
+        """A new episode; ``options`` (validated by the wire model) change its rules only (see
+        :func:`apply_options`): the next reset without options plays the server's rules."""
+        rules = apply_options(self.server_rules, options, self.shaping)
+        if rules != self.rules:
+            self.rules = rules
+            self.prompt = make_prompt(rules)
+        self.game = WordleGame(rules, self.words, seed=seed)
         self.episode_id = episode_id if episode_id is not None else uuid.uuid4().hex
         self.messages = [(GAME_ID, self.prompt, "PROMPT")]
         self.last_move = None

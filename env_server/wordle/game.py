@@ -112,6 +112,9 @@ class WordleRules:
     * ``format_credit``: share of a lost (or forfeited) game's reward earned by playing valid
       moves: ``format_credit * valid moves / moves``, the rest from the partial credit (see
       :meth:`final_reward`); a win is still 1.0. ``0`` (the default): no format term.
+    * ``shaping``: ``None`` (the default) scores the game by :meth:`WordleGame.final_reward`
+      alone, on its last step; a :class:`Shaping` scores every move instead (per-turn rewards,
+      see :class:`Shaping`), and ``partial_credit``/``format_credit`` are then unused.
     """
 
     max_guesses: int = 6
@@ -121,10 +124,64 @@ class WordleRules:
     allow_repeats: bool = False
     partial_credit: float = 1.0
     format_credit: float = 0.0
+    shaping: Shaping | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_credit < 1.0:
             raise ValueError(f"format_credit must be in [0, 1), got {self.format_credit}")
+        if self.max_guesses < 1:
+            raise ValueError(f"max_guesses must be >= 1, got {self.max_guesses}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shaping:
+    """Per-turn reward shaping: every move is scored, not only the game's end.
+
+    The reward of move ``t`` (what the step that plays it answers) is a weighted sum of that
+    move's reward signals (``observation.reward_signals``, each in [0, 1])::
+
+        r_t = win * correct_t + greens * greens_t + yellows * yellows_t + format * valid_t
+              - repetition * repetition_t - invalid * invalid_t
+
+    with ``correct_t`` 1 when the guess is the answer, ``greens_t``/``yellows_t`` the greens /
+    yellows of the guess divided by 5 (0 for an invalid move), ``valid_t`` 1 when the move was
+    accepted and scored, ``repetition_t`` 1 when the word had been guessed before in the episode,
+    ``invalid_t = 1 - valid_t``. The episode's return is the sum of its steps' rewards,
+    ``R = sum_t r_t``: a forfeit (or a game cut short) keeps what its earlier moves earned, the
+    format term included. Every weight is >= 0 (the last two are penalties, subtracted).
+    """
+
+    win: float = 1.0
+    greens: float = 0.0
+    yellows: float = 0.0
+    format: float = 0.0
+    repetition: float = 0.0
+    invalid: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("win", "greens", "yellows", "format", "repetition", "invalid"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= MAX_SHAPING_WEIGHT:
+                raise ValueError(
+                    f"shaping weight {name} must be in [0, {MAX_SHAPING_WEIGHT:g}], got {value}"
+                )
+
+    def move_reward(self, pattern: str | None, repeated: bool) -> float:
+        """``r_t`` of a move: ``pattern`` its G/Y/X pattern (None if the move was invalid)."""
+        valid = pattern is not None
+        pattern = pattern or ""
+        reward = (
+            self.win * (pattern == "G" * WORD_LENGTH)
+            + self.greens * pattern.count("G") / WORD_LENGTH
+            + self.yellows * pattern.count("Y") / WORD_LENGTH
+            + self.format * valid
+            - self.repetition * repeated
+            - self.invalid * (not valid)
+        )
+        return float(reward)
+
+
+MAX_SHAPING_WEIGHT = 10.0
 
 
 @dataclass(slots=True)
@@ -135,7 +192,7 @@ class Move:
     pattern: str | None  # G/Y/X pattern if the move was a valid guess
     invalid_reason: InvalidReason | None
     repeated: bool  # the extracted word had already been guessed this episode
-    reward: float  # final reward if this move ended the game, else 0.0
+    reward: float  # shaped: this move's r_t; else the final reward if it ended the game, or 0
 
     @property
     def valid(self) -> bool:
@@ -155,6 +212,7 @@ class WordleGame:
     moves: int = field(default=0, init=False)  # every play() call, valid or not
     won: bool = field(default=False, init=False)
     forfeited: bool = field(default=False, init=False)
+    total_reward: float = field(default=0.0, init=False)  # sum of the moves' rewards (the return)
 
     def __post_init__(self) -> None:
         self.answer = answer_for_seed(self.words, self.seed)
@@ -183,14 +241,21 @@ class WordleGame:
             self.invalid_moves += 1
             if self.invalid_moves > self.rules.max_invalid_moves:
                 self.forfeited = True
-            reward = self.final_reward() if self.done else 0.0
-            return Move(guess, None, reason, repeated, reward)
+            return Move(guess, None, reason, repeated, self._reward(None, repeated))
         assert guess is not None
         pattern = score_guess(guess, self.answer)
         self.guesses.append((guess, pattern))
         self.won = guess == self.answer
-        reward = self.final_reward() if self.done else 0.0
-        return Move(guess, pattern, None, repeated, reward)
+        return Move(guess, pattern, None, repeated, self._reward(pattern, repeated))
+
+    def _reward(self, pattern: str | None, repeated: bool) -> float:
+        shaping = self.rules.shaping
+        if shaping is not None:
+            reward = shaping.move_reward(pattern, repeated)
+        else:
+            reward = self.final_reward() if self.done else 0.0
+        self.total_reward += reward
+        return reward
 
     def _invalid_reason(self, guess: str | None, repeated: bool) -> InvalidReason | None:
         if guess is None:

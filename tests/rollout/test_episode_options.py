@@ -1,0 +1,154 @@
+"""Per-session reset options from the rollout side (issue 14): the guess curriculum, shaped
+episodes whose reward is the sum of their steps', the worker's settings, and solver transcripts
+that are exactly what an episode holds (messages, tokens and mask)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from episode_helpers import ScriptedEngine, WordleServer
+from pydantic import ValidationError
+
+from deltarl.env_server.core.client import EnvClient
+from deltarl.env_server.wordle.game import WordleRules, WordLists, answer_for_seed, score_guess
+from deltarl.rollout.engines.base import SamplingParams
+from deltarl.rollout.episodes import (
+    ChatFormat,
+    EpisodeGroup,
+    EpisodeRunner,
+    EpisodeSettings,
+    GuessCurriculum,
+)
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.trajectories import episode_signals
+from deltarl.trainer.sft import encode_transcript
+from deltarl.trainer.sft_data import solver_transcripts
+
+IM_END = 2
+SEED = 11
+WRONG = ["crane", "slate", "pious", "dumpy", "fight", "blown", "tulip"]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[WordleServer]:
+    with WordleServer() as s:
+        yield s
+
+
+def wrong(seed: int) -> list[str]:
+    secret = answer_for_seed(WordLists.load(), seed)
+    return [w for w in WRONG if w != secret]
+
+
+def run(server: WordleServer, engine: Any, tok: Any, settings: EpisodeSettings) -> EpisodeGroup:
+    async def main() -> EpisodeGroup:
+        async with EnvClient(server.url) as env, EpisodeRunner(engine, tok, env, settings) as r:
+            return await r.run_group(seed=SEED)
+
+    return asyncio.run(main())
+
+
+def test_curriculum_values() -> None:
+    linear = GuessCurriculum(start=2, end=6, over_versions=8)
+    assert [linear.guesses(v, 0) for v in (None, 0, 2, 4, 8, 100)] == [2, 2, 3, 4, 6, 6]
+    down = GuessCurriculum(start=6, end=1, over_versions=5)
+    assert down.guesses(5, 0) == 1
+    rnd = GuessCurriculum(mode="random", start=5, end=2)
+    draws = {rnd.guesses(None, s) for s in range(200)}
+    assert draws == {2, 3, 4, 5}
+    assert rnd.guesses(7, 123) == rnd.guesses(0, 123)  # the group's seed decides
+
+
+def test_episode_settings_reset_options() -> None:
+    assert EpisodeSettings().reset_options(3, 1) is None
+    s = EpisodeSettings(
+        env_options={"shaping": {"format": 0.1}, "max_guesses": 5},
+        curriculum=GuessCurriculum(start=1, end=3, over_versions=2),
+    )
+    assert s.reset_options(1, 0) == {"shaping": {"format": 0.1}, "max_guesses": 2}
+    with pytest.raises(ValidationError, match="max_turns"):
+        EpisodeSettings(max_turns=3, curriculum=GuessCurriculum(start=2, end=4))
+    with pytest.raises(ValidationError, match="max_turns"):
+        EpisodeSettings(max_turns=3, env_options={"max_guesses": 4})
+
+
+def test_shaped_curriculum_episodes(server: WordleServer, tok: Any) -> None:
+    words = wrong(SEED)
+    engine = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}]", stop=IM_END, version=0)
+    settings = EpisodeSettings(
+        group_size=2,
+        max_turns=6,
+        sampling=SamplingParams(max_new_tokens=12),
+        env_options={"shaping": {"format": 0.1, "greens": 1.0, "win": 1.0}},
+        curriculum=GuessCurriculum(start=2, end=6, over_versions=4),
+    )
+    group = run(server, engine, tok, settings)
+    secret = answer_for_seed(WordLists.load(), SEED)
+    for ep in group.episodes:
+        assert ep.done and ep.num_turns == 2  # version 0: 2 guesses
+        assert ep.options is not None and ep.options["max_guesses"] == 2
+        expected = [0.1 + score_guess(w, secret).count("G") / 5 for w in words[:2]]
+        assert [t.reward for t in ep.turns] == pytest.approx(expected)
+        assert ep.reward == pytest.approx(sum(expected))  # the return: the sum of the steps'
+        assert episode_signals(ep)["max_guesses"] == 2.0
+    engine.version = 2  # halfway: 4 guesses
+    group = run(server, engine, tok, settings)
+    assert all(ep.num_turns == 4 and ep.done for ep in group.episodes)
+    assert server.open_sessions == 0
+
+
+def test_unshaped_reward_is_the_final_reward(server: WordleServer, tok: Any) -> None:
+    words = wrong(SEED)
+    engine = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}]", stop=IM_END)
+    settings = EpisodeSettings(
+        group_size=1, max_turns=6, sampling=SamplingParams(max_new_tokens=12)
+    )
+    (ep,) = run(server, engine, tok, settings).episodes
+    assert ep.options is None and ep.done and ep.num_turns == 6
+    assert [t.reward for t in ep.turns[:-1]] == [0.0] * 5
+    assert ep.reward == ep.turns[-1].reward > 0  # partial credit of the last guess
+
+
+def test_bad_options_fail_the_group(server: WordleServer, tok: Any) -> None:
+    engine = ScriptedEngine(tok, lambda key, turn: "[crane]", stop=IM_END)
+    settings = EpisodeSettings(group_size=1, env_options={"shaping": {"win": 50}})
+    with pytest.raises(Exception, match=r"VALIDATION_ERROR|less than or equal"):
+        run(server, engine, tok, settings)
+    assert server.open_sessions == 0
+
+
+def test_rollout_settings_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"shaping": {"format": 0.2}}')
+    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_START", "2")
+    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_END", "5")
+    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_OVER_VERSIONS", "10")
+    eps = RolloutSettings().episode_settings()
+    assert eps.env_options == {"shaping": {"format": 0.2}}
+    assert eps.curriculum == GuessCurriculum(start=2, end=5, over_versions=10)
+    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"shaping": {"wins": 1}}')
+    with pytest.raises(ValidationError, match=r"env_options\.shaping\.wins"):
+        RolloutSettings()
+    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", "{}")
+    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_END", "7")
+    with pytest.raises(ValidationError, match="max_turns"):
+        RolloutSettings()
+
+
+def test_solver_transcript_is_what_an_episode_holds(server: WordleServer, tok: Any) -> None:
+    """A solver game written by sft_data equals the same game played through the rollout
+    runner (messages), and the SFT encoding of it equals the episode's tokens and mask."""
+    (record,) = solver_transcripts(1, seed=SEED, rules=WordleRules())
+    guesses = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert record["seed"] == SEED and guesses[0] == "[crane]"
+    engine = ScriptedEngine(tok, lambda key, turn: guesses[turn], stop=IM_END)
+    settings = EpisodeSettings(
+        group_size=1, max_turns=6, sampling=SamplingParams(max_new_tokens=12)
+    )
+    (ep,) = run(server, engine, tok, settings).episodes
+    assert ep.done and ep.messages == record["messages"]
+    encoded = encode_transcript(ChatFormat(tok), record["messages"])
+    assert encoded.tokens == ep.tokens
+    assert encoded.mask == ep.mask

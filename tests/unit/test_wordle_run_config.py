@@ -1,0 +1,78 @@
+"""examples/wordle-shaped.toml (issue 14): it checks, its shaping, curriculum and short moves
+reach the services' settings, and a run config with truncated sampling is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from deltarl.cli import app
+from deltarl.env_server.settings import EnvSettings
+from deltarl.rollout.episodes import GuessCurriculum
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.run.config import RunConfigError, load_run_config
+from deltarl.run.derive import Endpoints, RunLayout, Tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "wordle-shaped.toml"
+TOKENS = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40)
+
+
+def settings_from(env: dict[str, str], prefix: str) -> dict[str, str]:
+    return {k.removeprefix(prefix).lower(): v for k, v in env.items() if k.startswith(prefix)}
+
+
+def test_check_from_the_command_line() -> None:
+    ok = CliRunner().invoke(app, ["run", str(EXAMPLE), "--check"])
+    assert ok.exit_code == 0, ok.output
+    resolved = json.loads(ok.output)
+    assert resolved["rollout"]["guesses_start"] == 2
+    assert resolved["rollout"]["env_options"]["shaping"]["format"] == 0.1
+
+
+def test_the_services_get_shaping_curriculum_and_short_moves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_run_config(EXAMPLE)
+    layout = RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
+    env = layout.env().env
+    assert env["DELTARL_ENV_REWARD"] == "shaped"
+    server = EnvSettings.model_validate(settings_from(env, "DELTARL_ENV_"))
+    assert server.rules().shaping is not None and server.rules().shaping.format == 0.1
+    worker = layout.worker(0).env
+    for key, value in worker.items():
+        if key.startswith("DELTARL_ROLLOUT_"):
+            monkeypatch.setenv(key, value)
+    rollout = RolloutSettings()
+    episodes = rollout.episode_settings()
+    assert episodes.env_options is not None
+    assert episodes.env_options["shaping"]["greens"] == 0.2
+    assert episodes.curriculum == GuessCurriculum(start=2, end=6, over_versions=30)
+    assert episodes.sampling.max_new_tokens == 10
+    assert episodes.sampling.top_k == 0 and episodes.sampling.top_p == 1.0
+    assert episodes.reset_options(30, 0)["max_guesses"] == 6  # type: ignore[index]
+
+
+@pytest.mark.parametrize("override", ["rollout.top_k=20", "rollout.top_p=0.9"])
+def test_truncated_sampling_is_refused(override: str) -> None:
+    with pytest.raises(RunConfigError, match=r"top_k = 0 and top_p = 1\.0"):
+        load_run_config(EXAMPLE).with_overrides([override])
+    bad = CliRunner().invoke(app, ["run", str(EXAMPLE), "--check", "--set", override])
+    assert bad.exit_code == 2 and "truncated sampling" in bad.output.replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.env_options={shaping={win=99}}", r"env_options\.shaping\.win"),
+        ("rollout.env_options={max_guess=3}", r"env_options\.max_guess"),
+        ("rollout.max_turns=5", r"max_turns \(5\) is below the 6 guesses"),
+        ("env.shaping_format=-1", r"\[env\] shaping_format"),
+    ],
+)
+def test_bad_wordle_options_are_refused(override: str, message: str) -> None:
+    with pytest.raises(RunConfigError, match=message):
+        load_run_config(EXAMPLE).with_overrides([override])
