@@ -719,7 +719,9 @@ class EpisodeRunner:
             seed = uuid.uuid4().int & ((1 << 63) - 1)
         gid = group_id or new_group_id(prefix)
         abort = asyncio.Event()
-        options = self.settings.reset_options(self._version(), seed)
+        curriculum = self.settings.curriculum
+        linear = curriculum is not None and curriculum.mode == "linear"
+        options = self.settings.reset_options(self._version() if linear else None, seed)
         results = await asyncio.gather(
             *(self.run_episode(gid, i, seed, abort=abort, options=options) for i in range(n)),
             return_exceptions=True,
