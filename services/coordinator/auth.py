@@ -120,17 +120,22 @@ def _presented_or_401(request: Request, role: Role) -> str:
     return token
 
 
+def acting_worker_error(holder: str, worker_id: object) -> ApiError:
+    """The 403 for a per-worker token of ``holder`` used to act for ``worker_id``."""
+    return ApiError(
+        403,
+        "forbidden",
+        f"this token belongs to worker {holder!r}; it cannot act for worker {worker_id!r}",
+    )
+
+
 def check_acting_worker(request: Request, worker_id: object) -> None:
     """403 unless a per-worker token (if one authenticated the request) is ``worker_id``'s."""
     holder = getattr(request.state, "worker_id", None)
     if holder is None:  # shared worker token or insecure mode: nothing to check
         return
     if worker_id != holder:
-        raise ApiError(
-            403,
-            "forbidden",
-            f"this token belongs to worker {holder!r}; it cannot act for worker {worker_id!r}",
-        )
+        raise acting_worker_error(holder, worker_id)
 
 
 async def check_worker(settings: CoordinatorSettings, request: Request) -> None:

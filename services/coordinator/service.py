@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
+from deltarl.services.coordinator.auth import acting_worker_error
 from deltarl.services.coordinator.errors import ApiError, conflict, invalid, not_found
 from deltarl.services.coordinator.schemas import (
     AckResult,
@@ -378,12 +379,7 @@ class Coordinator:
         except ValueError as exc:
             raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
         if token_worker is not None and group.worker_id != token_worker:
-            raise ApiError(
-                403,
-                "forbidden",
-                f"this token belongs to worker {token_worker!r}; it cannot submit for worker "
-                f"{group.worker_id!r}",
-            )
+            raise acting_worker_error(token_worker, group.worker_id)
         if self.store.get_worker(group.worker_id) is None:
             raise unknown_worker(group.worker_id)
         latest = self.latest_at_least(group.version_max)

@@ -38,7 +38,9 @@ for any model size, so a 7B worker can prove every version.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import secrets
 import struct
 from collections.abc import Mapping
@@ -123,9 +125,7 @@ def proof_answer(
         return h.hexdigest()
     cb = spec.chunk_bytes
     n_chunks = -(-total // cb)
-    starts = [0]
-    for s in sizes:
-        starts.append(starts[-1] + s)
+    starts = [0, *itertools.accumulate(sizes)]  # byte offset of each tensor, then the total
     pieces: list[torch.Tensor] = []
     lengths: list[int] = []
     offsets: list[int] = []
@@ -133,8 +133,9 @@ def proof_answer(
         lo, hi = c * cb, min((c + 1) * cb, total)
         offsets.append(lo)
         lengths.append(hi - lo)
-        # the tensors this byte range crosses (usually one)
-        i = _tensor_at(starts, lo)
+        # the tensors this byte range crosses (usually one); the last tensor starting at or
+        # before ``lo`` is never an empty one (an empty one starts where the next does)
+        i = bisect.bisect_right(starts, lo) - 1
         while lo < hi:
             end = min(hi, starts[i + 1])
             pieces.append(views[i][lo - starts[i] : end - starts[i]])
@@ -158,21 +159,6 @@ def proof_answer(
         h.update(data[at : at + n])
         at += n
     return h.hexdigest()
-
-
-def _tensor_at(starts: list[int], offset: int) -> int:
-    """Index of the tensor holding byte ``offset`` (``starts``: cumulative, len = tensors+1);
-    zero-sized tensors are skipped."""
-    lo, hi = 0, len(starts) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if starts[mid] <= offset:
-            lo = mid
-        else:
-            hi = mid - 1
-    while starts[lo + 1] <= offset:  # skip empty tensors sharing this start
-        lo += 1
-    return lo
 
 
 def make_challenges(
