@@ -23,9 +23,11 @@ Hinters:
   HTTP error or an answer that is not that JSON (or names no real turn, or says more than three
   sentences) is skipped and counted, never retried into the trainer's way.
 
-Who computes the hinted distribution: the worker's own engine (the default: the policy at the
-version that played the episode, on a machine that is already generating; the trainer never
-waits for it).
+Who computes the hinted distribution (``hint_scorer``): ``policy`` (the default), the worker's
+own engine (:func:`score_hints`: the policy at the version the worker holds, on a machine that
+is already generating; the trainer never waits for it); ``teacher``, the teacher service, one
+request per group of exactly the same sequences (:func:`hint_items`;
+:func:`deltarl.rollout.teaching.hint_request`, :func:`~deltarl.rollout.teaching.hint_maps`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -272,6 +274,41 @@ def hinted_context(episode: Episode, hint: Hint, fmt: ChatFormat) -> list[int]:
     return fmt.prompt_ids([*messages, {"role": "user", "content": hint.text}])
 
 
+def hint_items(
+    hinted: Sequence[tuple[Episode, Hint]], fmt: ChatFormat
+) -> tuple[list[tuple[list[int], int]], list[list[int]]]:
+    """What is scored for each ``(episode, hint)``: ``(hinted context + the turn's reply tokens,
+    len(hinted context))``, and the positions of those reply tokens in the original trajectory.
+    Both scorers (the policy's engine, the teacher service) score exactly these."""
+    items, spans = [], []
+    for episode, hint in hinted:
+        turn = episode.turns[hint.turn]
+        context = hinted_context(episode, hint, fmt)
+        items.append(([*context, *episode.tokens[turn.start : turn.end]], len(context)))
+        spans.append(list(range(turn.start, turn.end)))
+    return items, spans
+
+
+def hint_view(
+    k: int,
+    temperature: float,
+    sampled: Iterable[float],
+    ids: Iterable[int],
+    logprobs: Iterable[float],
+    positions: list[int],
+) -> TeacherLogprobs:
+    """A trajectory's ``hint`` map: ``len(positions)`` rows of ``k`` ids and logprobs, flat
+    (logprobs clamped to <= 0 against rounding)."""
+    return TeacherLogprobs(
+        k=k,
+        temperature=temperature,
+        sampled=[min(0.0, float(x)) for x in sampled],
+        ids=[int(i) for i in ids],
+        logprobs=[min(0.0, float(x)) for x in logprobs],
+        positions=positions,
+    )
+
+
 def score_hints(
     hinted: Sequence[tuple[Episode, Hint]],
     fmt: ChatFormat,
@@ -282,22 +319,17 @@ def score_hints(
     gate: WeightsGate | None = None,
 ) -> list[TeacherLogprobs]:
     """Each trajectory's ``hint``: the turn's reply tokens scored after the hinted context, all
-    of them in one forward pass of ``engine``."""
-    items, spans = [], []
-    for episode, hint in hinted:
-        turn = episode.turns[hint.turn]
-        context = hinted_context(episode, hint, fmt)
-        items.append(([*context, *episode.tokens[turn.start : turn.end]], len(context)))
-        spans.append(list(range(turn.start, turn.end)))
+    of them in one forward pass of ``engine`` (the ``policy`` scorer)."""
+    items, spans = hint_items(hinted, fmt)
     scored = engine.score_batch(items, k, temperature, gate=gate)
     return [
-        TeacherLogprobs(
-            k=k,
-            temperature=temperature,
-            sampled=[min(0.0, x) for x in s.sampled],
-            ids=[i for row in s.ids for i in row],
-            logprobs=[min(0.0, x) for row in s.logprobs for x in row],
-            positions=positions,
+        hint_view(
+            k,
+            temperature,
+            s.sampled,
+            (i for row in s.ids for i in row),
+            (x for row in s.logprobs for x in row),
+            positions,
         )
         for s, positions in zip(scored, spans, strict=True)
     ]

@@ -285,8 +285,15 @@ class RolloutSettings(TLSServerSettings):
         default="off",
         description="Hinted self-distillation (docs/distillation.md): for episodes below "
         "hint_below, 'env' replays the environment's feedback (Wordle) to find the turn that went "
-        "wrong and a hint, 'chat' asks an OpenAI-compatible endpoint (hint_url); the worker then "
-        "scores that turn after the hint with its own engine and attaches it to the trajectory.",
+        "wrong and a hint, 'chat' asks an OpenAI-compatible endpoint (hint_url); that turn is "
+        "then scored once after the hint (hint_scorer) and attached to the trajectory.",
+    )
+    hint_scorer: Literal["policy", "teacher"] = Field(
+        default="policy",
+        description="Who computes the hinted distribution: 'policy' the worker's own engine "
+        "(the transformers engine only), 'teacher' the teacher service at teacher_url (one "
+        "request per group, with the teacher_* settings: token, timeout, retries, "
+        "teacher_required; any engine, vllm included).",
     )
     hint_below: float = Field(
         default=1.0, description="Episodes with a reward below this get a hint (if any)."
@@ -330,11 +337,33 @@ class RolloutSettings(TLSServerSettings):
     teacher_timeout_s: float = Field(
         default=60.0, gt=0, description="Seconds one teacher request may take before a retry."
     )
+    teacher_distill: bool = Field(
+        default=True,
+        description="With a teacher_url: send every finished group to the teacher for on-policy "
+        "distillation (the trajectories' teacher map); false: the teacher only scores hinted "
+        "turns (hint_scorer = 'teacher').",
+    )
 
     @model_validator(mode="after")
     def _hint_endpoint(self) -> RolloutSettings:
         if self.hint_mode == "chat" and not self.hint_url:
             raise ValueError("hint_mode 'chat' needs DELTARL_ROLLOUT_HINT_URL")
+        if self.hint_scorer == "teacher" and not self.teacher_url:
+            raise ValueError(
+                "hint_scorer 'teacher' needs a teacher service: set DELTARL_ROLLOUT_TEACHER_URL "
+                "(and _TEACHER_TOKEN), or a [teacher] section in a run config"
+            )
+        if self.hint_mode != "off" and self.hint_scorer == "policy" and self.engine == "vllm":
+            raise ValueError(
+                "the vllm engine cannot score hinted turns itself (no Engine.score): set "
+                "DELTARL_ROLLOUT_HINT_SCORER=teacher (a teacher service) or use the "
+                "transformers engine"
+            )
+        if self.teacher_url and not self.teacher_distill and self.hint_scorer != "teacher":
+            raise ValueError(
+                "teacher_distill is false and hint_scorer is 'policy': the teacher at "
+                "teacher_url would never be asked (unset it, or set hint_scorer = 'teacher')"
+            )
         return self
 
     @field_validator("env_options")

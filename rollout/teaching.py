@@ -14,19 +14,37 @@ ended and its weights were verified::
 Positions: the teacher scores every token from the first trained one on (environment tokens of
 later turns too); :func:`~deltarl.teacher.client.trained_view` keeps the positions where the
 mask is 1 and lists them in ``positions``.
+
+Hinted turns (``hint_scorer = "teacher"``, docs/distillation.md), in the same submit task::
+
+    request, spans = hint_request(hinted, fmt, top_k)  # one request: per hinted episode, the
+                                                       # hinted context + the turn's reply tokens,
+                                                       # prompt_len = len(hinted context)
+    answer = await client.score(request)
+    hints = hint_maps(answer, hinted, request, spans)  # TeacherLogprobs at the turn's positions
+                                                       # in the original trajectory
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.episodes import Episode
+from deltarl.rollout.hints import Hint, hint_items, hint_view
 from deltarl.rollout.view import TeacherStats
 from deltarl.services.coordinator.schemas import TeacherLogprobs
 from deltarl.teacher.client import first_trained, make_request, trained_view
 from deltarl.teacher.wire import LogprobRequest, LogprobResponse
 
-__all__ = ["TeacherMismatch", "TeacherStats", "group_request", "teacher_maps"]
+__all__ = [
+    "TeacherMismatch",
+    "TeacherStats",
+    "group_request",
+    "hint_maps",
+    "hint_request",
+    "teacher_maps",
+]
 
 
 class TeacherMismatch(ValueError):
@@ -64,6 +82,42 @@ def teacher_maps(response: LogprobResponse, episodes: Sequence[Episode]) -> list
                 positions=view.positions.tolist(),
             )
         )
+    return out
+
+
+def hint_request(
+    hinted: Sequence[tuple[Episode, Hint]], fmt: ChatFormat, top_k: int
+) -> tuple[LogprobRequest, list[list[int]]]:
+    """One request scoring every hinted turn of a group (what the policy scorer scores:
+    :func:`~deltarl.rollout.hints.hint_items`), at each episode's temperature; and the turn's
+    positions in each original trajectory."""
+    items, spans = hint_items(hinted, fmt)
+    temperatures = [temperature_of(ep) for ep, _ in hinted]
+    request = make_request([t for t, _ in items], [s for _, s in items], temperatures, top_k)
+    return request, spans
+
+
+def hint_maps(
+    response: LogprobResponse,
+    hinted: Sequence[tuple[Episode, Hint]],
+    request: LogprobRequest,
+    spans: Sequence[list[int]],
+) -> list[TeacherLogprobs]:
+    """The ``hint`` map of each hinted turn of :func:`hint_request` (``ValueError`` when the
+    answer does not fit the request: another number of sequences, of positions or of top-k)."""
+    if response.n != request.n:
+        raise ValueError(f"the teacher answered {response.n} sequences for {request.n}")
+    out = []
+    for i, positions in enumerate(spans):
+        sampled, ids, lps = response.sequence(i)
+        k = int(request.top_ks[i])
+        if len(sampled) != len(positions) or ids.shape[1] != k:
+            raise ValueError(
+                f"the teacher answered sequence {i} with {len(sampled)} positions x top-"
+                f"{ids.shape[1]}; asked for {len(positions)} x top-{k}"
+            )
+        temperature = temperature_of(hinted[i][0])
+        out.append(hint_view(k, temperature, sampled, ids.reshape(-1), lps.reshape(-1), positions))
     return out
 
 

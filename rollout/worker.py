@@ -75,6 +75,8 @@ from deltarl.rollout.teaching import (
     TeacherStats,
     check_vocab,
     group_request,
+    hint_maps,
+    hint_request,
     teacher_maps,
 )
 from deltarl.rollout.trajectories import to_submission
@@ -103,6 +105,7 @@ from deltarl.teacher.client import (
     TeacherRequestError,
     TeacherUnavailable,
 )
+from deltarl.teacher.wire import LogprobRequest, LogprobResponse
 
 logger = logging.getLogger(__name__)
 
@@ -598,12 +601,14 @@ class RolloutWorker:
 
     async def _hints(self, group: EpisodeGroup) -> dict[int, tuple[TeacherLogprobs, str]]:
         """Hinted self-distillation targets for the group's failed episodes (module
-        :mod:`deltarl.rollout.hints`); failures are counted and skipped, never block."""
+        :mod:`deltarl.rollout.hints`), scored by the policy's engine or the teacher service
+        (``hint_scorer``); failures are counted and skipped. Raises :class:`_TeacherRefused`
+        when the teacher cannot score this policy at all (another vocabulary)."""
         if self._hinter is None:
             return {}
         cfg = self.settings
 
-        async def score(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
+        async def by_policy(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
             temperature = hinted[0][0].temperature or 1.0
             return await asyncio.to_thread(
                 score_hints,
@@ -615,9 +620,20 @@ class RolloutWorker:
                 gate=self.sync,
             )
 
-        return await hint_episodes(
+        async def by_teacher(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
+            request, spans = hint_request(hinted, self.format, cfg.hint_top_k)
+            answer = await self._ask_teacher(request, f"the hints of {group.group_id}")
+            if answer is None:
+                raise TeacherUnavailable("no answer within the retry budget")
+            return hint_maps(answer, hinted, request, spans)
+
+        score = by_teacher if cfg.hint_scorer == "teacher" else by_policy
+        found = await hint_episodes(
             group.episodes, self._hinter, score, self.hint_stats, cfg.hint_below
         )
+        if self._fatal is not None:
+            raise _TeacherRefused(str(self._fatal))
+        return found
 
     # ------------------------------------------------------------------ teacher
 
@@ -661,14 +677,25 @@ class RolloutWorker:
         )
 
     async def _teacher_scores(self, group: EpisodeGroup) -> list[TeacherLogprobs] | None:
-        """The teacher's map of each trajectory of ``group`` (None: no teacher configured, or
-        it failed and teacher_required is false). With teacher_required, retries until it
-        answers (the submit task's submit_timeout_s ends the wait: the group is dropped).
-        Raises :class:`_TeacherRefused` when the teacher refuses the group's request."""
-        if self._teacher is None:
+        """The teacher's map of each trajectory of ``group`` (None: no teacher configured or
+        teacher_distill off, or it failed and teacher_required is false: counted missing)."""
+        if self._teacher is None or not self.settings.teacher_distill:
             return None
+        request = group_request(group.episodes, self.settings.teacher_top_k)
+        answer = await self._ask_teacher(request, group.group_id)
+        if answer is None:
+            self.teacher_stats.missing += 1
+            return None
+        return teacher_maps(answer, group.episodes)
+
+    async def _ask_teacher(self, request: LogprobRequest, what: str) -> LogprobResponse | None:
+        """The teacher's answer to ``request`` (None: it failed after the client's retry budget
+        and teacher_required is false). With teacher_required, retries until it answers (the
+        submit task's submit_timeout_s ends the wait: the group is dropped). Raises
+        :class:`_TeacherRefused` when the teacher refuses the request (or cannot score this
+        policy at all: then the worker stops)."""
+        assert self._teacher is not None
         cfg, stats = self.settings, self.teacher_stats
-        request = group_request(group.episodes, cfg.teacher_top_k)
         stats.waiting += 1
         delay = 0.5
         try:
@@ -686,21 +713,20 @@ class RolloutWorker:
                     raise _TeacherRefused(str(exc)) from None
                 except (httpx.TransportError, TeacherError) as exc:
                     stats.requests_failed += 1
-                    self._error(f"teacher for {group.group_id}: {exc}")
+                    self._error(f"teacher for {what}: {exc}")
                     if not cfg.teacher_required:
-                        stats.missing += 1
                         return None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
                 stats.requests_ok += 1
-                return teacher_maps(answer, group.episodes)
+                return answer
         finally:
             stats.waiting -= 1
 
     async def _send(self, group: EpisodeGroup) -> SubmitResult | None:
-        hints = await self._hints(group)
         try:
+            hints = await self._hints(group)
             teacher = await self._teacher_scores(group)
         except _TeacherRefused as exc:
             self.stats.dropped_refused += 1

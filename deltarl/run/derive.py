@@ -303,6 +303,13 @@ def check_services(config: RunConfig) -> None:
         if unknown:
             raise ValueError(f"[{section}] unknown setting(s): {', '.join(unknown)}")
         values |= shared_values(config, section) | _PLACEHOLDERS.get(section, {})
+        if section == "rollout" and config.teacher is not None:  # the launcher's teacher URL
+            values["teacher_url"] = "http://127.0.0.1:1"
+        elif section == "rollout" and values.get("hint_scorer") == "teacher":
+            raise ValueError(
+                "[rollout] hint_scorer = 'teacher' needs a [teacher] section (the teacher "
+                "service that scores the hinted turns)"
+            )
         try:
             cls.model_validate(values)
         except ValidationError as err:
@@ -338,4 +345,6 @@ def check_sampling(config: RunConfig) -> None:
 def _first_error(section: str, err: Any) -> str:
     e = err.errors()[0]
     where = ".".join(str(p) for p in e["loc"])
+    if not where:  # a check across fields: its message says what to change
+        return f"[{section}] {e['msg'].removeprefix('Value error, ')}"
     return f"[{section}] {where}: {e['msg']} (got {e.get('input')!r})"

@@ -278,6 +278,31 @@ def test_a_teacher_section_adds_the_teacher_service_and_tells_the_workers(
         plain.with_overrides(['rollout.teacher_url="http://x"'])
 
 
+def test_hints_scored_by_the_teacher_need_a_teacher_section(tmp_path: Path) -> None:
+    text = (ROOT / "examples" / "charset-tiny.toml").read_text()
+    plain = load_run_config(write(tmp_path, text))
+    hinted = ['rollout.hint_mode="env"', 'rollout.hint_scorer="teacher"']
+    with pytest.raises(RunConfigError, match=r"hint_scorer = 'teacher' needs a \[teacher\]"):
+        plain.with_overrides(hinted)
+    config = plain.with_overrides([*hinted, "rollout.teacher_distill=false", "teacher.top_k=8"])
+    layout = RunLayout(
+        config,
+        tmp_path,
+        "/models/m",
+        Endpoints("127.0.0.1", 8700, 8001, 8703),
+        replace(TOKENS, teacher="s" * 40),
+        str(tmp_path / "bucket"),
+    )
+    env = layout.worker(0).env
+    assert env["DELTARL_ROLLOUT_HINT_SCORER"] == "teacher"
+    assert env["DELTARL_ROLLOUT_TEACHER_DISTILL"] == "false"
+    assert env["DELTARL_ROLLOUT_TEACHER_URL"] == "http://127.0.0.1:8703"
+    # a cross-field refusal reads as its own message, not a dump of the section
+    with pytest.raises(RunConfigError, match=r"\[rollout\] teacher_distill is false") as err:
+        config.with_overrides(['rollout.hint_scorer="policy"'])
+    assert "got {" not in str(err.value)
+
+
 def test_the_distill_demo_plan_runs_a_teacher_with_the_jsd_loss() -> None:
     plan = DemoPlan.for_model(True, 4, 2, "charset")
     assert plan.run_config().teacher is None
