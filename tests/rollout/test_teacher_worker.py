@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import uvicorn
+from fastapi import FastAPI
 from test_worker import drain_queue
 from worker_helpers import (
     CoordinatorServer,
@@ -38,13 +39,15 @@ class TeacherServer:
     """The real teacher app served by uvicorn in a thread; its port is bound at once (refusing
     connections) and served from :meth:`start`."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, app: FastAPI | None = None) -> None:
+        """``app``: serve this instead of the teacher app over ``model`` (a broken teacher)."""
         self.engine = TransformersTeacher(model, model_name="tiny-teacher")
         settings = TeacherSettings.model_validate({"token": TOKEN, "batch_window_ms": 0})
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(settings, engine=self.engine), log_level="warning")
+        app = app if app is not None else create_app(settings, engine=self.engine)
+        config = uvicorn.Config(app, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
