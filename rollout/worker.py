@@ -21,7 +21,9 @@ Order of calls (:meth:`RolloutWorker.run`)::
        wait admission_wait_s when nothing is granted or the weights are unhealthy);
        EpisodeRunner.stream_groups keeps the granted groups in flight; each finished group
        gets a submit task: wait while its verdict is "pending" or the weights are unhealthy,
-       drop it if "failed", else submit it with its idempotency key, retrying transport
+       drop it if "failed", else score its hinted turns (hint_scorer: this engine or the
+       teacher) and ask the teacher for its distillation data (if configured), then submit it
+       with its idempotency key, retrying transport
        errors and 5xx answers (the coordinator de-duplicates) for up to submit_timeout_s
     SIGTERM/SIGINT (or request_stop()) -> no new groups; the groups in flight get
        shutdown_grace_s to finish (then they are cancelled; a second signal cancels them at
