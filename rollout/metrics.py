@@ -103,8 +103,9 @@ class _StateCollector(Collector):
         t = w.teacher_stats
         teacher = c(
             P + "teacher_requests",
-            "Teacher requests (one per group, on-policy distillation), by result: ok, failed "
-            "(after the client's retries), refused (4xx: the group is dropped)",
+            "Teacher requests (per group: on-policy distillation, hinted turns with "
+            "hint_scorer=teacher), by result: ok, failed (after the client's retries), refused "
+            "(4xx: the group is dropped; hinted turns: the hints are skipped)",
             labels=["result"],
         )
         teacher.add_metric(["ok"], t.requests_ok)
@@ -112,6 +113,16 @@ class _StateCollector(Collector):
         teacher.add_metric(["refused"], t.refused)
         yield teacher
         yield g(P + "teacher_waiting_groups", "Groups waiting for teacher data", value=t.waiting)
+        h = w.hint_stats
+        hints = c(
+            P + "hints",
+            "Failed episodes given to the hinter (hinted self-distillation), by outcome: "
+            "hinted, none (nothing to say), malformed (skipped), failed (hinter or scoring)",
+            labels=["result"],
+        )
+        for result in ("hinted", "none", "malformed", "failed"):
+            hints.add_metric([result], getattr(h, result))
+        yield hints
         yield c(
             P + "teacher_missing_groups",
             "Groups submitted without teacher data (DELTARL_ROLLOUT_TEACHER_REQUIRED=false)",

@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from deltarl.rollout.engines.base import Engine
 from deltarl.rollout.follower import VersionFollower
 from deltarl.rollout.weights import WeightSync
+
+if TYPE_CHECKING:
+    from deltarl.rollout.hints import HintStats
 
 
 @dataclass(slots=True)
@@ -32,11 +35,13 @@ class WorkerStats:
 
 @dataclass(slots=True)
 class TeacherStats:
-    """Counters of a worker's teacher requests (on-policy distillation; also in ``/metrics``)."""
+    """Counters of a worker's teacher requests (on-policy distillation, and hinted turns with
+    ``hint_scorer = "teacher"``; also in ``/metrics``)."""
 
     requests_ok: int = 0  # group requests answered
     requests_failed: int = 0  # group requests that failed after the client's retry budget
-    refused: int = 0  # group requests the teacher refused (4xx): those groups are dropped
+    refused: int = 0  # requests the teacher refused (4xx): distillation drops the group,
+    # hinted turns are skipped
     waiting: int = 0  # groups waiting for their teacher data now (a gauge)
     missing: int = 0  # groups submitted without teacher data (teacher_required false)
 
@@ -57,6 +62,7 @@ class WorkerView(Protocol):
     follower: VersionFollower  # wanted, syncs, failures
     stats: WorkerStats
     teacher_stats: TeacherStats
+    hint_stats: HintStats
 
     @property
     def metrics(self) -> MetricsText: ...

@@ -294,6 +294,8 @@ def test_without_required_teacher_data_hintless_groups_go_through_counted(
     assert stats.hinted == 0 and stats.failed >= sum(len(g.trajectories) for g in groups)
     assert worker.teacher_stats.requests_failed >= len(groups)
     assert worker.stats.submitted == len(groups)
+    text = worker.metrics.render().decode()
+    assert f'deltarl_rollout_hints_total{{result="failed"}} {float(stats.failed)}' in text
 
 
 def test_a_teacher_with_another_vocabulary_stops_a_hint_worker_at_start(
