@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
 from test_teacher_worker import TOKEN, TeacherServer, reference, teacher_model
 from test_worker import drain_queue
 from worker_helpers import (
@@ -172,17 +173,15 @@ class Recording:
 def hint_worker(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any, url: str, **kw: Any
 ) -> tuple[WorkerThread, Recording]:
-    settings = worker_settings(
-        coordinator,
-        env.url,
-        hint_mode="env",
-        hint_scorer="teacher",
-        hint_top_k=4,
-        teacher_url=url,
-        teacher_token=TOKEN,
-        teacher_distill=False,
-        **kw,
-    )
+    values: dict[str, Any] = {
+        "hint_mode": "env",
+        "hint_scorer": "teacher",
+        "hint_top_k": 4,
+        "teacher_url": url,
+        "teacher_token": TOKEN,
+        "teacher_distill": False,
+    }
+    settings = worker_settings(coordinator, env.url, **(values | kw))
     runner = WorkerThread(settings, bucket, tok, len(tok))
     recording = Recording()
     runner.worker._hinter = recording
@@ -236,7 +235,9 @@ def test_a_teacher_down_at_first_holds_the_hinted_groups_back(
 ) -> None:
     teacher = TeacherServer(teacher_model(len(tok)))  # port bound, connections refused
     Trainer(bucket, coordinator, len(tok))
-    runner, _ = hint_worker(coordinator, env, bucket, tok, teacher.url, submit_timeout_s=60.0)
+    runner, _ = hint_worker(
+        coordinator, env, bucket, tok, teacher.url, submit_timeout_s=60.0, teacher_distill=True
+    )
     try:
         with runner as worker:
             wait_for(lambda: worker.teacher_stats.waiting >= 2, 60, "no group waits")
@@ -253,10 +254,12 @@ def test_a_teacher_down_at_first_holds_the_hinted_groups_back(
     assert len(groups) == worker.stats.submitted
     trajs = [t for g in groups for t in g.trajectories]
     assert all(t.hint is not None for t in trajs if t.reward < 1.0)
+    assert all(t.teacher is not None for t in trajs)  # both requests answered (teacher_distill)
 
 
-def junk_teacher(vocab: int) -> FastAPI:
-    """A teacher of the right vocabulary whose answers are not the wire format."""
+def junk_teacher(vocab: int, status: int) -> FastAPI:
+    """A teacher of the right vocabulary whose answers are not the wire format (200) or
+    refusals (4xx)."""
     app = FastAPI()
 
     @app.get("/v1/info")
@@ -265,22 +268,33 @@ def junk_teacher(vocab: int) -> FastAPI:
 
     @app.post("/v1/logprobs")
     def logprobs() -> Response:
+        if status != 200:
+            return JSONResponse({"code": "too_long", "detail": "no"}, status_code=status)
         return Response(b"DRTR not a response", media_type="application/octet-stream")
 
     return app
 
 
-@pytest.mark.parametrize("failure", ["down", "malformed"])
-def test_without_required_teacher_data_hintless_groups_go_through_counted(
+@pytest.mark.parametrize("failure", ["down", "malformed", "refused"])
+def test_hintless_groups_go_through_counted_when_the_teacher_fails(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any, failure: str
 ) -> None:
-    app = junk_teacher(len(tok)) if failure == "malformed" else None
+    """Down or malformed with teacher_required false: after the client's budget; refused (4xx,
+    required or not): at once, the hints skipped."""
+    status = {"down": None, "malformed": 200, "refused": 422}[failure]
+    app = None if status is None else junk_teacher(len(tok), status)
     teacher = TeacherServer(teacher_model(len(tok)), app)
-    if failure == "malformed":
+    if app is not None:
         teacher.start()
     Trainer(bucket, coordinator, len(tok))
     runner, _ = hint_worker(
-        coordinator, env, bucket, tok, teacher.url, teacher_required=False, submit_timeout_s=4.0
+        coordinator,
+        env,
+        bucket,
+        tok,
+        teacher.url,
+        teacher_required=failure == "refused",
+        submit_timeout_s=4.0,
     )
     try:
         with runner as worker:
@@ -292,7 +306,10 @@ def test_without_required_teacher_data_hintless_groups_go_through_counted(
     assert groups and all(t.hint is None for g in groups for t in g.trajectories)
     stats = worker.hint_stats
     assert stats.hinted == 0 and stats.failed >= sum(len(g.trajectories) for g in groups)
-    assert worker.teacher_stats.requests_failed >= len(groups)
+    if failure == "refused":
+        assert worker.teacher_stats.refused >= len(groups)
+    else:
+        assert worker.teacher_stats.requests_failed >= len(groups)
     assert worker.stats.submitted == len(groups)
     text = worker.metrics.render().decode()
     assert f'deltarl_rollout_hints_total{{result="failed"}} {float(stats.failed)}' in text
