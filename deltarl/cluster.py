@@ -118,10 +118,27 @@ class ProcessGroup:
     ) -> dict[str, int | None]:
         """Stop the children named in ``first`` (the clients: trainer, workers), then the others
         (the services they talk to): SIGTERM to each still running, last started first, SIGKILL
-        to those still running ``timeout_s`` later. Returns each child's exit code."""
-        self._stop([c for c in self.children if c.name in first], timeout_s)
-        self._stop(self.children, timeout_s)
+        to those still running ``timeout_s`` later. Returns each child's exit code.
+
+        A second interrupt while waiting (Ctrl-C again, SIGTERM turned into
+        ``KeyboardInterrupt``) kills every child still running at once and is re-raised: no
+        child is left behind, whatever interrupts the stop."""
+        try:
+            self._stop([c for c in self.children if c.name in first], timeout_s)
+            self._stop(self.children, timeout_s)
+        except KeyboardInterrupt:
+            self.kill_all()
+            raise
         return {c.name: c.exit_code() for c in self.children}
+
+    def kill_all(self) -> None:
+        """SIGKILL every child still running and reap it."""
+        for child in self.children:
+            if child.exit_code() is None:
+                _signal(child, signal.SIGKILL)
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=10)
 
     def _stop(self, children: list[Child], timeout_s: float) -> None:
         running = [c for c in reversed(children) if c.exit_code() is None]

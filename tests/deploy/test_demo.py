@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +38,8 @@ def demo_run(
             "deltarl",
             "demo",
             "--tiny",
+            "--task",
+            "wordle",
             "--steps",
             str(STEPS),
             "--workers",
@@ -148,6 +151,37 @@ def test_stop_all_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 15
 
 
+def test_an_interrupt_while_stopping_kills_every_child(tmp_path: Path) -> None:
+    """Ctrl-C again while stop_all waits for a slow client: every child still running, the
+    services not yet signalled included, is killed at once and the interrupt goes through (a
+    demo interrupted twice left its coordinator and env server running)."""
+    group = ProcessGroup(tmp_path / "logs")
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    for name in ("coordinator", "trainer"):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", f"{ignore}; print('ready', flush=True); time.sleep(60)"],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        group.children.append(Child(name, proc, tmp_path / f"{name}.log"))
+
+    def second_interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, second_interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)  # during the 30 s wait for the trainer
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            group.stop_all(timeout_s=30.0, first={"trainer"})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 15
+    assert {c.name: c.exit_code() for c in group.children} == {"coordinator": -9, "trainer": -9}
+
+
 def test_worker_log_reads_applied_objects_incrementally(tmp_path: Path) -> None:
     log = tmp_path / "w.log"
     log.write_text(
@@ -188,7 +222,8 @@ def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
     with out_path.open("w") as out:
         demo = subprocess.Popen(
             [
-                *(sys.executable, "-m", "deltarl", "demo", "--tiny", "--steps", "50", "--no-live"),
+                *(sys.executable, "-m", "deltarl", "demo", "--tiny", "--task", "wordle"),
+                *("--steps", "50", "--no-live"),
                 *("--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")),
             ],
             stdout=out,
