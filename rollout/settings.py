@@ -178,6 +178,12 @@ class RolloutSettings(TLSServerSettings):
         "last one's outputs are processed); stamps and pauses stay exact (docs/vllm.md). False: "
         "one step = one forward.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="vllm engine: GPUs of the one engine (tensor parallelism; every rank's "
+        "shard is patched in the same pause, docs/vllm.md).",
+    )
     system_prompt: str | None = Field(
         default=None,
         description=(
@@ -443,6 +449,7 @@ class RolloutSettings(TLSServerSettings):
                 seed=self.engine_seed,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 async_scheduling=self.async_scheduling,
+                tensor_parallel_size=self.tensor_parallel_size,
             )
         return TransformersEngineSettings(
             model=model,

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -184,6 +184,13 @@ class Engine(ABC):
         """:meth:`score` of several ``(tokens, start)`` at once (default: one by one)."""
         return [self.score(t, s, k, temperature, gate=gate) for t, s in items]
 
+    def sharded_weights(self) -> Any:
+        """None (default): :meth:`named_parameters` are the weights. An engine whose weights
+        live in other processes, in shards (the vllm engine at tensor parallelism > 1), returns
+        its :class:`~deltarl.rollout.engines.vllm_shards.ShardedWeights`; the weight sync then
+        stages, applies and verifies through it against its host mirror."""
+        return None
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the engine's resources (default: nothing to do)."""
 
@@ -286,6 +293,12 @@ class VllmEngineSettings(BaseModel):
         "False: one step = one forward, with the CPU work between forwards.",
     )
     seed: int = Field(default=0, description="Seed of vLLM's sampler when a call gives none.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs of one engine (vLLM's tensor parallelism; > 1 runs vLLM's workers in "
+        "processes and patches every rank's shard in the same pause, docs/vllm.md).",
+    )
 
 
 EngineSettings = Annotated[

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +68,7 @@ from deltarl.rollout.engines.base import (
     check_prompts,
 )
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, specs_of
+from deltarl.rollout.engines.vllm_shards import Box, ShardedWeights, connect, new_key
 from deltarl.rollout.engines.vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
 
 logger = logging.getLogger(__name__)
@@ -116,7 +118,7 @@ def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
         "model": settings.model,
         "dtype": settings.dtype,
         "seed": settings.seed,
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": settings.tensor_parallel_size,
         "model_impl": settings.model_impl,
         "load_format": settings.load_format,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
@@ -168,12 +170,19 @@ class VllmEngine(Engine):
         *,
         vocab_size: int,
         make_params: Callable[..., Any],
+        shards: ShardedWeights | None = None,
     ) -> None:
-        if not views:
-            raise ValueError("no weights mapped onto the vLLM model")
-        devices = {t.device for t in views.values()}
-        if len(devices) != 1:
-            raise ValueError(f"weights on several devices: {sorted(map(str, devices))}")
+        self._shards = shards
+        if shards is not None:
+            if views:
+                raise ValueError("a sharded engine has no views of its own")
+            devices = {torch.device("cuda", 0)}  # rank 0's; the weights are in vLLM's workers
+        else:
+            if not views:
+                raise ValueError("no weights mapped onto the vLLM model")
+            devices = {t.device for t in views.values()}
+            if len(devices) != 1:
+                raise ValueError(f"weights on several devices: {sorted(map(str, devices))}")
         self._llm = llm
         self._views = dict(views)
         self._device = devices.pop()
@@ -202,18 +211,23 @@ class VllmEngine(Engine):
             llm.init_weight_transfer_engine(
                 {"init_info": {"tensors": [s.to_json() for s in specs]}}
             )
-            (views,) = llm.collective_rpc("deltarl_views")
             vocab = int(llm.llm_engine.model_config.get_vocab_size())
+            shards = None
+            if settings.tensor_parallel_size == 1:
+                (views,) = llm.collective_rpc("deltarl_views")
+            else:
+                views, shards = {}, _connect_shards(llm, specs)
         except BaseException:
             _shutdown(llm)  # release the GPU memory vLLM took
             raise
         logger.info(
-            "vllm engine: %s (%s, model_impl=%s, load_format=%s), %d tensors mapped",
+            "vllm engine: %s (%s, model_impl=%s, load_format=%s, tp=%d), %d tensors mapped",
             settings.model,
             settings.dtype,
             settings.model_impl,
             settings.load_format,
-            len(views),
+            settings.tensor_parallel_size,
+            len(specs),
         )
 
         def make_params(**kwargs: Any) -> Any:
@@ -221,7 +235,7 @@ class VllmEngine(Engine):
             # stamp is the request's last); DELTA would build an output per request per step
             return vllm.SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kwargs)
 
-        return cls(llm, views, vocab_size=vocab, make_params=make_params)
+        return cls(llm, views, vocab_size=vocab, make_params=make_params, shards=shards)
 
     @property
     def device(self) -> torch.device:
@@ -238,7 +252,15 @@ class VllmEngine(Engine):
         return self._llm
 
     def named_parameters(self) -> Mapping[str, torch.Tensor]:
+        if self._shards is not None:
+            raise RuntimeError(
+                "the weights of a tensor-parallel vllm engine are shards in vLLM's worker "
+                "processes: use sharded_weights()"
+            )
         return self._views
+
+    def sharded_weights(self) -> ShardedWeights | None:
+        return self._shards
 
     def generate(
         self,
@@ -314,6 +336,8 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         """Shut vLLM's engine core down (frees the GPU memory it holds)."""
+        if self._shards is not None:
+            self._shards.close()
         _shutdown(self._llm)
 
 
@@ -347,6 +371,20 @@ class _Launches:
                 sampled = launched
         self._stamps = kept
         return sampled
+
+
+def _connect_shards(llm: Any, specs: Sequence[TensorSpec]) -> ShardedWeights:
+    """Start every rank's staging thread (``deltarl_tp_serve``) and connect to it."""
+    key = new_key()
+    where = os.path.join(tempfile.mkdtemp(prefix="deltarl-tp-"), "rank")
+    infos = llm.collective_rpc("deltarl_tp_serve", args=(where, key.hex()))
+    boxes = [{n: Box.from_json(b) for n, b in info["boxes"].items()} for info in infos]
+    conns = connect([str(info["address"]) for info in infos], key)
+
+    def rpc(method: str, *args: Any) -> list[Any]:
+        return list(llm.collective_rpc(method, args=args))
+
+    return ShardedWeights({s.name: (s.dtype, s.shape) for s in specs}, boxes, conns, rpc)
 
 
 def _shutdown(llm: Any) -> None:
