@@ -62,6 +62,7 @@ from deltarl.rollout.engines.base import (
     Engine,
     FinishReason,
     SamplingParams,
+    ScoredTokens,
     VllmEngineSettings,
     WeightsGate,
     WeightsStamp,
@@ -70,10 +71,12 @@ from deltarl.rollout.engines.base import (
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, specs_of
 from deltarl.rollout.engines.vllm_shards import Box, ShardedWeights, connect, new_key
 from deltarl.rollout.engines.vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
+from deltarl.teacher.engines.vllm_engine import ranked_entries
 
 logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
+MAX_SCORE_K = 128  # the largest top-k score() returns (vLLM's max_logprobs; hint_top_k's cap)
 INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
@@ -124,6 +127,7 @@ def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
+        "max_logprobs": MAX_SCORE_K,  # score()'s top-k (prompt logprobs)
         "enforce_eager": settings.enforce_eager,
         "enable_prefix_caching": False,
         "async_scheduling": settings.async_scheduling,
@@ -270,24 +274,46 @@ class VllmEngine(Engine):
         gate: WeightsGate | None = None,
     ) -> list[Completion]:
         check_prompts(prompts, self._vocab)
-        engine = self._llm.llm_engine
-        call = uuid.uuid4().hex[:12]
-        ids = [f"deltarl-{call}-{i}" for i in range(len(prompts))]
-        row = {rid: i for i, rid in enumerate(ids)}
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons: list[FinishReason] = ["length"] * len(prompts)
         last: list[WeightsStamp] = [UNMANAGED] * len(prompts)
-        first: WeightsStamp | None = None
+
+        def take(i: int, out: Any, sampled: WeightsStamp) -> None:
+            self._take(out, params, tokens[i], logprobs[i])
+            if out.outputs and out.outputs[0].token_ids:
+                last[i] = sampled
+            if out.finished and out.outputs and out.outputs[0].finish_reason == "stop":
+                reasons[i] = "stop"
+
+        requests = [
+            (list(p), self._make_params(**request_params(params, i))) for i, p in enumerate(prompts)
+        ]
+        first = self._run(requests, gate, take)[0]
+        return [
+            Completion(tokens[i], logprobs[i], reasons[i], first, last[i])
+            for i in range(len(prompts))
+        ]
+
+    def _run(
+        self,
+        requests: Sequence[tuple[list[int], Any]],
+        gate: WeightsGate | None,
+        take: Callable[[int, Any, WeightsStamp], None],
+    ) -> list[WeightsStamp]:
+        """Add ``requests`` (prompt, vLLM ``SamplingParams``) and step vLLM, each step inside
+        ``gate``, until all finished; ``take(index, output, stamp)`` gets every output with the
+        stamp of the batch that produced it. Returns the stamps held at each step. A gate error
+        aborts the requests left before it propagates."""
+        engine = self._llm.llm_engine
+        call = uuid.uuid4().hex[:12]
+        row = {f"deltarl-{call}-{i}": i for i in range(len(requests))}
+        stamps: list[WeightsStamp] = []
         pending: set[str] = set()  # requests vLLM holds for this call
         with self._busy:
             try:
-                for rid, prompt in zip(ids, prompts, strict=True):
-                    engine.add_request(
-                        rid,
-                        {"prompt_token_ids": list(prompt)},
-                        self._make_params(**request_params(params, row[rid])),
-                    )
+                for rid, (prompt, sp) in zip(row, requests, strict=True):
+                    engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
                     pending.add(rid)
                 while pending:
                     ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
@@ -295,26 +321,101 @@ class VllmEngine(Engine):
                         outputs = engine.step()
                     # sync scheduling: the step's own forward; async: the batch launched before
                     sampled = stamp if self._launches is None else self._launches.after(stamp)
-                    first = stamp if first is None else first
+                    stamps.append(stamp)
                     for out in outputs:
                         i = row.get(out.request_id)
                         if i is None:
                             continue
-                        self._take(out, params, tokens[i], logprobs[i])
-                        if out.outputs and out.outputs[0].token_ids:
-                            last[i] = sampled
+                        take(i, out, sampled)
                         if out.finished:
                             pending.discard(out.request_id)
-                            if out.outputs and out.outputs[0].finish_reason == "stop":
-                                reasons[i] = "stop"
             finally:
                 if pending:
                     engine.abort_request(sorted(pending))
-        assert first is not None
-        return [
-            Completion(tokens[i], logprobs[i], reasons[i], first, last[i])
-            for i in range(len(prompts))
-        ]
+        return stamps
+
+    def score(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> ScoredTokens:
+        return self.score_batch([(tokens, start)], k, temperature, gate=gate)[0]
+
+    def score_batch(
+        self,
+        items: Sequence[tuple[Sequence[int], int]],
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> list[ScoredTokens]:
+        """vLLM's ``prompt_logprobs`` (``max_tokens=1``): every sequence prefilled once, the
+        logprob of each token from ``start`` on and the ``k`` most likely ids there.
+
+        Temperature 1.0 only: vLLM's prompt logprobs are the raw log-softmax whatever the
+        request's temperature (``gpu_model_runner.py`` ``_get_prompt_logprobs_dict``), and the
+        top-k alone cannot be re-tempered (that needs the whole vocabulary). The scoring runs
+        in the step loop (it waits for a running :meth:`generate` call), every step inside
+        the gate; if a weight sync lands between the steps of one scoring (a long prompt
+        prefilled in chunks), the scores would mix two weight versions: it is scored again
+        (at most 3 times), so every :class:`ScoredTokens` has one stamp."""
+        if not items:
+            return []
+        check_prompts([t for t, _ in items], self._vocab)
+        for tokens, start in items:
+            if not 1 <= start < len(tokens):
+                raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
+        if not 1 <= k <= min(self._vocab, MAX_SCORE_K):
+            raise ValueError(f"need 1 <= k <= {min(self._vocab, MAX_SCORE_K)}, got {k}")
+        if temperature != 1.0:
+            raise ValueError(
+                "the vllm engine scores at temperature 1.0 only (vLLM's prompt logprobs are "
+                f"the raw distribution), got {temperature}: use the transformers engine"
+            )
+        for _ in range(3):
+            rows, seen = self._score_once(items, k, gate)
+            if len(seen) == 1:
+                break
+            logger.info("a weight sync landed while scoring (stamps %s): scoring again", seen)
+        else:
+            raise RuntimeError("weights changed during every one of 3 scoring attempts")
+        (stamp,) = seen
+        out = []
+        for (tokens, start), entries in zip(items, rows, strict=True):
+            if entries is None or len(entries) != len(tokens):
+                raise RuntimeError("vLLM returned no prompt logprobs for a scored sequence")
+            sampled, ids, lps = [], [], []
+            for p in range(start, len(tokens)):
+                lp, ranked = ranked_entries(entries[p], int(tokens[p]), k, p)
+                if len(ranked) != k:
+                    raise RuntimeError(f"vLLM returned {len(ranked)} of {k} logprobs at {p}")
+                sampled.append(lp)
+                ids.append([t for t, _ in ranked])
+                lps.append([x for _, x in ranked])
+            out.append(ScoredTokens(sampled=sampled, ids=ids, logprobs=lps, stamp=stamp))
+        return out
+
+    def _score_once(
+        self, items: Sequence[tuple[Sequence[int], int]], k: int, gate: WeightsGate | None
+    ) -> tuple[list[Any], set[WeightsStamp]]:
+        """Each item's ``prompt_logprobs`` and every stamp its scoring ran under."""
+        rows: list[Any] = [None] * len(items)
+        seen: set[WeightsStamp] = set()
+
+        def take(i: int, out: Any, sampled: WeightsStamp) -> None:
+            if out.finished:
+                rows[i] = out.prompt_logprobs
+                seen.add(sampled)
+
+        params = self._make_params(
+            n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False
+        )
+        seen.update(self._run([(list(t), params) for t, _ in items], gate, take))
+        return rows, seen
 
     @staticmethod
     def _take(out: Any, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> None:

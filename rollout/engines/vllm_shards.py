@@ -128,7 +128,7 @@ def box_of(src: torch.Tensor, probe: torch.Tensor) -> Box | None:
     if src.dim() != probe.dim() or not probe.is_contiguous():
         return None
     shape, size = tuple(probe.shape), tuple(src.shape)
-    offset = src.storage_offset() - probe.storage_offset()
+    offset = int(src.storage_offset()) - int(probe.storage_offset())
     if offset < 0 or any(k == 0 for k in size):
         return None
     strides = probe.stride()

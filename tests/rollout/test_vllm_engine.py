@@ -409,6 +409,81 @@ def test_a_gate_error_aborts_the_requests_left() -> None:
     assert len(core.aborted) == 2 and not core.requests
 
 
+class FakeScoringLLMEngine:
+    """vLLM's engine answering ``prompt_logprobs`` requests the way vLLM formats them (entry 0
+    None, then per position the top-k ids with ranks 1..k plus the actual token with its own
+    rank), computed by a transformers model; a prompt is prefilled in ``chunk``-token steps."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int = 4) -> None:
+        self.model, self.chunk = model, chunk
+        self.requests: dict[str, Any] = {}
+        self.scored = 0
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
+        assert params.max_tokens == 1 and params.prompt_logprobs >= 1
+        self.requests[rid] = SimpleNamespace(ids=prompt["prompt_token_ids"], p=params, steps=0)
+
+    def step(self) -> list[Any]:
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r.steps += 1
+            if r.steps * self.chunk < len(r.ids):
+                continue  # still prefilling
+            with torch.no_grad():
+                logits = self.model(torch.tensor([r.ids])).logits[0].float()
+            lp = torch.log_softmax(logits, -1)
+            entries: list[Any] = [None]
+            for p in range(1, len(r.ids)):
+                row, tok = lp[p - 1], r.ids[p]
+                rank = int((row > row[tok]).sum()) + 1
+                entry = {tok: SimpleNamespace(logprob=float(row[tok]), rank=rank)}
+                top = torch.topk(row, r.p.prompt_logprobs)
+                pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                for n, (i, v) in enumerate(pairs, 1):
+                    entry[i] = SimpleNamespace(logprob=v, rank=n)
+                entries.append(entry)
+            seq = SimpleNamespace(token_ids=[0], logprobs=None, finish_reason="length")
+            outs.append(
+                SimpleNamespace(
+                    request_id=rid, outputs=[seq], finished=True, prompt_logprobs=entries
+                )
+            )
+            del self.requests[rid]
+            self.scored += 1
+        return outs
+
+    def abort_request(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+
+def test_score_batch_reads_vllms_prompt_logprobs_like_the_transformers_engine() -> None:
+    reference = tiny_engine(seed=4)
+    core = FakeScoringLLMEngine(reference._model)
+    engine, _, _ = fake_engine(hf_state())
+    engine._llm = SimpleNamespace(llm_engine=core)
+    items = [([1, 5, 9, 2, 7, 3], 2), ([4, 4, 8], 1), (list(range(10, 30)), 15)]
+    got = engine.score_batch(items, 5, gate=StepGate(switch=100))
+    want = reference.score_batch(items, 5)
+    for g, w, (tokens, start) in zip(got, want, items, strict=True):
+        assert len(g.sampled) == len(tokens) - start and g.ids == w.ids
+        torch.testing.assert_close(torch.tensor(g.sampled), torch.tensor(w.sampled))
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs))
+        assert g.stamp == WeightsStamp(1, 1)
+    # a sync lands while a long prompt is prefilled in chunks: scored again under one stamp
+    core.scored = 0
+    (late,) = engine.score_batch([items[2]], 3, gate=StepGate(switch=2))
+    assert late.stamp == WeightsStamp(2, 2) and core.scored == 2
+    assert late.ids == reference.score_batch([items[2]], 3)[0].ids
+    with pytest.raises(ValueError, match=r"temperature 1.0 only"):
+        engine.score_batch(items, 5, 0.7)
+    with pytest.raises(ValueError, match=r"k <= 128"):
+        engine.score_batch(items, 129)
+    with pytest.raises(ValueError, match=r"start must be within"):
+        engine.score_batch([([1, 2], 2)], 5)
+    assert engine.score(*items[0], 5).ids == want[0].ids
+
+
 class FakeAsyncLLMEngine:
     """vLLM's engine with async scheduling, in-process: each ``step()`` launches a batch (one
     token for every request not yet fully scheduled, computed from the weights at launch) into
