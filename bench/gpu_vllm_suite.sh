@@ -59,7 +59,7 @@ for step in "${steps[@]}"; do
       --run-dir "$RES/wordle-hf" "${WORDLE[@]}" ;;
     system_2gpu) run system_2gpu python3 bench/wordle_gpu_run.py --engine vllm \
       --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" "${WORDLE[@]}" ;;
-    tp) run tp python3 bench/vllm_tp.py --json "$RES/vllm_tp.json" ;;
+    tp) run tp python3 bench/vllm_tp.py --json "$RES/vllm_tp.json" ${DELTARL_TP_REUSE:+--reuse "$DELTARL_TP_REUSE"} ;;
     teacher) run teacher python3 bench/teacher_vllm_check.py --json "$RES/teacher_vllm.json" ;;
     tests_tp) run tests_tp timeout 540 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
       tests/rollout/test_vllm_gpu.py -k "tensor_parallel or score_batch" \

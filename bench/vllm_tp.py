@@ -139,8 +139,10 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
         failures.append("vLLM's weights differ from the trainer's at the end")
     deltas = [t for t in sync.timings if t.kind == "delta"]
 
-    def ms(field: str) -> dict[str, float]:
+    def ms(field: str) -> dict[str, float] | None:
         vals = sorted(getattr(t, field) * 1e3 for t in deltas)
+        if not vals:
+            return None
         return {
             "p50": statistics.median(vals),
             "p99": vals[min(len(vals) - 1, round(0.99 * (len(vals) - 1)))],
@@ -186,6 +188,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--reuse", type=Path, help="a directory a previous run prepared")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--bucket", help=argparse.SUPPRESS)
@@ -193,9 +196,15 @@ def main() -> int:
     if a.child is not None:
         print(RESULT + json.dumps(child(a)), flush=True)
         return 0
-    tmp = Path(tempfile.mkdtemp(prefix="deltarl-vllm-tp-"))
     t0 = time.perf_counter()
-    model, bucket, numel = prepare(tmp, a.versions, a.density)
+    if a.reuse is not None:  # same model and bucket as the run that prepared it
+        model, bucket = str(a.reuse / "model"), a.reuse / "bucket"
+        known = a.reuse / "numel"
+        numel = json.loads(known.read_text()) if known.exists() else None
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="deltarl-vllm-tp-"))
+        model, bucket, numel = prepare(tmp, a.versions, a.density)
+        (tmp / "numel").write_text(str(numel))
     out: dict[str, Any] = {
         "model": "Qwen3-0.6B shape, random weights",
         "numel": numel,

@@ -48,6 +48,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,
@@ -165,45 +166,43 @@ def shard_patch(patch: TensorPatch, box: Box) -> TensorPatch:
 
 
 def shard_delta(delta: Delta, boxes: Mapping[str, Box]) -> Delta:
-    """The changes of ``delta`` that fall in one rank's ``boxes`` (tensors left unchanged in
-    that rank are left out)."""
+    """The changes of ``delta`` that fall in one rank's ``boxes``, every tensor listed (those
+    unchanged in the rank with no changes, as the shared apply code expects)."""
     missing = sorted(set(delta.patches) - set(boxes))
     if missing:
         raise StateMismatchError(f"the delta changes tensors no rank holds: {missing[:5]}")
-    patches = {}
-    for name, p in delta.patches.items():
-        if p.changed:
-            local = shard_patch(p, boxes[name])
-            if local.changed:
-                patches[name] = local
+    patches = {name: shard_patch(p, boxes[name]) for name, p in delta.patches.items()}
     return Delta(delta.base_version, delta.version, patches)
 
 
 def encode_delta(delta: Delta) -> bytes:
-    """A sliced delta as safetensors bytes ("{name}.idx" int64, "{name}.val" bit patterns),
-    the shapes and dtypes in its metadata."""
+    """A sliced delta as safetensors bytes ("{name}.idx" int64, "{name}.val" bit patterns, for
+    changed tensors only), every tensor's shape and dtype in its metadata."""
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {}
     for name, p in delta.patches.items():
-        tensors[f"{name}.idx"] = torch.from_numpy(np.ascontiguousarray(p.index, np.int64))
-        tensors[f"{name}.val"] = torch.from_numpy(np.ascontiguousarray(p.value))
+        if p.changed:
+            tensors[f"{name}.idx"] = torch.from_numpy(np.ascontiguousarray(p.index, np.int64))
+            tensors[f"{name}.val"] = torch.from_numpy(np.ascontiguousarray(p.value))
         meta[name] = {"dtype": p.dtype, "shape": list(p.shape)}
-    return st_save(tensors, metadata={"patches": json.dumps(meta)}) if tensors else b""
+    return st_save(tensors, metadata={"patches": json.dumps(meta)})
 
 
 def decode_delta(data: bytes, base_version: int | None, version: int | None) -> Delta:
-    if not data:
-        return Delta(base_version, version, {})
     tensors = st_load(data)
     meta = _metadata(data)
     patches = {}
     for name, m in meta.items():
+        dtype = str(m["dtype"])
+        empty = np.empty(0, np.int16 if float_format(dtype).width == 16 else np.int32)
         patches[name] = TensorPatch(
             name=name,
-            dtype=str(m["dtype"]),
+            dtype=dtype,
             shape=tuple(int(d) for d in m["shape"]),
-            index=tensors[f"{name}.idx"].numpy(),
-            value=tensors[f"{name}.val"].numpy(),
+            index=tensors[f"{name}.idx"].numpy()
+            if f"{name}.idx" in tensors
+            else empty[:0].astype(np.int64),
+            value=tensors[f"{name}.val"].numpy() if f"{name}.val" in tensors else empty,
             base_digest=UNKNOWN_DIGEST,
             result_digest=UNKNOWN_DIGEST,
         )
