@@ -72,7 +72,7 @@ def main() -> int:
         num_hidden_layers=30,
         num_attention_heads=9,
         num_key_value_heads=3,
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,  # the teacher's default max_seq_len (vLLM refuses more)
         tie_word_embeddings=True,
         initializer_range=0.1,  # peaked distributions: a wrong position shows
         architectures=["LlamaForCausalLM"],

@@ -11,7 +11,8 @@ per ``--tp`` value. Each child starts the engine with that tensor parallelism an
    mirror against the trainer's digests), then at the end every tensor of every rank against
    the mirror and the mirror's state digest against the published one;
 2. reports the paused window (p50 / p99 / max), the wait for the in-flight forward, staging and
-   verification times;
+   verification times, and how many generations spanned a sync (0: the applies landed on an
+   idle engine, so the pause was not measured under load);
 3. times generation without syncs (``--batches``, ``--new-tokens``; median of ``--reps``).
 
 Usage::
@@ -116,7 +117,9 @@ def child(a: argparse.Namespace) -> dict[str, Any]:
     assert latest is not None
     for v in range(1, latest + 1):
         future = sync.sync_in_background(v)
-        out = sync.generate(prompts, SamplingParams(max_new_tokens=128, temperature=1.0, seed=v))
+        out = sync.generate(
+            prompts, SamplingParams(max_new_tokens=a.sync_tokens, temperature=1.0, seed=v)
+        )
         try:
             future.result()
         except Exception as err:
@@ -186,6 +189,13 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--sync-tokens",
+        type=int,
+        default=512,
+        help="tokens per prompt generated while each version syncs (long enough for the apply "
+        "to land mid-generation: check generations_spanning_a_sync)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--reuse", type=Path, help="a directory a previous run prepared")
@@ -218,6 +228,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", str(tp), "--model", model, "--bucket"]
         cmd += [str(bucket), "--batches", *map(str, a.batches), "--new-tokens", str(a.new_tokens)]
         cmd += ["--reps", str(a.reps), "--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+        cmd += ["--sync-tokens", str(a.sync_tokens)]
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         sys.stderr.write(proc.stderr[-20000:])

@@ -255,7 +255,8 @@ class TransformersEngineSettings(BaseModel):
 
 
 class VllmEngineSettings(BaseModel):
-    """vLLM 0.33.0 serving the policy in this process, one GPU (see docs/vllm.md)."""
+    """vLLM 0.33.0 serving the policy from this process: one GPU, or ``tensor_parallel_size``
+    GPUs through vLLM's worker processes (see docs/vllm.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

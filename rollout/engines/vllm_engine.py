@@ -1,6 +1,6 @@
 """The ``vllm`` engine: vLLM 0.33.0 generating in this process, its weights patched in place.
 
-Why in-process (``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) rather than an
+Why in-process (``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) rather than an
 external ``vllm serve``: :class:`~deltarl.rollout.weights.WeightSync` owns the weights through
 :meth:`Engine.named_parameters` (live tensors it stages into, scatters into during a pause and
 hashes to verify) and is the gate of every forward step. In-process, vLLM's scheduler step *is*
@@ -38,6 +38,14 @@ vLLM's batch queue, so tokens returned one step later carry the weights that sam
 the weight sync waits for the device inside its pause before it writes (a launched forward
 finishes on the weights it was launched with; :meth:`WeightSync._exclusive`). With
 ``async_scheduling=False`` one ``step()`` is one forward whose tokens it returns.
+
+Tensor parallelism > 1 (``tensor_parallel_size``): the engine core still runs here, each rank in
+a vLLM worker process; the weights are shards there, reached through
+:class:`~deltarl.rollout.engines.vllm_shards.ShardedWeights` (:meth:`sharded_weights`) instead
+of views, and every rank's shard is patched in one ``collective_rpc`` inside the pause.
+
+Scoring (:meth:`VllmEngine.score_batch`, hinted self-distillation): vLLM's ``prompt_logprobs``
+at temperature 1.0, through the same gated step loop.
 
 Every completion's ``first`` stamp is that of the call's first step (its prompt may have been
 prefilled then, in chunks), ``last`` that of the batch that sampled its last token.

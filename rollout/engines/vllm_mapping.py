@@ -9,8 +9,10 @@ asks the model's own loader where each checkpoint tensor goes: it calls
 ``model.load_weights([(name, probe)])`` once per name with ``Tensor.copy_`` patched to *record*
 the destination instead of writing it. A destination that is a contiguous view of one runtime
 parameter, with the checkpoint tensor's dtype and shape, receiving the probe tensor unchanged,
-becomes the Hugging Face-named view; anything else (a loader that slices the tensor, as under
-tensor parallelism; casts, transforms or writes it twice; quantized parameters) is refused with
+becomes the Hugging Face-named view. Under tensor parallelism (:func:`probe_shards`) the loader
+narrows the tensor to the rank's part first: the view then holds that part, whose
+:class:`~deltarl.rollout.engines.vllm_shards.Box` is read off the narrowed source. Anything else
+(casts, transforms, writes it twice; quantized parameters) is refused with
 the reason, since a bit-exact in-place delta needs the checkpoint's bytes to be the runtime
 bytes. Nothing is written to the model while probing (``fill_``/``zero_`` on its storage, as the
 padded-vocabulary loader does to padding rows, are skipped too).

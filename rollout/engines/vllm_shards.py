@@ -2,7 +2,7 @@
 
 With ``tensor_parallel_size > 1`` vLLM (0.33, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) runs its
 engine core in the rollout worker's process and one worker process per rank
-(``MultiprocExecutor``); each rank's loader ``narrow``\\ s every checkpoint tensor to its part
+(``MultiprocExecutor``); each rank's loader narrows every checkpoint tensor to its part
 (column-parallel ``qkv``/``gate_up`` and vocabulary-parallel embeddings / LM head: output rows;
 row-parallel ``o_proj``/``down_proj``: input columns; norms and, with fewer KV heads than ranks,
 ``k``/``v`` rows: replicated) and copies that into its fused parameter. The probe
