@@ -1,7 +1,8 @@
 """The teacher service with its vLLM engine, end to end, against the transformers engine.
 
 Needs a CUDA GPU (two: the reference runs on the second when there is one) and vLLM 0.33.0.
-Writes a random Llama shaped like SmolLM2-135M (head dim 64) to a temporary directory, starts
+Writes ``bench/teacher_engine_bench.py``'s random Llama shaped like SmolLM2-135M (head dim 64)
+to a temporary directory, starts
 ``deltarl teacher`` with ``DELTARL_TEACHER_ENGINE=vllm`` on it, sends one request of
 ``--sequences`` sequences through :class:`~deltarl.teacher.client.SyncTeacherClient`, and scores
 the same sequences with :class:`~deltarl.teacher.engines.transformers_engine.TransformersTeacher`
@@ -16,6 +17,7 @@ below 0.9.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -58,28 +60,19 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.05, help="mean |logprob diff|")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    import transformers
-
     from deltarl.teacher.client import SyncTeacherClient, TeacherRequestError
     from deltarl.teacher.engines.base import ScoreJob
     from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 
     tmp = Path(tempfile.mkdtemp(prefix="deltarl-teacher-vllm-"))
-    cfg = transformers.LlamaConfig(
-        vocab_size=49_152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=4096,  # the teacher's default max_seq_len (vLLM refuses more)
-        tie_word_embeddings=True,
-        initializer_range=0.1,  # peaked distributions: a wrong position shows
-        architectures=["LlamaForCausalLM"],
+    spec = importlib.util.spec_from_file_location(
+        "teacher_engine_bench", Path(__file__).with_name("teacher_engine_bench.py")
     )
-    torch.manual_seed(0)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     dtype = getattr(torch, a.dtype)
-    model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    model = bench.smollm2_shaped(dtype, "cpu")  # 8192 positions, peaked distributions
     model.save_pretrained(tmp / "model")
     rng = np.random.default_rng(1)
     lens = rng.integers(40, 400, a.sequences)

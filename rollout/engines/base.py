@@ -205,6 +205,21 @@ class ScoredTokens:
     stamp: WeightsStamp  # the weights that scored them
 
 
+def check_score_items(
+    items: Sequence[tuple[Sequence[int], int]], vocab_size: int, k: int, max_k: int | None = None
+) -> None:
+    """``ValueError`` for what :meth:`Engine.score_batch` cannot score: a token outside the
+    vocabulary, a ``start`` outside ``1..len - 1``, ``k`` outside ``1..max_k`` (default: the
+    vocabulary)."""
+    check_prompts([t for t, _ in items], vocab_size)
+    for tokens, start in items:
+        if not 1 <= start < len(tokens):
+            raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
+    top = vocab_size if max_k is None else min(vocab_size, max_k)
+    if not 1 <= k <= top:
+        raise ValueError(f"need 1 <= k <= {top}, got {k}")
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
     """The ``ValueError`` every engine's :meth:`Engine.generate` raises for no prompt, an empty
     prompt or a token id outside ``0 .. vocab_size - 1``."""

@@ -75,6 +75,7 @@ from deltarl.rollout.engines.base import (
     WeightsGate,
     WeightsStamp,
     check_prompts,
+    check_score_items,
 )
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, specs_of
 from deltarl.rollout.engines.vllm_shards import Box, ShardedWeights, connect, new_key
@@ -373,12 +374,7 @@ class VllmEngine(Engine):
         (at most 3 times), so every :class:`ScoredTokens` has one stamp."""
         if not items:
             return []
-        check_prompts([t for t, _ in items], self._vocab)
-        for tokens, start in items:
-            if not 1 <= start < len(tokens):
-                raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
-        if not 1 <= k <= min(self._vocab, MAX_SCORE_K):
-            raise ValueError(f"need 1 <= k <= {min(self._vocab, MAX_SCORE_K)}, got {k}")
+        check_score_items(items, self._vocab, k, MAX_SCORE_K)
         if temperature != 1.0:
             raise ValueError(
                 "the vllm engine scores at temperature 1.0 only (vLLM's prompt logprobs are "

@@ -28,7 +28,15 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_config, tiny_engine
+from rollout_helpers import (
+    FakeTrainer,
+    clone_state,
+    fused_llama_params,
+    perturb,
+    same_bits,
+    tiny_config,
+    tiny_engine,
+)
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, WeightsStamp, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine, hf_specs, request_params
@@ -64,16 +72,6 @@ VLLM_WHEEL = Path(
 )
 
 # ------------------------------------------------------------------ a vLLM-shaped model
-
-
-def _put(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
 
 
 STACKED: dict[
@@ -115,20 +113,17 @@ class FusedLlama(torch.nn.Module):
         def p(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype), False)
 
-        _put(self, "model.embed_tokens.weight", p(vocab, d))
-        for i in range(cfg.num_hidden_layers):
-            pre = f"model.layers.{i}"
-            _put(self, f"{pre}.self_attn.qkv_proj.weight", p(self.q + 2 * self.kv, d))
-            _put(self, f"{pre}.self_attn.o_proj.weight", p(d, self.q))
-            _put(self, f"{pre}.mlp.gate_up_proj.weight", p(2 * self.inter, d))
-            _put(self, f"{pre}.mlp.down_proj.weight", p(d, self.inter))
-            _put(self, f"{pre}.input_layernorm.weight", p(d))
-            _put(self, f"{pre}.post_attention_layernorm.weight", p(d))
-        _put(self, "model.norm.weight", p(d))
-        if self.tied:
-            _put(self, "lm_head.weight", self.get_parameter("model.embed_tokens.weight"))
-        else:
-            _put(self, "lm_head.weight", p(vocab, d))
+        fused_llama_params(
+            self,
+            cfg.num_hidden_layers,
+            d=d,
+            q=self.q,
+            kv=self.kv,
+            inter=self.inter,
+            vocab_rows=vocab,
+            tied=self.tied,
+            make=p,
+        )
 
     def _shard(self, shard: str | int) -> tuple[int, int]:
         sizes = {"q": (0, self.q), "k": (self.q, self.kv), "v": (self.q + self.kv, self.kv)}

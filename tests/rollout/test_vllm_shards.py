@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from rollout_helpers import FakeTrainer, clone_state, perturb
+from rollout_helpers import FakeTrainer, clone_state, fused_llama_params, perturb
 from safetensors.torch import save as st_save
 
 from deltarl.rollout.engines.base import (
@@ -68,16 +68,6 @@ def full_state(cfg: transformers.LlamaConfig, seed: int = 0) -> dict[str, torch.
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _put(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
-
-
 class RankLlama(torch.nn.Module):
     """Rank ``rank`` of ``tp`` of vLLM's Llama, random weights (``load_format="dummy"``)."""
 
@@ -99,20 +89,17 @@ class RankLlama(torch.nn.Module):
         def p(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.randn(shape, generator=g).to(torch.bfloat16), False)
 
-        _put(self, "model.embed_tokens.weight", p(self.per_rank, d))
-        for i in range(cfg.num_hidden_layers):
-            pre = f"model.layers.{i}"
-            _put(self, f"{pre}.self_attn.qkv_proj.weight", p(self.q + 2 * self.kv, d))
-            _put(self, f"{pre}.self_attn.o_proj.weight", p(d, self.q))
-            _put(self, f"{pre}.mlp.gate_up_proj.weight", p(2 * self.inter, d))
-            _put(self, f"{pre}.mlp.down_proj.weight", p(d, self.inter))
-            _put(self, f"{pre}.input_layernorm.weight", p(d))
-            _put(self, f"{pre}.post_attention_layernorm.weight", p(d))
-        _put(self, "model.norm.weight", p(d))
-        if self.tied:
-            _put(self, "lm_head.weight", self.get_parameter("model.embed_tokens.weight"))
-        else:
-            _put(self, "lm_head.weight", p(self.per_rank, d))
+        fused_llama_params(
+            self,
+            cfg.num_hidden_layers,
+            d=d,
+            q=self.q,
+            kv=self.kv,
+            inter=self.inter,
+            vocab_rows=self.per_rank,
+            tied=self.tied,
+            make=p,
+        )
 
     def load_weights(self, weights: Any) -> set[str]:
         loaded = set()
