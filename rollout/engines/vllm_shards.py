@@ -96,14 +96,22 @@ class Box:
             raise ValueError(f"tensor of shape {list(t.shape)} for a box of {list(self.shape)}")
         return t if self.is_full else t[self.slices()].contiguous()
 
-    def localize(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(mask, local)``: which of the full tensor's flat indices ``index`` fall in the box,
-        and their flat indices inside it (C order: increasing where ``index`` increases)."""
+    def localize(self, index: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
+        """``(which, local)``: which of the full tensor's sorted flat indices ``index`` fall in
+        the box (a slice or a boolean mask over ``index``), and their flat indices inside it
+        (C order: increasing where ``index`` increases).
+
+        A box whose dimensions after the first are whole (row blocks: column-parallel and
+        vocabulary-parallel tensors) is one contiguous range of flat indices, found by binary
+        search; any other box is tested coordinate by coordinate."""
         index = np.asarray(index, dtype=np.int64)
-        if self.is_full:
-            return np.ones(index.shape, dtype=bool), index
-        if not self.shape:
-            return np.ones(index.shape, dtype=bool), index
+        if self.is_full or not self.shape:
+            return slice(None), index
+        if self.size[1:] == self.shape[1:]:
+            row = math.prod(self.shape[1:])
+            lo, hi = self.start[0] * row, (self.start[0] + self.size[0]) * row
+            a, b = np.searchsorted(index, [lo, hi])
+            return slice(int(a), int(b)), index[a:b] - lo
         coords = np.unravel_index(index, self.shape)
         mask = np.ones(index.shape, dtype=bool)
         for c, s, k in zip(coords, self.start, self.size, strict=True):
@@ -153,13 +161,13 @@ def shard_patch(patch: TensorPatch, box: Box) -> TensorPatch:
             f"{patch.name}: the delta's shape {list(patch.shape)}, the rank's box is of "
             f"{list(box.shape)}"
         )
-    mask, local = box.localize(patch.index)
+    which, local = box.localize(patch.index)
     return TensorPatch(
         name=patch.name,
         dtype=patch.dtype,
         shape=box.size,
         index=local,
-        value=np.asarray(patch.value)[mask],
+        value=np.asarray(patch.value)[which],
         base_digest=UNKNOWN_DIGEST,
         result_digest=UNKNOWN_DIGEST,
     )

@@ -170,19 +170,26 @@ def test_box_of_reads_the_narrowed_part_and_refuses_anything_else() -> None:
         Box((4,), (3,), (2,))
 
 
-def test_localize_matches_slicing_a_full_tensor() -> None:
+@pytest.mark.parametrize(
+    "box",
+    [
+        Box((7, 9, 5), (2, 3, 1), (4, 5, 3)),  # a general box: coordinate by coordinate
+        Box((7, 9, 5), (2, 0, 0), (4, 9, 5)),  # row blocks: one range, binary search
+        Box((7, 9, 5), (6, 0, 0), (1, 9, 5)),  # the last row
+        Box((7, 9, 5), (0, 0, 2), (7, 9, 3)),  # trailing columns
+    ],
+)
+def test_localize_matches_slicing_a_full_tensor(box: Box) -> None:
     g = torch.Generator().manual_seed(0)
     full = torch.arange(7 * 9 * 5).reshape(7, 9, 5)
-    box = Box((7, 9, 5), (2, 3, 1), (4, 5, 3))
     index = np.sort(torch.randperm(full.numel(), generator=g)[:120].numpy())
-    mask, local = box.localize(index)
+    which, local = box.localize(index)
     sliced = box.take(full).reshape(-1)
     # the elements whose flat index is in the box are exactly those of the sliced tensor
     inside = np.isin(np.arange(full.numel()), full[box.slices()].reshape(-1).numpy())
-    assert np.array_equal(mask, inside[index])
-    assert torch.equal(
-        sliced[torch.from_numpy(local)], full.reshape(-1)[torch.from_numpy(index[mask])]
-    )
+    assert np.array_equal(index[which], index[inside[index]])
+    got = sliced[torch.from_numpy(local)]
+    assert torch.equal(got, full.reshape(-1)[torch.from_numpy(index[which])])
     assert np.all(np.diff(local) > 0)  # still strictly increasing
 
 
