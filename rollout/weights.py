@@ -179,7 +179,9 @@ class WeightSync:
         self.host_mirror = engine.device.type != "cpu" if host_mirror is None else host_mirror
         # an engine whose weights are shards in other processes (vLLM at TP > 1): staged,
         # applied and verified through this handle, against the host mirror
-        self._shards = engine.sharded_weights()
+        # (engines written against the protocol without subclassing Engine have no such hook)
+        sharded = getattr(engine, "sharded_weights", None)
+        self._shards = sharded() if sharded is not None else None
         if self._shards is not None:
             if host_mirror is False:
                 raise ValueError(
