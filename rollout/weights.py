@@ -51,6 +51,12 @@ Guarantees:
   ``index_copy_`` per changed tensor, plus a device synchronize on CUDA; download, decode,
   staging and verification run while generation continues.
 
+An engine whose weights are shards in other processes (the vllm engine at tensor parallelism >
+1: :meth:`~deltarl.rollout.engines.base.Engine.sharded_weights`) keeps the same order through
+its handle: staging sends each rank its slice, the pause is one apply call to every rank, and
+verification patches the host mirror, checks it against the trainer's digests and every rank's
+shards against it (docs/vllm.md, "Tensor parallelism").
+
 Timings of every step are kept in :attr:`WeightSync.timings` (:class:`StepTiming`).
 """
 
