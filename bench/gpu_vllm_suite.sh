@@ -19,6 +19,9 @@
 #   faults   the fault suite's worker kills with vllm workers
 #   system_hf  the same whole-system run with the transformers engine
 #   system_2gpu  one vllm worker per GPU (needs 2 GPUs)
+#   tp       bench/vllm_tp.py: one engine at tensor parallelism 2 following a bucket, vs 1 (2 GPUs)
+#   teacher  bench/teacher_vllm_check.py: deltarl teacher with the vllm engine vs transformers
+#   tests_tp the gpu tests of tensor parallelism, Engine.score on vLLM and the vLLM teacher
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -56,6 +59,11 @@ for step in "${steps[@]}"; do
       --run-dir "$RES/wordle-hf" "${WORDLE[@]}" ;;
     system_2gpu) run system_2gpu python3 bench/wordle_gpu_run.py --engine vllm \
       --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" "${WORDLE[@]}" ;;
+    tp) run tp python3 bench/vllm_tp.py --json "$RES/vllm_tp.json" ${DELTARL_TP_REUSE:+--reuse "$DELTARL_TP_REUSE"} ;;
+    teacher) run teacher python3 bench/teacher_vllm_check.py --json "$RES/teacher_vllm.json" ;;
+    tests_tp) run tests_tp timeout 540 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
+      tests/rollout/test_vllm_gpu.py -k "tensor_parallel or score_batch" \
+      tests/teacher/test_teacher_vllm.py tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_shards.py ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;

@@ -178,6 +178,12 @@ class RolloutSettings(TLSServerSettings):
         "last one's outputs are processed); stamps and pauses stay exact (docs/vllm.md). False: "
         "one step = one forward.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="vllm engine: GPUs of the one engine (tensor parallelism; every rank's "
+        "shard is patched in the same pause, docs/vllm.md).",
+    )
     system_prompt: str | None = Field(
         default=None,
         description=(
@@ -291,7 +297,8 @@ class RolloutSettings(TLSServerSettings):
     hint_scorer: Literal["policy", "teacher"] = Field(
         default="policy",
         description="Who computes the hinted distribution: 'policy' the worker's own engine "
-        "(the transformers engine only), 'teacher' the teacher service at teacher_url (one "
+        "(the transformers engine, or vllm at temperature 1.0), 'teacher' the teacher service "
+        "at teacher_url (one "
         "request per group, with the teacher_* settings: token, timeout, retries, "
         "teacher_required; any engine, vllm included).",
     )
@@ -353,10 +360,16 @@ class RolloutSettings(TLSServerSettings):
                 "hint_scorer 'teacher' needs a teacher service: set DELTARL_ROLLOUT_TEACHER_URL "
                 "(and _TEACHER_TOKEN), or a [teacher] section in a run config"
             )
-        if self.hint_mode != "off" and self.hint_scorer == "policy" and self.engine == "vllm":
+        if (
+            self.hint_mode != "off"
+            and self.hint_scorer == "policy"
+            and self.engine == "vllm"
+            and self.temperature != 1.0
+        ):
             raise ValueError(
-                "the vllm engine cannot score hinted turns itself (no Engine.score): set "
-                "DELTARL_ROLLOUT_HINT_SCORER=teacher (a teacher service) or use the "
+                "the vllm engine scores hinted turns at temperature 1.0 only (vLLM's prompt "
+                f"logprobs ignore temperature), and this worker samples at {self.temperature}: "
+                "set DELTARL_ROLLOUT_HINT_SCORER=teacher (a teacher service) or use the "
                 "transformers engine"
             )
         if self.teacher_url and not self.teacher_distill and self.hint_scorer != "teacher":
@@ -472,6 +485,7 @@ class RolloutSettings(TLSServerSettings):
                 seed=self.engine_seed,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 async_scheduling=self.async_scheduling,
+                tensor_parallel_size=self.tensor_parallel_size,
             )
         return TransformersEngineSettings(
             model=model,

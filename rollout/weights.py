@@ -51,6 +51,12 @@ Guarantees:
   ``index_copy_`` per changed tensor, plus a device synchronize on CUDA; download, decode,
   staging and verification run while generation continues.
 
+An engine whose weights are shards in other processes (the vllm engine at tensor parallelism >
+1: :meth:`~deltarl.rollout.engines.base.Engine.sharded_weights`) keeps the same order through
+its handle: staging sends each rank its slice, the pause is one apply call to every rank, and
+verification patches the host mirror, checks it against the trainer's digests and every rank's
+shards against it (docs/vllm.md, "Tensor parallelism").
+
 Timings of every step are kept in :attr:`WeightSync.timings` (:class:`StepTiming`).
 """
 
@@ -177,6 +183,17 @@ class WeightSync:
         self.verify_before_resume = verify_before_resume
         self.full_verify = full_verify
         self.host_mirror = engine.device.type != "cpu" if host_mirror is None else host_mirror
+        # an engine whose weights are shards in other processes (vLLM at TP > 1): staged,
+        # applied and verified through this handle, against the host mirror
+        # (engines written against the protocol without subclassing Engine have no such hook)
+        sharded = getattr(engine, "sharded_weights", None)
+        self._shards = sharded() if sharded is not None else None
+        if self._shards is not None:
+            if host_mirror is False:
+                raise ValueError(
+                    "a sharded engine needs the host mirror (shards verify against it)"
+                )
+            self.host_mirror = True
         self.decode_threads = decode_threads
         use_process = decode_process
         if use_process and not self.host_mirror:
@@ -313,7 +330,11 @@ class WeightSync:
             )
         if not current:
             return None
-        answer = proof_answer(self.engine.named_parameters(), nonce, version, spec)
+        # sharded: the host mirror, which equalled every rank's shards at the last verification
+        served = self.engine.named_parameters() if self._shards is None else self._mirror
+        if served is None:
+            return None
+        answer = proof_answer(served, nonce, version, spec)
         with self._cond:
             if self._writer or self._stamp.seq != stamp.seq or not self._healthy:
                 return None
@@ -513,6 +534,8 @@ class WeightSync:
         return self._mirror if self._mirror is not None else self.engine.named_parameters()
 
     def _sync_device(self) -> None:
+        if self._shards is not None:
+            return  # each rank drains its own device inside the apply call
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize(self.engine.device)
 
@@ -554,10 +577,15 @@ class WeightSync:
         new_context = self._context_of(delta, ref)
         t2 = time.perf_counter()
         fault_points.hold("before_apply", version=ref.version, base_version=ref.base_version)
-        params = self.engine.named_parameters()
-        # binding the target tensors now (checked: names, dtypes, shapes, device) leaves only
-        # the scatters for the pause
-        staged = stage_delta(delta, self.engine.device, params, kernel=self.apply_kernel)
+        if self._shards is not None:
+            params: Mapping[str, torch.Tensor] = {}
+            staged = None
+            self._shards.stage(delta, ref.version)  # sliced per rank, staged on every GPU
+        else:
+            params = self.engine.named_parameters()
+            # binding the target tensors now (checked: names, dtypes, shapes, device) leaves
+            # only the scatters for the pause
+            staged = stage_delta(delta, self.engine.device, params, kernel=self.apply_kernel)
         t3 = time.perf_counter()
         seq = self._stamp.seq + 1
         verify_s = 0.0
@@ -565,7 +593,11 @@ class WeightSync:
         with self._exclusive() as wait_s:
             tp = time.perf_counter()
             try:
-                applied_by = apply_staged(params, staged)
+                if staged is None:
+                    assert self._shards is not None
+                    applied_by = self._shards.apply(ref.version)
+                else:
+                    applied_by = apply_staged(params, staged)
                 self._sync_device()
             except BaseException as err:
                 self._set_unhealthy(f"apply of v{ref.version} was interrupted: {err}", seq)
@@ -588,7 +620,7 @@ class WeightSync:
         with self._cond:
             self._verified_seq = seq
         tm = time.perf_counter()
-        if self._mirror is not None:
+        if self._mirror is not None and self._shards is None:
             try:
                 for patch in delta.patches.values():
                     scatter_patch(self._mirror[patch.name], patch)
@@ -638,8 +670,21 @@ class WeightSync:
         )
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
-        """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch."""
-        params = self.engine.named_parameters()
+        """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch.
+
+        Sharded engine: the host mirror is patched first and checked against the trainer's
+        digests, then every rank's shards against the same boxes of the mirror."""
+        if self._shards is not None:
+            assert self._mirror is not None
+            try:
+                for patch in delta.patches.values():
+                    scatter_patch(self._mirror[patch.name], patch)
+            except BaseException as err:
+                self._set_unhealthy(f"host mirror of v{ref.version} half-patched: {err}", seq)
+                raise
+            params: Mapping[str, torch.Tensor] = self._mirror
+        else:
+            params = self.engine.named_parameters()
         digests = dict(self._digests)
         try:
             for name, p in delta.patches.items():
@@ -661,7 +706,25 @@ class WeightSync:
             )
             self._set_unhealthy(reason, seq)
             raise VerificationError(reason)
+        if self._shards is not None:
+            self._verify_shards([n for n in delta.patches if n in digests], ref, seq)
         return digests
+
+    def _verify_shards(self, names: list[str], ref: ObjectRef, seq: int) -> None:
+        """Every rank's shards of ``names`` equal the verified host mirror; unhealthy if not."""
+        assert self._shards is not None and self._mirror is not None
+        try:
+            bad = self._shards.mismatches(names, self._mirror)
+        except BaseException as err:
+            self._set_unhealthy(f"shard verification of v{ref.version} failed: {err}", seq)
+            raise
+        if bad:
+            reason = (
+                f"verification of v{ref.version} failed: {len(bad)} GPU shard(s) differ from "
+                f"the verified host state, e.g. {bad[:3]}; reloading an anchor"
+            )
+            self._set_unhealthy(reason, seq)
+            raise VerificationError(reason)
 
     def _load_anchor(self, ref: ObjectRef, created: float | None) -> StepTiming:
         t0 = time.perf_counter()
@@ -673,25 +736,33 @@ class WeightSync:
                 f"anchor {ref.key} holds version {version} with another state digest than the "
                 f"manifest's version {ref.version}"
             )
-        params = self.engine.named_parameters()
+        shards = self._shards
+        params = shards.meta() if shards is not None else self.engine.named_parameters()
         _check_same_tensors(params, state)
         t2 = time.perf_counter()
         seq = self._stamp.seq + 1
         self._context = None  # the weights are about to come from an anchor, not a delta
-        self._warm_apply_kernel(params)  # outside the pause: the first launch compiles
+        if shards is not None:
+            shards.stage_anchor(state, ref.version)  # every rank's boxes on its GPU, unpaused
+        else:
+            self._warm_apply_kernel(params)  # outside the pause: the first launch compiles
         with self._exclusive() as wait_s:
             tp = time.perf_counter()
             try:
-                with torch.no_grad():
-                    for name, t in params.items():
-                        t.copy_(state[name])
-                _warm_scatter(params)
-                self._sync_device()
-                got = {n: tensor_digest(t) for n, t in params.items()}
+                if shards is not None:
+                    shards.apply(ref.version)
+                    bad = shards.mismatches(list(state), state)  # state's digests are checked
+                else:
+                    with torch.no_grad():
+                        for name, t in params.items():
+                            t.copy_(state[name])
+                    _warm_scatter(params)
+                    self._sync_device()
+                    got = {n: tensor_digest(t) for n, t in params.items()}
+                    bad = [n for n in got if got[n] != digests[n]]
             except BaseException as err:
                 self._set_unhealthy(f"load of anchor v{ref.version} was interrupted: {err}", seq)
                 raise
-            bad = [n for n in got if got[n] != digests[n]]
             if bad:
                 reason = f"anchor v{ref.version} did not load faithfully: {bad[:3]} differ"
                 self._set_unhealthy(reason, seq)

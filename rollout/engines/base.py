@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -184,6 +184,13 @@ class Engine(ABC):
         """:meth:`score` of several ``(tokens, start)`` at once (default: one by one)."""
         return [self.score(t, s, k, temperature, gate=gate) for t, s in items]
 
+    def sharded_weights(self) -> Any:
+        """None (default): :meth:`named_parameters` are the weights. An engine whose weights
+        live in other processes, in shards (the vllm engine at tensor parallelism > 1), returns
+        its :class:`~deltarl.rollout.engines.vllm_shards.ShardedWeights`; the weight sync then
+        stages, applies and verifies through it against its host mirror."""
+        return None
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release the engine's resources (default: nothing to do)."""
 
@@ -196,6 +203,21 @@ class ScoredTokens:
     ids: list[list[int]]  # [m][k] the most likely ids, most likely first
     logprobs: list[list[float]]  # [m][k] their logprobs
     stamp: WeightsStamp  # the weights that scored them
+
+
+def check_score_items(
+    items: Sequence[tuple[Sequence[int], int]], vocab_size: int, k: int, max_k: int | None = None
+) -> None:
+    """``ValueError`` for what :meth:`Engine.score_batch` cannot score: a token outside the
+    vocabulary, a ``start`` outside ``1..len - 1``, ``k`` outside ``1..max_k`` (default: the
+    vocabulary)."""
+    check_prompts([t for t, _ in items], vocab_size)
+    for tokens, start in items:
+        if not 1 <= start < len(tokens):
+            raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
+    top = vocab_size if max_k is None else min(vocab_size, max_k)
+    if not 1 <= k <= top:
+        raise ValueError(f"need 1 <= k <= {top}, got {k}")
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
@@ -248,7 +270,8 @@ class TransformersEngineSettings(BaseModel):
 
 
 class VllmEngineSettings(BaseModel):
-    """vLLM 0.33.0 serving the policy in this process, one GPU (see docs/vllm.md)."""
+    """vLLM 0.33.0 serving the policy from this process: one GPU, or ``tensor_parallel_size``
+    GPUs through vLLM's worker processes (see docs/vllm.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -286,6 +309,12 @@ class VllmEngineSettings(BaseModel):
         "False: one step = one forward, with the CPU work between forwards.",
     )
     seed: int = Field(default=0, description="Seed of vLLM's sampler when a call gives none.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="GPUs of one engine (vLLM's tensor parallelism; > 1 runs vLLM's workers in "
+        "processes and patches every rank's shard in the same pause, docs/vllm.md).",
+    )
 
 
 EngineSettings = Annotated[

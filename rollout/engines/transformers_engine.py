@@ -42,6 +42,7 @@ from deltarl.rollout.engines.base import (
     WeightsGate,
     WeightsStamp,
     check_prompts,
+    check_score_items,
 )
 
 logger = logging.getLogger(__name__)
@@ -211,12 +212,9 @@ class TransformersEngine(Engine):
         keeps the engine busy would otherwise wait for whole batches, again and again."""
         if not items:
             return []
-        check_prompts([t for t, _ in items], self._vocab)
-        for tokens, start in items:
-            if not 1 <= start < len(tokens):
-                raise ValueError(f"start must be within 1..{len(tokens) - 1}, got {start}")
-        if not 1 <= k <= self._vocab or not temperature > 0:
-            raise ValueError(f"need 1 <= k <= {self._vocab} and temperature > 0")
+        check_score_items(items, self._vocab, k)
+        if not temperature > 0:
+            raise ValueError(f"need temperature > 0, got {temperature}")
         width = max(len(t) for t, _ in items)
         ids = torch.full((len(items), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(items), width), dtype=torch.long)

@@ -15,8 +15,11 @@ vLLM's ``WeightTransferEngine`` lifecycle to it:
   in-place scatter, digest verification; raises on failure);
 * ``shutdown``: forget the views.
 
-Refused at construction (clear ``ValueError``): tensor parallel > 1, pipeline parallel > 1,
-quantized models (the runtime bytes must be the checkpoint's bytes).
+Refused at construction (clear ``ValueError``): pipeline parallel > 1, quantized models (the
+runtime bytes must be the checkpoint's bytes). At tensor parallel > 1 every rank maps its own
+part of each tensor (:mod:`.vllm_shards`): the extension's ``deltarl_tp_serve`` starts the rank's
+staging thread and returns its boxes, ``deltarl_tp_apply`` writes what was staged (called by the
+rollout worker inside its pause); the ``update_weights`` route is then refused.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from deltarl.rollout.engines.vllm_mapping import TensorSpec
+from deltarl.rollout.engines.vllm_shards import ShardServer
 from deltarl.rollout.engines.vllm_transfer import DeltaReceiver, check_supported
 
 
@@ -66,7 +70,8 @@ class DeltarlWeightTransferEngine(WeightTransferEngine[DeltarlInitInfo, DeltarlU
     ) -> None:
         check_supported(vllm_config)
         super().__init__(config, vllm_config, device, model)
-        self.receiver = DeltaReceiver(model, device)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.receiver = DeltaReceiver(model, device, shards=tp > 1)
 
     def init_transfer_engine(self, init_info: DeltarlInitInfo) -> None:
         if init_info.tensors:
@@ -111,3 +116,30 @@ class DeltarlWorkerExtension:
         if views is None:
             raise RuntimeError("no tensors mapped yet: call init_weight_transfer_engine first")
         return views
+
+    def deltarl_tp_serve(self, address: str, key: str) -> dict[str, Any]:
+        """Start this rank's staging thread on the socket ``{address}.{rank}`` (authentication
+        key ``key``, hex) and return its address and the box of each tensor it holds."""
+        receiver = self._deltarl_receiver()
+        if receiver.views is None or receiver.boxes is None:
+            raise RuntimeError("no tensors mapped yet: call init_weight_transfer_engine first")
+        old = getattr(self, "_deltarl_shards", None)
+        if old is not None:
+            old.close()
+        rank = int(getattr(self, "rank", 0))
+        where = f"{address}.{rank}"
+        self._deltarl_shards = ShardServer(
+            receiver.views, receiver.device, where, bytes.fromhex(key)
+        )
+        return {
+            "rank": rank,
+            "address": where,
+            "boxes": {n: b.to_json() for n, b in receiver.boxes.items()},
+        }
+
+    def deltarl_tp_apply(self, version: int) -> dict[str, Any]:
+        """Write the staged ``version`` into this rank's shards (inside the caller's pause)."""
+        server = getattr(self, "_deltarl_shards", None)
+        if server is None:
+            raise RuntimeError("no staging thread: call deltarl_tp_serve first")
+        return server.apply(int(version))

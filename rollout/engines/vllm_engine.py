@@ -1,6 +1,6 @@
 """The ``vllm`` engine: vLLM 0.33.0 generating in this process, its weights patched in place.
 
-Why in-process (``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) rather than an
+Why in-process (``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) rather than an
 external ``vllm serve``: :class:`~deltarl.rollout.weights.WeightSync` owns the weights through
 :meth:`Engine.named_parameters` (live tensors it stages into, scatters into during a pause and
 hashes to verify) and is the gate of every forward step. In-process, vLLM's scheduler step *is*
@@ -39,6 +39,14 @@ the weight sync waits for the device inside its pause before it writes (a launch
 finishes on the weights it was launched with; :meth:`WeightSync._exclusive`). With
 ``async_scheduling=False`` one ``step()`` is one forward whose tokens it returns.
 
+Tensor parallelism > 1 (``tensor_parallel_size``): the engine core still runs here, each rank in
+a vLLM worker process; the weights are shards there, reached through
+:class:`~deltarl.rollout.engines.vllm_shards.ShardedWeights` (:meth:`sharded_weights`) instead
+of views, and every rank's shard is patched in one ``collective_rpc`` inside the pause.
+
+Scoring (:meth:`VllmEngine.score_batch`, hinted self-distillation): vLLM's ``prompt_logprobs``
+at temperature 1.0, through the same gated step loop.
+
 Every completion's ``first`` stamp is that of the call's first step (its prompt may have been
 prefilled then, in chunks), ``last`` that of the batch that sampled its last token.
 """
@@ -48,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -61,17 +70,22 @@ from deltarl.rollout.engines.base import (
     Engine,
     FinishReason,
     SamplingParams,
+    ScoredTokens,
     VllmEngineSettings,
     WeightsGate,
     WeightsStamp,
     check_prompts,
+    check_score_items,
 )
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, specs_of
+from deltarl.rollout.engines.vllm_shards import Box, ShardedWeights, connect, new_key
 from deltarl.rollout.engines.vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
+from deltarl.teacher.engines.vllm_engine import ranked_entries
 
 logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
+MAX_SCORE_K = 128  # the largest top-k score() returns (vLLM's max_logprobs; hint_top_k's cap)
 INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
@@ -116,12 +130,13 @@ def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
         "model": settings.model,
         "dtype": settings.dtype,
         "seed": settings.seed,
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": settings.tensor_parallel_size,
         "model_impl": settings.model_impl,
         "load_format": settings.load_format,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
+        "max_logprobs": MAX_SCORE_K,  # score()'s top-k (prompt logprobs)
         "enforce_eager": settings.enforce_eager,
         "enable_prefix_caching": False,
         "async_scheduling": settings.async_scheduling,
@@ -168,12 +183,19 @@ class VllmEngine(Engine):
         *,
         vocab_size: int,
         make_params: Callable[..., Any],
+        shards: ShardedWeights | None = None,
     ) -> None:
-        if not views:
-            raise ValueError("no weights mapped onto the vLLM model")
-        devices = {t.device for t in views.values()}
-        if len(devices) != 1:
-            raise ValueError(f"weights on several devices: {sorted(map(str, devices))}")
+        self._shards = shards
+        if shards is not None:
+            if views:
+                raise ValueError("a sharded engine has no views of its own")
+            devices = {torch.device("cuda", 0)}  # rank 0's; the weights are in vLLM's workers
+        else:
+            if not views:
+                raise ValueError("no weights mapped onto the vLLM model")
+            devices = {t.device for t in views.values()}
+            if len(devices) != 1:
+                raise ValueError(f"weights on several devices: {sorted(map(str, devices))}")
         self._llm = llm
         self._views = dict(views)
         self._device = devices.pop()
@@ -202,18 +224,23 @@ class VllmEngine(Engine):
             llm.init_weight_transfer_engine(
                 {"init_info": {"tensors": [s.to_json() for s in specs]}}
             )
-            (views,) = llm.collective_rpc("deltarl_views")
             vocab = int(llm.llm_engine.model_config.get_vocab_size())
+            shards = None
+            if settings.tensor_parallel_size == 1:
+                (views,) = llm.collective_rpc("deltarl_views")
+            else:
+                views, shards = {}, _connect_shards(llm, specs)
         except BaseException:
             _shutdown(llm)  # release the GPU memory vLLM took
             raise
         logger.info(
-            "vllm engine: %s (%s, model_impl=%s, load_format=%s), %d tensors mapped",
+            "vllm engine: %s (%s, model_impl=%s, load_format=%s, tp=%d), %d tensors mapped",
             settings.model,
             settings.dtype,
             settings.model_impl,
             settings.load_format,
-            len(views),
+            settings.tensor_parallel_size,
+            len(specs),
         )
 
         def make_params(**kwargs: Any) -> Any:
@@ -221,7 +248,7 @@ class VllmEngine(Engine):
             # stamp is the request's last); DELTA would build an output per request per step
             return vllm.SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kwargs)
 
-        return cls(llm, views, vocab_size=vocab, make_params=make_params)
+        return cls(llm, views, vocab_size=vocab, make_params=make_params, shards=shards)
 
     @property
     def device(self) -> torch.device:
@@ -238,7 +265,15 @@ class VllmEngine(Engine):
         return self._llm
 
     def named_parameters(self) -> Mapping[str, torch.Tensor]:
+        if self._shards is not None:
+            raise RuntimeError(
+                "the weights of a tensor-parallel vllm engine are shards in vLLM's worker "
+                "processes: use sharded_weights()"
+            )
         return self._views
+
+    def sharded_weights(self) -> ShardedWeights | None:
+        return self._shards
 
     def generate(
         self,
@@ -248,24 +283,46 @@ class VllmEngine(Engine):
         gate: WeightsGate | None = None,
     ) -> list[Completion]:
         check_prompts(prompts, self._vocab)
-        engine = self._llm.llm_engine
-        call = uuid.uuid4().hex[:12]
-        ids = [f"deltarl-{call}-{i}" for i in range(len(prompts))]
-        row = {rid: i for i, rid in enumerate(ids)}
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons: list[FinishReason] = ["length"] * len(prompts)
         last: list[WeightsStamp] = [UNMANAGED] * len(prompts)
-        first: WeightsStamp | None = None
+
+        def take(i: int, out: Any, sampled: WeightsStamp) -> None:
+            self._take(out, params, tokens[i], logprobs[i])
+            if out.outputs and out.outputs[0].token_ids:
+                last[i] = sampled
+            if out.finished and out.outputs and out.outputs[0].finish_reason == "stop":
+                reasons[i] = "stop"
+
+        requests = [
+            (list(p), self._make_params(**request_params(params, i))) for i, p in enumerate(prompts)
+        ]
+        first = self._run(requests, gate, take)[0]
+        return [
+            Completion(tokens[i], logprobs[i], reasons[i], first, last[i])
+            for i in range(len(prompts))
+        ]
+
+    def _run(
+        self,
+        requests: Sequence[tuple[list[int], Any]],
+        gate: WeightsGate | None,
+        take: Callable[[int, Any, WeightsStamp], None],
+    ) -> list[WeightsStamp]:
+        """Add ``requests`` (prompt, vLLM ``SamplingParams``) and step vLLM, each step inside
+        ``gate``, until all finished; ``take(index, output, stamp)`` gets every output with the
+        stamp of the batch that produced it. Returns the stamps held at each step. A gate error
+        aborts the requests left before it propagates."""
+        engine = self._llm.llm_engine
+        call = uuid.uuid4().hex[:12]
+        row = {f"deltarl-{call}-{i}": i for i in range(len(requests))}
+        stamps: list[WeightsStamp] = []
         pending: set[str] = set()  # requests vLLM holds for this call
         with self._busy:
             try:
-                for rid, prompt in zip(ids, prompts, strict=True):
-                    engine.add_request(
-                        rid,
-                        {"prompt_token_ids": list(prompt)},
-                        self._make_params(**request_params(params, row[rid])),
-                    )
+                for rid, (prompt, sp) in zip(row, requests, strict=True):
+                    engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
                     pending.add(rid)
                 while pending:
                     ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
@@ -273,26 +330,96 @@ class VllmEngine(Engine):
                         outputs = engine.step()
                     # sync scheduling: the step's own forward; async: the batch launched before
                     sampled = stamp if self._launches is None else self._launches.after(stamp)
-                    first = stamp if first is None else first
+                    stamps.append(stamp)
                     for out in outputs:
                         i = row.get(out.request_id)
                         if i is None:
                             continue
-                        self._take(out, params, tokens[i], logprobs[i])
-                        if out.outputs and out.outputs[0].token_ids:
-                            last[i] = sampled
+                        take(i, out, sampled)
                         if out.finished:
                             pending.discard(out.request_id)
-                            if out.outputs and out.outputs[0].finish_reason == "stop":
-                                reasons[i] = "stop"
             finally:
                 if pending:
                     engine.abort_request(sorted(pending))
-        assert first is not None
-        return [
-            Completion(tokens[i], logprobs[i], reasons[i], first, last[i])
-            for i in range(len(prompts))
-        ]
+        return stamps
+
+    def score(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> ScoredTokens:
+        return self.score_batch([(tokens, start)], k, temperature, gate=gate)[0]
+
+    def score_batch(
+        self,
+        items: Sequence[tuple[Sequence[int], int]],
+        k: int,
+        temperature: float = 1.0,
+        *,
+        gate: WeightsGate | None = None,
+    ) -> list[ScoredTokens]:
+        """vLLM's ``prompt_logprobs`` (``max_tokens=1``): every sequence prefilled once, the
+        logprob of each token from ``start`` on and the ``k`` most likely ids there.
+
+        Temperature 1.0 only: vLLM's prompt logprobs are the raw log-softmax whatever the
+        request's temperature (``gpu_model_runner.py`` ``_get_prompt_logprobs_dict``), and the
+        top-k alone cannot be re-tempered (that needs the whole vocabulary). The scoring runs
+        in the step loop (it waits for a running :meth:`generate` call), every step inside
+        the gate; if a weight sync lands between the steps of one scoring (a long prompt
+        prefilled in chunks), the scores would mix two weight versions: it is scored again
+        (at most 3 times), so every :class:`ScoredTokens` has one stamp."""
+        if not items:
+            return []
+        check_score_items(items, self._vocab, k, MAX_SCORE_K)
+        if temperature != 1.0:
+            raise ValueError(
+                "the vllm engine scores at temperature 1.0 only (vLLM's prompt logprobs are "
+                f"the raw distribution), got {temperature}: use the transformers engine"
+            )
+        for _ in range(3):
+            rows, seen = self._score_once(items, k, gate)
+            if len(seen) == 1:
+                break
+            logger.info("a weight sync landed while scoring (stamps %s): scoring again", seen)
+        else:
+            raise RuntimeError("weights changed during every one of 3 scoring attempts")
+        (stamp,) = seen
+        out = []
+        for (tokens, start), entries in zip(items, rows, strict=True):
+            if entries is None or len(entries) != len(tokens):
+                raise RuntimeError("vLLM returned no prompt logprobs for a scored sequence")
+            sampled, ids, lps = [], [], []
+            for p in range(start, len(tokens)):
+                lp, ranked = ranked_entries(entries[p], int(tokens[p]), k, p)
+                if len(ranked) != k:
+                    raise RuntimeError(f"vLLM returned {len(ranked)} of {k} logprobs at {p}")
+                sampled.append(lp)
+                ids.append([t for t, _ in ranked])
+                lps.append([x for _, x in ranked])
+            out.append(ScoredTokens(sampled=sampled, ids=ids, logprobs=lps, stamp=stamp))
+        return out
+
+    def _score_once(
+        self, items: Sequence[tuple[Sequence[int], int]], k: int, gate: WeightsGate | None
+    ) -> tuple[list[Any], set[WeightsStamp]]:
+        """Each item's ``prompt_logprobs`` and every stamp its scoring ran under."""
+        rows: list[Any] = [None] * len(items)
+        seen: set[WeightsStamp] = set()
+
+        def take(i: int, out: Any, sampled: WeightsStamp) -> None:
+            if out.finished:
+                rows[i] = out.prompt_logprobs
+                seen.add(sampled)
+
+        params = self._make_params(
+            n=1, max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False
+        )
+        seen.update(self._run([(list(t), params) for t, _ in items], gate, take))
+        return rows, seen
 
     @staticmethod
     def _take(out: Any, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> None:
@@ -314,6 +441,8 @@ class VllmEngine(Engine):
 
     def close(self) -> None:
         """Shut vLLM's engine core down (frees the GPU memory it holds)."""
+        if self._shards is not None:
+            self._shards.close()
         _shutdown(self._llm)
 
 
@@ -347,6 +476,20 @@ class _Launches:
                 sampled = launched
         self._stamps = kept
         return sampled
+
+
+def _connect_shards(llm: Any, specs: Sequence[TensorSpec]) -> ShardedWeights:
+    """Start every rank's staging thread (``deltarl_tp_serve``) and connect to it."""
+    key = new_key()
+    where = os.path.join(tempfile.mkdtemp(prefix="deltarl-tp-"), "rank")
+    infos = llm.collective_rpc("deltarl_tp_serve", args=(where, key.hex()))
+    boxes = [{n: Box.from_json(b) for n, b in info["boxes"].items()} for info in infos]
+    conns = connect([str(info["address"]) for info in infos], key)
+
+    def rpc(method: str, *args: Any) -> list[Any]:
+        return list(llm.collective_rpc(method, args=args))
+
+    return ShardedWeights({s.name: (s.dtype, s.shape) for s in specs}, boxes, conns, rpc)
 
 
 def _shutdown(llm: Any) -> None:

@@ -9,8 +9,10 @@ asks the model's own loader where each checkpoint tensor goes: it calls
 ``model.load_weights([(name, probe)])`` once per name with ``Tensor.copy_`` patched to *record*
 the destination instead of writing it. A destination that is a contiguous view of one runtime
 parameter, with the checkpoint tensor's dtype and shape, receiving the probe tensor unchanged,
-becomes the Hugging Face-named view; anything else (a loader that slices the tensor, as under
-tensor parallelism; casts, transforms or writes it twice; quantized parameters) is refused with
+becomes the Hugging Face-named view. Under tensor parallelism (:func:`probe_shards`) the loader
+narrows the tensor to the rank's part first: the view then holds that part, whose
+:class:`~deltarl.rollout.engines.vllm_shards.Box` is read off the narrowed source. Anything else
+(casts, transforms, writes it twice; quantized parameters) is refused with
 the reason, since a bit-exact in-place delta needs the checkpoint's bytes to be the runtime
 bytes. Nothing is written to the model while probing (``fill_``/``zero_`` on its storage, as the
 padded-vocabulary loader does to padding rows, are skipped too).
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from deltarl.rollout.engines.vllm_shards import Box, box_of
 from deltarl.services.weightsync.codec.bits import dtype_name
 
 _PROBE_LOCK = threading.Lock()  # Tensor.copy_ is patched process-wide while probing
@@ -100,7 +103,9 @@ def _recording(probe: torch.Tensor, owned: set[int], records: _Records) -> Itera
         torch.Tensor.zero_ = zero  # type: ignore[method-assign]
 
 
-def _view_for(spec: TensorSpec, records: _Records, probe: torch.Tensor) -> torch.Tensor:
+def _view_for(
+    spec: TensorSpec, records: _Records, probe: torch.Tensor, shards: bool = False
+) -> tuple[torch.Tensor, Box]:
     if records.foreign:
         raise MappingError(
             f"{spec.name}: the model's loader stores a transformed copy of it (a cast, scale, "
@@ -114,19 +119,22 @@ def _view_for(spec: TensorSpec, records: _Records, probe: torch.Tensor) -> torch
     if len(records.copies) > 1:
         raise MappingError(f"{spec.name}: the loader writes it {len(records.copies)} times")
     dst, src = records.copies[0]
-    if src.data_ptr() != probe.data_ptr() or tuple(src.shape) != spec.shape:
+    box = box_of(src, probe)
+    if box is None or (not box.is_full and not shards):
+        what = "a transformed part" if box is None else "only part"
         raise MappingError(
-            f"{spec.name}: the loader keeps only part of it ({list(src.shape)} of "
-            f"{list(spec.shape)}): tensor or pipeline parallelism is not supported (TP=1 only)"
+            f"{spec.name}: the loader keeps {what} of it ({list(src.shape)} of "
+            f"{list(spec.shape)})"
+            + ("" if shards else ": tensor or pipeline parallelism needs shards=True")
         )
-    if not src.is_contiguous() or not dst.is_contiguous():
+    if not dst.is_contiguous():
         raise MappingError(f"{spec.name}: the loader transposes or strides it")
-    if dtype_name(dst.dtype) != spec.dtype or tuple(dst.shape) != spec.shape:
+    if dtype_name(dst.dtype) != spec.dtype or tuple(dst.shape) != box.size:
         raise MappingError(
             f"{spec.name}: the runtime tensor is {dtype_name(dst.dtype)}{list(dst.shape)}, the "
-            f"checkpoint's {spec.dtype}{list(spec.shape)} (quantized, or another dtype?)"
+            f"checkpoint's part {spec.dtype}{list(box.size)} (quantized, or another dtype?)"
         )
-    return dst.detach()
+    return dst.detach(), box
 
 
 def probe_views(model: torch.nn.Module, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
@@ -136,6 +144,17 @@ def probe_views(model: torch.nn.Module, specs: list[TensorSpec]) -> dict[str, to
     :class:`MappingError` when a tensor is not stored verbatim as one contiguous block (see the
     module docstring) or when two names share bytes.
     """
+    views, _ = probe_shards(model, specs, shards=False)
+    return views
+
+
+def probe_shards(
+    model: torch.nn.Module, specs: list[TensorSpec], *, shards: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Box]]:
+    """:func:`probe_views` for one tensor-parallel rank: each name's view holds the
+    :class:`~deltarl.rollout.engines.vllm_shards.Box` of the checkpoint tensor that the rank's
+    loader narrowed it to (the whole tensor where replicated). ``shards=False`` refuses any
+    partial tensor."""
     loader = getattr(model, "load_weights", None)
     if loader is None:
         raise MappingError(f"{type(model).__name__} has no load_weights: not a vLLM model")
@@ -144,6 +163,7 @@ def probe_views(model: torch.nn.Module, specs: list[TensorSpec]) -> dict[str, to
     # on the model's device, so that a loader's ``.to(param.device)`` keeps the probe itself
     device = next(iter(params.values())).device if params else torch.device("cpu")
     views: dict[str, torch.Tensor] = {}
+    boxes: dict[str, Box] = {}
     with _PROBE_LOCK, torch.no_grad():
         for spec in specs:
             dtype = getattr(torch, spec.dtype)
@@ -151,12 +171,12 @@ def probe_views(model: torch.nn.Module, specs: list[TensorSpec]) -> dict[str, to
             records = _Records([])
             with _recording(probe, owned, records):
                 loader([(spec.name, probe)])
-            view = _view_for(spec, records, probe)
+            view, box = _view_for(spec, records, probe, shards)
             if view.untyped_storage().data_ptr() not in owned:
                 raise MappingError(f"{spec.name}: stored outside the model's parameters")
-            views[spec.name] = view
+            views[spec.name], boxes[spec.name] = view, box
     check_disjoint(views)
-    return views
+    return views, boxes
 
 
 def check_disjoint(views: Mapping[str, torch.Tensor]) -> None:

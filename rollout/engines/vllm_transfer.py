@@ -43,7 +43,8 @@ import torch
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from deltarl.rollout.engines.vllm_mapping import TensorSpec, probe_views, uncovered
+from deltarl.rollout.engines.vllm_mapping import TensorSpec, probe_shards, uncovered
+from deltarl.rollout.engines.vllm_shards import Box
 from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
@@ -154,11 +155,10 @@ def decode_message(message: Mapping[str, Any]) -> Delta:
 def check_supported(vllm_config: Any) -> None:
     """Raise ``ValueError`` for a configuration whose weights cannot be patched in place."""
     par, model = vllm_config.parallel_config, vllm_config.model_config
-    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+    if par.pipeline_parallel_size != 1:
         raise ValueError(
-            "the deltarl weight-transfer backend supports tensor_parallel_size=1 and "
-            f"pipeline_parallel_size=1 only (got {par.tensor_parallel_size} and "
-            f"{par.pipeline_parallel_size}): run one vLLM engine per GPU"
+            "the deltarl weight-transfer backend supports pipeline_parallel_size=1 only (got "
+            f"{par.pipeline_parallel_size}): use tensor parallelism or one engine per GPU"
         )
     if getattr(model, "quantization", None):
         raise ValueError(
@@ -192,16 +192,20 @@ class DeltaReceiver:
     digests of what they hold, the last report. ``model`` is vLLM's model; ``device`` its
     device. Not thread-safe: vLLM calls it from its one worker thread."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, *, shards: bool = False
+    ) -> None:
         self.model = model
         self.device = torch.device(device)
+        self.shards = shards  # a tensor-parallel rank: views of its part of each tensor
         self.views: dict[str, torch.Tensor] | None = None
+        self.boxes: dict[str, Box] | None = None  # the part of each tensor this rank holds
         self.digests: dict[str, str] | None = None  # None: not known (re-hash before checking)
         self.last_report: ApplyReport | None = None
 
     def bind(self, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
         """Map the checkpoint tensors ``specs`` onto the model (see :mod:`.vllm_mapping`)."""
-        self.views = probe_views(self.model, specs)
+        self.views, self.boxes = probe_shards(self.model, specs, shards=self.shards)
         self.digests = None
         rest = uncovered(self.model, self.views)
         if rest:
@@ -212,6 +216,11 @@ class DeltaReceiver:
     def apply(self, message: Mapping[str, Any]) -> ApplyReport:
         """Decode, check the base, patch in place, verify (see the module docstring)."""
         delta = decode_message(message)
+        if self.shards:
+            raise ValueError(
+                "update_weights with deltarl deltas runs at tensor_parallel_size=1 only; at TP > "
+                "1 the vllm engine applies every rank's shard itself (docs/vllm.md)"
+            )
         if self.views is None:
             self.bind([TensorSpec(p.name, p.dtype, p.shape) for p in delta.patches.values()])
         views = self.views

@@ -95,16 +95,23 @@ def _scores(job: ScoreJob, prompt_logprobs: list[dict[int, Any] | None]) -> Scor
     top_ids = np.full((n, k), -1, dtype=np.int32)
     top_lps = np.full((n, k), -math.inf, dtype=np.float32)
     for r, p in enumerate(range(job.prompt_len, len(job.tokens))):
-        entries = prompt_logprobs[p]
-        if entries is None:
-            raise RuntimeError(f"vLLM returned no prompt logprobs at position {p}")
-        token = int(job.tokens[p])
-        sampled[r] = entries[token].logprob
-        ranked = sorted(
-            ((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank <= k),
-            key=lambda e: e[0],
-        )[:k]
-        for c, (_, tid, logprob) in enumerate(ranked):
+        sampled[r], ranked = ranked_entries(prompt_logprobs[p], int(job.tokens[p]), k, p)
+        for c, (tid, logprob) in enumerate(ranked):
             top_ids[r, c] = tid
             top_lps[r, c] = logprob
     return Scores(sampled=sampled, top_ids=top_ids, top_logprobs=top_lps)
+
+
+def ranked_entries(
+    entries: dict[int, Any] | None, token: int, k: int, position: int
+) -> tuple[float, list[tuple[int, float]]]:
+    """One position of vLLM's ``prompt_logprobs``: the logprob of ``token`` (the one that came
+    next) and the ``k`` most likely ``(id, logprob)``, most likely first (also used by the
+    rollout vllm engine's ``score``)."""
+    if entries is None:
+        raise RuntimeError(f"vLLM returned no prompt logprobs at position {position}")
+    ranked = sorted(
+        ((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank <= k),
+        key=lambda e: e[0],
+    )[:k]
+    return float(entries[token].logprob), [(int(t), float(lp)) for _, t, lp in ranked]

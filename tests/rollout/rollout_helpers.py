@@ -116,3 +116,46 @@ class FakeTrainer:
         manifest = self.publisher.reader.manifest(version)
         ref = next(o for o in manifest.objects if o.kind == kind)
         return self.bucket.root / ref.key
+
+
+def put_param(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    """Register ``param`` under the dotted ``name`` (intermediate modules created)."""
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)
+
+
+def fused_llama_params(
+    root: torch.nn.Module,
+    layers: int,
+    *,
+    d: int,
+    q: int,
+    kv: int,
+    inter: int,
+    vocab_rows: int,
+    tied: bool,
+    make: Any,
+) -> None:
+    """Register vLLM Llama's runtime parameters on ``root`` (fused ``qkv_proj`` of ``q + 2 kv``
+    rows, ``gate_up_proj`` of ``2 inter``, ``o_proj``/``down_proj`` of ``q``/``inter``
+    columns, embedding / LM head of ``vocab_rows`` rows, tied or not); ``make(*shape)`` builds
+    each parameter."""
+    put_param(root, "model.embed_tokens.weight", make(vocab_rows, d))
+    for i in range(layers):
+        pre = f"model.layers.{i}"
+        put_param(root, f"{pre}.self_attn.qkv_proj.weight", make(q + 2 * kv, d))
+        put_param(root, f"{pre}.self_attn.o_proj.weight", make(d, q))
+        put_param(root, f"{pre}.mlp.gate_up_proj.weight", make(2 * inter, d))
+        put_param(root, f"{pre}.mlp.down_proj.weight", make(d, inter))
+        put_param(root, f"{pre}.input_layernorm.weight", make(d))
+        put_param(root, f"{pre}.post_attention_layernorm.weight", make(d))
+    put_param(root, "model.norm.weight", make(d))
+    if tied:
+        put_param(root, "lm_head.weight", root.get_parameter("model.embed_tokens.weight"))
+    else:
+        put_param(root, "lm_head.weight", make(vocab_rows, d))

@@ -28,7 +28,15 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_config, tiny_engine
+from rollout_helpers import (
+    FakeTrainer,
+    clone_state,
+    fused_llama_params,
+    perturb,
+    same_bits,
+    tiny_config,
+    tiny_engine,
+)
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, WeightsStamp, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine, hf_specs, request_params
@@ -64,16 +72,6 @@ VLLM_WHEEL = Path(
 )
 
 # ------------------------------------------------------------------ a vLLM-shaped model
-
-
-def _put(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
 
 
 STACKED: dict[
@@ -115,20 +113,17 @@ class FusedLlama(torch.nn.Module):
         def p(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype), False)
 
-        _put(self, "model.embed_tokens.weight", p(vocab, d))
-        for i in range(cfg.num_hidden_layers):
-            pre = f"model.layers.{i}"
-            _put(self, f"{pre}.self_attn.qkv_proj.weight", p(self.q + 2 * self.kv, d))
-            _put(self, f"{pre}.self_attn.o_proj.weight", p(d, self.q))
-            _put(self, f"{pre}.mlp.gate_up_proj.weight", p(2 * self.inter, d))
-            _put(self, f"{pre}.mlp.down_proj.weight", p(d, self.inter))
-            _put(self, f"{pre}.input_layernorm.weight", p(d))
-            _put(self, f"{pre}.post_attention_layernorm.weight", p(d))
-        _put(self, "model.norm.weight", p(d))
-        if self.tied:
-            _put(self, "lm_head.weight", self.get_parameter("model.embed_tokens.weight"))
-        else:
-            _put(self, "lm_head.weight", p(vocab, d))
+        fused_llama_params(
+            self,
+            cfg.num_hidden_layers,
+            d=d,
+            q=self.q,
+            kv=self.kv,
+            inter=self.inter,
+            vocab_rows=vocab,
+            tied=self.tied,
+            make=p,
+        )
 
     def _shard(self, shard: str | int) -> tuple[int, int]:
         sizes = {"q": (0, self.q), "k": (self.q, self.kv), "v": (self.q + self.kv, self.kv)}
@@ -206,7 +201,7 @@ def test_probe_maps_hf_names_onto_fused_row_blocks_without_writing(tied: bool) -
 def test_probe_refuses_what_cannot_be_patched_in_place() -> None:
     cfg = tiny_config()
     specs = specs_of(hf_state())
-    with pytest.raises(MappingError, match=r"TP=1 only"):
+    with pytest.raises(MappingError, match=r"only part of it.*shards=True"):
         probe_views(FusedLlama(cfg, tp=2), specs)
     with pytest.raises(MappingError, match=r"transformed copy"):
         probe_views(FusedLlama(cfg, scale_norms=True), specs)
@@ -233,8 +228,7 @@ def test_unsupported_vllm_configs_are_refused() -> None:
         )
 
     check_supported(config())
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=1"):
-        check_supported(config(tp=2))
+    check_supported(config(tp=2))  # every rank patches its shard (test_vllm_shards.py)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=1"):
         check_supported(config(pp=2))
     with pytest.raises(ValueError, match=r"unquantized"):
@@ -408,6 +402,81 @@ def test_a_gate_error_aborts_the_requests_left() -> None:
     with pytest.raises(RuntimeError, match=r"unhealthy"):
         engine.generate([[1], [2]], SamplingParams(max_new_tokens=8), gate=StepGate(9, fail=3))
     assert len(core.aborted) == 2 and not core.requests
+
+
+class FakeScoringLLMEngine:
+    """vLLM's engine answering ``prompt_logprobs`` requests the way vLLM formats them (entry 0
+    None, then per position the top-k ids with ranks 1..k plus the actual token with its own
+    rank), computed by a transformers model; a prompt is prefilled in ``chunk``-token steps."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int = 4) -> None:
+        self.model, self.chunk = model, chunk
+        self.requests: dict[str, Any] = {}
+        self.scored = 0
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
+        assert params.max_tokens == 1 and params.prompt_logprobs >= 1
+        self.requests[rid] = SimpleNamespace(ids=prompt["prompt_token_ids"], p=params, steps=0)
+
+    def step(self) -> list[Any]:
+        outs = []
+        for rid, r in list(self.requests.items()):
+            r.steps += 1
+            if r.steps * self.chunk < len(r.ids):
+                continue  # still prefilling
+            with torch.no_grad():
+                logits = self.model(torch.tensor([r.ids])).logits[0].float()
+            lp = torch.log_softmax(logits, -1)
+            entries: list[Any] = [None]
+            for p in range(1, len(r.ids)):
+                row, tok = lp[p - 1], r.ids[p]
+                rank = int((row > row[tok]).sum()) + 1
+                entry = {tok: SimpleNamespace(logprob=float(row[tok]), rank=rank)}
+                top = torch.topk(row, r.p.prompt_logprobs)
+                pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                for n, (i, v) in enumerate(pairs, 1):
+                    entry[i] = SimpleNamespace(logprob=v, rank=n)
+                entries.append(entry)
+            seq = SimpleNamespace(token_ids=[0], logprobs=None, finish_reason="length")
+            outs.append(
+                SimpleNamespace(
+                    request_id=rid, outputs=[seq], finished=True, prompt_logprobs=entries
+                )
+            )
+            del self.requests[rid]
+            self.scored += 1
+        return outs
+
+    def abort_request(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+
+def test_score_batch_reads_vllms_prompt_logprobs_like_the_transformers_engine() -> None:
+    reference = tiny_engine(seed=4)
+    core = FakeScoringLLMEngine(reference._model)
+    engine, _, _ = fake_engine(hf_state())
+    engine._llm = SimpleNamespace(llm_engine=core)
+    items = [([1, 5, 9, 2, 7, 3], 2), ([4, 4, 8], 1), (list(range(10, 30)), 15)]
+    got = engine.score_batch(items, 5, gate=StepGate(switch=100))
+    want = reference.score_batch(items, 5)
+    for g, w, (tokens, start) in zip(got, want, items, strict=True):
+        assert len(g.sampled) == len(tokens) - start and g.ids == w.ids
+        torch.testing.assert_close(torch.tensor(g.sampled), torch.tensor(w.sampled))
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs))
+        assert g.stamp == WeightsStamp(1, 1)
+    # a sync lands while a long prompt is prefilled in chunks: scored again under one stamp
+    core.scored = 0
+    (late,) = engine.score_batch([items[2]], 3, gate=StepGate(switch=2))
+    assert late.stamp == WeightsStamp(2, 2) and core.scored == 2
+    assert late.ids == reference.score_batch([items[2]], 3)[0].ids
+    with pytest.raises(ValueError, match=r"temperature 1.0 only"):
+        engine.score_batch(items, 5, 0.7)
+    with pytest.raises(ValueError, match=r"k <= 128"):
+        engine.score_batch(items, 129)
+    with pytest.raises(ValueError, match=r"start must be within"):
+        engine.score_batch([([1, 2], 2)], 5)
+    assert engine.score(*items[0], 5).ids == want[0].ids
 
 
 class FakeAsyncLLMEngine:

@@ -188,3 +188,81 @@ def test_async_scheduling_stamps_every_token_with_the_weights_that_sampled_it(
         engine.close()
     print(f"async stamps: {checked} completions checked, {spans} spanned a sync")
     assert spans > 0  # syncs did land mid-generation
+
+
+@pytest.mark.parametrize("layout", ["llama-tied-padded-vocab", "qwen3-tied-padded-vocab"])
+def test_tensor_parallel_2_patches_every_ranks_shard_bit_exactly(
+    layout: str, tmp_path: Path, bucket: Any
+) -> None:
+    """TP=2 (vLLM's worker processes, one shard per rank): anchor + 3 deltas, each verified per
+    shard against the host mirror; then every tensor of both ranks against the trainer's state,
+    and the sampled tokens' logprobs against the transformers model holding it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = LAYOUTS[layout]()
+    cfg.save_pretrained(tmp_path / "model")
+    hf, v0 = _state(cfg)
+    trainer = FakeTrainer(bucket, v0)
+    engine = _engine(tmp_path / "model", tensor_parallel_size=2, enforce_eager=True)
+    try:
+        shards = engine.sharded_weights()
+        assert shards is not None and shards.ranks == 2
+        emb = shards.boxes[1]["model.embed_tokens.weight"]
+        assert emb.start[0] + emb.size[0] == cfg.vocab_size  # last rank: fewer real rows
+        sync = WeightSync(engine, BucketReader(bucket))
+        sync.sync_to()
+        prompts = [[5 + i, 17, 99, 3, 250 + i] for i in range(8)]
+        for _ in range(3):
+            trainer.step()
+            future = sync.sync_in_background()
+            sync.generate(prompts, SamplingParams(max_new_tokens=16, seed=1))
+            future.result()
+        assert sync.version == 3 and sync.healthy
+        assert shards.mismatches(list(v0), trainer.states[3]) == []
+        out = sync.generate(prompts, SamplingParams(max_new_tokens=24, seed=0))
+        assert all(sync.check(c) == "verified" and c.version_max == 3 for c in out)
+    finally:
+        engine.close()
+    print(f"tp=2 {layout}: " + check_logprobs(hf, trainer.states[3], prompts, out))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_score_batch_matches_the_transformers_engine(tp: int, tmp_path: Path, bucket: Any) -> None:
+    """``VllmEngine.score_batch`` (vLLM's prompt logprobs) against ``TransformersEngine`` on the
+    same weights: same top ids where the gap to the next is clear, logprobs within kernel noise,
+    the stamp of the weights that scored."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    from deltarl.rollout.engines.transformers_engine import TransformersEngine
+
+    cfg = LAYOUTS["llama-tied-padded-vocab"]()
+    cfg.save_pretrained(tmp_path / "model")
+    hf, v0 = _state(cfg)
+    trainer = FakeTrainer(bucket, v0)
+    trainer.step()
+    engine = _engine(tmp_path / "model", tensor_parallel_size=tp, enforce_eager=True)
+    try:
+        sync = WeightSync(engine, BucketReader(bucket))
+        sync.sync_to()
+        g = torch.Generator().manual_seed(3)
+        items = [
+            (torch.randint(10, 30000, (n,), generator=g).tolist(), n // 2) for n in (12, 40, 200)
+        ]
+        got = engine.score_batch(items, 20, gate=sync)
+    finally:
+        engine.close()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(trainer.states[1][name])
+    want = TransformersEngine(hf.to("cuda")).score_batch(items, 20)
+    diffs, top1 = [], []
+    for a, b in zip(got, want, strict=True):
+        assert a.stamp.version == 1 and len(a.sampled) == len(b.sampled)
+        diffs += (torch.tensor(a.sampled) - torch.tensor(b.sampled)).abs().tolist()
+        diffs += (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().flatten().tolist()
+        top1 += [x[0] == y[0] for x, y in zip(a.ids, b.ids, strict=True)]
+    mean, worst = statistics.mean(diffs), max(diffs)
+    print(
+        f"score tp={tp}: |logprob diff| mean {mean:.4f} max {worst:.3f}, top-1 agree {statistics.mean(top1):.3f}"
+    )
+    assert mean < 0.05 and worst < 0.5 and statistics.mean(top1) > 0.9

@@ -1,0 +1,143 @@
+"""The teacher service with its vLLM engine, end to end, against the transformers engine.
+
+Needs a CUDA GPU (two: the reference runs on the second when there is one) and vLLM 0.33.0.
+Writes ``bench/teacher_engine_bench.py``'s random Llama shaped like SmolLM2-135M (head dim 64)
+to a temporary directory, starts
+``deltarl teacher`` with ``DELTARL_TEACHER_ENGINE=vllm`` on it, sends one request of
+``--sequences`` sequences through :class:`~deltarl.teacher.client.SyncTeacherClient`, and scores
+the same sequences with :class:`~deltarl.teacher.engines.transformers_engine.TransformersTeacher`
+holding the same weights. Reported: |logprob difference| of the sampled tokens and of the top-k
+(rank by rank), how often the top-1 ids agree, and that a temperature other than 1.0 is refused
+(422). Exit status 1 when the mean difference exceeds ``--tolerance`` or top-1 agreement is
+below 0.9.
+
+    python bench/teacher_vllm_check.py --json bench/results/teacher_vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TOKEN = "deltarl-teacher-check-token-0123456789"
+
+
+def _wait_for(client: Any, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """``/v1/info`` once the service answers (vLLM takes a minute to start)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the teacher exited with {proc.returncode} (see teacher.log)")
+        try:
+            info: dict[str, Any] = client.info()
+            return info
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sequences", type=int, default=16)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--port", type=int, default=8791)
+    ap.add_argument("--tolerance", type=float, default=0.05, help="mean |logprob diff|")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    from deltarl.teacher.client import SyncTeacherClient, TeacherRequestError
+    from deltarl.teacher.engines.base import ScoreJob
+    from deltarl.teacher.engines.transformers_engine import TransformersTeacher
+
+    tmp = Path(tempfile.mkdtemp(prefix="deltarl-teacher-vllm-"))
+    spec = importlib.util.spec_from_file_location(
+        "teacher_engine_bench", Path(__file__).with_name("teacher_engine_bench.py")
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    dtype = getattr(torch, a.dtype)
+    model = bench.smollm2_shaped(dtype, "cpu")  # 8192 positions, peaked distributions
+    model.save_pretrained(tmp / "model")
+    rng = np.random.default_rng(1)
+    lens = rng.integers(40, 400, a.sequences)
+    seqs = [rng.integers(10, 49_000, n).tolist() for n in lens]
+    prompts = [int(n) // 3 for n in lens]
+    env = {
+        **os.environ,
+        "DELTARL_TEACHER_ENGINE": "vllm",
+        "DELTARL_TEACHER_MODEL": str(tmp / "model"),
+        "DELTARL_TEACHER_DTYPE": a.dtype,
+        "DELTARL_TEACHER_TOKEN": TOKEN,
+        "DELTARL_TEACHER_PORT": str(a.port),
+        "DELTARL_TEACHER_GPU_MEMORY_UTILIZATION": "0.3",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    log = open(tmp / "teacher.log", "w")  # noqa: SIM115 - open while the service runs
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltarl.teacher"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    result: dict[str, Any] = {"model": "random Llama, SmolLM2-135M shape", "dtype": a.dtype}
+    failures: list[str] = []
+    try:
+        url = f"http://127.0.0.1:{a.port}"
+        with SyncTeacherClient(url, TOKEN, deadline_s=600.0, retries=1000) as client:
+            info = _wait_for(client, proc, 600.0)
+            result["started_s"] = time.perf_counter() - t0
+            result["info"] = info
+            t1 = time.perf_counter()
+            got = client.logprobs(seqs, prompts, 1.0, a.k)
+            result["request_s"] = time.perf_counter() - t1
+            try:
+                client.logprobs(seqs[:1], prompts[:1], 0.7, a.k)
+                failures.append("temperature 0.7 was not refused")
+            except TeacherRequestError as err:
+                result["temperature_0.7"] = f"{err.status} {err.code}"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+    device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    ref = TransformersTeacher(model.to(device))
+    jobs = [
+        ScoreJob(np.asarray(s, np.int32), p, 1.0, a.k) for s, p in zip(seqs, prompts, strict=True)
+    ]
+    sampled, top, top1 = [], [], []
+    for i, want in enumerate(ref.score(jobs)):
+        s, ids, lps = got.sequence(i)
+        sampled += np.abs(s - want.sampled).tolist()
+        top += np.abs(lps - want.top_logprobs).ravel().tolist()
+        top1 += (ids[:, 0] == want.top_ids[:, 0]).tolist()
+    result["sampled_abs_diff"] = {"mean": statistics.mean(sampled), "max": max(sampled)}
+    result["topk_abs_diff"] = {"mean": statistics.mean(top), "max": max(top)}
+    result["top1_agreement"] = statistics.mean(top1)
+    result["positions"] = len(sampled)
+    if result["sampled_abs_diff"]["mean"] > a.tolerance or result["top1_agreement"] < 0.9:
+        failures.append("vLLM's scores are not the transformers engine's within the tolerance")
+    result["tolerance_mean"] = a.tolerance
+    result["failures"] = failures
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if a.json:
+        a.json.write_text(text + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
