@@ -102,7 +102,7 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     from transformers import AutoModelForCausalLM
 
     from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
-    from deltarl.trainer.distributed import init_distributed, shutdown_distributed
+    from deltarl.trainer.distributed import init_distributed, shard_fsdp, shutdown_distributed
     from deltarl.trainer.loop import GracefulStop
     from deltarl.trainer.replica import train_replica
 
@@ -119,11 +119,24 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
             settings.model, dtype=torch.float32
         )
         model.to(device)  # fp32 master weights; bf16 compute comes from autocast
+        fsdp = ctx.enabled and settings.parallel == "fsdp"
+        if fsdp:
+            if checkpoint is not None:
+                raise typer.BadParameter(
+                    "checkpoints are not implemented under FSDP yet", param_hint="--resume"
+                )
+            shard_fsdp(model, ctx, device)
         with GracefulStop() as stopper:
             if ctx.is_main:
                 _run_main(model, settings, deploy, stopper, checkpointer, checkpoint, ctx)
             else:  # rank 0 decides when to stop; a signal here only sets the exit code
-                train_replica(model, settings, ctx, resume=checkpoint)
+                publisher = None
+                if fsdp:
+                    from deltarl.services.buckets import open_bucket
+                    from deltarl.trainer.sharded import ShardedPublisher
+
+                    publisher = ShardedPublisher(open_bucket(), settings.publish, ctx)
+                train_replica(model, settings, ctx, resume=checkpoint, publisher=publisher)
         clean = True
     finally:
         shutdown_distributed(ctx, clean=clean)
@@ -144,18 +157,31 @@ def _run_main(
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
     from deltarl.trainer.reporting import build_reporter
+    from deltarl.trainer.sharded import ShardedPublisher
     from deltarl.trainer.weights import WeightPublisher, coordinator_challenges
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None
     with CoordinatorClient(deploy.coordinator_url, token) as client:
-        publisher = WeightPublisher(
-            bucket,
-            settings.publish,
-            register=client.publish_version,
-            challenges=coordinator_challenges(client),
-            tmp_dir=Path(settings.run_dir),
-        )
+        publisher: WeightPublisher | ShardedPublisher
+        if ctx.enabled and settings.parallel == "fsdp":
+            if settings.publish.proof_challenges:
+                logger.warning(
+                    "FSDP: weight challenges are not computed on sharded state yet; workers "
+                    "stay unproven (publish.proof_challenges=%d ignored)",
+                    settings.publish.proof_challenges,
+                )
+            publisher = ShardedPublisher(
+                bucket, settings.publish, ctx, register=client.publish_version
+            )
+        else:
+            publisher = WeightPublisher(
+                bucket,
+                settings.publish,
+                register=client.publish_version,
+                challenges=coordinator_challenges(client),
+                tmp_dir=Path(settings.run_dir),
+            )
         with build_reporter(settings) as reporter:
             last = run_loop(
                 model,
@@ -165,7 +191,8 @@ def _run_main(
                 sink=reporter,
                 data_timeout_s=deploy.data_timeout_s,
                 stop=stopper.event,
-                checkpointer=checkpointer,
+                # not implemented under FSDP: --resume is refused before, none are written
+                checkpointer=None if isinstance(publisher, ShardedPublisher) else checkpointer,
                 resume=checkpoint,
                 dist=ctx,
             )

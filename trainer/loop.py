@@ -54,6 +54,7 @@ from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.metrics import MetricsSink
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
+from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.step import train_step
 from deltarl.trainer.weights import PublishFailedError, WeightPublisher, publishable_state
 
@@ -245,7 +246,7 @@ def _changed_settings(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix.rstrip(".")]
 
 
-def _resume_version(publisher: WeightPublisher, checkpoint: Checkpoint) -> int:
+def _resume_version(publisher: WeightPublisher | ShardedPublisher, checkpoint: Checkpoint) -> int:
     """The version of the resumed weights: after the checkpoint's and the bucket's newest."""
     meta = checkpoint.meta
     latest = BucketReader(publisher.bucket).latest()
@@ -274,7 +275,7 @@ def train(
     model: torch.nn.Module,
     settings: ExperimentSettings,
     source: BatchSource,
-    publisher: WeightPublisher,
+    publisher: WeightPublisher | ShardedPublisher,
     *,
     sink: MetricsSink | None = None,
     ref_model: torch.nn.Module | None = None,
@@ -311,6 +312,14 @@ def train(
     ctx = dist if dist is not None else DistContext()
     if not ctx.is_main:
         raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
+    sharded = isinstance(publisher, ShardedPublisher)
+    if sharded and (checkpointer is not None or resume is not None):
+        raise ValueError("checkpoints are not implemented under FSDP (parallel = 'fsdp') yet")
+
+    def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What the publisher takes: this rank's rows (FSDP2) or the whole state."""
+        return local_rows(model, ctx) if sharded else publishable_state(model)
+
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     failures = 0  # consecutive failed publications
     step = groups_trained = 0
@@ -321,12 +330,12 @@ def train(
         resume.restore(model, opt, sched, publish_dtype=publisher.dtype)
         step, groups_trained = resume.meta.step, resume.meta.groups_trained
         version = publisher.publish(
-            publishable_state(model), _resume_version(publisher, resume), step=step, anchor=True
+            published(model), _resume_version(publisher, resume), step=step, anchor=True
         )
         publisher.wait()
         logger.info("resumed after step %d; its weights are version %d (anchor)", step, version)
     else:
-        version = publisher.publish(publishable_state(model), step=0, anchor=True)
+        version = publisher.publish(published(model), step=0, anchor=True)
         publisher.wait()
         logger.info("published the starting weights as version %d", version)
     saved = step  # step of the newest checkpoint (or of the start: nothing new to save)
@@ -391,7 +400,7 @@ def train(
             waited = publisher.waited_s
             failed = False
             try:
-                version = publisher.publish(publishable_state(model), step=step)
+                version = publisher.publish(published(model), step=step)
                 failures = 0
             except PublishFailedError:
                 failures += 1
@@ -399,7 +408,7 @@ def train(
                     raise
                 logger.exception("publication failed; re-anchoring with the current weights")
                 failed = True
-                version = publisher.publish(publishable_state(model), step=step, anchor=True)
+                version = publisher.publish(published(model), step=step, anchor=True)
             ack_failures = 0
             for bid in pulled.batch_ids:
                 keeper.release(bid)

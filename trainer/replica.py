@@ -3,7 +3,8 @@
 A replica never talks to the coordinator or the bucket and writes nothing: it receives each
 step's batch from rank 0, trains on its share of the rows inside DDP (gradients all-reduced with
 every other rank) and takes the same optimizer step, so its weights stay identical to rank 0's,
-which publishes them. It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
+which publishes them. Under FSDP2 (:mod:`.sharded`) it also publishes its own rows of each
+version when rank 0 says ``"publish"`` (``publisher`` given). It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
 ``"timeout"`` (rank 0 gave up waiting for data: :class:`TimeoutError` here too).
 """
 
@@ -17,6 +18,7 @@ from deltarl.trainer.checkpoint import Checkpoint
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.step import train_step
 
 logger = logging.getLogger(__name__)
@@ -31,12 +33,13 @@ def train_replica(
     *,
     ref_model: torch.nn.Module | None = None,
     resume: Checkpoint | None = None,
+    publisher: ShardedPublisher | None = None,
 ) -> int:
     """Follow rank 0's steps until it stops; return the last version rank 0 reported.
 
     ``model``: this rank's replica (fp32, on this rank's device), built like rank 0's.
     ``resume``: the checkpoint rank 0 resumes from (every rank loads it: the optimizer state
-    is per rank).
+    is per rank). ``publisher``: this rank's sharded publisher (FSDP2; None under DDP).
     """
     if dist.is_main or not dist.enabled:
         raise ValueError("train_replica is for ranks 1..N-1 of a distributed job")
@@ -52,6 +55,14 @@ def train_replica(
             return int(payload)
         if kind == "timeout":
             raise TimeoutError(f"rank 0: {payload}")
+        if kind == "publish":
+            if publisher is None:
+                raise RuntimeError(
+                    "rank 0 publishes sharded versions but this rank has no publisher"
+                )
+            version, step, anchor = payload
+            publisher.publish_local(local_rows(model, dist), version, step, anchor)
+            continue
         assert kind == "step", kind
         batch, _version = payload  # the version these weights have (rank 0's count)
         train_step(step_model, opt, sched, batch, settings, ref_model=ref_model, dist=dist)
