@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
 
     from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
+    from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
     from deltarl.trainer.distributed import DistContext
     from deltarl.trainer.loop import GracefulStop
 
@@ -102,6 +103,7 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     from transformers import AutoModelForCausalLM
 
     from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
+    from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
     from deltarl.trainer.distributed import init_distributed, shard_fsdp, shutdown_distributed
     from deltarl.trainer.loop import GracefulStop
     from deltarl.trainer.replica import train_replica
@@ -109,7 +111,12 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     ctx, device = init_distributed(deploy.device, timeout_s=deploy.dist_timeout_s)
     clean = False
     try:
-        checkpointer = Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
+        fsdp = ctx.enabled and settings.parallel == "fsdp"
+        checkpointer = (
+            ShardedCheckpointer(settings.checkpoint_dir(), ctx, keep=settings.checkpoint.keep)
+            if fsdp
+            else Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
+        )
         try:
             checkpoint = checkpointer.load() if resume else None
         except CheckpointError as exc:
@@ -119,12 +126,7 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
             settings.model, dtype=torch.float32
         )
         model.to(device)  # fp32 master weights; bf16 compute comes from autocast
-        fsdp = ctx.enabled and settings.parallel == "fsdp"
         if fsdp:
-            if checkpoint is not None:
-                raise typer.BadParameter(
-                    "checkpoints are not implemented under FSDP yet", param_hint="--resume"
-                )
             shard_fsdp(model, ctx, device)
         with GracefulStop() as stopper:
             if ctx.is_main:
@@ -136,7 +138,16 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
                     from deltarl.trainer.sharded import ShardedPublisher
 
                     publisher = ShardedPublisher(open_bucket(), settings.publish, ctx)
-                train_replica(model, settings, ctx, resume=checkpoint, publisher=publisher)
+                train_replica(
+                    model,
+                    settings,
+                    ctx,
+                    resume=checkpoint,
+                    publisher=publisher,
+                    checkpointer=checkpointer
+                    if isinstance(checkpointer, ShardedCheckpointer)
+                    else None,
+                )
         clean = True
     finally:
         shutdown_distributed(ctx, clean=clean)
@@ -149,7 +160,7 @@ def _run_main(
     deploy: TrainerDeployment,
     stopper: GracefulStop,
     checkpointer: Checkpointer,
-    checkpoint: Checkpoint | None,
+    checkpoint: Checkpoint | ShardedCheckpoint | None,
     ctx: DistContext,
 ) -> None:
     """Rank 0 (or the only process): coordinator client, publisher, reporter, the loop."""
@@ -191,8 +202,7 @@ def _run_main(
                 sink=reporter,
                 data_timeout_s=deploy.data_timeout_s,
                 stop=stopper.event,
-                # not implemented under FSDP: --resume is refused before, none are written
-                checkpointer=None if isinstance(publisher, ShardedPublisher) else checkpointer,
+                checkpointer=checkpointer,
                 resume=checkpoint,
                 dist=ctx,
             )

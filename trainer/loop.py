@@ -49,6 +49,7 @@ from deltarl.services.coordinator.schemas import LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
+from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.metrics import MetricsSink
@@ -246,7 +247,9 @@ def _changed_settings(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix.rstrip(".")]
 
 
-def _resume_version(publisher: WeightPublisher | ShardedPublisher, checkpoint: Checkpoint) -> int:
+def _resume_version(
+    publisher: WeightPublisher | ShardedPublisher, checkpoint: Checkpoint | ShardedCheckpoint
+) -> int:
     """The version of the resumed weights: after the checkpoint's and the bucket's newest."""
     meta = checkpoint.meta
     latest = BucketReader(publisher.bucket).latest()
@@ -284,7 +287,7 @@ def train(
     stop: threading.Event | None = None,
     max_publish_failures: int = 3,
     checkpointer: Checkpointer | None = None,
-    resume: Checkpoint | None = None,
+    resume: Checkpoint | ShardedCheckpoint | None = None,
     dist: DistContext | None = None,
 ) -> int:
     """Run optimizer steps up to ``settings.max_steps``; return the last published version.
@@ -313,8 +316,6 @@ def train(
     if not ctx.is_main:
         raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
     sharded = isinstance(publisher, ShardedPublisher)
-    if sharded and (checkpointer is not None or resume is not None):
-        raise ValueError("checkpoints are not implemented under FSDP (parallel = 'fsdp') yet")
 
     def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """What the publisher takes: this rank's rows (FSDP2) or the whole state."""
@@ -383,8 +384,8 @@ def train(
                 if stop is not None and stop.is_set():
                     logger.warning("stop requested while waiting for data after step %d", step)
                     break
+                save()  # between steps: the state is consistent (FSDP: every rank saves)
                 broadcast(("timeout", str(err)), ctx)
-                save()  # between steps: the state is consistent
                 raise
             step += 1
             batch = collate(
@@ -440,8 +441,8 @@ def train(
                 sink(step, metrics)
             if every and step % every == 0:
                 save()
+        save()  # the end, or a stop request (before "stop": FSDP ranks save their shards too)
         broadcast(("stop", version), ctx)
-        save()  # the end, or a stop request
     finally:
         keeper.close()
         publisher.close()

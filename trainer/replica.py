@@ -15,6 +15,7 @@ import logging
 import torch
 
 from deltarl.trainer.checkpoint import Checkpoint
+from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint, ShardedCheckpointer
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
@@ -32,14 +33,16 @@ def train_replica(
     dist: DistContext,
     *,
     ref_model: torch.nn.Module | None = None,
-    resume: Checkpoint | None = None,
+    resume: Checkpoint | ShardedCheckpoint | None = None,
     publisher: ShardedPublisher | None = None,
+    checkpointer: ShardedCheckpointer | None = None,
 ) -> int:
     """Follow rank 0's steps until it stops; return the last version rank 0 reported.
 
     ``model``: this rank's replica (fp32, on this rank's device), built like rank 0's.
     ``resume``: the checkpoint rank 0 resumes from (every rank loads it: the optimizer state
-    is per rank). ``publisher``: this rank's sharded publisher (FSDP2; None under DDP).
+    is per rank). ``publisher``, ``checkpointer``: this rank's sharded publisher and checkpointer
+    (FSDP2; None under DDP, where rank 0 alone publishes and checkpoints).
     """
     if dist.is_main or not dist.enabled:
         raise ValueError("train_replica is for ranks 1..N-1 of a distributed job")
@@ -55,6 +58,11 @@ def train_replica(
             return int(payload)
         if kind == "timeout":
             raise TimeoutError(f"rank 0: {payload}")
+        if kind == "checkpoint":
+            if checkpointer is None:
+                raise RuntimeError("rank 0 saves a sharded checkpoint but this rank has none")
+            checkpointer.save_local(payload, model, opt, sched)
+            continue
         if kind == "publish":
             if publisher is None:
                 raise RuntimeError(
