@@ -183,7 +183,11 @@ def _run_main(
                     settings.publish.proof_challenges,
                 )
             publisher = ShardedPublisher(
-                bucket, settings.publish, ctx, register=client.publish_version
+                bucket,
+                settings.publish,
+                ctx,
+                register=client.publish_version,
+                challenges=coordinator_challenges(client),
             )
         else:
             publisher = WeightPublisher(

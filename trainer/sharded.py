@@ -28,7 +28,8 @@ tensors' base rows (transient, at most the rank's shard). Nothing of the other r
 
 Not supported here (refused or documented): chained deltas (each version carries standalone
 deltas only), publishing in a background thread (the collectives run in the training thread),
-weight proofs (no challenges are posted: workers stay unproven, see docs/trainer.md).
+whole-state weight proofs (``proof_chunks = 0``, refused; sampled proofs gather only the sampled
+chunks' bytes, see :meth:`ShardedPublisher._prove`).
 """
 
 from __future__ import annotations
@@ -47,11 +48,18 @@ from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
-from deltarl.services.weightsync.manifest import ObjectPart, slice_key
+from deltarl.services.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
+from deltarl.services.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from deltarl.trainer.distributed import DistContext, broadcast
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import PublishFailedError, PublishReport, Register, VersionBook
+from deltarl.trainer.weights import (
+    Challenges,
+    PublishFailedError,
+    PublishReport,
+    Register,
+    VersionBook,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +110,7 @@ class _Record:
     anchor: ObjectPart | None = None
     base_digests: dict[str, str] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # slice key -> tensor digest
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # slice key -> its shape
     changed: int = 0
     numel: int = 0
     times: dict[str, float] = field(default_factory=dict)  # cast, diff, encode, upload (s)
@@ -124,6 +133,7 @@ class ShardedPublisher(VersionBook):
         ctx: DistContext,
         *,
         register: Register | None = None,
+        challenges: Challenges | None = None,
         dtype: torch.dtype = torch.bfloat16,
         on_report: Callable[[PublishReport], None] | None = None,
         on_rank_report: Callable[[dict[str, Any]], None] | None = None,
@@ -131,7 +141,14 @@ class ShardedPublisher(VersionBook):
         self.settings = settings if settings is not None else PublishSettings()
         if not ctx.enabled:
             raise ValueError("ShardedPublisher is for torchrun jobs; one process: WeightPublisher")
+        if self.settings.proof_challenges and self.settings.proof_chunks == 0:
+            raise ValueError(
+                "publish.proof_chunks = 0 (whole-state weight proofs) is not supported under FSDP: "
+                "no rank holds the whole state; sample chunks (proof_chunks > 0) or set "
+                "publish.proof_challenges = 0"
+            )
         self.bucket, self.ctx, self.register, self.dtype = bucket, ctx, register, dtype
+        self.challenges = challenges
         self.on_report, self.on_rank_report = on_report, on_rank_report
         self._writer = BucketWriter(bucket, anchor_every=self.settings.anchor_every)
         self._base: dict[str, torch.Tensor] | None = None  # bf16 rows of the last version
@@ -215,6 +232,7 @@ class ShardedPublisher(VersionBook):
             return False
         self._base, self._base_digests = new, record.digests
         self._last_version, self._failed = version, False
+        self._prove(version, new, records)
         if report is not None:
             self._last_report = report
             if self.on_report is not None:
@@ -249,6 +267,7 @@ class ShardedPublisher(VersionBook):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         rec.numel = sum(t.numel() for t in new.values())
+        rec.shapes = {k: list(t.shape) for k, t in new.items()}
         delta = None
         if base is not None and not self._failed and set(base) == set(new):
             delta = compute_delta(
@@ -279,6 +298,54 @@ class ShardedPublisher(VersionBook):
         t4 = time.perf_counter()
         rec.times = {"cast": t1 - t0, "diff": t2 - t1, "encode": t3 - t2, "upload": t4 - t3}
         return new, rec
+
+    def _prove(self, version: int, new: Mapping[str, torch.Tensor], records: list[_Record]) -> None:
+        """Weight challenges of ``version`` (a collective, after the commit): rank 0 draws the
+        nonces and the chunks they sample, every rank sends the bytes of those chunks that lie
+        in its rows (``proof_challenges * proof_chunks * proof_chunk_bytes`` bytes in all, 8 MiB
+        by default), rank 0 computes the answers and hands them over. A failure costs only the
+        proofs (logged), as with one process."""
+        count = self.settings.proof_challenges
+        plan = None
+        if self.ctx.is_main and self.challenges is not None and count:
+            spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+            rows: dict[str, int] = {}
+            trailing: dict[str, tuple[int, ...]] = {}
+            for r in records:
+                for key, shape in r.shapes.items():
+                    name, _, hi = parse_slice_key(key)
+                    rows[name] = max(rows.get(name, 0), hi)
+                    trailing[name] = tuple(shape[1:])
+            meta = {n: (self.dtype, (rows[n], *trailing[n])) for n in rows}
+            nonces = [new_nonce() for _ in range(count)]
+            samples = [sampled_pieces(meta, n, spec) for n in nonces]
+            wanted = sorted({p for sample in samples for _, ps in sample for p in ps})
+            plan = (wanted, meta, spec, nonces, samples)
+        sent = broadcast(None if plan is None else plan[0], self.ctx)
+        if sent is None:
+            return
+        mine = _local_bytes(sent, new)
+        every: list[Any] = [None] * self.ctx.world_size
+        tdist.all_gather_object(every, mine)
+        if plan is None or self.challenges is None:
+            return
+        wanted, meta, spec, nonces, samples = plan
+        found: dict[tuple[str, int, int], list[tuple[int, bytes]]] = {}
+        for part in every:
+            for piece, at, data in part:
+                found.setdefault(tuple(piece), []).append((at, data))
+        try:
+            data = {p: b"".join(d for _, d in sorted(found.get(p, []))) for p in wanted}
+            short = [p for p in wanted if len(data[p]) != p[2] - p[1]]
+            if short:
+                raise RuntimeError(f"no rank sent the bytes of {short[:3]}")
+            pairs = []
+            for nonce, sample in zip(nonces, samples, strict=True):
+                chunks = [b"".join(data[p] for p in ps) for _, ps in sample]
+                pairs.append((nonce.hex(), answer_from(meta, nonce, version, spec, chunks)))
+            self.challenges(version, spec, pairs)
+        except Exception as exc:
+            logger.warning("version %d: weight challenges not handed over: %s", version, exc)
 
     def _commit(
         self, records: list[_Record], version: int, step: int | None, anchor: bool, t0: float
@@ -352,3 +419,33 @@ class ShardedPublisher(VersionBook):
             register_s=t_end - t_reg,
             total_s=t_end - t0,
         )
+
+
+def _local_bytes(
+    wanted: list[tuple[str, int, int]], rows: Mapping[str, torch.Tensor]
+) -> list[tuple[tuple[str, int, int], int, bytes]]:
+    """The bytes of the ``wanted`` ranges (tensor name, byte lo, byte hi of the whole tensor)
+    that lie in this rank's ``rows`` (by slice key): (range, absolute start, bytes)."""
+    by_name: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, t in rows.items():
+        name, lo, _ = parse_slice_key(key)
+        by_name.setdefault(name, []).append((lo, t))
+    where: list[tuple[tuple[str, int, int], int]] = []
+    views: list[torch.Tensor] = []
+    for piece in wanted:
+        name, lo, hi = piece
+        for row0, t in by_name.get(name, []):
+            flat = t.reshape(-1).view(torch.uint8)
+            base = row0 * (flat.numel() // max(t.shape[0], 1))
+            a, b = max(lo, base), min(hi, base + flat.numel())
+            if a < b:
+                where.append((piece, a))
+                views.append(flat[a - base : b - base])
+    if not views:
+        return []
+    host = torch.cat(views).cpu().numpy().tobytes()  # one copy to the host
+    out, at = [], 0
+    for (piece, start), v in zip(where, views, strict=True):
+        out.append((piece, start, host[at : at + v.numel()]))
+        at += v.numel()
+    return out

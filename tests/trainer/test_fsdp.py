@@ -21,6 +21,7 @@ from deltarl.rollout.weights import WeightSync
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.manifest import parse_slice_key
+from deltarl.services.weightsync.proof import ProofSpec, proof_answer
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.services.weightsync.retention import RetentionPolicy, collect_garbage
 from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
@@ -77,7 +78,8 @@ def fsdp_settings(run_dir: Path) -> ExperimentSettings:
     return base.model_copy(
         update={
             "parallel": "fsdp",
-            "publish": base.publish.model_copy(update={"anchor_every": 2}),
+            # 24-byte proof chunks: 6 of the 128-byte state, one across the ranks' rows
+            "publish": base.publish.model_copy(update={"anchor_every": 2, "proof_chunk_bytes": 24}),
             "checkpoint": base.checkpoint.model_copy(update={"every": 2}),
         }
     )
@@ -96,10 +98,18 @@ def rank_main(rank: int, root: str) -> None:
     ckpt = ShardedCheckpointer(Path(root) / "ckpt", ctx)  # one shared checkpoint directory
     if ctx.is_main:
         coordinator = FakeCoordinator()
-        pub = ShardedPublisher(bucket, settings.publish, ctx, register=coordinator)
+        proofs: dict[int, list[tuple[str, str]]] = {}
+
+        def challenges(version: int, spec: object, pairs: list[tuple[str, str]]) -> None:
+            proofs[version] = pairs
+
+        pub = ShardedPublisher(
+            bucket, settings.publish, ctx, register=coordinator, challenges=challenges
+        )
         queue = ShardedQueue(bucket)
         last = train(model, settings, queue, pub, poll_s=0.0, dist=ctx, checkpointer=ckpt)
         registered = len(coordinator.manifests)
+        (out / "proofs.json").write_text(json.dumps(proofs))
     else:
         pub = ShardedPublisher(bucket, None, ctx)
         last = train_replica(model, settings, ctx, publisher=pub, checkpointer=ckpt)
@@ -159,6 +169,15 @@ def test_fsdp_trains_like_one_process_and_a_worker_follows_its_sharded_versions(
         name, lo, hi = parse_slice_key(key)
         digests[key] = tensor_digest(want[name][lo:hi])
     assert combine_digests(digests) == last.state_digest
+
+    # weight challenges: computed from the bytes of the sampled chunks each rank holds; a worker
+    # holding the weights answers alike
+    proofs = json.loads((tmp_path / "rank0" / "proofs.json").read_text())
+    assert sorted(proofs) == [str(v) for v in range(STEPS + 1)]
+    spec = ProofSpec(24, 256)
+    for nonce, answer in proofs[str(STEPS)]:
+        assert proof_answer(want, bytes.fromhex(nonce), STEPS, spec) == answer
+    assert len(proofs[str(STEPS)]) == 8
 
     # a worker from nothing, then one that lags: catch-up across several versions by deltas
     engine, sync = follower(bucket)
