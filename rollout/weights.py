@@ -111,6 +111,7 @@ from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
 from deltarl.services.weightsync.proof import ProofSpec, proof_answer
 from deltarl.services.weightsync.reader import BucketReader
+from deltarl.services.weightsync.sharding import layout_view, merge_parts
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,7 @@ class WeightSync:
         self._digests: dict[str, str] = {}  # tensor digests of the engine's weights at _version
         self._verified_state: tuple[int, str] | None = None  # (_version, its state digest)
         self._mirror: dict[str, torch.Tensor] | None = None  # CPU copy at _version, if host_mirror
+        self._layout: tuple[str, ...] | None = None  # sharded layout of _version (None: unsharded)
         self._bad_keys: set[str] = set()  # objects never to plan with again
         # what the last applied and verified delta changed (chained deltas decode against it)
         self._context: DeltaContext | None = None
@@ -545,6 +547,11 @@ class WeightSync:
                 f"delta {ref.base_version} -> {ref.version} does not start at the engine's "
                 f"verified version {self._version if self.healthy else None}"
             )
+        if ref.layout != self._layout:
+            raise BaseMismatchError(
+                f"delta {ref.base_version} -> {ref.version} is laid out for another sharding "
+                "than the engine's weights (a trainer that changed its world size): an anchor"
+            )
         if ref.base_digest != combine_digests(self._digests):
             raise BaseMismatchError(
                 f"delta {ref.base_version} -> {ref.version}: the engine's state digest is not "
@@ -554,10 +561,10 @@ class WeightSync:
         # must not wait for a context it may not hold)
         context = self._held_context() if ref.context_version is not None else None
         t0 = time.perf_counter()
-        data = self.reader.fetch(ref)
+        data = self.reader.fetch(ref) if ref.parts is None else b""
         t1 = time.perf_counter()
         try:
-            delta = self._decode(data, context)
+            delta = self._decode(data, context) if ref.parts is None else self._decode_parts(ref)
         except ContextMismatchError:
             # Nothing was decoded: the weights are fine, but this context is not the one the
             # bucket chains on. Forget it: the next plan uses standalone deltas.
@@ -574,15 +581,16 @@ class WeightSync:
             self._set_unhealthy(reason)
             raise CorruptDeltaError(reason) from err
         _check_delta_versions(delta, ref)
-        new_context = self._context_of(delta, ref)
+        new_context = self._context_of(delta, ref) if ref.parts is None else None
         t2 = time.perf_counter()
         fault_points.hold("before_apply", version=ref.version, base_version=ref.base_version)
         if self._shards is not None:
+            _refuse_layout_on_shards(ref)
             params: Mapping[str, torch.Tensor] = {}
             staged = None
             self._shards.stage(delta, ref.version)  # sliced per rank, staged on every GPU
         else:
-            params = self.engine.named_parameters()
+            params = self._params(ref.layout)
             # binding the target tensors now (checked: names, dtypes, shapes, device) leaves
             # only the scatters for the pause
             staged = stage_delta(delta, self.engine.device, params, kernel=self.apply_kernel)
@@ -616,14 +624,15 @@ class WeightSync:
         verified = time.time()
         self._version, self._digests = ref.version, digests
         self._verified_state = (ref.version, combine_digests(digests))
-        self._context = new_context
+        self._context = new_context if ref.parts is None else None
         with self._cond:
             self._verified_seq = seq
         tm = time.perf_counter()
         if self._mirror is not None and self._shards is None:
             try:
+                mirror = layout_view(self._mirror, ref.layout)
                 for patch in delta.patches.values():
-                    scatter_patch(self._mirror[patch.name], patch)
+                    scatter_patch(mirror[patch.name], patch)
             except BaseException:
                 # half-patched: decode against the engine's tensors (in process) instead
                 self._drop_shared()
@@ -669,6 +678,31 @@ class WeightSync:
             context=context,
         )
 
+    def _params(self, layout: tuple[str, ...] | None) -> Mapping[str, torch.Tensor]:
+        """The engine's tensors, as row views under a sharded ``layout`` (:mod:`.sharding`)."""
+        return layout_view(self.engine.named_parameters(), layout)
+
+    def _decode_parts(self, ref: ObjectRef) -> Delta:
+        """A sharded delta: its parts fetched in parallel and decoded (in this process) as they
+        arrive, against the host state's row views; merged into one delta over the layout."""
+        assert ref.layout is not None
+        host = layout_view(self._host_state(), ref.layout)
+
+        def decoded() -> Iterator[Delta]:
+            for part, data in self.reader.fetch_parts(ref):
+                missing = [k for k in part.slices if k not in self._digests]
+                if missing:
+                    raise BaseMismatchError(f"the engine holds no digest of {missing[:3]}")
+                yield decode_delta(
+                    data,
+                    {k: host[k] for k in part.slices},
+                    check_base=True,
+                    base_digests={k: self._digests[k] for k in part.slices},
+                    threads=self.decode_threads,
+                )
+
+        return merge_parts(decoded(), ref.layout)
+
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
         """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch.
 
@@ -684,7 +718,7 @@ class WeightSync:
                 raise
             params: Mapping[str, torch.Tensor] = self._mirror
         else:
-            params = self.engine.named_parameters()
+            params = self._params(ref.layout)
         digests = dict(self._digests)
         try:
             for name, p in delta.patches.items():
@@ -728,16 +762,26 @@ class WeightSync:
 
     def _load_anchor(self, ref: ObjectRef, created: float | None) -> StepTiming:
         t0 = time.perf_counter()
-        data = self.reader.fetch(ref)
+        if ref.parts is None:
+            state, version, digests = decode_anchor(self.reader.fetch(ref))
+        else:  # a sharded anchor: every part's rows, decoded as they arrive
+            state, digests, version = {}, {}, ref.version
+            for part, data in self.reader.fetch_parts(ref):
+                rows, part_version, digs = decode_anchor(data)
+                if set(rows) != set(part.slices) or part_version != ref.version:
+                    raise CorruptDeltaError(f"anchor part {part.key} does not hold its slices")
+                state.update(rows)
+                digests.update(digs)
         t1 = time.perf_counter()
-        state, version, digests = decode_anchor(data)
         if version != ref.version or combine_digests(digests) != ref.result_digest:
             raise CorruptDeltaError(
                 f"anchor {ref.key} holds version {version} with another state digest than the "
                 f"manifest's version {ref.version}"
             )
         shards = self._shards
-        params = shards.meta() if shards is not None else self.engine.named_parameters()
+        if shards is not None:
+            _refuse_layout_on_shards(ref)
+        params = shards.meta() if shards is not None else self._params(ref.layout)
         _check_same_tensors(params, state)
         t2 = time.perf_counter()
         seq = self._stamp.seq + 1
@@ -775,9 +819,10 @@ class WeightSync:
         done = time.time()
         self._version, self._digests = ref.version, digests
         self._verified_state = (ref.version, combine_digests(digests))
+        self._layout = ref.layout
         self._drop_shared()
         self._mirror = state if self.host_mirror else None
-        if self._decoder is not None:
+        if self._decoder is not None and ref.layout is None:  # sharded: decoded in process
             shared = SharedMirror(state)
             try:
                 self._decoder.attach(shared)
@@ -874,4 +919,14 @@ def _check_same_tensors(
         raise StateMismatchError(
             f"the bucket's model is not the engine's: anchor lacks {missing[:5]}, has extra "
             f"{extra[:5]}, mismatched {wrong[:3]} (same model and dtype on both sides?)"
+        )
+
+
+def _refuse_layout_on_shards(ref: ObjectRef) -> None:
+    """A tensor-parallel engine (weights split over ranks) cannot follow a version published
+    in row parts by an FSDP trainer yet: its per-rank slicing works on whole tensors."""
+    if ref.layout is not None:
+        raise ValueError(
+            f"v{ref.version} is published in row parts (an FSDP trainer) and this engine is "
+            "tensor-parallel: following sharded versions needs tensor_parallel_size = 1"
         )

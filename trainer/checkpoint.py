@@ -125,6 +125,12 @@ class CheckpointMeta(BaseModel):
     )
     settings: dict[str, Any] = Field(description="The experiment settings of the saving run.")
     files: dict[str, FileRecord] = Field(description="Every tensor file: size and digest.")
+    world_size: int = Field(
+        default=1,
+        ge=1,
+        description="Ranks of the FSDP trainer that wrote it (one file set per rank, "
+        ".checkpoint_sharded); 1: a whole-model checkpoint.",
+    )
     checksum: str = Field(description="xxh3-128 of the other keys (canonical JSON).")
 
 
@@ -334,6 +340,23 @@ class Checkpoint:
         )
 
 
+def read_meta(ckpt_dir: Path) -> CheckpointMeta:
+    """``trainer.json`` of a checkpoint directory, checked (checksum, schema)."""
+    meta_path = ckpt_dir / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path} is missing: not a (complete) checkpoint")
+    try:
+        raw = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict) or raw.get("checksum") != _checksum(raw):
+        raise CheckpointError(f"{meta_path}: checksum mismatch (the file was modified)")
+    try:
+        return CheckpointMeta.model_validate(raw)
+    except ValidationError as err:
+        raise CheckpointError(f"{meta_path} is malformed: {err}") from None
+
+
 class Checkpointer:
     """Saves, lists, loads and prunes the checkpoints of one run (see the module docstring).
 
@@ -404,13 +427,7 @@ class Checkpointer:
         if current is not None and current.name == name:
             logger.debug("checkpoint %s is already the latest", current)
             return current
-        self.root.mkdir(parents=True, exist_ok=True)
-        for leftover in self.root.glob(TMP_PREFIX + "*"):
-            logger.warning("removing %s, left by an interrupted checkpoint write", leftover)
-            shutil.rmtree(leftover)
-        tmp = self.root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        final = self.root / name
+        tmp = self._fresh_tmp(name)
         try:
             opt_tensors, opt_scalars, groups = _optimizer_to_files(model, optimizer)
             rng_tensors, python_rng, numpy_rng = _rng_state()
@@ -438,27 +455,44 @@ class Checkpointer:
                 files=files,
                 checksum="",
             )
-            raw = meta.model_dump(mode="json")
-            raw["checksum"] = _checksum(raw)
-            write_json(tmp / META_FILE, raw)
-            fsync_dir(tmp)
-            if final.exists():  # uncommitted: left by a crash between rename and pointer
-                logger.warning("replacing %s, never committed by an interrupted write", final)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync_dir(self.root)
-            pointer_tmp = self.root / f"{CHECKPOINT_POINTER}.tmp"
-            with open(pointer_tmp, "w", encoding="utf-8") as fh:
-                fh.write(name + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(pointer_tmp, self.root / CHECKPOINT_POINTER)
-            fsync_dir(self.root)
+            final = self._commit(tmp, name, meta)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         logger.info("checkpoint of step %d (version %d) committed: %s", step, version, final)
         self._prune(step)
+        return final
+
+    def _fresh_tmp(self, name: str) -> Path:
+        """Steps 1-2 of the write protocol: leftovers removed, a fresh temporary directory."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob(TMP_PREFIX + "*"):
+            logger.warning("removing %s, left by an interrupted checkpoint write", leftover)
+            shutil.rmtree(leftover)
+        tmp = self.root / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def _commit(self, tmp: Path, name: str, meta: CheckpointMeta) -> Path:
+        """Steps 2-4: ``trainer.json`` (with its checksum) written last into ``tmp``, which is
+        renamed to ``name``; then the ``latest`` pointer moves (the commit point)."""
+        raw = meta.model_dump(mode="json")
+        raw["checksum"] = _checksum(raw)
+        write_json(tmp / META_FILE, raw)
+        fsync_dir(tmp)
+        final = self.root / name
+        if final.exists():  # uncommitted: left by a crash between rename and pointer
+            logger.warning("replacing %s, never committed by an interrupted write", final)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        pointer_tmp = self.root / f"{CHECKPOINT_POINTER}.tmp"
+        with open(pointer_tmp, "w", encoding="utf-8") as fh:
+            fh.write(name + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(pointer_tmp, self.root / CHECKPOINT_POINTER)
+        fsync_dir(self.root)
         return final
 
     def load(self, path: str | Path | None = None) -> Checkpoint:
@@ -470,19 +504,13 @@ class Checkpointer:
                 raise CheckpointError(f"no checkpoint in {self.root} (no {CHECKPOINT_POINTER})")
             path = found
         ckpt_dir = Path(path)
+        meta = read_meta(ckpt_dir)
+        if meta.world_size != 1:
+            raise CheckpointError(
+                f"{ckpt_dir} was written by an FSDP trainer of {meta.world_size} ranks: resume "
+                "it with parallel = 'fsdp' under torchrun on as many ranks"
+            )
         meta_path = ckpt_dir / META_FILE
-        if not meta_path.is_file():
-            raise CheckpointError(f"{meta_path} is missing: not a (complete) checkpoint")
-        try:
-            raw = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{meta_path} is not valid JSON ({err})") from None
-        if not isinstance(raw, dict) or raw.get("checksum") != _checksum(raw):
-            raise CheckpointError(f"{meta_path}: checksum mismatch (the file was modified)")
-        try:
-            meta = CheckpointMeta.model_validate(raw)
-        except ValidationError as err:
-            raise CheckpointError(f"{meta_path} is malformed: {err}") from None
         expected = {MODEL_FILE, OPTIMIZER_FILE, RNG_FILE}
         if set(meta.files) != expected:
             raise CheckpointError(f"{meta_path} lists {sorted(meta.files)}, not {sorted(expected)}")

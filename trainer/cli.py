@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
 
     from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
+    from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
     from deltarl.trainer.distributed import DistContext
     from deltarl.trainer.loop import GracefulStop
 
@@ -102,14 +103,20 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     from transformers import AutoModelForCausalLM
 
     from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
-    from deltarl.trainer.distributed import init_distributed, shutdown_distributed
+    from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
+    from deltarl.trainer.distributed import init_distributed, shard_fsdp, shutdown_distributed
     from deltarl.trainer.loop import GracefulStop
     from deltarl.trainer.replica import train_replica
 
     ctx, device = init_distributed(deploy.device, timeout_s=deploy.dist_timeout_s)
     clean = False
     try:
-        checkpointer = Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
+        fsdp = ctx.enabled and settings.parallel == "fsdp"
+        checkpointer = (
+            ShardedCheckpointer(settings.checkpoint_dir(), ctx, keep=settings.checkpoint.keep)
+            if fsdp
+            else Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
+        )
         try:
             checkpoint = checkpointer.load() if resume else None
         except CheckpointError as exc:
@@ -119,11 +126,28 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
             settings.model, dtype=torch.float32
         )
         model.to(device)  # fp32 master weights; bf16 compute comes from autocast
+        if fsdp:
+            shard_fsdp(model, ctx, device)
         with GracefulStop() as stopper:
             if ctx.is_main:
                 _run_main(model, settings, deploy, stopper, checkpointer, checkpoint, ctx)
             else:  # rank 0 decides when to stop; a signal here only sets the exit code
-                train_replica(model, settings, ctx, resume=checkpoint)
+                publisher = None
+                if fsdp:
+                    from deltarl.services.buckets import open_bucket
+                    from deltarl.trainer.sharded import ShardedPublisher
+
+                    publisher = ShardedPublisher(open_bucket(), settings.publish, ctx)
+                train_replica(
+                    model,
+                    settings,
+                    ctx,
+                    resume=checkpoint,
+                    publisher=publisher,
+                    checkpointer=checkpointer
+                    if isinstance(checkpointer, ShardedCheckpointer)
+                    else None,
+                )
         clean = True
     finally:
         shutdown_distributed(ctx, clean=clean)
@@ -136,7 +160,7 @@ def _run_main(
     deploy: TrainerDeployment,
     stopper: GracefulStop,
     checkpointer: Checkpointer,
-    checkpoint: Checkpoint | None,
+    checkpoint: Checkpoint | ShardedCheckpoint | None,
     ctx: DistContext,
 ) -> None:
     """Rank 0 (or the only process): coordinator client, publisher, reporter, the loop."""
@@ -144,18 +168,35 @@ def _run_main(
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
     from deltarl.trainer.reporting import build_reporter
+    from deltarl.trainer.sharded import ShardedPublisher
     from deltarl.trainer.weights import WeightPublisher, coordinator_challenges
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None
     with CoordinatorClient(deploy.coordinator_url, token) as client:
-        publisher = WeightPublisher(
-            bucket,
-            settings.publish,
-            register=client.publish_version,
-            challenges=coordinator_challenges(client),
-            tmp_dir=Path(settings.run_dir),
-        )
+        publisher: WeightPublisher | ShardedPublisher
+        if ctx.enabled and settings.parallel == "fsdp":
+            if settings.publish.proof_challenges:
+                logger.warning(
+                    "FSDP: weight challenges are not computed on sharded state yet; workers "
+                    "stay unproven (publish.proof_challenges=%d ignored)",
+                    settings.publish.proof_challenges,
+                )
+            publisher = ShardedPublisher(
+                bucket,
+                settings.publish,
+                ctx,
+                register=client.publish_version,
+                challenges=coordinator_challenges(client),
+            )
+        else:
+            publisher = WeightPublisher(
+                bucket,
+                settings.publish,
+                register=client.publish_version,
+                challenges=coordinator_challenges(client),
+                tmp_dir=Path(settings.run_dir),
+            )
         with build_reporter(settings) as reporter:
             last = run_loop(
                 model,

@@ -24,8 +24,10 @@ weights are bit-identical (tested on CPU with gloo). With more ranks or more mic
 rank the summation order differs (ring all-reduce vs sequential accumulation): equal up to fp32
 rounding of the gradient (relative ~1e-7), which the bf16 cast hides for almost every element.
 
-Not FSDP: each rank holds the whole model (12 bytes per parameter with AdamW, plus the bf16
-host mirror and snapshot on rank 0, see docs/trainer.md for the FSDP2 trade-off).
+With ``parallel = "fsdp"`` the model is sharded instead (:func:`shard_fsdp`): each rank holds
+its rows of the fp32 weights, gradients and AdamW state, FSDP2 all-gathers each layer for its
+forward and backward and reduce-scatters the gradients; every rank then publishes its own rows
+(:mod:`.sharded`), so rank 0 holds no replica to publish from.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ __all__ = [
     "broadcast",
     "gather_stats",
     "init_distributed",
+    "shard_fsdp",
     "shard_rows",
     "shutdown_distributed",
     "wrap_ddp",
 ]
+
+#: Names of the module lists whose items are the decoder layers (HF Llama/Qwen: ``layers``,
+#: GPT-2: ``h``): each becomes its own FSDP2 unit.
+LAYER_LISTS = ("layers", "h", "blocks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +176,37 @@ def gather_stats(stats: LossStats, ctx: DistContext) -> LossStats:
 def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     """``model`` in :class:`~torch.nn.parallel.DistributedDataParallel` when there are several
     ranks (a collective: every rank calls it at the same point; rank 0's weights and buffers
-    are broadcast), else ``model`` itself."""
-    if not ctx.enabled:
+    are broadcast), else ``model`` itself. A model already sharded by :func:`shard_fsdp` is
+    returned as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not ctx.enabled or isinstance(model, FSDPModule):
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
+
+
+def shard_fsdp(model: torch.nn.Module, ctx: DistContext, device: str) -> torch.nn.Module:
+    """Shard ``model`` in place with FSDP2 (``fully_shard``): one unit per decoder layer (the
+    items of a module list named in :data:`LAYER_LISTS`), then the root (embeddings, final norm,
+    head). A collective; every rank must hold the same initial weights (same seed or
+    checkpoint). Parameters stay fp32 (bf16 compute comes from the trainer's autocast, as
+    without FSDP). Returns ``model``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not ctx.enabled:
+        raise ValueError("FSDP needs several ranks: start the trainer with torchrun")
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (ctx.world_size,))
+    units = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in LAYER_LISTS:
+            for layer in module:
+                fully_shard(layer, mesh=mesh)
+                units += 1
+    fully_shard(model, mesh=mesh)
+    logger.info("FSDP2: %d layer units + root over %d ranks", units, ctx.world_size)
+    return model

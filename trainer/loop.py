@@ -49,11 +49,13 @@ from deltarl.services.coordinator.schemas import LeasedBatch, TrajectoryGroup
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate, filter_stale
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
+from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.metrics import MetricsSink
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
+from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.step import train_step
 from deltarl.trainer.weights import PublishFailedError, WeightPublisher, publishable_state
 
@@ -245,7 +247,9 @@ def _changed_settings(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix.rstrip(".")]
 
 
-def _resume_version(publisher: WeightPublisher, checkpoint: Checkpoint) -> int:
+def _resume_version(
+    publisher: WeightPublisher | ShardedPublisher, checkpoint: Checkpoint | ShardedCheckpoint
+) -> int:
     """The version of the resumed weights: after the checkpoint's and the bucket's newest."""
     meta = checkpoint.meta
     latest = BucketReader(publisher.bucket).latest()
@@ -274,7 +278,7 @@ def train(
     model: torch.nn.Module,
     settings: ExperimentSettings,
     source: BatchSource,
-    publisher: WeightPublisher,
+    publisher: WeightPublisher | ShardedPublisher,
     *,
     sink: MetricsSink | None = None,
     ref_model: torch.nn.Module | None = None,
@@ -283,7 +287,7 @@ def train(
     stop: threading.Event | None = None,
     max_publish_failures: int = 3,
     checkpointer: Checkpointer | None = None,
-    resume: Checkpoint | None = None,
+    resume: Checkpoint | ShardedCheckpoint | None = None,
     dist: DistContext | None = None,
 ) -> int:
     """Run optimizer steps up to ``settings.max_steps``; return the last published version.
@@ -311,6 +315,12 @@ def train(
     ctx = dist if dist is not None else DistContext()
     if not ctx.is_main:
         raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
+    sharded = isinstance(publisher, ShardedPublisher)
+
+    def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What the publisher takes: this rank's rows (FSDP2) or the whole state."""
+        return local_rows(model, ctx) if sharded else publishable_state(model)
+
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     failures = 0  # consecutive failed publications
     step = groups_trained = 0
@@ -321,12 +331,12 @@ def train(
         resume.restore(model, opt, sched, publish_dtype=publisher.dtype)
         step, groups_trained = resume.meta.step, resume.meta.groups_trained
         version = publisher.publish(
-            publishable_state(model), _resume_version(publisher, resume), step=step, anchor=True
+            published(model), _resume_version(publisher, resume), step=step, anchor=True
         )
         publisher.wait()
         logger.info("resumed after step %d; its weights are version %d (anchor)", step, version)
     else:
-        version = publisher.publish(publishable_state(model), step=0, anchor=True)
+        version = publisher.publish(published(model), step=0, anchor=True)
         publisher.wait()
         logger.info("published the starting weights as version %d", version)
     saved = step  # step of the newest checkpoint (or of the start: nothing new to save)
@@ -374,8 +384,8 @@ def train(
                 if stop is not None and stop.is_set():
                     logger.warning("stop requested while waiting for data after step %d", step)
                     break
+                save()  # between steps: the state is consistent (FSDP: every rank saves)
                 broadcast(("timeout", str(err)), ctx)
-                save()  # between steps: the state is consistent
                 raise
             step += 1
             batch = collate(
@@ -391,7 +401,7 @@ def train(
             waited = publisher.waited_s
             failed = False
             try:
-                version = publisher.publish(publishable_state(model), step=step)
+                version = publisher.publish(published(model), step=step)
                 failures = 0
             except PublishFailedError:
                 failures += 1
@@ -399,7 +409,7 @@ def train(
                     raise
                 logger.exception("publication failed; re-anchoring with the current weights")
                 failed = True
-                version = publisher.publish(publishable_state(model), step=step, anchor=True)
+                version = publisher.publish(published(model), step=step, anchor=True)
             ack_failures = 0
             for bid in pulled.batch_ids:
                 keeper.release(bid)
@@ -431,8 +441,8 @@ def train(
                 sink(step, metrics)
             if every and step % every == 0:
                 save()
+        save()  # the end, or a stop request (before "stop": FSDP ranks save their shards too)
         broadcast(("stop", version), ctx)
-        save()  # the end, or a stop request
     finally:
         keeper.close()
         publisher.close()

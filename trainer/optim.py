@@ -67,4 +67,7 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], settings: OptimizerSett
     """Clip the global L2 norm of the gradients to ``grad_clip`` (if set); return the norm
     before clipping (``inf``/``nan`` when a gradient is not finite: skip that step)."""
     max_norm = settings.grad_clip if settings.grad_clip is not None else math.inf
-    return float(torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor, the norm over every rank's shards
+        norm = norm.full_tensor()
+    return float(norm)

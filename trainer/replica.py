@@ -3,7 +3,8 @@
 A replica never talks to the coordinator or the bucket and writes nothing: it receives each
 step's batch from rank 0, trains on its share of the rows inside DDP (gradients all-reduced with
 every other rank) and takes the same optimizer step, so its weights stay identical to rank 0's,
-which publishes them. It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
+which publishes them. Under FSDP2 (:mod:`.sharded`) it also publishes its own rows of each
+version when rank 0 says ``"publish"`` (``publisher`` given). It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
 ``"timeout"`` (rank 0 gave up waiting for data: :class:`TimeoutError` here too).
 """
 
@@ -14,9 +15,11 @@ import logging
 import torch
 
 from deltarl.trainer.checkpoint import Checkpoint
+from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint, ShardedCheckpointer
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.step import train_step
 
 logger = logging.getLogger(__name__)
@@ -30,13 +33,16 @@ def train_replica(
     dist: DistContext,
     *,
     ref_model: torch.nn.Module | None = None,
-    resume: Checkpoint | None = None,
+    resume: Checkpoint | ShardedCheckpoint | None = None,
+    publisher: ShardedPublisher | None = None,
+    checkpointer: ShardedCheckpointer | None = None,
 ) -> int:
     """Follow rank 0's steps until it stops; return the last version rank 0 reported.
 
     ``model``: this rank's replica (fp32, on this rank's device), built like rank 0's.
     ``resume``: the checkpoint rank 0 resumes from (every rank loads it: the optimizer state
-    is per rank).
+    is per rank). ``publisher``, ``checkpointer``: this rank's sharded publisher and checkpointer
+    (FSDP2; None under DDP, where rank 0 alone publishes and checkpoints).
     """
     if dist.is_main or not dist.enabled:
         raise ValueError("train_replica is for ranks 1..N-1 of a distributed job")
@@ -52,6 +58,19 @@ def train_replica(
             return int(payload)
         if kind == "timeout":
             raise TimeoutError(f"rank 0: {payload}")
+        if kind == "checkpoint":
+            if checkpointer is None:
+                raise RuntimeError("rank 0 saves a sharded checkpoint but this rank has none")
+            checkpointer.save_local(payload, model, opt, sched)
+            continue
+        if kind == "publish":
+            if publisher is None:
+                raise RuntimeError(
+                    "rank 0 publishes sharded versions but this rank has no publisher"
+                )
+            version, step, anchor = payload
+            publisher.publish_local(local_rows(model, dist), version, step, anchor)
+            continue
         assert kind == "step", kind
         batch, _version = payload  # the version these weights have (rank 0's count)
         train_step(step_model, opt, sched, batch, settings, ref_model=ref_model, dist=dist)

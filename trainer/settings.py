@@ -329,6 +329,12 @@ class ExperimentSettings(_Settings):
         description="Forward/backward compute dtype (master weights stay fp32; the published "
         "weights are always the bf16 cast).",
     )
+    parallel: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="Under torchrun: 'ddp' (every rank holds the whole model, rank 0 publishes) "
+        "or 'fsdp' (FSDP2: each rank holds its rows of weights, gradients and AdamW state and "
+        "publishes them itself, docs/trainer.md). One process ignores it.",
+    )
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
     sampling: SamplingSettings = Field(

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from deltarl.trainer.batch import TrainBatch, batch_metrics, micro_batches
@@ -228,13 +229,16 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     normalizer = step_normalizer(batch, settings)
     ctx = dist if dist is not None else DistContext()
-    # DDP averages gradients over ranks: scale by the world size to keep the whole step's sum
+    # DDP and FSDP2 average gradients over ranks: scale by the world size to keep the whole
+    # step's sum
     scale = float(ctx.world_size)
     parts = micro_batches(shard_rows(batch, ctx), settings.batch.micro_batch_size)
     stats = LossStats()
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        if isinstance(model, FSDPModule):  # reduce-scatter the gradients once, at the end
+            model.set_requires_gradient_sync(last)
         with sync:
             stats = _micro_step(model, part, settings, normalizer, scale, stats, ref_model, entropy)
     stats = gather_stats(stats, ctx)

@@ -183,7 +183,35 @@ class _Snapshot:
     snapshot_s: float
 
 
-class WeightPublisher:
+class VersionBook:
+    """The version bookkeeping every publisher shares (this one and the sharded one)."""
+
+    _last_version: int | None = None
+    _last_report: PublishReport | None = None
+    _failed: bool = False
+    _bucket_latest: int | None = None
+
+    @property
+    def last_version(self) -> int | None:
+        """Newest version this publisher committed (None before the first)."""
+        return self._last_version
+
+    @property
+    def last_report(self) -> PublishReport | None:
+        return self._last_report
+
+    @property
+    def failed(self) -> bool:
+        """True after a failed publication, until an anchor-only version succeeded."""
+        return self._failed
+
+    def next_version(self) -> int:
+        """The version :meth:`publish` uses when given none: one past the newest known."""
+        known = [v for v in (self._last_version, self._bucket_latest) if v is not None]
+        return max(known) + 1 if known else 0
+
+
+class WeightPublisher(VersionBook):
     """Publishes the trainer's weights after every optimizer step (see the module docstring).
 
     ``bucket``: where versions go (one publisher per bucket). ``settings``: format, anchor
@@ -233,8 +261,8 @@ class WeightPublisher:
         self._base: dict[str, torch.Tensor] | None = None  # host mirror of the last version
         self._base_digests: dict[str, str] | None = None
         self._spare: dict[str, torch.Tensor] | None = None  # reusable snapshot buffers
-        self._last_version: int | None = None
-        self._last_report: PublishReport | None = None
+        self._last_version = None
+        self._last_report = None
         # Context of the last published delta (into _last_version), for the next chained delta;
         # None after an anchor-only version, a failure, on resume or when chaining is off.
         self._context: DeltaContext | None = None
@@ -244,25 +272,6 @@ class WeightPublisher:
         self.waited_s = 0.0
 
     # -- public surface ------------------------------------------------------------------------
-    @property
-    def last_version(self) -> int | None:
-        """Newest version this publisher committed (None before the first)."""
-        return self._last_version
-
-    @property
-    def last_report(self) -> PublishReport | None:
-        return self._last_report
-
-    @property
-    def failed(self) -> bool:
-        """True after a failed publication, until an anchor-only version succeeded."""
-        return self._failed
-
-    def next_version(self) -> int:
-        """The version :meth:`publish` uses when given none: one past the newest known."""
-        known = [v for v in (self._last_version, self._bucket_latest) if v is not None]
-        return max(known) + 1 if known else 0
-
     def request_anchor(self) -> None:
         """Make the next published version carry an anchor (besides its delta)."""
         self._publisher.request_anchor()

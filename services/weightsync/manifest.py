@@ -84,6 +84,68 @@ def objects_prefix(version: int) -> str:
     return f"{OBJECTS_PREFIX}{version_tag(version)}/"
 
 
+def _object_key(key: str) -> str:
+    validate_key(key)
+    if not key.startswith(OBJECTS_PREFIX):
+        raise ValueError(f"object key {key!r} must live under {OBJECTS_PREFIX!r}")
+    return key
+
+
+class ObjectPart(BaseModel):
+    """One stored piece of a *sharded* object (FSDP2 trainer: one per rank that holds rows).
+
+    A part is an ordinary anchor or delta of the codec whose tensors are row ranges of the
+    state's tensors, named by :func:`slice_key` (``"model.embed_tokens.weight[0:4096]"``); its
+    positions are local to those rows, so the usual decode and apply code reads it against row
+    views of the full tensors. Example::
+
+        ObjectPart(key="objects/v000000000012/91ab...04.dlt", size=402_118, xxh3_128="77c0...",
+                   slices=("lm_head.weight[0:75968]", "model.norm.weight[0:1792]"))
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = Field(description="Object key of this part in the bucket.")
+    size: int = Field(ge=0, le=INT64_MAX, description="Exact size of the part in bytes.")
+    xxh3_128: str = Field(
+        pattern=r"^[0-9a-f]{32}$", description="xxh3-128 of the part's bytes, lowercase hex."
+    )
+    slices: tuple[str, ...] = Field(
+        description="Row ranges the part carries, as slice keys 'name[lo:hi]' (rows lo..hi-1 "
+        "of tensor 'name'); the parts of an object together cover the sharded layout."
+    )
+
+    _key = field_validator("key")(lambda key: _object_key(key))
+
+    @field_validator("slices")
+    @classmethod
+    def _slices(cls, slices: tuple[str, ...]) -> tuple[str, ...]:
+        for s in slices:
+            parse_slice_key(s)
+        return slices
+
+
+_SLICE_KEY = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
+
+
+def slice_key(name: str, lo: int, hi: int) -> str:
+    """Name of rows ``lo..hi-1`` of tensor ``name`` in a sharded version: ``"w[0:128]"``."""
+    return f"{name}[{lo}:{hi}]"
+
+
+def parse_slice_key(key: str) -> tuple[str, int, int]:
+    """``"w[0:128]" -> ("w", 0, 128)``; ValueError if ``key`` is not a slice key."""
+    m = _SLICE_KEY.match(key)
+    if m is None or int(m.group(2)) >= int(m.group(3)):
+        raise ValueError(f"{key!r} is not a slice key 'name[lo:hi]' with lo < hi")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def parts_digest(parts: Iterable[ObjectPart]) -> str:
+    """The ``xxh3_128`` of a sharded :class:`ObjectRef`: xxh3 over its parts' digests, in order."""
+    return xxh3_hex("".join(f"{p.key}\0{p.xxh3_128}\n" for p in parts).encode())
+
+
 class ObjectRef(BaseModel):
     """One immutable object of a version, with what a reader needs to verify and plan with it.
 
@@ -144,16 +206,27 @@ class ObjectRef(BaseModel):
         "a standalone delta, usable from any replica at base_version.",
     )
 
-    @field_validator("key")
-    @classmethod
-    def _key(cls, key: str) -> str:
-        validate_key(key)
-        if not key.startswith(OBJECTS_PREFIX):
-            raise ValueError(f"object key {key!r} must live under {OBJECTS_PREFIX!r}")
-        return key
+    parts: tuple[ObjectPart, ...] | None = Field(
+        default=None,
+        description="Sharded object (FSDP2 trainer): its pieces, fetched in parallel; then key "
+        "is the first part's, size the sum of the parts' sizes and xxh3_128 parts_digest(parts); "
+        "its digests are over the slice keys of the parts (see docs/weightsync.md). None: one "
+        "object at key.",
+    )
+
+    _key = field_validator("key")(lambda key: _object_key(key))
 
     @model_validator(mode="after")
     def _kind_fields(self) -> ObjectRef:
+        if self.parts is not None:
+            if not self.parts or self.parts[0].key != self.key:
+                raise ValueError(f"sharded {self.key}: key must be its first part's key")
+            if self.size != sum(p.size for p in self.parts):
+                raise ValueError(f"sharded {self.key}: size must be the sum of its parts' sizes")
+            if self.xxh3_128 != parts_digest(self.parts):
+                raise ValueError(f"sharded {self.key}: xxh3_128 must be parts_digest(parts)")
+            if self.context_version is not None:
+                raise ValueError(f"sharded {self.key}: chained deltas are not sharded")
         if self.kind == "delta":
             if self.base_version is None or self.base_digest is None:
                 raise ValueError(f"delta {self.key}: base_version and base_digest are required")
@@ -180,6 +253,18 @@ class ObjectRef(BaseModel):
     @property
     def chained(self) -> bool:
         return self.context_version is not None
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every bucket key this object occupies (its parts' keys, or its own)."""
+        return (self.key,) if self.parts is None else tuple(p.key for p in self.parts)
+
+    @property
+    def layout(self) -> tuple[str, ...] | None:
+        """Sorted slice keys of a sharded object; None for an ordinary one."""
+        if self.parts is None:
+            return None
+        return tuple(sorted(s for p in self.parts for s in p.slices))
 
 
 class VersionManifest(BaseModel):
@@ -227,11 +312,18 @@ class VersionManifest(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> VersionManifest:
-        keys = [o.key for o in self.objects]
+        keys = [k for o in self.objects for k in o.keys]
         if len(set(keys)) != len(keys):
             raise ValueError(f"version {self.version}: duplicate object keys")
+        if len({o.layout for o in self.objects}) > 1:
+            raise ValueError(
+                f"version {self.version}: its objects disagree on the sharded layout (all are "
+                "sharded alike or none is)"
+            )
         prefix = objects_prefix(self.version)
         for o in self.objects:
+            if any(not k.startswith(prefix) for k in o.keys):
+                raise ValueError(f"object {o.key}: a part lies outside {prefix!r}")
             if o.version != self.version:
                 raise ValueError(f"object {o.key} is for version {o.version}, not {self.version}")
             if o.result_digest != self.state_digest:
@@ -251,6 +343,11 @@ class VersionManifest(BaseModel):
     @property
     def deltas(self) -> tuple[ObjectRef, ...]:
         return tuple(o for o in self.objects if o.kind == "delta")
+
+    @property
+    def layout(self) -> tuple[str, ...] | None:
+        """The version's sharded layout (sorted slice keys); None: an unsharded version."""
+        return self.objects[0].layout
 
     @property
     def has_anchor(self) -> bool:

@@ -98,6 +98,82 @@ def chunk_numbers(nonce: bytes, n_chunks: int, chunks: int) -> list[int]:
     ]
 
 
+Piece = tuple[str, int, int]
+"""Bytes ``lo..hi-1`` of the raw bytes of tensor ``name``."""
+
+
+def _layout(
+    meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> tuple[list[str], list[int]]:
+    names = sorted(meta)
+    if not names:
+        raise ProofError("cannot prove an empty state")
+    sizes = []
+    for n in names:
+        dtype, shape = meta[n]
+        numel = 1
+        for d in shape:
+            numel *= d
+        sizes.append(numel * (1 if dtype == torch.bool else dtype.itemsize))
+    if sum(sizes) == 0:
+        raise ProofError("cannot prove a state of zero bytes")
+    return names, sizes
+
+
+def sampled_pieces(
+    meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], nonce: bytes, spec: ProofSpec
+) -> list[tuple[int, list[Piece]]]:
+    """The chunks a sampled proof hashes, in order: (start offset, the tensor byte ranges it
+    crosses). ``meta``: dtype and shape of every tensor of the state."""
+    if spec.chunks == 0:
+        raise ProofError("a whole-state proof (chunks = 0) samples no pieces")
+    names, sizes = _layout(meta)
+    total = sum(sizes)
+    cb = spec.chunk_bytes
+    starts = [0, *itertools.accumulate(sizes)]  # byte offset of each tensor, then the total
+    out: list[tuple[int, list[Piece]]] = []
+    for c in chunk_numbers(nonce, -(-total // cb), spec.chunks):
+        lo, hi = c * cb, min((c + 1) * cb, total)
+        pieces: list[Piece] = []
+        start = lo
+        # the tensors this byte range crosses (usually one); the last tensor starting at or
+        # before ``lo`` is never an empty one (an empty one starts where the next does)
+        i = bisect.bisect_right(starts, lo) - 1
+        while lo < hi:
+            end = min(hi, starts[i + 1])
+            pieces.append((names[i], lo - starts[i], end - starts[i]))
+            lo, i = end, i + 1
+        out.append((start, pieces))
+    return out
+
+
+def answer_from(
+    meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    nonce: bytes,
+    version: int,
+    spec: ProofSpec,
+    chunks: list[bytes],
+) -> str:
+    """The answer from the bytes of the sampled chunks (``chunks[j]``: the bytes of chunk
+    ``j`` of :func:`sampled_pieces`, or of every chunk in order when ``spec.chunks == 0``)."""
+    if len(nonce) != NONCE_BYTES:
+        raise ProofError(f"a nonce has {NONCE_BYTES} bytes, got {len(nonce)}")
+    names, sizes = _layout(meta)
+    h = hashlib.blake2b(key=nonce, digest_size=32)
+    h.update(MAGIC + struct.pack("<QIIQ", version, spec.chunk_bytes, spec.chunks, sum(sizes)))
+    for name in names:
+        dtype, shape = meta[name]
+        h.update(f"{name}\0{dtype}\0{','.join(str(d) for d in shape)}\n".encode())
+    if spec.chunks == 0:
+        for data in chunks:
+            h.update(data)
+        return h.hexdigest()
+    for (start, _), data in zip(sampled_pieces(meta, nonce, spec), chunks, strict=True):
+        h.update(struct.pack("<Q", start))
+        h.update(data)
+    return h.hexdigest()
+
+
 def proof_answer(
     state: Mapping[str, torch.Tensor], nonce: bytes, version: int, spec: ProofSpec
 ) -> str:
@@ -105,41 +181,14 @@ def proof_answer(
     device (the sampled bytes are gathered there and copied to the host once)."""
     if len(nonce) != NONCE_BYTES:
         raise ProofError(f"a nonce has {NONCE_BYTES} bytes, got {len(nonce)}")
-    names = sorted(state)
-    if not names:
-        raise ProofError("cannot prove an empty state")
-    views = [_byte_view(state[n]) for n in names]
-    sizes = [int(v.numel()) for v in views]
-    total = sum(sizes)
-    if total == 0:
-        raise ProofError("cannot prove a state of zero bytes")
-    h = hashlib.blake2b(key=nonce, digest_size=32)
-    h.update(MAGIC + struct.pack("<QIIQ", version, spec.chunk_bytes, spec.chunks, total))
-    for name in names:
-        t = state[name]
-        shape = ",".join(str(d) for d in t.shape)
-        h.update(f"{name}\0{t.dtype}\0{shape}\n".encode())
+    meta = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
+    views = {n: _byte_view(t) for n, t in state.items()}
     if spec.chunks == 0:
-        for v in views:
-            h.update(v.cpu().numpy().tobytes())
-        return h.hexdigest()
-    cb = spec.chunk_bytes
-    n_chunks = -(-total // cb)
-    starts = [0, *itertools.accumulate(sizes)]  # byte offset of each tensor, then the total
-    pieces: list[torch.Tensor] = []
-    lengths: list[int] = []
-    offsets: list[int] = []
-    for c in chunk_numbers(nonce, n_chunks, spec.chunks):
-        lo, hi = c * cb, min((c + 1) * cb, total)
-        offsets.append(lo)
-        lengths.append(hi - lo)
-        # the tensors this byte range crosses (usually one); the last tensor starting at or
-        # before ``lo`` is never an empty one (an empty one starts where the next does)
-        i = bisect.bisect_right(starts, lo) - 1
-        while lo < hi:
-            end = min(hi, starts[i + 1])
-            pieces.append(views[i][lo - starts[i] : end - starts[i]])
-            lo, i = end, i + 1
+        names, _ = _layout(meta)
+        whole = [views[n].cpu().numpy().tobytes() for n in names]
+        return answer_from(meta, nonce, version, spec, whole)
+    sample = sampled_pieces(meta, nonce, spec)
+    pieces = [views[n][lo:hi] for _, ps in sample for n, lo, hi in ps]
     by_device: dict[torch.device, list[int]] = {}
     for k, p in enumerate(pieces):
         by_device.setdefault(p.device, []).append(k)
@@ -152,13 +201,11 @@ def proof_answer(
             n = int(pieces[k].numel())
             host[k] = buf[at : at + n]
             at += n
-    data = b"".join(host)
-    at = 0
-    for off, n in zip(offsets, lengths, strict=True):
-        h.update(struct.pack("<Q", off))
-        h.update(data[at : at + n])
-        at += n
-    return h.hexdigest()
+    chunks, k = [], 0
+    for _, ps in sample:
+        chunks.append(b"".join(host[k : k + len(ps)]))
+        k += len(ps)
+    return answer_from(meta, nonce, version, spec, chunks)
 
 
 def make_challenges(

@@ -20,7 +20,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from deltarl.services.weightsync.manifest import (
     LATEST_KEY,
     MANIFESTS_PREFIX,
     LatestPointer,
+    ObjectPart,
     ObjectRef,
     VersionManifest,
     manifest_key,
@@ -187,16 +189,38 @@ class BucketReader:
         )
 
     def fetch(self, ref: ObjectRef) -> bytes:
-        """The object's bytes, verified: CorruptDeltaError if missing, truncated or tampered."""
+        """The object's bytes, verified: CorruptDeltaError if missing, truncated or tampered.
+        A sharded object (``ref.parts``) is read with :meth:`fetch_parts` instead."""
+        if ref.parts is not None:
+            raise ValueError(f"{ref.key} is sharded: read its parts with fetch_parts")
+        return self._fetch_one(ref, ref.key, ref.size, ref.xxh3_128)
+
+    def fetch_parts(self, ref: ObjectRef, threads: int = 8) -> Iterator[tuple[ObjectPart, bytes]]:
+        """The parts of a sharded object, each verified, fetched ``threads`` at a time and
+        yielded as they arrive (any order); CorruptDeltaError for a missing or damaged part."""
+        if ref.parts is None:
+            raise ValueError(f"{ref.key} is not sharded: read it with fetch")
+        with ThreadPoolExecutor(max(1, min(threads, len(ref.parts)))) as pool:
+            jobs = {
+                pool.submit(self._fetch_one, ref, p.key, p.size, p.xxh3_128): p for p in ref.parts
+            }
+            try:
+                for job in as_completed(jobs):
+                    yield jobs[job], job.result()
+            finally:
+                for job in jobs:
+                    job.cancel()
+
+    def _fetch_one(self, ref: ObjectRef, key: str, size: int, xxh3: str) -> bytes:
         try:
-            data = self.bucket.get_bytes(ref.key)
+            data = self.bucket.get_bytes(key)
         except ObjectNotFoundError:
             raise CorruptDeltaError(
-                f"{ref.kind} {ref.key} of version {ref.version} is missing from {self.bucket.uri} "
+                f"{ref.kind} {key} of version {ref.version} is missing from {self.bucket.uri} "
                 "(garbage-collected or never uploaded): plan again"
             ) from None
-        self.fetched_bytes += len(data)
-        self._verify(ref, len(data), xxh3_hex(data))
+        self.fetched_bytes += len(data)  # an int += under the GIL: parts may race, bytes add up
+        self._check(key, size, xxh3, len(data), xxh3_hex(data))
         return data
 
     def fetch_to_file(self, ref: ObjectRef, path: str | Path) -> Path:
@@ -211,22 +235,24 @@ class BucketReader:
                     f"{ref.kind} {ref.key} of version {ref.version} is missing from "
                     f"{self.bucket.uri} (garbage-collected or never uploaded): plan again"
                 ) from None
+            if ref.parts is not None:
+                raise ValueError(f"{ref.key} is sharded: read its parts with fetch_parts")
             size, digest = file_digest(tmp)
             self.fetched_bytes += size
-            self._verify(ref, size, digest)
+            self._check(ref.key, ref.size, ref.xxh3_128, size, digest)
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
         return dest
 
     @staticmethod
-    def _verify(ref: ObjectRef, size: int, digest: str) -> None:
-        if size != ref.size:
+    def _check(key: str, want_size: int, want: str, size: int, digest: str) -> None:
+        if size != want_size:
             raise CorruptDeltaError(
-                f"{ref.key}: got {size} bytes, the manifest says {ref.size} (truncated or replaced)"
+                f"{key}: got {size} bytes, the manifest says {want_size} (truncated or replaced)"
             )
-        if digest != ref.xxh3_128:
+        if digest != want:
             raise CorruptDeltaError(
-                f"{ref.key}: xxh3-128 {digest} does not match the manifest's {ref.xxh3_128} "
+                f"{key}: xxh3-128 {digest} does not match the manifest's {want} "
                 "(corrupted or tampered)"
             )

@@ -123,13 +123,14 @@ def collect_garbage(
     assert latest is None or latest not in doomed, "GC must never delete the latest version"
 
     kept = {v: m for v, m in all_manifests.items() if v not in doomed}
-    referenced = {o.key for m in kept.values() for o in m.objects}
+    referenced = {k for m in kept.values() for o in m.objects for k in o.keys}
     sizes = {o.key: o.size for o in objects}
     doomed_objects = [
-        o.key
+        k
         for v in doomed
         for o in all_manifests[v].objects
-        if o.key not in referenced and o.key in sizes
+        for k in o.keys  # every part of a sharded object
+        if k not in referenced and k in sizes
     ]
     doomed_set = set(doomed_objects)
     grace_cut = now.timestamp() - policy.orphan_grace_s

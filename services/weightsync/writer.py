@@ -37,10 +37,12 @@ from deltarl.services.weightsync.manifest import (
     MANIFESTS_PREFIX,
     LatestPointer,
     ObjectKind,
+    ObjectPart,
     ObjectRef,
     VersionManifest,
     objects_prefix,
     parse_manifest_key,
+    parts_digest,
     xxh3_hex,
 )
 from deltarl.services.weightsync.reader import (
@@ -69,7 +71,9 @@ class NewObject:
 
     kind: ObjectKind  # "anchor" or "delta"
     format: str  # "deltarl-compact-v1", "trl-sparse-gap_delta", "safetensors", "safetensors+zstd"
-    source: bytes | Path  # the encoded bytes, or a local file holding them
+    # the encoded bytes, a local file holding them, or the parts of a sharded object, already
+    # uploaded by the ranks that hold them (:meth:`BucketWriter.upload_part`)
+    source: bytes | Path | tuple[ObjectPart, ...]
     base_version: int | None = None  # delta: version it applies to; anchor: None
     base_digest: str | None = None  # delta: state digest of base_version; anchor: None
     changed: int | None = None  # delta: changed elements; anchor: None
@@ -146,8 +150,11 @@ class BucketWriter:
         for o in objects:
             if o.kind not in ("anchor", "delta"):
                 raise ValueError(f"object kind must be 'anchor' or 'delta', got {o.kind!r}")
-            if not isinstance(o.source, bytes | Path):
-                raise ValueError(f"source must be bytes or a pathlib.Path, got {type(o.source)}")
+            if not isinstance(o.source, bytes | Path | tuple):
+                raise ValueError(
+                    f"source must be bytes, a pathlib.Path or a tuple of ObjectPart, got "
+                    f"{type(o.source)}"
+                )
             if o.kind == "anchor":
                 if o.context_version is not None:
                     raise ValueError(f"version {version}: an anchor has no context_version")
@@ -201,9 +208,23 @@ class BucketWriter:
                 "another way from the same base"
             )
 
+    def upload_part(self, version: int, fmt: str, data: bytes, slices: Sequence[str]) -> ObjectPart:
+        """Upload one part of a sharded object of ``version`` (any rank; nothing is visible
+        until rank 0 publishes the manifest that lists it). ``slices``: the slice keys it holds."""
+        key = f"{objects_prefix(version)}{uuid.uuid4().hex}.{FORMAT_EXTENSIONS.get(fmt, 'bin')}"
+        part = ObjectPart(key=key, size=len(data), xxh3_128=xxh3_hex(data), slices=tuple(slices))
+        self.bucket.put_bytes(key, data)
+        return part
+
     def _upload(self, version: int, state_digest: str, o: NewObject) -> ObjectRef:
         ext = FORMAT_EXTENSIONS.get(o.format, "bin")
         key = f"{objects_prefix(version)}{uuid.uuid4().hex}.{ext}"
+        if isinstance(o.source, tuple):  # parts uploaded by their ranks
+            parts = o.source
+            if not parts:
+                raise ValueError(f"version {version}: a sharded object needs at least one part")
+            size, digest = sum(p.size for p in parts), parts_digest(parts)
+            return self._ref(parts[0].key, version, state_digest, o, size, digest, parts)
         if isinstance(o.source, bytes):
             size, digest = len(o.source), xxh3_hex(o.source)
             ref = self._ref(key, version, state_digest, o, size, digest)  # validate before I/O
@@ -217,7 +238,13 @@ class BucketWriter:
 
     @staticmethod
     def _ref(
-        key: str, version: int, state_digest: str, o: NewObject, size: int, digest: str
+        key: str,
+        version: int,
+        state_digest: str,
+        o: NewObject,
+        size: int,
+        digest: str,
+        parts: tuple[ObjectPart, ...] | None = None,
     ) -> ObjectRef:
         return ObjectRef(
             key=key,
@@ -231,6 +258,7 @@ class BucketWriter:
             result_digest=state_digest,
             changed=o.changed,
             context_version=o.context_version,
+            parts=parts,
         )
 
     def _signed(self, body: bytes) -> bytes:
@@ -257,7 +285,9 @@ class BucketWriter:
         # Validate every field before uploading anything: bad input leaves no orphans.
         prefix = objects_prefix(version)
         preview = [
-            self._ref(f"{prefix}{i:032x}.bin", version, state_digest, o, 0, "0" * 32)
+            self._upload(version, state_digest, o)
+            if isinstance(o.source, tuple)  # nothing to upload: its real record
+            else self._ref(f"{prefix}{i:032x}.bin", version, state_digest, o, 0, "0" * 32)
             for i, o in enumerate(objects)
         ]
         VersionManifest(

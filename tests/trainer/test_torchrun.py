@@ -63,17 +63,38 @@ def feed(worker: CoordinatorClient, groups: int, stop: threading.Event) -> None:
         )
 
 
+def follow(bucket: LocalBucket, model_dir: Path, version: int) -> None:
+    """A worker follows the bucket to ``version`` (verified bit-exactly against the trainer's
+    digests by WeightSync itself)."""
+    transformers = pytest.importorskip("transformers")
+    from deltarl.rollout.weights import WeightSync
+
+    class Engine:
+        device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+            self.tensors = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+
+        def named_parameters(self) -> dict[str, torch.Tensor]:
+            return self.tensors
+
+    sync = WeightSync(Engine(), BucketReader(bucket))  # type: ignore[arg-type]
+    assert sync.sync_to(version).version == version
+
+
 @pytest.mark.slow
 @pytest.mark.network
-def test_deltarl_train_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_deltarl_train_under_torchrun(tmp_path: Path, parallel: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    if torchrun is None:
-        pytest.skip("torchrun is not installed next to this Python")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     tiny_llama(tmp_path / "model")
     server = LiveServer(coordinator_settings(tmp_path))
     stop = threading.Event()
     worker = CoordinatorClient(server.url, WORKER_TOKEN, retries=0)
-    feeder = threading.Thread(target=feed, args=(worker, 4, stop), daemon=True)
+    groups = 6 if parallel == "fsdp" else 4  # fsdp: 2 more for a resumed third step
+    feeder = threading.Thread(target=feed, args=(worker, groups, stop), daemon=True)
     feeder.start()
     run_dir = tmp_path / "run"
     env = {
@@ -96,9 +117,11 @@ def test_deltarl_train_under_torchrun(tmp_path: Path) -> None:
         "batch.micro_batch_size=2",
         "sampling.max_onpolicy_mismatch_kl=null",  # scripted logprobs
         "report.console=plain",
+        f"parallel={parallel}",
+        "checkpoint.every=1",
     ]
     cmd = [
-        torchrun,
+        *launcher,
         "--nproc_per_node",
         "2",
         "--master_port",
@@ -114,13 +137,29 @@ def test_deltarl_train_under_torchrun(tmp_path: Path) -> None:
         trainer = CoordinatorClient(server.url, TRAINER_TOKEN, retries=0)
         assert [v.version for v in trainer.versions()] == [0, 1, 2]
         queue = trainer.status().queue
-        assert (queue.acked_total, queue.depth, queue.leased) == (4, 0, 0)
+        assert (queue.acked_total, queue.depth, queue.leased) == (4, groups - 4, 0)
+        if parallel == "fsdp":  # --resume from the sharded checkpoint of step 2, one more step
+            resume = [*cmd, "--set", "max_steps=3", "--resume"]
+            resume[resume.index("--master_port") + 1] = str(free_port())
+            again = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=240)
+            assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
+            # v3: the resumed weights (an anchor), v4: step 3
+            assert [v.version for v in trainer.versions()] == [0, 1, 2, 3, 4]
+            assert "restored step 2" in again.stderr
     finally:
         stop.set()
         server.stop()
-    assert BucketReader(LocalBucket(tmp_path / "bucket")).latest_version() == 2
+    latest = 2 if parallel == "ddp" else 4
+    assert BucketReader(LocalBucket(tmp_path / "bucket")).latest_version() == latest
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]  # one writer: rank 0
+    assert [r["step"] for r in rows][:2] == [1, 2]  # one writer: rank 0
     assert rows[-1]["batch/trajectories"] == 4  # metrics of the whole batch, both shares
-    assert json.loads((run_dir / "settings.json").read_text())["max_steps"] == 2
+    max_steps = 2 if parallel == "ddp" else 3  # the resumed run wrote its own settings
+    assert json.loads((run_dir / "settings.json").read_text())["max_steps"] == max_steps
     assert "rank 1 of 2" in proc.stderr and "rank 0 stopped" in proc.stderr
+    follow(LocalBucket(tmp_path / "bucket"), tmp_path / "model", latest)
+    if parallel == "fsdp":  # every rank's shards in the run's checkpoint directory
+        files = {p.name for p in (run_dir / "checkpoints" / "step_000002").iterdir()}
+        assert {"model.rank00000.safetensors", "model.rank00001.safetensors"} <= files
+        layout = BucketReader(LocalBucket(tmp_path / "bucket")).manifest(2).layout
+        assert layout is not None and "lm_head.weight[0:8]" in layout

@@ -1,0 +1,274 @@
+"""FSDP2 training on CPU (gloo, 2 ranks) with sharded publication: the same training as one
+process, every rank publishing its rows, and a worker that follows the sharded versions
+bit-exactly (from nothing, across several versions, after garbage collection)."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_distributed import make_settings, run_rank0
+from test_loop import FakeQueue
+from test_step import Bigram
+from test_weight_publisher import FakeCoordinator
+
+from deltarl.rollout.weights import WeightSync
+from deltarl.services.buckets.local import LocalBucket
+from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.manifest import parse_slice_key
+from deltarl.services.weightsync.proof import ProofSpec, proof_answer
+from deltarl.services.weightsync.reader import BucketReader
+from deltarl.services.weightsync.retention import RetentionPolicy, collect_garbage
+from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
+from deltarl.trainer.distributed import (
+    DistContext,
+    init_distributed,
+    shard_fsdp,
+    shutdown_distributed,
+)
+from deltarl.trainer.loop import train
+from deltarl.trainer.replica import train_replica
+from deltarl.trainer.settings import ExperimentSettings
+from deltarl.trainer.sharded import ShardedPublisher
+
+STEPS = 3
+
+
+class DictEngine:
+    """The part of an engine WeightSync uses: named bf16 tensors on the CPU."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+
+def follower(bucket: LocalBucket) -> tuple[DictEngine, WeightSync]:
+    engine = DictEngine({"table.weight": (8, 8)})
+    return engine, WeightSync(engine, BucketReader(bucket))  # type: ignore[arg-type]
+
+
+class ShardedQueue(FakeQueue):
+    """FakeQueue whose worker follows the bucket through WeightSync (sharded versions)."""
+
+    def __init__(self, bucket: LocalBucket) -> None:
+        super().__init__(bucket)
+        self.engine, self.sync = follower(bucket)
+
+    def catch_up(self) -> None:
+        latest = self.reader.latest_version()
+        if latest is None or latest == self.applied:
+            return
+        self.sync.sync_to(latest)
+        self.applied = latest
+        self.replica = {k: v.clone() for k, v in self.engine.tensors.items()}
+        self.worker.load_state_dict({k: v.float() for k, v in self.replica.items()})
+
+
+def fsdp_settings(run_dir: Path) -> ExperimentSettings:
+    base = make_settings(run_dir)
+    return base.model_copy(
+        update={
+            "parallel": "fsdp",
+            # 24-byte proof chunks: 6 of the 128-byte state, one across the ranks' rows
+            "publish": base.publish.model_copy(update={"anchor_every": 2, "proof_chunk_bytes": 24}),
+            "checkpoint": base.checkpoint.model_copy(update={"every": 2}),
+        }
+    )
+
+
+def rank_main(rank: int, root: str) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
+    torch.set_num_threads(1)
+    ctx, device = init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
+    torch.manual_seed(0)
+    model = shard_fsdp(Bigram(), ctx, device)
+    out = Path(root) / f"rank{rank}"
+    out.mkdir()
+    settings = fsdp_settings(out / "run")
+    bucket = LocalBucket(Path(root) / "bucket")  # one bucket: every rank uploads its parts
+    ckpt = ShardedCheckpointer(Path(root) / "ckpt", ctx)  # one shared checkpoint directory
+    if ctx.is_main:
+        coordinator = FakeCoordinator()
+        proofs: dict[int, list[tuple[str, str]]] = {}
+
+        def challenges(version: int, spec: object, pairs: list[tuple[str, str]]) -> None:
+            proofs[version] = pairs
+
+        pub = ShardedPublisher(
+            bucket, settings.publish, ctx, register=coordinator, challenges=challenges
+        )
+        queue = ShardedQueue(bucket)
+        last = train(model, settings, queue, pub, poll_s=0.0, dist=ctx, checkpointer=ckpt)
+        registered = len(coordinator.manifests)
+        (out / "proofs.json").write_text(json.dumps(proofs))
+    else:
+        pub = ShardedPublisher(bucket, None, ctx)
+        last = train_replica(model, settings, ctx, publisher=pub, checkpointer=ckpt)
+        registered = 0
+    full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}  # the test only
+    if ctx.is_main:
+        torch.save(full, out / "final.pt")
+    (out / "result.json").write_text(json.dumps({"last": last, "registered": registered}))
+    shutdown_distributed(ctx)
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_one_process_and_a_worker_follows_its_sharded_versions(
+    tmp_path: Path,
+) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        single = Bigram()
+        assert run_rank0(single, tmp_path / "single", None) == (STEPS, STEPS + 1)
+    finally:
+        torch.set_num_threads(threads)
+
+    mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}" / "result.json").read_text()) for r in (0, 1)]
+    assert results == [{"last": STEPS, "registered": STEPS + 1}, {"last": STEPS, "registered": 0}]
+    # checkpoints at step 2 (every=2) and at the end, each rank's shards in one directory
+    ckpts = ShardedCheckpointer(tmp_path / "ckpt", DistContext(0, 2))
+    assert [s for s, _ in ckpts.committed()] == [2, 3]
+    meta = ckpts.load().meta
+    assert meta.world_size == 2 and meta.version == STEPS
+    assert sorted(meta.files) == sorted(
+        f"{k}.rank0000{r}.safetensors" for k in ("model", "optimizer", "rng") for r in (0, 1)
+    )
+
+    # training: the FSDP2 run ends where one process ends (gloo's reduce-scatter of two
+    # micro-batch gradients is the same single addition)
+    final = torch.load(tmp_path / "rank0" / "final.pt")
+    torch.testing.assert_close(final["table.weight"], single.table.weight.detach(), rtol=0, atol=0)
+
+    bucket = LocalBucket(tmp_path / "bucket")
+    reader = BucketReader(bucket)
+    assert reader.latest_version() == STEPS
+    want = {k: v.to(torch.bfloat16) for k, v in final.items()}
+    manifests = reader.manifests()
+    for v, m in manifests.items():
+        layout = m.layout
+        assert layout == ("table.weight[0:4]", "table.weight[4:8]"), layout
+        for o in m.objects:  # every object is split over both ranks
+            assert o.parts is not None and len(o.parts) == 2
+        assert m.has_anchor == (v % 2 == 0), v  # anchor_every=2
+    # the state digest over the layout, from the gathered weights
+    last = manifests[STEPS]
+    digests = {}
+    for key in last.layout or ():
+        name, lo, hi = parse_slice_key(key)
+        digests[key] = tensor_digest(want[name][lo:hi])
+    assert combine_digests(digests) == last.state_digest
+
+    # weight challenges: computed from the bytes of the sampled chunks each rank holds; a worker
+    # holding the weights answers alike
+    proofs = json.loads((tmp_path / "rank0" / "proofs.json").read_text())
+    assert sorted(proofs) == [str(v) for v in range(STEPS + 1)]
+    spec = ProofSpec(24, 256)
+    for nonce, answer in proofs[str(STEPS)]:
+        assert proof_answer(want, bytes.fromhex(nonce), STEPS, spec) == answer
+    assert len(proofs[str(STEPS)]) == 8
+
+    # a worker from nothing, then one that lags: catch-up across several versions by deltas
+    engine, sync = follower(bucket)
+    sync.sync_to(1)
+    report = sync.sync_to(STEPS)
+    assert [s.kind for s in report.steps] == ["delta"] * (STEPS - 1)
+    assert torch.equal(
+        engine.tensors["table.weight"].view(torch.int16), want["table.weight"].view(torch.int16)
+    )
+    assert sync.verified_digest() == (STEPS, last.state_digest)
+
+    # GC keeps the newest anchor (v2) and after; every part of v0 and v1 goes
+    before = {o.key for o in bucket.list("objects/")}
+    gc = collect_garbage(
+        bucket,
+        RetentionPolicy(keep_anchors=1, orphan_grace_s=0),
+        now=datetime.now(UTC) + timedelta(hours=1),
+    )
+    assert gc.deleted_versions == [0, 1]
+    left = {o.key for o in bucket.list("objects/")}
+    gone = {k for v in (0, 1) for o in manifests[v].objects for k in o.keys}
+    assert gone and gone <= before and not gone & left
+    fresh_engine, fresh = follower(bucket)
+    assert [s.kind for s in fresh.sync_to(STEPS).steps] == ["anchor", "delta"]
+    assert torch.equal(fresh_engine.tensors["table.weight"], engine.tensors["table.weight"])
+
+
+def checkpoint_rank(rank: int, root: str) -> None:
+    """Train 2 steps, checkpoint, train a third; then a fresh model resumed from the checkpoint
+    takes the same third step: every rank's shards must come out bit-identical."""
+    from test_step import rollout
+
+    from deltarl.trainer.batch import collate
+    from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
+    from deltarl.trainer.distributed import broadcast
+    from deltarl.trainer.optim import build_optimizer
+    from deltarl.trainer.step import train_step
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
+    torch.set_num_threads(1)
+    ctx, device = init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
+    base = make_settings(Path(root) / "run")
+    # batches of the initial weights, trained on by later weights: not on-policy
+    sampling = base.sampling.model_copy(update={"max_onpolicy_mismatch_kl": None})
+    settings = base.model_copy(update={"sampling": sampling})
+    gen = torch.Generator().manual_seed(3)
+    batches = [collate(rollout(Bigram(), gen, 2, 8, 0), 0) for _ in range(3)]
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+        torch.manual_seed(0)
+        model = shard_fsdp(Bigram(), ctx, device)
+        opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+        return model, opt, sched
+
+    ckpt = ShardedCheckpointer(Path(root) / "ckpt", ctx)
+    model, opt, sched = fresh()
+    for b in batches[:2]:
+        train_step(model, opt, sched, b, settings, dist=ctx)
+    if ctx.is_main:
+        ckpt.save(2, model, opt, sched, version=2)
+    else:
+        assert broadcast(None, ctx) == ("checkpoint", 2)  # rank 0's control message
+        ckpt.save_local(2, model, opt, sched)
+    train_step(model, opt, sched, batches[2], settings, dist=ctx)
+    want = model.table.weight.to_local().clone()
+
+    resumed, opt2, sched2 = fresh()
+    assert not torch.equal(resumed.table.weight.to_local(), want)
+    ckpt.load().restore(resumed, opt2, sched2)  # type: ignore[arg-type]
+    train_step(resumed, opt2, sched2, batches[2], settings, dist=ctx)
+    assert torch.equal(resumed.table.weight.to_local(), want), rank
+
+    # another world size, or the whole-model loader: refused, naming what to do
+    with pytest.raises(CheckpointError, match="written by 2 rank"):
+        ShardedCheckpointer(Path(root) / "ckpt", DistContext(0, 4)).load()
+    with pytest.raises(CheckpointError, match="FSDP trainer of 2 ranks"):
+        Checkpointer(Path(root) / "ckpt").load()
+    (Path(root) / f"ok{rank}").write_text("ok")
+    shutdown_distributed(ctx)
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_bit_exactly(tmp_path: Path) -> None:
+    mp.spawn(checkpoint_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "step_000002").iterdir())
+    assert files == sorted(
+        [
+            f"{kind}.rank0000{r}.safetensors"
+            for kind in ("model", "optimizer", "rng")
+            for r in (0, 1)
+        ]
+        + ["trainer.json"]
+    )

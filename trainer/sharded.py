@@ -1,0 +1,451 @@
+"""Sharded publication for an FSDP2 trainer: every rank publishes the rows it holds.
+
+Under FSDP2 (``fully_shard``) each parameter is a DTensor split by rows (``Shard(0)``) over the
+ranks. :class:`ShardedPublisher` turns the model after a step into one version without any rank
+gathering the state. Order of calls for one version ``v`` (a collective: every rank takes part)::
+
+    rank 0: publish(state, step=...)            ranks 1..N-1: (control loop) ("publish", (v, ...))
+      broadcast ("publish", (v, step, anchor))     -> publish_local(state, v, step, anchor)
+      every rank, in parallel: bf16 cast of its rows (on its device) -> delta against its bf16
+        snapshot of the last version (on its device) -> encode -> upload its part(s)
+      all_gather of the small part records (keys, sizes, xxh3, slice digests, counts)
+      rank 0: the manifest (one sharded ObjectRef per kind, listing every rank's part) and
+        latest.json, then registration; broadcast of the outcome
+      every rank: success -> the new bf16 rows become its snapshot; failure -> keep the old one,
+        and the next version must be an anchor (as WeightPublisher)
+
+A part is an ordinary codec object (delta or anchor) whose tensors are the rank's row ranges,
+named by slice keys ``"name[lo:hi]"`` (:func:`~deltarl.services.weightsync.manifest.slice_key`);
+the version's digests are defined over those slice keys: tensor digests of the row ranges,
+combined by :func:`~deltarl.services.weightsync.digest.combine_digests` in key order. So the
+state digest of a sharded version depends on the layout (world size), which the manifest records;
+a worker computes it the same way from the row views of its full tensors.
+
+Memory per rank for publication: its snapshot (2 bytes per local element, on the device), the
+bf16 cast of the new rows (2 bytes per local element, freed after the step), the delta (~10
+bytes per changed element on the host) and the compact encoder's host copy of the changed
+tensors' base rows (transient, at most the rank's shard). Nothing of the other ranks' rows.
+
+Not supported here (refused or documented): chained deltas (each version carries standalone
+deltas only), publishing in a background thread (the collectives run in the training thread),
+whole-state weight proofs (``proof_chunks = 0``, refused; sampled proofs gather only the sampled
+chunks' bytes, see :meth:`ShardedPublisher._prove`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from deltarl.services.buckets import Bucket
+from deltarl.services.weightsync.anchor import encode_anchor
+from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.services.weightsync.delta import compute_delta
+from deltarl.services.weightsync.digest import combine_digests, state_digests
+from deltarl.services.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
+from deltarl.services.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
+from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.trainer.distributed import DistContext, broadcast
+from deltarl.trainer.settings import PublishSettings
+from deltarl.trainer.weights import (
+    Challenges,
+    PublishFailedError,
+    PublishReport,
+    Register,
+    VersionBook,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardedPublisher", "local_rows"]
+
+
+def local_rows(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """This rank's rows of every floating-point entry of ``model.state_dict()``, by slice key.
+
+    DTensors (FSDP2 parameters): the local shard, at the global row offset DTensor itself
+    reports (``compute_local_shape_and_global_offset``); a rank with no rows of a tensor lists
+    none. Plain tensors (replicated buffers): rank 0 holds them whole. Tied weights are listed
+    once, under their first name (as :func:`~.weights.publishable_state`).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not t.is_floating_point() or id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.dim() == 0:
+            raise ValueError(f"{name}: a 0-dim tensor cannot be published by rows")
+        if isinstance(t, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(
+                t.shape, t.device_mesh, t.placements
+            )
+            rows = int(shape[0])
+            if rows == 0:
+                continue
+            local = t.to_local().detach()[:rows]
+            lo = int(offset[0])
+            out[slice_key(name, lo, lo + rows)] = local
+        elif ctx.is_main:
+            out[slice_key(name, 0, t.shape[0])] = t.detach()
+    return out
+
+
+@dataclass(slots=True)
+class _Record:
+    """What one rank tells rank 0 about its share of a version (metadata, no weights)."""
+
+    rank: int
+    error: str | None = None
+    delta: ObjectPart | None = None
+    anchor: ObjectPart | None = None
+    base_digests: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # slice key -> tensor digest
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # slice key -> its shape
+    changed: int = 0
+    numel: int = 0
+    times: dict[str, float] = field(default_factory=dict)  # cast, diff, encode, upload (s)
+    memory: int = 0  # bytes held for publication (snapshot + new rows)
+
+
+class ShardedPublisher(VersionBook):
+    """One per rank of an FSDP2 job (see the module docstring). Rank 0's instance has the
+    surface :func:`~.loop.train` uses (``publish``, ``wait``, ``close``, ``last_report``);
+    the other ranks call :meth:`publish_local` when rank 0's control message says so.
+
+    ``on_rank_report``: called on every rank with that rank's timings after each version
+    (the benchmark prints them).
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        settings: PublishSettings | None,
+        ctx: DistContext,
+        *,
+        register: Register | None = None,
+        challenges: Challenges | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        on_report: Callable[[PublishReport], None] | None = None,
+        on_rank_report: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.settings = settings if settings is not None else PublishSettings()
+        if not ctx.enabled:
+            raise ValueError("ShardedPublisher is for torchrun jobs; one process: WeightPublisher")
+        if self.settings.proof_challenges and self.settings.proof_chunks == 0:
+            raise ValueError(
+                "publish.proof_chunks = 0 (whole-state weight proofs) is not supported under FSDP: "
+                "no rank holds the whole state; sample chunks (proof_chunks > 0) or set "
+                "publish.proof_challenges = 0"
+            )
+        self.bucket, self.ctx, self.register, self.dtype = bucket, ctx, register, dtype
+        self.challenges = challenges
+        self.on_report, self.on_rank_report = on_report, on_rank_report
+        self._writer = BucketWriter(bucket, anchor_every=self.settings.anchor_every)
+        self._base: dict[str, torch.Tensor] | None = None  # bf16 rows of the last version
+        self._base_digests: dict[str, str] | None = None
+        self._last_version = None
+        self._last_report = None
+        self._failed = False
+        self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
+        self.waited_s = 0.0
+
+    # -- the surface of WeightPublisher that the loop uses (rank 0) ----------------------------
+    def request_anchor(self) -> None:
+        self._writer.request_anchor()
+
+    def wait(self) -> PublishReport | None:
+        return self._last_report  # publication is synchronous
+
+    def close(self) -> None:
+        """Nothing in flight (publication is synchronous)."""
+
+    def publish(
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        *,
+        step: int | None = None,
+        anchor: bool = False,
+    ) -> int:
+        """Rank 0: publish this version with every rank (``state``: :func:`local_rows`);
+        return its number. Raises :class:`PublishFailedError` if any rank failed (the bucket
+        keeps the previous version; the next call must pass ``anchor=True``)."""
+        if not self.ctx.is_main:
+            raise ValueError("only rank 0 starts a publication; other ranks run publish_local")
+        if self._failed and not anchor:
+            raise PublishFailedError(
+                "a previous publication failed: refusing to publish a delta until the publisher "
+                "re-anchors; call publish(..., anchor=True)"
+            )
+        v = self.next_version() if version is None else version
+        if not isinstance(v, int) or isinstance(v, bool) or v <= self.next_version() - 1:
+            raise ValueError(f"version {v!r} is not newer than {self.next_version() - 1}")
+        with_anchor = anchor or self._base is None or self._writer.should_anchor(v)
+        broadcast(("publish", (v, step, with_anchor)), self.ctx)
+        ok = self.publish_local(state, v, step, with_anchor)
+        if not ok:
+            raise PublishFailedError(
+                f"publishing version {v} failed on some rank (see the logs of every rank); the "
+                f"bucket's newest version is {self._bucket_latest}; continue with "
+                "publish(..., anchor=True)"
+            )
+        return v
+
+    # -- every rank ---------------------------------------------------------------------------
+    def publish_local(
+        self, state: Mapping[str, torch.Tensor], version: int, step: int | None, anchor: bool
+    ) -> bool:
+        """This rank's share of ``version`` (a collective; see the module docstring). Returns
+        whether the version was committed (the same answer on every rank)."""
+        t_start = time.perf_counter()
+        new: dict[str, torch.Tensor] | None = None
+        record = _Record(rank=self.ctx.rank)
+        try:
+            new, record = self._encode_and_upload(state, version, anchor)
+        except Exception as err:  # every rank must reach the gather below
+            logger.exception("rank %d: publishing version %d failed", self.ctx.rank, version)
+            record.error = f"rank {self.ctx.rank}: {type(err).__name__}: {err}"
+        records: list[Any] = [None] * self.ctx.world_size
+        tdist.all_gather_object(records, record)
+        outcome: str | None = None
+        report = None
+        if self.ctx.is_main:
+            try:
+                report = self._commit(records, version, step, anchor, t_start)
+            except Exception as err:
+                logger.exception("publishing version %d failed", version)
+                outcome = f"{type(err).__name__}: {err}"
+                self._bucket_latest = self._writer.reader.latest_version()
+        outcome = broadcast(outcome, self.ctx)
+        if outcome is not None or new is None:
+            self._failed = True
+            return False
+        self._base, self._base_digests = new, record.digests
+        self._last_version, self._failed = version, False
+        self._prove(version, new, records)
+        if report is not None:
+            self._last_report = report
+            if self.on_report is not None:
+                self.on_report(report)
+        if self.on_rank_report is not None:
+            self.on_rank_report(
+                {
+                    "rank": self.ctx.rank,
+                    "version": version,
+                    "changed": record.changed,
+                    "numel": record.numel,
+                    "bytes": sum(p.size for p in (record.delta, record.anchor) if p is not None),
+                    "delta_bytes": None if record.delta is None else record.delta.size,
+                    "memory_bytes": record.memory,
+                    **{f"{k}_s": t for k, t in record.times.items()},
+                    "total_s": time.perf_counter() - t_start,
+                }
+            )
+        return True
+
+    def _encode_and_upload(
+        self, state: Mapping[str, torch.Tensor], version: int, anchor: bool
+    ) -> tuple[dict[str, torch.Tensor], _Record]:
+        rec = _Record(rank=self.ctx.rank)
+        t0 = time.perf_counter()
+        new = {k: t.detach().to(self.dtype, copy=True).contiguous() for k, t in state.items()}
+        base = self._base
+        rec.memory = sum(t.numel() * t.element_size() for t in new.values())
+        if base is not None:
+            rec.memory += sum(t.numel() * t.element_size() for t in base.values())
+        if any(t.device.type == "cuda" for t in new.values()):
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        rec.numel = sum(t.numel() for t in new.values())
+        rec.shapes = {k: list(t.shape) for k, t in new.items()}
+        delta = None
+        if base is not None and not self._failed and set(base) == set(new):
+            delta = compute_delta(
+                base, new, self._last_version, version, old_digests=self._base_digests
+            )
+            rec.digests = {k: p.result_digest for k, p in delta.patches.items()}
+            rec.base_digests = {k: p.base_digest for k, p in delta.patches.items()}
+            rec.changed = delta.changed
+        else:
+            rec.digests = state_digests(new)
+        t2 = time.perf_counter()
+        fmt = self.settings.format
+        blob = anchor_blob = None
+        if delta is not None and base is not None:
+            blob = encode_delta(delta, base, fmt, threads=self.settings.codec_threads)
+        if anchor:
+            cpu = {k: t.cpu() for k, t in new.items()}
+            anchor_blob = encode_anchor(
+                cpu, version, self.settings.anchor_compress, digests=rec.digests
+            )
+        t3 = time.perf_counter()
+        slices = sorted(new)
+        if blob is not None:
+            rec.delta = self._writer.upload_part(version, FORMAT_TAGS[fmt], blob, slices)
+        if anchor_blob is not None:
+            fmt_tag = "safetensors+zstd" if self.settings.anchor_compress else "safetensors"
+            rec.anchor = self._writer.upload_part(version, fmt_tag, anchor_blob, slices)
+        t4 = time.perf_counter()
+        rec.times = {"cast": t1 - t0, "diff": t2 - t1, "encode": t3 - t2, "upload": t4 - t3}
+        return new, rec
+
+    def _prove(self, version: int, new: Mapping[str, torch.Tensor], records: list[_Record]) -> None:
+        """Weight challenges of ``version`` (a collective, after the commit): rank 0 draws the
+        nonces and the chunks they sample, every rank sends the bytes of those chunks that lie
+        in its rows (``proof_challenges * proof_chunks * proof_chunk_bytes`` bytes in all, 8 MiB
+        by default), rank 0 computes the answers and hands them over. A failure costs only the
+        proofs (logged), as with one process."""
+        count = self.settings.proof_challenges
+        plan = None
+        if self.ctx.is_main and self.challenges is not None and count:
+            spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+            rows: dict[str, int] = {}
+            trailing: dict[str, tuple[int, ...]] = {}
+            for r in records:
+                for key, shape in r.shapes.items():
+                    name, _, hi = parse_slice_key(key)
+                    rows[name] = max(rows.get(name, 0), hi)
+                    trailing[name] = tuple(shape[1:])
+            meta = {n: (self.dtype, (rows[n], *trailing[n])) for n in rows}
+            nonces = [new_nonce() for _ in range(count)]
+            samples = [sampled_pieces(meta, n, spec) for n in nonces]
+            wanted = sorted({p for sample in samples for _, ps in sample for p in ps})
+            plan = (wanted, meta, spec, nonces, samples)
+        sent = broadcast(None if plan is None else plan[0], self.ctx)
+        if sent is None:
+            return
+        mine = _local_bytes(sent, new)
+        every: list[Any] = [None] * self.ctx.world_size
+        tdist.all_gather_object(every, mine)
+        if plan is None or self.challenges is None:
+            return
+        wanted, meta, spec, nonces, samples = plan
+        found: dict[tuple[str, int, int], list[tuple[int, bytes]]] = {}
+        for part in every:
+            for piece, at, data in part:
+                found.setdefault(tuple(piece), []).append((at, data))
+        try:
+            data = {p: b"".join(d for _, d in sorted(found.get(p, []))) for p in wanted}
+            short = [p for p in wanted if len(data[p]) != p[2] - p[1]]
+            if short:
+                raise RuntimeError(f"no rank sent the bytes of {short[:3]}")
+            pairs = []
+            for nonce, sample in zip(nonces, samples, strict=True):
+                chunks = [b"".join(data[p] for p in ps) for _, ps in sample]
+                pairs.append((nonce.hex(), answer_from(meta, nonce, version, spec, chunks)))
+            self.challenges(version, spec, pairs)
+        except Exception as exc:
+            logger.warning("version %d: weight challenges not handed over: %s", version, exc)
+
+    def _commit(
+        self, records: list[_Record], version: int, step: int | None, anchor: bool, t0: float
+    ) -> PublishReport:
+        """Rank 0: the manifest from every rank's record, then registration."""
+        errors = [r.error for r in records if r.error is not None]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        digests: dict[str, str] = {}
+        for r in records:
+            digests.update(r.digests)
+        state_digest = combine_digests(digests)
+        with_delta = all(r.delta is not None for r in records if r.numel)
+        objects: list[NewObject] = []
+        if anchor:
+            parts = tuple(r.anchor for r in records if r.anchor is not None)
+            fmt_tag = "safetensors+zstd" if self.settings.anchor_compress else "safetensors"
+            objects.append(NewObject("anchor", fmt_tag, parts))
+        if with_delta and self._last_version is not None:
+            base_digests: dict[str, str] = {}
+            for r in records:
+                base_digests.update(r.base_digests)
+            objects.append(
+                NewObject(
+                    "delta",
+                    FORMAT_TAGS[self.settings.format],
+                    tuple(r.delta for r in records if r.delta is not None),
+                    base_version=self._last_version,
+                    base_digest=combine_digests(base_digests),
+                    changed=sum(r.changed for r in records),
+                )
+            )
+        numel = sum(r.numel for r in records)
+        t_up = time.perf_counter()
+        manifest = self._writer.publish(
+            version,
+            objects,
+            state_digest=state_digest,
+            numel=numel,
+            full_bytes=numel * torch.finfo(self.dtype).bits // 8,
+            step=step,
+        )
+        self._bucket_latest = version
+        t_reg = time.perf_counter()
+        if self.register is not None:
+            self.register(manifest)
+        t_end = time.perf_counter()
+        delta_ref = next((o for o in manifest.objects if o.kind == "delta"), None)
+        anchor_ref = next((o for o in manifest.objects if o.kind == "anchor"), None)
+
+        def slowest(key: str) -> float:
+            return max(r.times.get(key, 0.0) for r in records)
+
+        return PublishReport(
+            version=version,
+            step=step,
+            base_version=None if delta_ref is None else delta_ref.base_version,
+            anchor=anchor_ref is not None,
+            delta_format=None if delta_ref is None else delta_ref.format,
+            delta_bytes=None if delta_ref is None else delta_ref.size,
+            chained_bytes=None,
+            anchor_bytes=None if anchor_ref is None else anchor_ref.size,
+            changed=None if delta_ref is None else delta_ref.changed,
+            numel=numel,
+            full_bytes=manifest.full_bytes,
+            snapshot_s=slowest("cast"),
+            diff_s=slowest("diff"),
+            encode_s=slowest("encode"),
+            anchor_s=0.0,
+            upload_s=slowest("upload") + (t_reg - t_up),
+            register_s=t_end - t_reg,
+            total_s=t_end - t0,
+        )
+
+
+def _local_bytes(
+    wanted: list[tuple[str, int, int]], rows: Mapping[str, torch.Tensor]
+) -> list[tuple[tuple[str, int, int], int, bytes]]:
+    """The bytes of the ``wanted`` ranges (tensor name, byte lo, byte hi of the whole tensor)
+    that lie in this rank's ``rows`` (by slice key): (range, absolute start, bytes)."""
+    by_name: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, t in rows.items():
+        name, lo, _ = parse_slice_key(key)
+        by_name.setdefault(name, []).append((lo, t))
+    where: list[tuple[tuple[str, int, int], int]] = []
+    views: list[torch.Tensor] = []
+    for piece in wanted:
+        name, lo, hi = piece
+        for row0, t in by_name.get(name, []):
+            flat = t.reshape(-1).view(torch.uint8)
+            base = row0 * (flat.numel() // max(t.shape[0], 1))
+            a, b = max(lo, base), min(hi, base + flat.numel())
+            if a < b:
+                where.append((piece, a))
+                views.append(flat[a - base : b - base])
+    if not views:
+        return []
+    host = torch.cat(views).cpu().numpy().tobytes()  # one copy to the host
+    out, at = [], 0
+    for (piece, start), v in zip(where, views, strict=True):
+        out.append((piece, start, host[at : at + v.numel()]))
+        at += v.numel()
+    return out
