@@ -4,21 +4,17 @@ snapshot, deltas are refused until an anchor-only version, and a worker still fo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_fsdp import follower
-from test_step import Bigram
+from test_fsdp import follower, join, sharded_bigram
 
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.distributed import (
     broadcast,
-    init_distributed,
-    shard_fsdp,
     shutdown_distributed,
 )
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
@@ -38,11 +34,8 @@ class FailOnce(LocalBucket):
 
 
 def rank_main(rank: int, root: str) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
-    torch.set_num_threads(1)
-    ctx, device = init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
-    torch.manual_seed(0)
-    model = shard_fsdp(Bigram(), ctx, device)
+    ctx, device = join(rank, root)
+    model = sharded_bigram(ctx, device)
     bucket_dir = Path(root) / "bucket"
     pub = ShardedPublisher(
         FailOnce(bucket_dir) if rank == 1 else LocalBucket(bucket_dir), None, ctx
