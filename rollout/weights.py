@@ -564,7 +564,11 @@ class WeightSync:
         data = self.reader.fetch(ref) if ref.parts is None else b""
         t1 = time.perf_counter()
         try:
-            delta = self._decode(data, context) if ref.parts is None else self._decode_parts(ref)
+            if ref.parts is None:
+                delta = self._decode(data, context)
+            else:  # parts are decoded as they arrive: download_s is the time spent waiting
+                delta, waited = self._decode_parts(ref)
+                t1 = t0 + waited
         except ContextMismatchError:
             # Nothing was decoded: the weights are fine, but this context is not the one the
             # bucket chains on. Forget it: the next plan uses standalone deltas.
@@ -682,26 +686,40 @@ class WeightSync:
         """The engine's tensors, as row views under a sharded ``layout`` (:mod:`.sharding`)."""
         return layout_view(self.engine.named_parameters(), layout)
 
-    def _decode_parts(self, ref: ObjectRef) -> Delta:
+    def _decode_parts(self, ref: ObjectRef) -> tuple[Delta, float]:
         """A sharded delta: its parts fetched in parallel and decoded (in this process) as they
-        arrive, against the host state's row views; merged into one delta over the layout."""
+        arrive, against the host state's row views; merged into one delta over the layout.
+        Also returns the seconds spent waiting for parts (not decoding)."""
         assert ref.layout is not None
         host = layout_view(self._host_state(), ref.layout)
+        waited = 0.0
 
         def decoded() -> Iterator[Delta]:
-            for part, data in self.reader.fetch_parts(ref):
-                missing = [k for k in part.slices if k not in self._digests]
-                if missing:
-                    raise BaseMismatchError(f"the engine holds no digest of {missing[:3]}")
-                yield decode_delta(
-                    data,
-                    {k: host[k] for k in part.slices},
-                    check_base=True,
-                    base_digests={k: self._digests[k] for k in part.slices},
-                    threads=self.decode_threads,
-                )
+            nonlocal waited
+            parts = self.reader.fetch_parts(ref)
+            try:
+                while True:
+                    tw = time.perf_counter()
+                    item = next(parts, None)
+                    waited += time.perf_counter() - tw
+                    if item is None:
+                        return
+                    part, data = item
+                    missing = [k for k in part.slices if k not in self._digests]
+                    if missing:
+                        raise BaseMismatchError(f"the engine holds no digest of {missing[:3]}")
+                    yield decode_delta(
+                        data,
+                        {k: host[k] for k in part.slices},
+                        check_base=True,
+                        base_digests={k: self._digests[k] for k in part.slices},
+                        threads=self.decode_threads,
+                    )
+            finally:
+                parts.close()  # a failed part: cancel the downloads not started yet
 
-        return merge_parts(decoded(), ref.layout)
+        delta = merge_parts(decoded(), ref.layout)
+        return delta, waited
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
         """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch.

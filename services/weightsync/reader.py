@@ -20,7 +20,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Generator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -195,7 +195,9 @@ class BucketReader:
             raise ValueError(f"{ref.key} is sharded: read its parts with fetch_parts")
         return self._fetch_one(ref, ref.key, ref.size, ref.xxh3_128)
 
-    def fetch_parts(self, ref: ObjectRef, threads: int = 8) -> Iterator[tuple[ObjectPart, bytes]]:
+    def fetch_parts(
+        self, ref: ObjectRef, threads: int = 8
+    ) -> Generator[tuple[ObjectPart, bytes], None, None]:
         """The parts of a sharded object, each verified, fetched ``threads`` at a time and
         yielded as they arrive (any order); CorruptDeltaError for a missing or damaged part."""
         if ref.parts is None:

@@ -85,12 +85,21 @@ def fsdp_settings(run_dir: Path) -> ExperimentSettings:
     )
 
 
-def rank_main(rank: int, root: str) -> None:
+def join(rank: int, root: str) -> tuple[DistContext, str]:
+    """Rank ``rank`` of 2 on CPU (gloo, a file rendezvous: no port to race for)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
     torch.set_num_threads(1)
-    ctx, device = init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
+    return init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
+
+
+def sharded_bigram(ctx: DistContext, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = shard_fsdp(Bigram(), ctx, device)
+    return shard_fsdp(Bigram(), ctx, device)
+
+
+def rank_main(rank: int, root: str) -> None:
+    ctx, device = join(rank, root)
+    model = sharded_bigram(ctx, device)
     out = Path(root) / f"rank{rank}"
     out.mkdir()
     settings = fsdp_settings(out / "run")
@@ -216,9 +225,7 @@ def checkpoint_rank(rank: int, root: str) -> None:
     from deltarl.trainer.optim import build_optimizer
     from deltarl.trainer.step import train_step
 
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
-    torch.set_num_threads(1)
-    ctx, device = init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
+    ctx, device = join(rank, root)
     base = make_settings(Path(root) / "run")
     # batches of the initial weights, trained on by later weights: not on-policy
     sampling = base.sampling.model_copy(update={"max_onpolicy_mismatch_kl": None})
@@ -227,8 +234,7 @@ def checkpoint_rank(rank: int, root: str) -> None:
     batches = [collate(rollout(Bigram(), gen, 2, 8, 0), 0) for _ in range(3)]
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-        torch.manual_seed(0)
-        model = shard_fsdp(Bigram(), ctx, device)
+        model = sharded_bigram(ctx, device)
         opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
         return model, opt, sched
 
