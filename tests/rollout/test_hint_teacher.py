@@ -144,7 +144,7 @@ def test_an_answer_that_does_not_fit_the_request_is_refused(tok: Any) -> None:
 def test_the_teacher_scorer_needs_a_teacher_and_the_vllm_engine_needs_it() -> None:
     with pytest.raises(ValueError, match="hint_scorer 'teacher' needs a teacher service"):
         RolloutSettings(hint_mode="env", hint_scorer="teacher")
-    with pytest.raises(ValueError, match="vllm engine scores hinted turns at temperature 1.0"):
+    with pytest.raises(ValueError, match=r"vllm engine scores hinted turns at temperature 1\.0"):
         RolloutSettings(hint_mode="env", engine="vllm", temperature=0.7)
     assert RolloutSettings(hint_mode="env", engine="vllm").hint_scorer == "policy"
     with pytest.raises(ValueError, match="would never be asked"):
