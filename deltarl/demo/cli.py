@@ -7,7 +7,8 @@ Order of operations (:func:`run_demo`):
    ``coordinator.sqlite3``;
 2. prepare the model directory once (:mod:`deltarl.demo.model`, cached in ``--cache-dir``);
 3. start the coordinator (embedded SQLite, trainer and worker tokens generated for this run) and
-   the env server (``--task``: Wordle, or the charset task; a token too) on free loopback ports
+   the env server (``--task``: the charset task scoring capital letters, Wordle, or the charset task
+   on a-z; a token too) on free loopback ports
    and wait for their health checks;
 4. start the rollout workers (transformers engine, CPU) and the trainer, which publishes version
    0 (an anchor) and one delta per optimizer step to the bucket;
@@ -31,11 +32,12 @@ import logging
 import signal
 from datetime import datetime
 from pathlib import Path
+from typing import cast, get_args
 
 import typer
 from rich.console import Console
 
-from deltarl.demo.plan import DemoPlan
+from deltarl.demo.plan import DemoPlan, DemoTask
 from deltarl.run.config import RunConfig
 
 EXIT_INTERRUPTED = 130
@@ -69,20 +71,22 @@ def demo(
     tiny: bool = typer.Option(
         False,
         "--tiny",
-        help="A random tiny Llama (SmolLM2's tokenizer; with --task charset a byte-level "
-        "tokenizer): fast; learns nothing on Wordle, learns the charset task.",
+        help="A random tiny Llama (with --task capitals or charset a byte-level tokenizer, "
+        "with --task wordle SmolLM2's): fast; learns the character tasks, nothing on Wordle.",
     ),
     task: str = typer.Option(
-        "wordle",
+        "capitals",
         "--task",
-        help="Environment task: 'wordle', or 'charset' (one reply, scored by its share of "
-        "a-z characters: a tiny model learns it within a few dozen steps).",
+        help="Environment task: 'capitals' (one reply, scored by its share of capital letters: "
+        "SmolLM2 learns it within 10 steps), 'wordle' (one scored guess), or 'charset' (one "
+        "reply, scored by its share of a-z characters).",
     ),
     steps: int | None = typer.Option(
         None,
         "--steps",
         min=1,
-        help="Optimizer steps (default: 8, or 3 with --tiny, 30 with --tiny --task charset).",
+        help="Optimizer steps (default: 10 on capitals, 8 on wordle and charset; with --tiny "
+        "30, or 3 on wordle).",
     ),
     workers: int = typer.Option(2, "--workers", min=1, max=8, help="Rollout workers."),
     seed: int = typer.Option(
@@ -123,9 +127,9 @@ def demo(
     local-directory bucket, each its own process on loopback; show live progress, then prove
     that every worker ends with the trainer's exact weights and draw the reward curve."""
     console = Console(soft_wrap=True)
-    if task not in ("wordle", "charset"):
-        raise typer.BadParameter(f"unknown task {task!r}: choose wordle or charset")
-    plan = DemoPlan.for_model(tiny, steps, workers, "charset" if task == "charset" else "wordle")
+    if task not in get_args(DemoTask):
+        raise typer.BadParameter(f"unknown task {task!r}: choose capitals, wordle or charset")
+    plan = DemoPlan.for_model(tiny, steps, workers, cast(DemoTask, task))
     if teacher_model is not None and not distill:
         raise typer.BadParameter("--teacher-model goes with --distill")
     plan = dataclasses.replace(plan, seed=seed, distill=distill, teacher_model=teacher_model)

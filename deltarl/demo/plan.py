@@ -17,7 +17,11 @@ from deltarl.run.config import RunConfig
 
 __all__ = ["DemoPlan", "DemoTask", "demo_environment", "new_token"]
 
-DemoTask = Literal["wordle", "charset"]
+DemoTask = Literal["capitals", "wordle", "charset"]
+
+#: The ``capitals`` task's charset target: the charset task scoring a reply's share of capital
+#: letters (``charset`` keeps the env server's default target, a-z).
+CAPITALS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +33,7 @@ class DemoPlan:
     model_kind: ModelKind
     steps: int
     workers: int
-    task: DemoTask = "wordle"
+    task: DemoTask = "capitals"
     # worker i samples with engine seed seed * workers + i; the trainer gets this seed too
     seed: int = 0
     group_size: int = 6
@@ -42,6 +46,11 @@ class DemoPlan:
     max_turns: int = 2
     max_staleness: int = 2
     lr: float = 1e-6
+    warmup_steps: int | None = None  # None: the trainer's default
+    # The trainer's compute dtype. SmolLM2 runs in fp32 on CPU: bf16 autocast there took ~3x
+    # as long per forward+backward (12 x 110 tokens, one thread: 97-101 s vs 31-32 s on 2
+    # shared cores); the published weights are the bf16 cast either way.
+    precision: str | None = None  # None: the trainer's default (bf16)
     # AdamW's decoupled decay moves weights even when every advantage is 0 (a random --tiny
     # model never scores): it keeps --tiny's deltas realistic in density.
     weight_decay: float = 0.0
@@ -53,26 +62,49 @@ class DemoPlan:
 
     @classmethod
     def for_model(
-        cls, tiny: bool, steps: int | None, workers: int, task: DemoTask = "wordle"
+        cls, tiny: bool, steps: int | None, workers: int, task: DemoTask = "capitals"
     ) -> DemoPlan:
         """The default experiment of SmolLM2 (``tiny`` false) or of the tiny random model, on
-        Wordle or on the charset task."""
-        if task == "charset" and tiny:
+        the capitals task (the default), Wordle or the charset task."""
+        if task in ("charset", "capitals") and tiny:
             # A random Llama over bytes: a reply of 16 byte tokens, about 10% of them in the
-            # target set a-z at first. lr 1e-2 (not SmolLM2's 1e-6): a random 91k-parameter
-            # model has no pretrained knowledge to preserve, and AdamW moves each weight by
-            # about lr per step, so 1e-2 shifts a logit by O(0.1-1) per step and the reward
-            # rises within a few dozen steps (1e-3 needs hundreds).
+            # target set at first. lr 1e-2 (not SmolLM2's): a random 91k-parameter model has no
+            # pretrained knowledge to preserve, and AdamW moves each weight by about lr per
+            # step, so 1e-2 shifts a logit by O(0.1-1) per step and the reward rises within a
+            # few dozen steps (1e-3 needs hundreds).
             return cls(
                 model_kind="tiny-bytes",
                 steps=steps if steps is not None else 30,
                 workers=workers,
-                task="charset",
+                task=task,
                 group_size=8,
                 groups_per_step=2,
                 max_new_tokens=16,
                 max_turns=1,
                 lr=1e-2,
+            )
+        if task == "capitals":
+            # SmolLM2 asked to reply in capital letters only: about 10% of its characters are
+            # capitals at first, with a wide spread within a group (0.01-0.3), so GRPO has a
+            # signal from the first step. lr 1e-4 (100x a production lr), no warm-up: the
+            # workers sample from the bf16 cast of the trainer's fp32 weights, and bf16 rounds
+            # away any change below half its spacing (6e-5 for a weight of 0.02): at 2e-5 a
+            # step moved the fp32 policy (an fp32 loop learned) but almost none of the bf16
+            # weights the workers sample with, and runs of 10-12 steps did not learn
+            # (docs/demo.md). 24 new tokens: full marks need 8 characters, and short
+            # replies keep a step short on 2 cores.
+            return cls(
+                model_kind="smollm2",
+                steps=steps if steps is not None else 10,
+                workers=workers,
+                task="capitals",
+                group_size=6,
+                groups_per_step=2,
+                max_new_tokens=24,
+                max_turns=1,
+                lr=1e-4,
+                warmup_steps=0,
+                precision="fp32",
             )
         if task == "charset":
             return cls(
@@ -82,12 +114,14 @@ class DemoPlan:
                 task="charset",
                 max_new_tokens=32,
                 max_turns=1,
+                precision="fp32",
             )
         if tiny:
             return cls(
                 model_kind="tiny",
                 steps=steps if steps is not None else 3,
                 workers=workers,
+                task="wordle",
                 group_size=4,
                 max_new_tokens=16,
                 lr=1e-3,
@@ -97,13 +131,15 @@ class DemoPlan:
             model_kind="smollm2",
             steps=steps if steps is not None else 8,
             workers=workers,
+            task="wordle",
             group_size=6,
             max_new_tokens=32,
+            precision="fp32",
         )
 
     def run_config(self) -> RunConfig:
         """This experiment as a run config (what ``deltarl run`` reads from a TOML file)."""
-        env: dict[str, Any] = {"task": self.task}
+        env: dict[str, Any] = {"task": "wordle" if self.task == "wordle" else "charset"}
         rollout: dict[str, Any] = {
             "workers": self.workers,
             "device": "cpu",
@@ -113,8 +149,10 @@ class DemoPlan:
             "shutdown_grace_s": 2.0,
             "submit_timeout_s": 10.0,
         }
-        if self.task == "charset":  # target a-z, full marks from 8 characters
+        if self.task != "wordle":  # full marks from 8 characters of the target set
             rollout["system_prompt"] = ""  # the env's own instructions, not the Wordle prompt
+            if self.task == "capitals":
+                env["charset_target"] = CAPITALS
         else:
             env |= {
                 "max_guesses": self.env_max_guesses,
@@ -124,7 +162,12 @@ class DemoPlan:
         trainer: dict[str, Any] = {
             "device": "cpu",
             "max_steps": self.steps,
-            "optimizer": {"lr": self.lr, "weight_decay": self.weight_decay},
+            **({} if self.precision is None else {"precision": self.precision}),
+            "optimizer": {
+                "lr": self.lr,
+                "weight_decay": self.weight_decay,
+                **({} if self.warmup_steps is None else {"warmup_steps": self.warmup_steps}),
+            },
             "batch": {
                 "groups_per_step": self.groups_per_step,
                 "micro_batch_size": self.group_size * self.groups_per_step,

@@ -46,7 +46,11 @@ def test_every_example_parses_and_checks(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "tiny", "task"),
-    [("demo.toml", False, "wordle"), ("charset-tiny.toml", True, "charset")],
+    [
+        ("demo.toml", False, "capitals"),
+        ("demo-wordle.toml", False, "wordle"),
+        ("charset-tiny.toml", True, "charset"),
+    ],
 )
 def test_the_demo_presets_are_the_example_files(name: str, tiny: bool, task: str) -> None:
     """`deltarl demo` is a preset of the run config: its plan and the example file agree."""
@@ -104,7 +108,7 @@ def test_overrides() -> None:
     )
     assert out.trainer["max_steps"] == 3 and out.run.model == "tiny"
     assert out.trainer["optimizer"]["lr"] == 1e-3 and out.env["task"] == "charset"
-    assert config.trainer["max_steps"] == 8  # the original is untouched
+    assert config.trainer["max_steps"] == 10  # the original is untouched
     with pytest.raises(RunConfigError, match=r"SECTION\.KEY=VALUE"):
         config.with_overrides(["max_steps=3"])
     with pytest.raises(RunConfigError, match=r"\[rollout\] temperature: declared once"):
@@ -117,7 +121,7 @@ def test_every_service_receives_the_shared_values_from_one_place(
     """Derive a run, then read each process's environment with that service's own settings
     class (as the process would): model, temperature, group size, staleness bound, seeds,
     tokens and the bucket agree everywhere."""
-    config = load_run_config(ROOT / "examples" / "demo.toml").with_overrides(
+    config = load_run_config(ROOT / "examples" / "demo-wordle.toml").with_overrides(
         ["run.temperature=0.7", "run.group_size=5", "run.max_staleness=3", "run.seed=2"]
     )
     launches = derive(
