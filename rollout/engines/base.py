@@ -170,8 +170,8 @@ class Engine(ABC):
         """One forward pass over ``tokens`` (no decoding): for each position ``p >= start``,
         the logprob of ``tokens[p]`` given ``tokens[:p]`` and the ``k`` most likely ids there,
         under ``softmax(logits / temperature)`` (hinted self-distillation scores a turn this
-        way). Engines that cannot raise :class:`NotImplementedError`."""
-        raise NotImplementedError(f"the {self.type} engine cannot score token sequences")
+        way). :meth:`score_batch` of one item."""
+        return self.score_batch([(tokens, start)], k, temperature, gate=gate)[0]
 
     def score_batch(
         self,
@@ -181,8 +181,9 @@ class Engine(ABC):
         *,
         gate: WeightsGate | None = None,
     ) -> list[ScoredTokens]:
-        """:meth:`score` of several ``(tokens, start)`` at once (default: one by one)."""
-        return [self.score(t, s, k, temperature, gate=gate) for t, s in items]
+        """:meth:`score` of several ``(tokens, start)`` at once. Engines that cannot score raise
+        :class:`NotImplementedError` (the default)."""
+        raise NotImplementedError(f"the {self.type} engine cannot score token sequences")
 
     def sharded_weights(self) -> Any:
         """None (default): :meth:`named_parameters` are the weights. An engine whose weights

@@ -187,17 +187,6 @@ class TransformersEngine(Engine):
             mask[i, width - len(p) :] = 1
         return ids.to(self._device), mask.to(self._device)
 
-    def score(
-        self,
-        tokens: Sequence[int],
-        start: int,
-        k: int,
-        temperature: float = 1.0,
-        *,
-        gate: WeightsGate | None = None,
-    ) -> ScoredTokens:
-        return self.score_batch([(tokens, start)], k, temperature, gate=gate)[0]
-
     def score_batch(
         self,
         items: Sequence[tuple[Sequence[int], int]],

@@ -343,17 +343,6 @@ class VllmEngine(Engine):
                     engine.abort_request(sorted(pending))
         return stamps
 
-    def score(
-        self,
-        tokens: Sequence[int],
-        start: int,
-        k: int,
-        temperature: float = 1.0,
-        *,
-        gate: WeightsGate | None = None,
-    ) -> ScoredTokens:
-        return self.score_batch([(tokens, start)], k, temperature, gate=gate)[0]
-
     def score_batch(
         self,
         items: Sequence[tuple[Sequence[int], int]],
