@@ -45,7 +45,7 @@ typecheck: $(STAMP)
 	$(PY) tools/typecheck.py
 
 unit: $(STAMP) system-deps docker-deps
-	$(VENV)/bin/pytest -q -m "not gpu"
+	$(VENV)/bin/pytest -q -m "not gpu" --durations=30
 
 test: lint typecheck unit
 
