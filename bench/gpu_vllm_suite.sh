@@ -19,6 +19,8 @@
 #   faults   the fault suite's worker kills with vllm workers
 #   system_hf  the same whole-system run with the transformers engine
 #   system_2gpu  one vllm worker per GPU (needs 2 GPUs)
+#   system_fsdp  the whole system with an FSDP2 trainer of 2 ranks (GPUs 0-1) and one vllm
+#                worker on each of GPUs 2 and 3 (needs 4 GPUs; issue 17's training loop on GPUs)
 #   tp       bench/vllm_tp.py: one engine at tensor parallelism 2 following a bucket, vs 1 (2 GPUs)
 #   teacher  bench/teacher_vllm_check.py: deltarl teacher with the vllm engine vs transformers
 #   tests_tp the gpu tests of tensor parallelism, Engine.score on vLLM and the vLLM teacher
@@ -59,6 +61,9 @@ for step in "${steps[@]}"; do
       --run-dir "$RES/wordle-hf" "${WORDLE[@]}" ;;
     system_2gpu) run system_2gpu python3 bench/wordle_gpu_run.py --engine vllm \
       --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" "${WORDLE[@]}" ;;
+    system_fsdp) run system_fsdp python3 bench/wordle_gpu_run.py --engine vllm --trainer-nproc 2 \
+      --set 'trainer.parallel="fsdp"' --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
+      --run-dir "$RES/wordle-vllm-fsdp" "${WORDLE[@]}" ;;
     tp) run tp python3 bench/vllm_tp.py --json "$RES/vllm_tp.json" ${DELTARL_TP_REUSE:+--reuse "$DELTARL_TP_REUSE"} ;;
     teacher) run teacher python3 bench/teacher_vllm_check.py --json "$RES/teacher_vllm.json" ;;
     tests_tp) run tests_tp timeout 540 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
