@@ -13,7 +13,7 @@ import io
 import itertools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -27,6 +27,7 @@ from deltarl.services.weightsync.errors import CorruptDeltaError
 __all__ = [
     "CheckpointError",
     "FileRecord",
+    "RowSelector",
     "fsync_dir",
     "read_safetensors",
     "write_json",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 20
+
+RowSelector = Callable[[str, tuple[int, ...]], "tuple[int, int] | bool"]
 
 
 class CheckpointError(RuntimeError):
@@ -102,8 +105,14 @@ class _HashingReader(io.RawIOBase):
         return n or 0
 
 
-def read_safetensors(path: Path, record: FileRecord) -> dict[str, torch.Tensor]:
-    """Read one tensor file of a checkpoint, checking its size, header and xxh3-128."""
+def read_safetensors(
+    path: Path, record: FileRecord, rows: RowSelector | None = None
+) -> dict[str, torch.Tensor]:
+    """Read one tensor file of a checkpoint, checking its size, header and xxh3-128.
+
+    ``rows`` (resharding): called with each tensor's name and shape, it returns the rows
+    ``(lo, hi)`` of that tensor to keep, True to keep all of it or False to keep none; every
+    byte of the file is still read and hashed, and only one tensor is held whole at a time."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint is damaged")
     size = path.stat().st_size
@@ -119,11 +128,21 @@ def read_safetensors(path: Path, record: FileRecord) -> dict[str, torch.Tensor]:
         try:
             _, entries = read_header(stream)
             for entry in entries:
+                keep = True if rows is None else rows(entry.name, tuple(entry.shape))
                 t = torch.empty(entry.shape, dtype=entry.dtype)
                 if entry.end > entry.start:
                     buf = t.reshape(-1).view(torch.uint8).numpy().data
                     read_exact(stream, buf, f"tensor {entry.name!r}")
-                out[entry.name] = t
+                if keep is True:
+                    out[entry.name] = t
+                elif keep is not False:
+                    lo, hi = keep
+                    if not (t.dim() > 0 and 0 <= lo <= hi <= t.shape[0]):
+                        raise CheckpointError(
+                            f"{path}: tensor {entry.name!r} of shape {list(t.shape)} has no "
+                            f"rows {lo}:{hi}"
+                        )
+                    out[entry.name] = t if (lo, hi) == (0, t.shape[0]) else t[lo:hi].clone()
         except CorruptDeltaError as err:
             raise CheckpointError(f"{path} is not a valid safetensors file: {err}") from None
         while reader.read(_CHUNK):  # trailing bytes (the size check makes this rare)

@@ -18,17 +18,24 @@ fsyncs its files; rank 0 gathers their records, writes ``trainer.json`` last, re
 for every node. ``state_digest`` is the sharded state digest of the published bf16 rows (the
 digest a worker holding that sharded version has), rechecked after a restore.
 
-Resume needs the same world size (a checkpoint of N ranks is refused elsewhere with a clear
-error); resharding is not implemented. Nothing here gathers a whole tensor.
+Resharding: ``trainer.json`` records how many rows of each sharded tensor every rank wrote
+(``shard_rows``), so a job of another world size restores its own rows from the files whose rows
+overlap them (:meth:`ShardedCheckpoint.restore`; every file read is checked whole, and a rank
+holds one tensor of one file at a time besides its own rows). A whole-model checkpoint
+(``world_size`` 1) is the one-rank case of the same, and a one-process trainer restores an FSDP
+checkpoint whole (:func:`gather_whole`). The recorded state digest is over the writer's row
+layout, so after a reshard the restored state is checked by those file digests instead. Nothing
+here gathers a whole tensor across ranks.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as tdist
@@ -36,6 +43,10 @@ import torch.distributed as tdist
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.trainer.checkpoint import (
     META_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    Checkpoint,
     Checkpointer,
     CheckpointError,
     CheckpointMeta,
@@ -49,7 +60,7 @@ from deltarl.trainer.sharded import local_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedCheckpoint", "ShardedCheckpointer", "sharded_digest"]
+__all__ = ["ShardedCheckpoint", "ShardedCheckpointer", "gather_whole", "sharded_digest"]
 
 
 def _files(rank: int) -> tuple[str, str, str]:
@@ -58,6 +69,174 @@ def _files(rank: int) -> tuple[str, str, str]:
         f"optimizer.rank{rank:05d}.safetensors",
         f"rng.rank{rank:05d}.safetensors",
     )
+
+
+def _written_files(meta: CheckpointMeta, rank: int) -> tuple[str, str, str]:
+    """The files rank ``rank`` of the writer wrote (a whole-model checkpoint: its only set)."""
+    return (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE) if meta.world_size == 1 else _files(rank)
+
+
+def _check_listed(ckpt_dir: Path, meta: CheckpointMeta) -> None:
+    missing = [
+        n for r in range(meta.world_size) for n in _written_files(meta, r) if n not in meta.files
+    ]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir / META_FILE} lists no {missing[:4]}")
+
+
+def _writer_rows(meta: CheckpointMeta, name: str, rows: int) -> list[int]:
+    """Rows of a sharded tensor of ``rows`` rows that each rank of the writer held (optimizer
+    state ``"<param>/<key>"``: those of its parameter)."""
+    n = meta.world_size
+    if n == 1:
+        return [rows]
+    if meta.shard_rows is not None:
+        layout = name if "/" not in name else name.rpartition("/")[0]  # optimizer: its param's
+        if layout not in meta.shard_rows:
+            raise CheckpointError(f"trainer.json records no rows of the sharded tensor {name!r}")
+        return list(meta.shard_rows[layout])
+    chunk = -(-rows // n)  # written before shard_rows: FSDP2's even split by rows
+    return [min(rows, (r + 1) * chunk) - min(rows, r * chunk) for r in range(n)]
+
+
+def _pieces(
+    meta: CheckpointMeta, want: Mapping[str, tuple[int, int, int]]
+) -> dict[int, dict[str, tuple[int, int]]]:
+    """For each rank of the writer: the rows (in its file) of every tensor in ``want`` (name ->
+    global rows, first and end row wanted) that it holds."""
+    out: dict[int, dict[str, tuple[int, int]]] = {}
+    for name, (rows, lo, hi) in want.items():
+        held = _writer_rows(meta, name, rows)
+        if sum(held) != rows or any(r < 0 for r in held) or len(held) != meta.world_size:
+            raise CheckpointError(
+                f"trainer.json: the ranks' rows of {name!r} ({held}) do not add up to its {rows}"
+            )
+        if lo == hi:  # this rank holds none of it: an empty slice of the right trailing shape
+            out.setdefault(0, {})[name] = (0, 0)
+            continue
+        start = 0
+        for rank, count in enumerate(held):
+            a, b = max(lo, start), min(hi, start + count)
+            if a < b:
+                out.setdefault(rank, {})[name] = (a - start, b - start)
+            start += count
+    return out
+
+
+def _assemble(
+    ckpt_dir: Path,
+    meta: CheckpointMeta,
+    model_want: Mapping[str, tuple[int, int, int] | None],
+    opt_want: Mapping[str, tuple[int, int, int] | None],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Rows ``lo:hi`` of every sharded tensor (``want`` name -> (rows, lo, hi)) and rank 0's
+    copy of every whole one (``want`` name -> None), for the model and the optimizer files,
+    read from the writer's files (each checked whole); only the files holding wanted rows are
+    read."""
+    result: list[dict[str, torch.Tensor]] = []
+    for kind, want in ((0, model_want), (1, opt_want)):
+        sharded = {k: v for k, v in want.items() if v is not None}
+        pieces = _pieces(meta, sharded)
+        whole = {k for k, v in want.items() if v is None}
+        if whole:
+            pieces.setdefault(0, {})
+        got: dict[str, list[torch.Tensor]] = {}
+        for rank in sorted(pieces):
+            mine = pieces[rank]
+            expect = _writer_rows_by_name(meta, sharded, rank)
+
+            def select(
+                name: str,
+                shape: tuple[int, ...],
+                mine: dict[str, tuple[int, int]] = mine,
+                expect: dict[str, int] = expect,
+                rank: int = rank,
+                whole: set[str] = whole,
+            ) -> tuple[int, int] | bool:
+                if name in expect and (not shape or shape[0] != expect[name]):
+                    raise CheckpointError(
+                        f"{ckpt_dir}: rank {rank}'s {name!r} has shape {list(shape)}, "
+                        f"trainer.json gives it {expect[name]} rows"
+                    )
+                if name in mine:
+                    return mine[name]
+                return rank == 0 and name in whole
+
+            fname = _written_files(meta, rank)[kind]
+            part = read_safetensors(ckpt_dir / fname, meta.files[fname], rows=select)
+            for name, t in part.items():
+                got.setdefault(name, []).append(t)
+        absent = sorted(set(want) - set(got))
+        if absent:
+            raise CheckpointError(f"{ckpt_dir}: no file holds {absent[:4]}")
+        result.append({n: ts[0] if len(ts) == 1 else torch.cat(ts, dim=0) for n, ts in got.items()})
+    return result[0], result[1]
+
+
+def _writer_rows_by_name(
+    meta: CheckpointMeta, sharded: Mapping[str, tuple[int, int, int]], rank: int
+) -> dict[str, int]:
+    return {n: _writer_rows(meta, n, rows)[rank] for n, (rows, _, _) in sharded.items()}
+
+
+def _opt_want(
+    ckpt_dir: Path, meta: CheckpointMeta, model_want: Mapping[str, tuple[int, int, int] | None]
+) -> dict[str, tuple[int, int, int] | None]:
+    """What to read of the optimizer state (``"<param>/<key>"``, as rank 0 of the writer lists
+    it): a parameter's rows for its per-element state, rank 0's copy of its scalars."""
+    out: dict[str, tuple[int, int, int] | None] = {}
+    for key, dims in _shapes(ckpt_dir, meta)[1].items():
+        pname = key.rpartition("/")[0]
+        if pname not in model_want:
+            raise CheckpointError(f"{ckpt_dir}: optimizer state {key!r} names no model tensor")
+        out[key] = model_want[pname] if dims > 0 else None
+    return out
+
+
+def gather_whole(ckpt_dir: Path, meta: CheckpointMeta) -> Checkpoint:
+    """An FSDP checkpoint of ``meta.world_size`` ranks as one whole-model :class:`Checkpoint`
+    (for a one-process trainer): every sharded tensor's rows concatenated in rank order."""
+    _check_listed(ckpt_dir, meta)
+    if meta.shard_rows is None:
+        raise CheckpointError(
+            f"{ckpt_dir} was written by an FSDP trainer of {meta.world_size} ranks before "
+            "checkpoints recorded their row layout: resume it with parallel = 'fsdp' under "
+            "torchrun (on any number of ranks)"
+        )
+    model_want: dict[str, tuple[int, int, int] | None] = {}
+    for name in _shapes(ckpt_dir, meta)[0]:
+        if name in meta.shard_rows:
+            rows = sum(meta.shard_rows[name])
+            model_want[name] = (rows, 0, rows)
+        else:
+            model_want[name] = None
+    model, opt = _assemble(ckpt_dir, meta, model_want, _opt_want(ckpt_dir, meta, model_want))
+    rng_name = _files(0)[2]
+    rng = read_safetensors(ckpt_dir / rng_name, meta.files[rng_name])
+    return Checkpoint(ckpt_dir, meta, model, opt, rng, resharded_from=meta.world_size)
+
+
+def _shapes(ckpt_dir: Path, meta: CheckpointMeta) -> tuple[dict[str, int], dict[str, int]]:
+    """Tensor names (and their number of dimensions) of rank 0's model and optimizer files,
+    from their headers."""
+    from deltarl.services.weightsync.anchor import read_header
+
+    out: list[dict[str, int]] = []
+    for fname in _written_files(meta, 0)[:2]:
+        try:
+            with open(ckpt_dir / fname, "rb") as fh:
+                _, entries = read_header(fh)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{ckpt_dir / fname}: unreadable header ({err})") from None
+        out.append({e.name: len(e.shape) for e in entries})
+    return out[0], out[1]
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """A DTensor split by rows (the others every rank holds whole)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and t.dim() > 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +285,8 @@ class ShardedCheckpoint:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
+    # written by this many ranks, not this job's number: restore() assembles this rank's rows
+    resharded_from: int | None = None
 
     def restore(
         self,
@@ -119,6 +300,8 @@ class ShardedCheckpoint:
 
         params = dict(model.named_parameters())
         state = {n: t for n, t in model.state_dict().items()}
+        if self.resharded_from is not None:
+            self.model, self.optimizer = self._my_rows(state)
         problems = [n for n in state if n not in self.model]
         problems += [n for n in self.model if n not in state]
         problems += [
@@ -150,6 +333,17 @@ class ShardedCheckpoint:
         optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
         scheduler.load_state_dict(dict(self.meta.scheduler))
         torch.set_rng_state(self.rng["torch/cpu"])
+        if self.resharded_from is not None:
+            # the recorded digest is over the writer's row layout; what was restored is checked
+            # by the xxh3-128 of every file it came from
+            logger.info(
+                "rank %d restored step %d from %s, written by %d rank(s)",
+                self.ctx.rank,
+                self.meta.step,
+                self.path,
+                self.resharded_from,
+            )
+            return
         digest = sharded_digest(model, self.ctx, publish_dtype)
         if digest != self.meta.state_digest:
             raise CheckpointError(
@@ -157,6 +351,30 @@ class ShardedCheckpoint:
                 f"{self.meta.state_digest}"
             )
         logger.info("rank %d restored step %d from %s", self.ctx.rank, self.meta.step, self.path)
+
+    def _my_rows(
+        self, state: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """This rank's rows of every tensor of the model and the optimizer, from the files of
+        the writer's ranks that hold them."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        model_want: dict[str, tuple[int, int, int] | None] = {}
+        for name, t in state.items():
+            if _sharded(t):
+                dt = cast(Any, t)
+                shape, offset = compute_local_shape_and_global_offset(
+                    dt.shape, dt.device_mesh, dt.placements
+                )
+                rows = int(_local(t).shape[0])
+                if rows != int(shape[0]):
+                    raise CheckpointError(f"{name}: a padded local shard cannot be restored")
+                model_want[name] = (int(t.shape[0]), int(offset[0]), int(offset[0]) + rows)
+            else:
+                model_want[name] = None
+        return _assemble(
+            self.path, self.meta, model_want, _opt_want(self.path, self.meta, model_want)
+        )
 
 
 class ShardedCheckpointer(Checkpointer):
@@ -206,11 +424,14 @@ class ShardedCheckpointer(Checkpointer):
         tmp = broadcast(self._fresh_tmp(name) if self.ctx.is_main else None, self.ctx)
         error = None
         records: dict[str, FileRecord] = {}
+        rows: dict[str, int] = {}
         try:
             opt_tensors, groups = _optimizer_state(model, optimizer)
             rng_tensors, python_rng, numpy_rng = _rng_state()
             model_file, opt_file, rng_file = _files(self.ctx.rank)
-            local = {n: _local(t).contiguous() for n, t in model.state_dict().items()}
+            state = model.state_dict()
+            local = {n: _local(t).contiguous() for n, t in state.items()}
+            rows = {n: int(local[n].shape[0]) for n, t in state.items() if _sharded(t)}
             records = {
                 model_file: write_safetensors(tmp / model_file, local),
                 opt_file: write_safetensors(tmp / opt_file, opt_tensors),
@@ -221,11 +442,11 @@ class ShardedCheckpointer(Checkpointer):
             error = f"rank {self.ctx.rank}: {type(err).__name__}: {err}"
         digest = sharded_digest(model, self.ctx, publish_dtype)
         gathered: list[Any] = [None] * self.ctx.world_size
-        tdist.all_gather_object(gathered, (error, records))
+        tdist.all_gather_object(gathered, (error, records, rows))
         outcome: str | None = None
         if self.ctx.is_main:
             try:
-                errors = [e for e, _ in gathered if e is not None]
+                errors = [e for e, _, _ in gathered if e is not None]
                 if errors:
                     raise CheckpointError("; ".join(errors))
                 assert extra is not None
@@ -241,8 +462,9 @@ class ShardedCheckpointer(Checkpointer):
                     },
                     python_rng=python_rng,
                     numpy_rng=numpy_rng,
-                    files={k: v for _, recs in gathered for k, v in recs.items()},
+                    files={k: v for _, recs, _ in gathered for k, v in recs.items()},
                     world_size=self.ctx.world_size,
+                    shard_rows={n: [r[n] for _, _, r in gathered] for n in gathered[0][2]},
                     checksum="",
                     **extra,
                 )
@@ -266,9 +488,19 @@ class ShardedCheckpointer(Checkpointer):
             raise CheckpointError(f"no checkpoint in {self.root}")
         meta = read_meta(ckpt_dir)
         if meta.world_size != self.ctx.world_size:
-            raise CheckpointError(
-                f"{ckpt_dir} was written by {meta.world_size} rank(s), this job has "
-                f"{self.ctx.world_size}: resume on as many ranks (resharding is not implemented)"
+            # resharding: restore() reads this rank's rows from the files that hold them; the
+            # RNG states of the writer's rank with this rank's number (modulo its ranks)
+            _check_listed(ckpt_dir, meta)
+            rng_name = _written_files(meta, self.ctx.rank % meta.world_size)[2]
+            rng = read_safetensors(ckpt_dir / rng_name, meta.files[rng_name])
+            logger.info(
+                "%s was written by %d rank(s), this job has %d: resharding",
+                ckpt_dir,
+                meta.world_size,
+                self.ctx.world_size,
+            )
+            return ShardedCheckpoint(
+                ckpt_dir, meta, self.ctx, {}, {}, rng, resharded_from=meta.world_size
             )
         names = _files(self.ctx.rank)
         missing = [n for n in names if n not in meta.files]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 from test_distributed import make_settings, run_rank0
 from test_loop import FakeQueue
 from test_step import Bigram
@@ -24,6 +25,7 @@ from deltarl.services.weightsync.manifest import parse_slice_key
 from deltarl.services.weightsync.proof import ProofSpec, proof_answer
 from deltarl.services.weightsync.reader import BucketReader
 from deltarl.services.weightsync.retention import RetentionPolicy, collect_garbage
+from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError, read_meta
 from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
 from deltarl.trainer.distributed import (
     DistContext,
@@ -85,11 +87,11 @@ def fsdp_settings(run_dir: Path) -> ExperimentSettings:
     )
 
 
-def join(rank: int, root: str) -> tuple[DistContext, str]:
-    """Rank ``rank`` of 2 on CPU (gloo, a file rendezvous: no port to race for)."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
+def join(rank: int, root: str, world: int = 2) -> tuple[DistContext, str]:
+    """Rank ``rank`` of ``world`` on CPU (gloo, a file rendezvous: no port to race for)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
     torch.set_num_threads(1)
-    return init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous")
+    return init_distributed("cpu", timeout_s=120, init_method=f"file://{root}/rendezvous{world}")
 
 
 def sharded_bigram(ctx: DistContext, device: str) -> torch.nn.Module:
@@ -220,7 +222,6 @@ def checkpoint_rank(rank: int, root: str) -> None:
     from test_step import rollout
 
     from deltarl.trainer.batch import collate
-    from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
     from deltarl.trainer.distributed import broadcast
     from deltarl.trainer.optim import build_optimizer
     from deltarl.trainer.step import train_step
@@ -247,6 +248,9 @@ def checkpoint_rank(rank: int, root: str) -> None:
     else:
         assert broadcast(None, ctx) == ("checkpoint", 2)  # rank 0's control message
         ckpt.save_local(2, model, opt, sched)
+    full = full_state(model, opt)  # the test's reference for the resharding tests
+    if ctx.is_main:
+        save_file(full, str(Path(root) / "full2.safetensors"))
     train_step(model, opt, sched, batches[2], settings, dist=ctx)
     want = model.table.weight.to_local().clone()
 
@@ -256,19 +260,101 @@ def checkpoint_rank(rank: int, root: str) -> None:
     train_step(resumed, opt2, sched2, batches[2], settings, dist=ctx)
     assert torch.equal(resumed.table.weight.to_local(), want), rank
 
-    # another world size, or the whole-model loader: refused, naming what to do
-    with pytest.raises(CheckpointError, match="written by 2 rank"):
-        ShardedCheckpointer(Path(root) / "ckpt", DistContext(0, 4)).load()
-    with pytest.raises(CheckpointError, match="FSDP trainer of 2 ranks"):
-        Checkpointer(Path(root) / "ckpt").load()
+    # the whole-model loader assembles the ranks' files (checked in the test itself)
+    assert isinstance(Checkpointer(Path(root) / "ckpt").load(), Checkpoint)
     (Path(root) / f"ok{rank}").write_text("ok")
     shutdown_distributed(ctx)
 
 
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The whole weights and AdamW state of a sharded Bigram (a collective; the test only)."""
+    p = model.table.weight
+    state = opt.state[p]
+    out = {"table.weight": p.full_tensor().detach().clone()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = state[key].full_tensor().clone()
+    out["step"] = state["step"].detach().clone().reshape(1)
+    return out
+
+
+def plain_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    p = model.table.weight
+    state = opt.state[p]
+    return {
+        "table.weight": p.detach(),
+        "exp_avg": state["exp_avg"],
+        "exp_avg_sq": state["exp_avg_sq"],
+        "step": state["step"].reshape(1),
+    }
+
+
+def reshard_rank(rank: int, root: str, world: int) -> None:
+    """A job of ``world`` ranks resumes the 2-rank checkpoint and the whole-model one: every
+    rank's rows of the weights and of the AdamW state are those rows of the saved state, and
+    training goes on."""
+    from test_step import rollout
+
+    from deltarl.trainer.batch import collate
+    from deltarl.trainer.optim import build_optimizer
+    from deltarl.trainer.step import train_step
+
+    ctx, device = join(rank, root, world)
+    settings = make_settings(Path(root) / f"run{world}")
+    full = load_file(str(Path(root) / "full2.safetensors"))
+    for source in ("ckpt", "whole"):
+        model = sharded_bigram(ctx, device)
+        opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+        loaded = ShardedCheckpointer(Path(root) / source, ctx).load()
+        assert loaded.resharded_from == (2 if source == "ckpt" else 1)
+        loaded.restore(model, opt, sched)  # type: ignore[arg-type]
+        p = model.table.weight
+        local = p.to_local()
+        chunk = -(-8 // world)  # FSDP2's rows of an 8-row table on this rank
+        lo, hi = min(8, rank * chunk), min(8, (rank + 1) * chunk)
+        assert local.shape[0] == hi - lo
+        assert torch.equal(local, full["table.weight"][lo:hi]), (source, rank)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key].to_local(), full[key][lo:hi]), (source, key)
+        assert float(opt.state[p]["step"]) == float(full["step"][0])
+        assert sched.last_epoch == 2  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(3)
+        batch = collate(rollout(Bigram(), gen, 2, 8, 0), 0)
+        sampling = settings.sampling.model_copy(update={"max_onpolicy_mismatch_kl": None})
+        train_step(
+            model, opt, sched, batch, settings.model_copy(update={"sampling": sampling}), dist=ctx
+        )
+        assert float(opt.state[p]["step"]) == float(full["step"][0]) + 1
+    (Path(root) / f"reshard{world}-{rank}").write_text("ok")
+    shutdown_distributed(ctx)
+
+
 @pytest.mark.slow
-def test_sharded_checkpoint_resumes_bit_exactly(tmp_path: Path) -> None:
+def test_sharded_checkpoint_resumes_bit_exactly_and_on_other_world_sizes(tmp_path: Path) -> None:
     mp.spawn(checkpoint_rank, args=(str(tmp_path),), nprocs=2, join=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+    meta = read_meta(tmp_path / "ckpt" / "step_000002")
+    assert meta.world_size == 2 and meta.shard_rows == {"table.weight": [4, 4]}
+    full = load_file(str(tmp_path / "full2.safetensors"))
+
+    # one process: the whole weights and AdamW state, concatenated from both ranks' files
+    from deltarl.trainer.optim import build_optimizer
+
+    settings = make_settings(tmp_path / "run1")
+    model = Bigram()
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
+    whole = Checkpointer(tmp_path / "ckpt").load()
+    assert whole.resharded_from == 2
+    whole.restore(model, opt, sched)
+    got = plain_state(model, opt)
+    assert all(torch.equal(got[k], full[k]) for k in full), [
+        k for k in full if not torch.equal(got[k], full[k])
+    ]
+    Checkpointer(tmp_path / "whole").save(2, model, opt, sched, version=2)
+
+    # 3 ranks from the 2-rank checkpoint (rows 4+4 -> 3+3+2) and from the whole-model one
+    mp.spawn(reshard_rank, args=(str(tmp_path), 3), nprocs=3, join=True)
+    assert all((tmp_path / f"reshard3-{r}").exists() for r in range(3))
+
     files = sorted(p.name for p in (tmp_path / "ckpt" / "step_000002").iterdir())
     assert files == sorted(
         [
@@ -278,3 +364,11 @@ def test_sharded_checkpoint_resumes_bit_exactly(tmp_path: Path) -> None:
         ]
         + ["trainer.json"]
     )
+
+    # a damaged file that a reshard reads is refused by its digest, nothing restored
+    target = tmp_path / "ckpt" / "step_000002" / "optimizer.rank00001.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 1
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer\.rank00001\.safetensors: xxh3-128"):
+        Checkpointer(tmp_path / "ckpt").load()
