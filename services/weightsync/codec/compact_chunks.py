@@ -96,6 +96,17 @@ def value_residuals(
     return ref, forbidden, (ctx >> 1) * N_MOVE_BUCKETS + buckets
 
 
+def _stable_order(keys: np.ndarray, nkeys: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for keys in ``[0, nkeys)``: the same permutation (a
+    stable sort has only one), through numpy's radix sort on a narrow copy of the keys, which
+    is ~15x faster than the merge sort it uses for int64."""
+    if nkeys <= 1 << 8:
+        return np.argsort(keys.astype(np.uint8), kind="stable")
+    if nkeys <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """A chunk's slice of a :class:`~.context.DeltaContext` and the extrapolation factor."""
@@ -128,7 +139,7 @@ def analyse_chunk(
     present = np.flatnonzero(kc_all)
     comp = 2 * kc_all > hist
 
-    order = np.argsort(ctx, kind="stable")
+    order = _stable_order(ctx, nctx)
     c_sorted, r_sorted = ctx[order], rank[order]
     keep = ~comp[c_sorted]
     gap_ctx = [c_sorted[keep]]
@@ -140,7 +151,7 @@ def analyse_chunk(
         gap_rank.append(np.flatnonzero(unchanged).astype(np.int64))
     gc = np.concatenate(gap_ctx)
     gr = np.concatenate(gap_rank)
-    o2 = np.argsort(gc, kind="stable")  # contexts ascending, ranks stay increasing within each
+    o2 = _stable_order(gc, nctx)  # contexts ascending, ranks stay increasing within each
     gc, gr = gc[o2], gr[o2]
     prev = np.empty_like(gr)
     if gr.size:
