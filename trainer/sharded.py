@@ -23,8 +23,9 @@ a worker computes it the same way from the row views of its full tensors.
 
 Memory per rank for publication: its snapshot (2 bytes per local element, on the device), the
 bf16 cast of the new rows (2 bytes per local element, freed after the step), the delta (~10
-bytes per changed element on the host) and the compact encoder's host copy of the changed
-tensors' base rows (transient, at most the rank's shard). Nothing of the other ranks' rows.
+bytes per changed element on the host) and, for rows on a GPU, a pinned host mirror: two buffers
+of 2 bytes per local element (the last version's rows, which are the encoder's base, and the new
+rows being copied and hashed; they swap on commit). Nothing of the other ranks' rows.
 
 Not supported here (refused or documented): chained deltas (each version carries standalone
 deltas only), publishing in a background thread (the collectives run in the training thread),
@@ -300,6 +301,11 @@ class ShardedPublisher(VersionBook):
         self.waited_s = 0.0
 
     # -- the surface of WeightPublisher that the loop uses (rank 0) ----------------------------
+    @property
+    def threads(self) -> int:
+        """Encoder and hashing threads of this rank (:func:`default_codec_threads` unless set)."""
+        return self._threads
+
     def request_anchor(self) -> None:
         self._writer.request_anchor()
 
