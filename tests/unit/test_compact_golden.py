@@ -1,8 +1,9 @@
 """The compact encoder's bytes do not change when its internals are sped up.
 
-The digests below were computed with the encoder as of commit 2b68646 (before the radix-sort
-ordering and the compiled symbol mapping); a faster encoder must produce the same bytes for the
-same delta, so receivers and stored deltas are unaffected."""
+The digests below were computed with the encoder as of commit 2b68646 (before the compiled
+position stream and symbol mapping); a faster encoder must produce the same bytes for the same
+delta, so receivers and stored deltas are unaffected. The two kernels are also checked against
+the numpy code they replaced, kept below as the specification."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from deltarl.services.weightsync import compute_delta
+from deltarl.services.weightsync.codec import kernels
 from deltarl.services.weightsync.codec.compact import encode_compact
-from deltarl.services.weightsync.codec.compact_chunks import _stable_order
 from deltarl.services.weightsync.codec.entropy import SMALL, TOP_BITS, diff_to_symbols
 
 
@@ -78,7 +79,48 @@ def test_symbol_kernel_matches_the_numpy_mapping() -> None:
         assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("nkeys", [2, 256, 512, 70000])
-def test_stable_order_is_numpys_stable_argsort(nkeys: int) -> None:
-    keys = np.random.default_rng(nkeys).integers(0, nkeys, 50000).astype(np.int64)
-    assert np.array_equal(_stable_order(keys, nkeys), np.argsort(keys, kind="stable"))
+def _reference_gaps(
+    ctx: np.ndarray, rank: np.ndarray, hist: np.ndarray, comp: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy position stream the compiled kernel replaced (kept here as the specification)."""
+    order = np.argsort(ctx, kind="stable")
+    c_sorted, r_sorted = ctx[order], rank[order]
+    keep = ~comp[c_sorted]
+    gap_ctx, gap_rank = [c_sorted[keep]], [r_sorted[keep]]
+    for c in np.flatnonzero(comp):
+        unchanged = np.ones(int(hist[c]), bool)
+        unchanged[rank[ctx == c]] = False
+        gap_ctx.append(np.full(int(unchanged.sum()), c, np.int64))
+        gap_rank.append(np.flatnonzero(unchanged).astype(np.int64))
+    gc, gr = np.concatenate(gap_ctx), np.concatenate(gap_rank)
+    o2 = np.argsort(gc, kind="stable")
+    gc, gr = gc[o2], gr[o2]
+    prev = np.empty_like(gr)
+    if gr.size:
+        prev[0] = -1
+        prev[1:] = gr[:-1]
+        prev[np.flatnonzero(np.diff(gc)) + 1] = -1
+    return gr - prev - 1, gc
+
+
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.05, 0.6, 1.0])
+@pytest.mark.parametrize("nctx", [32, 256, 512])
+def test_position_gap_kernel_matches_the_numpy_stream(density: float, nctx: int) -> None:
+    rng = np.random.default_rng(int(density * 1000) + nctx)
+    n = 20000
+    keys = (rng.standard_normal(n) * 4).astype(np.int64) % nctx  # uneven contexts
+    index = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    hist = np.zeros(nctx, np.int64)
+    ctx = np.empty(index.size, np.int64)
+    rank = np.empty(index.size, np.int64)
+    kernels.scan_contexts(keys, index, 0, nctx - 1, hist, ctx, rank)
+    kc = np.bincount(ctx, minlength=nctx)
+    comp = 2 * kc > hist
+    if 0 < density < 1:
+        assert comp.any() == (density > 0.5)
+    coded = np.where(comp, hist - kc, kc)
+    gaps = np.empty(int(coded.sum()), np.int64)
+    gc = np.empty(gaps.size, np.int64)
+    assert kernels.position_gaps(ctx, rank, hist, kc, comp, gaps, gc) == gaps.size
+    want_gaps, want_gc = _reference_gaps(ctx, rank, hist, comp)
+    assert np.array_equal(gaps, want_gaps) and np.array_equal(gc, want_gc)

@@ -46,6 +46,49 @@ def scan_contexts(old, index, shift, emask, hist, ctx_out, rank_out):  # pragma:
 
 
 @njit(nogil=True, cache=True)
+def position_gaps(ctx, rank, hist, kc, comp, gaps_out, gctx_out):  # pragma: no cover - jit
+    """The Rice-coded position stream of a chunk from :func:`scan_contexts`' output: contexts in
+    ascending order; within a context the gaps between the ranks of its changed elements, or,
+    where ``comp[c]``, between the ranks of its unchanged ones (``rank - previous - 1``, the
+    previous of a context's first being -1). ``gctx_out`` gets each gap's context.
+
+    ``kc``: changes per context; the outputs hold ``sum(where(comp, hist - kc, kc))``.
+    """
+    nctx = hist.size
+    k = ctx.size
+    first = np.zeros(nctx + 1, np.int64)  # changed elements of each context, counting sort
+    for c in range(nctx):
+        first[c + 1] = first[c] + kc[c]
+    fill = first[:nctx].copy()
+    ranks = np.empty(k, np.int64)
+    for j in range(k):  # index order: ranks of one context ascending
+        c = ctx[j]
+        ranks[fill[c]] = rank[j]
+        fill[c] += 1
+    m = 0
+    for c in range(nctx):
+        lo, hi = first[c], first[c + 1]
+        prev = np.int64(-1)
+        if not comp[c]:
+            for i in range(lo, hi):
+                gaps_out[m] = ranks[i] - prev - 1
+                gctx_out[m] = c
+                prev = ranks[i]
+                m += 1
+        else:
+            nxt = lo
+            for r in range(hist[c]):
+                if nxt < hi and ranks[nxt] == r:
+                    nxt += 1
+                    continue
+                gaps_out[m] = r - prev - 1
+                gctx_out[m] = c
+                prev = r
+                m += 1
+    return m
+
+
+@njit(nogil=True, cache=True)
 def diff_symbols(d, top_bits, small, sym_out, extra_out, width_out):  # pragma: no cover - jit
     """Symbol, extra-bit value and extra-bit width of every diff (the rule is
     :func:`~.entropy.diff_to_symbols`; one pass instead of a dozen int64 temporaries)."""
