@@ -83,7 +83,7 @@ def position_gaps(ctx, rank, hist, kc, comp, gaps_out, gctx_out):  # pragma: no 
                     continue
                 gaps_out[m] = r - prev - 1
                 gctx_out[m] = c
-                prev = r
+                prev = np.int64(r)
                 m += 1
     return m
 
