@@ -162,7 +162,11 @@ class _HostMirror:
             total = sum(new[k].numel() for k in on_gpu)
             flat = self._spare
             if flat is None or flat.numel() != total or flat.dtype != dtype:
-                flat = torch.empty(total, dtype=dtype, pin_memory=True)
+                try:
+                    flat = torch.empty(total, dtype=dtype, pin_memory=True)
+                except RuntimeError as err:  # no pinned memory to be had: correct, slower
+                    logger.warning("pinned host mirror unavailable (%s); using pageable", err)
+                    flat = torch.empty(total, dtype=dtype)
             self._spare = None
             device = new[on_gpu[0]].device
             if self._stream is None or self._stream.device != device:
