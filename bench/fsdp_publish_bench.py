@@ -181,10 +181,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = ap.parse_args(argv)
 
-    ctx, device = init_distributed(args.device, timeout_s=3600)
+    ctx, device = init_distributed(args.device, timeout_s=900)
     if not ctx.enabled:
         raise SystemExit("run under torchrun with --nproc_per_node >= 2 (see the docstring)")
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // ctx.world_size))
+    try:
+        run(args, ctx, device)
+    except Exception as err:  # one line, then end the job (torchrun stops the other ranks)
+        oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+        what = "OOM" if oom else type(err).__name__
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        print(
+            json.dumps({"preset": args.preset, "rank": ctx.rank, "failed": what, "error": first}),
+            flush=True,
+        )
+        sys.stderr.flush()
+        os._exit(3)
+    shutdown_distributed(ctx)
+
+
+def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     bucket_dir = broadcast(args.bucket or tempfile.mkdtemp(prefix="fsdp-bench-"), ctx)
     bucket = LocalBucket(bucket_dir)
     model, cfg = build_model(args.preset, device)
@@ -198,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         anchor_every=0, chained_deltas=False, codec_threads=args.codec_threads
     )
     pub = ShardedPublisher(bucket, settings, ctx, on_rank_report=rank_reports.append)
+    cuda = device.startswith("cuda")
 
     def publish(pub: ShardedPublisher, model: torch.nn.Module, step: int, anchor: bool) -> float:
         t0 = time.perf_counter()
@@ -211,7 +229,6 @@ def main(argv: list[str] | None = None) -> None:
 
     publish(pub, model, 0, anchor=True)
     gen = torch.Generator().manual_seed(1000 + ctx.rank)
-    cuda = device.startswith("cuda")
     lines: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
@@ -227,7 +244,11 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
         publish_s = publish(pub, model, step, anchor=False)
-        mine = rank_reports[-1]
+        mine = {
+            **rank_reports[-1],
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+            "codec_threads": pub.threads,
+        }
         every: list[Any] = [None] * ctx.world_size
         tdist.all_gather_object(every, mine)
         if ctx.is_main:
@@ -251,11 +272,15 @@ def main(argv: list[str] | None = None) -> None:
                 "changed_fraction": changed / max(numel, 1),
                 "bits_per_changed": 8 * size / max(changed, 1),
                 "memory_bytes": [r["memory_bytes"] for r in every],
+                "host_memory_bytes": [r["host_memory_bytes"] for r in every],
+                "peak_gpu_bytes": [r["peak_gpu_bytes"] for r in every],
+                "codec_threads": [r["codec_threads"] for r in every],
             }
             lines.append(line)
             print(json.dumps(line), flush=True)
 
     shapes = {n: t.shape for n, t in model.state_dict().items()}  # global shapes
+    pub.close()
     del model, opt, sched, pub  # the follower needs the GPU memory
     if cuda:
         torch.cuda.empty_cache()
@@ -264,12 +289,19 @@ def main(argv: list[str] | None = None) -> None:
         summary.update(
             {
                 "publish_s_median": statistics.median(x["publish_s"] for x in lines),
+                # step 1 also allocates the second pinned host buffer; later steps reuse both
+                "publish_s_median_after_first": statistics.median(
+                    x["publish_s"] for x in (lines[1:] or lines)
+                ),
+                "publish_s_max": max(x["publish_s"] for x in lines),
                 "detect_s_max": max(max(x["detect_s"]) for x in lines),
                 "encode_s_max": max(max(x["encode_s"]) for x in lines),
                 "upload_s_max": max(max(x["upload_s"]) for x in lines),
                 "bits_per_changed_median": statistics.median(x["bits_per_changed"] for x in lines),
                 "changed_fraction_median": statistics.median(x["changed_fraction"] for x in lines),
                 "memory_bytes_max_rank": max(max(x["memory_bytes"]) for x in lines),
+                "host_memory_bytes_max_rank": max(max(x["host_memory_bytes"]) for x in lines),
+                "peak_gpu_bytes_max_rank": max(max(x["peak_gpu_bytes"]) for x in lines),
                 "bucket": args.bucket,
             }
         )
@@ -277,11 +309,13 @@ def main(argv: list[str] | None = None) -> None:
         layout = BucketReader(bucket).manifest(args.steps).layout or ()
         names = {parse_slice_key(k)[0] for k in layout}
         summary.update(follow(bucket, {n: shapes[n] for n in names}, device, args.steps))
+        if lines:
+            last = lines[-1]["publish_s"]
+            summary["publish_to_applied_s"] = last + summary["fetch_to_applied_s"]
     if ctx.is_main:
         print(json.dumps(summary), flush=True)
         if args.bucket is None:  # a temp bucket: an anchor of the whole model, remove it
             shutil.rmtree(bucket_dir, ignore_errors=True)
-    shutdown_distributed(ctx)
 
 
 def follow(

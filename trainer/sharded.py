@@ -23,8 +23,9 @@ a worker computes it the same way from the row views of its full tensors.
 
 Memory per rank for publication: its snapshot (2 bytes per local element, on the device), the
 bf16 cast of the new rows (2 bytes per local element, freed after the step), the delta (~10
-bytes per changed element on the host) and the compact encoder's host copy of the changed
-tensors' base rows (transient, at most the rank's shard). Nothing of the other ranks' rows.
+bytes per changed element on the host) and, for rows on a GPU, a pinned host mirror: two buffers
+of 2 bytes per local element (the last version's rows, which are the encoder's base, and the new
+rows being copied and hashed; they swap on commit). Nothing of the other ranks' rows.
 
 Not supported here (refused or documented): chained deltas (each version carries standalone
 deltas only), publishing in a background thread (the collectives run in the training thread),
@@ -35,19 +36,24 @@ chunks' bytes, see :meth:`ShardedPublisher._prove`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor
+from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import combine_digests, state_digests
+from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
+from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.errors import StateMismatchError
 from deltarl.services.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
 from deltarl.services.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
@@ -63,7 +69,142 @@ from deltarl.trainer.weights import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedPublisher", "local_rows"]
+__all__ = ["ShardedPublisher", "default_codec_threads", "local_rows"]
+
+
+def default_codec_threads() -> int:
+    """This process's share of the node's cores: usable cores // ``LOCAL_WORLD_SIZE`` (set by
+    torchrun). Every rank of a node encodes at the same moment, so each one taking every core
+    (the single-process default) oversubscribes the node ``LOCAL_WORLD_SIZE`` times."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(32, cores // local))
+
+
+def delta_from_changes(
+    changes: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    new: Mapping[str, torch.Tensor],
+    base_digests: Mapping[str, str],
+    digests: Mapping[str, str],
+    base_version: int | None,
+    version: int | None,
+) -> Delta:
+    """The :class:`Delta` that :func:`~deltarl.services.weightsync.delta.compute_delta` returns
+    for the same rows, from parts computed separately: ``changes`` (per tensor, from
+    :func:`changed_elements`) and the digests (hashed in threads from the host copy)."""
+    patches = {}
+    for k in sorted(new):
+        fmt = float_format(new[k].dtype)
+        index, value = changes[k]
+        patches[k] = TensorPatch(
+            name=k,
+            dtype=fmt.name,
+            shape=tuple(new[k].shape),
+            index=index,
+            value=value.astype(fmt.bits_dtype, copy=False),
+            base_digest=base_digests[k],
+            result_digest=digests[k],
+        )
+    return Delta(base_version=base_version, version=version, patches=patches)
+
+
+def _digest_when_ready(t: torch.Tensor, ready: Any) -> str:
+    """:func:`tensor_digest` of a host tensor once its copy (CUDA event ``ready``) has landed;
+    xxhash releases the GIL on large inputs, so several of these hash in parallel."""
+    if ready is not None:
+        ready.synchronize()
+    return tensor_digest(t)
+
+
+class _HostMirror:
+    """The rank's rows on the host, for the digests and as the encoder's base.
+
+    Digests hash every byte, so the new rows cross to the host every version anyway; keeping
+    that copy makes it the next version's base for the encoder (which reads every element of a
+    changed chunk: its exponent histogram and ranks, not only the changed elements), so the
+    encoder copies nothing back. Two sets of pinned buffers (one flat allocation each): the
+    committed base and the one being filled; they swap on commit. CPU rows are their own
+    mirror (no copy, no buffer)."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, torch.Tensor] | None = None
+        self._base_flat: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None
+        self._pending: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None
+        self._stream: Any = None
+
+    @property
+    def host_bytes(self) -> int:
+        pending = None if self._pending is None else self._pending[1]
+        held = {id(t): t for t in (self._base_flat, self._spare, pending) if t is not None}
+        return sum(t.numel() * t.element_size() for t in held.values())
+
+    def fill(
+        self, new: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Start copying ``new`` to host buffers; returns (host tensors, CUDA event per copied
+        tensor: the copy has landed once it is reached)."""
+        keys = sorted(new)
+        on_gpu = [k for k in keys if new[k].device.type == "cuda"]
+        out = {k: new[k] for k in keys if new[k].device.type != "cuda"}
+        ready: dict[str, Any] = {}
+        flat = None
+        if on_gpu:
+            dtype = new[on_gpu[0]].dtype
+            if any(new[k].dtype != dtype for k in on_gpu):
+                raise ValueError("the rows of one version must share one dtype")
+            total = sum(new[k].numel() for k in on_gpu)
+            flat = self._spare
+            if flat is None or flat.numel() != total or flat.dtype != dtype:
+                try:
+                    flat = torch.empty(total, dtype=dtype, pin_memory=True)
+                except RuntimeError as err:  # no pinned memory to be had: correct, slower
+                    logger.warning("pinned host mirror unavailable (%s); using pageable", err)
+                    flat = torch.empty(total, dtype=dtype)
+            self._spare = None
+            device = new[on_gpu[0]].device
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(device))  # the bf16 cast
+            at = 0
+            with torch.cuda.stream(stream):
+                for k in on_gpu:
+                    t = new[k]
+                    host = flat[at : at + t.numel()].view(t.shape)
+                    at += t.numel()
+                    host.copy_(t, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    out[k], ready[k] = host, ev
+        self._pending = (out, flat)
+        return out, ready
+
+    def commit(self) -> None:
+        """The rows last filled are the committed base now; the old base's buffer is reused."""
+        if self._pending is None:
+            return
+        out, flat = self._pending
+        self._pending = None
+        if self._base_flat is not None and (flat is None or self._base_flat is not flat):
+            self._spare = self._base_flat
+        self.base, self._base_flat = out, flat
+
+    def discard(self) -> None:
+        """A failed version: its buffer goes back to spare, the committed base stays."""
+        if self._pending is not None:
+            _, flat = self._pending
+            self._pending = None
+            if flat is not None:
+                self._spare = flat
+        if self._stream is not None:  # no copy may still read rows that are about to be freed
+            self._stream.synchronize()
 
 
 def local_rows(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
@@ -114,7 +255,8 @@ class _Record:
     changed: int = 0
     numel: int = 0
     times: dict[str, float] = field(default_factory=dict)  # cast, diff, encode, upload (s)
-    memory: int = 0  # bytes held for publication (snapshot + new rows)
+    memory: int = 0  # device bytes held for publication (snapshot + new rows)
+    host_memory: int = 0  # pinned host bytes of the mirror (base + new rows; 0 on CPU)
 
 
 class ShardedPublisher(VersionBook):
@@ -156,10 +298,18 @@ class ShardedPublisher(VersionBook):
         self._last_version = None
         self._last_report = None
         self._failed = False
+        self._threads = self.settings.codec_threads or default_codec_threads()
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sharded-digest")
+        self._mirror = _HostMirror()
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
         self.waited_s = 0.0
 
     # -- the surface of WeightPublisher that the loop uses (rank 0) ----------------------------
+    @property
+    def threads(self) -> int:
+        """Encoder and hashing threads of this rank (:func:`default_codec_threads` unless set)."""
+        return self._threads
+
     def request_anchor(self) -> None:
         self._writer.request_anchor()
 
@@ -167,7 +317,8 @@ class ShardedPublisher(VersionBook):
         return self._last_report  # publication is synchronous
 
     def close(self) -> None:
-        """Nothing in flight (publication is synchronous)."""
+        """Nothing in flight (publication is synchronous); stops the digest threads."""
+        self._pool.shutdown(wait=True)
 
     def publish(
         self,
@@ -229,8 +380,10 @@ class ShardedPublisher(VersionBook):
         outcome = broadcast(outcome, self.ctx)
         if outcome is not None or new is None:
             self._failed = True
+            self._mirror.discard()
             return False
         self._base, self._base_digests = new, record.digests
+        self._mirror.commit()
         self._last_version, self._failed = version, False
         self._prove(version, new, records)
         if report is not None:
@@ -247,6 +400,7 @@ class ShardedPublisher(VersionBook):
                     "bytes": sum(p.size for p in (record.delta, record.anchor) if p is not None),
                     "delta_bytes": None if record.delta is None else record.delta.size,
                     "memory_bytes": record.memory,
+                    "host_memory_bytes": record.host_memory,
                     **{f"{k}_s": t for k, t in record.times.items()},
                     "total_s": time.perf_counter() - t_start,
                 }
@@ -263,30 +417,53 @@ class ShardedPublisher(VersionBook):
         rec.memory = sum(t.numel() * t.element_size() for t in new.values())
         if base is not None:
             rec.memory += sum(t.numel() * t.element_size() for t in base.values())
-        if any(t.device.type == "cuda" for t in new.values()):
-            torch.cuda.synchronize()
+        # the new rows on the host: pinned buffers filled by asynchronous copies on a side
+        # stream (CUDA), or the rows themselves (CPU); each tensor is hashed in the pool as soon
+        # as its copy has landed, while this thread finds the changed elements on the device
+        host_new, ready = self._mirror.fill(new)
+        rec.host_memory = self._mirror.host_bytes
         t1 = time.perf_counter()
+        digest_of = {
+            k: self._pool.submit(_digest_when_ready, host_new[k], ready.get(k)) for k in sorted(new)
+        }
         rec.numel = sum(t.numel() for t in new.values())
         rec.shapes = {k: list(t.shape) for k, t in new.items()}
         delta = None
-        if base is not None and not self._failed and set(base) == set(new):
-            delta = compute_delta(
-                base, new, self._last_version, version, old_digests=self._base_digests
+        host_base = self._mirror.base
+        with_delta = (
+            base is not None
+            and host_base is not None
+            and self._base_digests is not None
+            and not self._failed
+            and set(base) == set(new)
+        )
+        changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if with_delta:
+            assert base is not None
+            for k in sorted(new):
+                o, n = base[k], new[k]
+                if o.dtype != n.dtype or o.shape != n.shape:
+                    raise StateMismatchError(
+                        f"{k}: {o.dtype}{list(o.shape)} became {n.dtype}{list(n.shape)}"
+                    )
+                changes[k] = changed_elements(o, n)
+        rec.digests = {k: f.result() for k, f in digest_of.items()}
+        if with_delta:
+            assert self._base_digests is not None
+            delta = delta_from_changes(
+                changes, new, self._base_digests, rec.digests, self._last_version, version
             )
-            rec.digests = {k: p.result_digest for k, p in delta.patches.items()}
-            rec.base_digests = {k: p.base_digest for k, p in delta.patches.items()}
+            rec.base_digests = dict(self._base_digests)
             rec.changed = delta.changed
-        else:
-            rec.digests = state_digests(new)
         t2 = time.perf_counter()
         fmt = self.settings.format
         blob = anchor_blob = None
-        if delta is not None and base is not None:
-            blob = encode_delta(delta, base, fmt, threads=self.settings.codec_threads)
+        if delta is not None and host_base is not None:
+            # the base as the host already holds it (last version's mirror): no copy back
+            blob = encode_delta(delta, host_base, fmt, threads=self._threads)
         if anchor:
-            cpu = {k: t.cpu() for k, t in new.items()}
             anchor_blob = encode_anchor(
-                cpu, version, self.settings.anchor_compress, digests=rec.digests
+                dict(host_new), version, self.settings.anchor_compress, digests=rec.digests
             )
         t3 = time.perf_counter()
         slices = sorted(new)

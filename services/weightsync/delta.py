@@ -139,8 +139,9 @@ def check_compatible(state: Mapping[str, torch.Tensor], patches: Mapping[str, Te
         raise StateMismatchError("state does not match the delta: " + "; ".join(problems))
 
 
-def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Flat indices and new bit patterns of the elements whose bits differ."""
+def changed_elements(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices (int64) and new bit patterns of the elements whose bits differ (CPU numpy
+    arrays; on a GPU the comparison runs there and only the changed elements come back)."""
     ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
     if ob.device.type == "cpu" and nb.device.type == "cpu":
         o, n = ob.numpy(), nb.numpy()
@@ -175,7 +176,7 @@ def compute_delta(
                 f"{name}: {dtype_name(o.dtype)}{list(o.shape)} became {dtype_name(n.dtype)}{list(n.shape)}"
             )
         fmt = float_format(n.dtype)
-        index, value = _changed(o, n)
+        index, value = changed_elements(o, n)
         patches[name] = TensorPatch(
             name=name,
             dtype=fmt.name,

@@ -128,27 +128,10 @@ def analyse_chunk(
     present = np.flatnonzero(kc_all)
     comp = 2 * kc_all > hist
 
-    order = np.argsort(ctx, kind="stable")
-    c_sorted, r_sorted = ctx[order], rank[order]
-    keep = ~comp[c_sorted]
-    gap_ctx = [c_sorted[keep]]
-    gap_rank = [r_sorted[keep]]
-    for c in np.flatnonzero(comp):  # rare: contexts where most elements changed
-        unchanged = np.ones(int(hist[c]), bool)
-        unchanged[rank[ctx == c]] = False
-        gap_ctx.append(np.full(int(unchanged.sum()), c, np.int64))
-        gap_rank.append(np.flatnonzero(unchanged).astype(np.int64))
-    gc = np.concatenate(gap_ctx)
-    gr = np.concatenate(gap_rank)
-    o2 = np.argsort(gc, kind="stable")  # contexts ascending, ranks stay increasing within each
-    gc, gr = gc[o2], gr[o2]
-    prev = np.empty_like(gr)
-    if gr.size:
-        prev[0] = -1
-        prev[1:] = gr[:-1]
-        prev[np.flatnonzero(np.diff(gc)) + 1] = -1
-    gaps = gr - prev - 1
     coded = np.where(comp, hist - kc_all, kc_all)
+    gaps = np.empty(int(coded.sum()), np.int64)
+    gc = np.empty(gaps.size, np.int64)
+    kernels.position_gaps(ctx, rank, hist, kc_all, comp, gaps, gc)
     kparams = rice_parameter(hist, coded)[gc]
 
     ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)

@@ -45,15 +45,12 @@ def diff_to_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``16 + 2 (2**TOP_BITS (L - 4) + top) + sign``; the remaining ``L - 1 - TOP_BITS`` low bits
     are sent raw.
     """
-    a = np.abs(d)
-    neg = (d < 0).astype(np.int64)
-    small = a <= SMALL
-    length = np.maximum(_bitlen(np.maximum(a, 1)), 4)
-    width = np.where(small, 0, length - 1 - TOP_BITS)
-    top = (a >> width) & ((1 << TOP_BITS) - 1)
-    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * ((length - 4) << TOP_BITS | top) + neg)
-    extra = np.where(small, 0, a & ((np.int64(1) << width) - 1))
-    return sym.astype(np.int64), extra.astype(np.int64), width.astype(np.int64)
+    d = np.ascontiguousarray(d, dtype=np.int64)
+    sym = np.empty(d.size, np.int64)
+    extra = np.empty(d.size, np.int64)
+    width = np.empty(d.size, np.int64)
+    kernels.diff_symbols(d, TOP_BITS, SMALL, sym, extra, width)
+    return sym, extra, width
 
 
 def symbol_extra_widths(sym: np.ndarray) -> np.ndarray:

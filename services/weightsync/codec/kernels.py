@@ -46,6 +46,75 @@ def scan_contexts(old, index, shift, emask, hist, ctx_out, rank_out):  # pragma:
 
 
 @njit(nogil=True, cache=True)
+def position_gaps(ctx, rank, hist, kc, comp, gaps_out, gctx_out):  # pragma: no cover - jit
+    """The Rice-coded position stream of a chunk from :func:`scan_contexts`' output: contexts in
+    ascending order; within a context the gaps between the ranks of its changed elements, or,
+    where ``comp[c]``, between the ranks of its unchanged ones (``rank - previous - 1``, the
+    previous of a context's first being -1). ``gctx_out`` gets each gap's context.
+
+    ``kc``: changes per context; the outputs hold ``sum(where(comp, hist - kc, kc))``.
+    """
+    nctx = hist.size
+    k = ctx.size
+    first = np.zeros(nctx + 1, np.int64)  # changed elements of each context, counting sort
+    for c in range(nctx):
+        first[c + 1] = first[c] + kc[c]
+    fill = first[:nctx].copy()
+    ranks = np.empty(k, np.int64)
+    for j in range(k):  # index order: ranks of one context ascending
+        c = ctx[j]
+        ranks[fill[c]] = rank[j]
+        fill[c] += 1
+    m = 0
+    for c in range(nctx):
+        lo, hi = first[c], first[c + 1]
+        prev = np.int64(-1)
+        if not comp[c]:
+            for i in range(lo, hi):
+                gaps_out[m] = ranks[i] - prev - 1
+                gctx_out[m] = c
+                prev = ranks[i]
+                m += 1
+        else:
+            nxt = lo
+            for r in range(hist[c]):
+                if nxt < hi and ranks[nxt] == r:
+                    nxt += 1
+                    continue
+                gaps_out[m] = r - prev - 1
+                gctx_out[m] = c
+                prev = np.int64(r)
+                m += 1
+    return m
+
+
+@njit(nogil=True, cache=True)
+def diff_symbols(d, top_bits, small, sym_out, extra_out, width_out):  # pragma: no cover - jit
+    """Symbol, extra-bit value and extra-bit width of every diff (the rule is
+    :func:`~.entropy.diff_to_symbols`; one pass instead of a dozen int64 temporaries)."""
+    top_mask = (1 << top_bits) - 1
+    for i in range(d.size):
+        v = np.int64(d[i])
+        neg = np.int64(1) if v < 0 else np.int64(0)
+        a = -v if v < 0 else v
+        if a <= small:
+            sym_out[i] = 2 * (a - 1) + neg
+            extra_out[i] = 0
+            width_out[i] = 0
+        else:
+            length = np.int64(0)
+            x = a
+            while x:
+                x >>= 1
+                length += 1
+            w = length - 1 - top_bits
+            top = (a >> w) & top_mask
+            sym_out[i] = 16 + 2 * (((length - 4) << top_bits) | top) + neg
+            extra_out[i] = a & ((np.int64(1) << w) - 1)
+            width_out[i] = w
+
+
+@njit(nogil=True, cache=True)
 def context_histogram(old, shift, emask, hist):  # pragma: no cover - jit
     for i in range(old.size):
         hist[(np.int64(old[i]) >> shift) & emask] += 1

@@ -1,0 +1,126 @@
+"""The compact encoder's bytes do not change when its internals are sped up.
+
+The digests below were computed with the encoder as of commit 2b68646 (before the compiled
+position stream and symbol mapping); a faster encoder must produce the same bytes for the same
+delta, so receivers and stored deltas are unaffected. The two kernels are also checked against
+the numpy code they replaced, kept below as the specification."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from deltarl.services.weightsync import compute_delta
+from deltarl.services.weightsync.codec import kernels
+from deltarl.services.weightsync.codec.compact import encode_compact
+from deltarl.services.weightsync.codec.entropy import SMALL, TOP_BITS, diff_to_symbols
+
+
+def _state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    old = {
+        "a": (torch.randn(300, 257, generator=g) * 0.02).to(torch.bfloat16),
+        "b": (torch.randn(5000, generator=g)).to(torch.float16),
+        "c": (torch.randn(64, 65, generator=g) * 3).to(torch.float32),
+    }
+    new = {}
+    for k, t in old.items():
+        f = t.double()
+        m = torch.rand(f.shape, generator=g)
+        f = f + torch.randn(f.shape, generator=g, dtype=torch.float64) * f.abs() * 0.02 * (m < 0.1)
+        f = torch.where(m > 0.995, f * 1000, f)  # large jumps: symbols with extra bits
+        new[k] = f.to(t.dtype)
+    new["b"][:2000] = old["b"][:2000] + 1  # a dense region: contexts coded by complement
+    return old, new
+
+
+GOLDEN = {
+    1 << 24: "09279cefa221bb5b2cb2b4e3b499a8c43628668f1ed485d15d0c0bf32c9faca8",
+    1000: "8096977b900e2d42e169ff8e7dfc019b383a3b20ff9cb5c5c0eeca0c7a37d56c",
+}
+
+
+@pytest.mark.parametrize("chunk_elems", sorted(GOLDEN))
+def test_encoder_bytes_are_unchanged(chunk_elems: int) -> None:
+    old, new = _state()
+    d = compute_delta(old, new, 3, 4)
+    blob = encode_compact(d, old, chunk_elems=chunk_elems, threads=2)
+    assert hashlib.sha256(blob).hexdigest() == GOLDEN[chunk_elems]
+
+
+def _reference_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The numpy mapping the compiled kernel replaced (kept here as the specification)."""
+    a = np.abs(d)
+    neg = (d < 0).astype(np.int64)
+    small = a <= SMALL
+    length = np.maximum(np.frexp(np.maximum(a, 1).astype(np.float64))[1].astype(np.int64), 4)
+    width = np.where(small, 0, length - 1 - TOP_BITS)
+    top = (a >> width) & ((1 << TOP_BITS) - 1)
+    sym = np.where(small, 2 * (a - 1) + neg, 16 + 2 * ((length - 4) << TOP_BITS | top) + neg)
+    extra = np.where(small, 0, a & ((np.int64(1) << width) - 1))
+    return sym.astype(np.int64), extra.astype(np.int64), width.astype(np.int64)
+
+
+def test_symbol_kernel_matches_the_numpy_mapping() -> None:
+    rng = np.random.default_rng(0)
+    edges = [1, -1, 8, -8, 9, -9, 15, 16, 17, 255, 256, -(2**15), 2**15 - 1, 2**31 - 1, -(2**31)]
+    d = np.concatenate(
+        [
+            np.array(edges, np.int64),
+            rng.integers(-(2**31), 2**31, 20000),
+            rng.integers(-40, 40, 20000),
+        ]
+    )
+    d = d[d != 0]
+    for got, want in zip(diff_to_symbols(d), _reference_symbols(d), strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def _reference_gaps(
+    ctx: np.ndarray, rank: np.ndarray, hist: np.ndarray, comp: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy position stream the compiled kernel replaced (kept here as the specification)."""
+    order = np.argsort(ctx, kind="stable")
+    c_sorted, r_sorted = ctx[order], rank[order]
+    keep = ~comp[c_sorted]
+    gap_ctx, gap_rank = [c_sorted[keep]], [r_sorted[keep]]
+    for c in np.flatnonzero(comp):
+        unchanged = np.ones(int(hist[c]), bool)
+        unchanged[rank[ctx == c]] = False
+        gap_ctx.append(np.full(int(unchanged.sum()), c, np.int64))
+        gap_rank.append(np.flatnonzero(unchanged).astype(np.int64))
+    gc, gr = np.concatenate(gap_ctx), np.concatenate(gap_rank)
+    o2 = np.argsort(gc, kind="stable")
+    gc, gr = gc[o2], gr[o2]
+    prev = np.empty_like(gr)
+    if gr.size:
+        prev[0] = -1
+        prev[1:] = gr[:-1]
+        prev[np.flatnonzero(np.diff(gc)) + 1] = -1
+    return gr - prev - 1, gc
+
+
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.05, 0.6, 1.0])
+@pytest.mark.parametrize("nctx", [32, 256, 512])
+def test_position_gap_kernel_matches_the_numpy_stream(density: float, nctx: int) -> None:
+    rng = np.random.default_rng(int(density * 1000) + nctx)
+    n = 20000
+    keys = (rng.standard_normal(n) * 4).astype(np.int64) % nctx  # uneven contexts
+    index = np.flatnonzero(rng.random(n) < density).astype(np.int64)
+    hist = np.zeros(nctx, np.int64)
+    ctx = np.empty(index.size, np.int64)
+    rank = np.empty(index.size, np.int64)
+    kernels.scan_contexts(keys, index, 0, nctx - 1, hist, ctx, rank)
+    kc = np.bincount(ctx, minlength=nctx)
+    comp = 2 * kc > hist
+    if 0 < density < 1:
+        assert comp.any() == (density > 0.5)
+    coded = np.where(comp, hist - kc, kc)
+    gaps = np.empty(int(coded.sum()), np.int64)
+    gc = np.empty(gaps.size, np.int64)
+    assert kernels.position_gaps(ctx, rank, hist, kc, comp, gaps, gc) == gaps.size
+    want_gaps, want_gc = _reference_gaps(ctx, rank, hist, comp)
+    assert np.array_equal(gaps, want_gaps) and np.array_equal(gc, want_gc)
