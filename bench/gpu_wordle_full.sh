@@ -65,7 +65,8 @@ SHAPING=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
   --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1)
 EVAL=(--games "$EVAL_GAMES" --max-guesses "$EVAL_GUESSES" --max-invalid 1
-  --max-new-tokens "$MAX_NEW" --temperature 0 --cache-dir "$CACHE")
+  --max-new-tokens "$MAX_NEW" --temperature 0 --also-temperature "${TEMPERATURE:-1.0}"
+  --cache-dir "$CACHE")
 
 stage() {  # stage NAME COMMAND...: log to logs/NAME.log, one line in status.txt
   local name=$1
@@ -121,6 +122,7 @@ stage eval_sft "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label sft \
 rm -rf "$WORK/grpo"
 stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/grpo" --model "$WORK/sft" \
   --cache-dir "$CACHE" --duration "$DURATION" --lr "$GRPO_LR" --max-new-tokens "$MAX_NEW" \
+  --set "run.temperature=${TEMPERATURE:-1.0}" \
   "${RUN_ARGS[@]}" "${SHAPING[@]}"
 cp "$WORK/grpo/summary.json" "$RES/grpo_summary.json" 2>/dev/null
 cp "$WORK/grpo/reward.png" "$RES/reward.png" 2>/dev/null
@@ -155,6 +157,9 @@ for name in ("untrained", "sft", "grpo"):
         out[f"eval_{name}"] = {k: e.get(k) for k in (
             "valid_move_rate", "win_rate", "greens_per_guess", "yellows_per_guess",
             "mean_guesses", "forfeit_rate", "version")}
+        if "sampled" in e:
+            out[f"eval_{name}"]["sampled"] = {k: e["sampled"].get(k) for k in (
+                "temperature", "valid_move_rate", "win_rate", "greens_per_guess", "mean_guesses")}
 p = res / "grpo_summary.json"
 if p.exists():
     s = json.loads(p.read_text())

@@ -17,6 +17,9 @@ greens and yellows (0-5) and their /5 values (the env's ``greens``/``yellows`` s
 rules' reward; ``dictionary_rate`` (valid guesses that are dictionary words, useful with
 ``--allow-non-words``); and the first ``--show`` games' replies and patterns.
 
+``--also-temperature T`` plays the same games again sampling at ``T`` (the run's temperature):
+the report's ``sampled`` block, the baseline of a run's own (sampled) win rate.
+
 ``--export-from RUN_DIR`` first rebuilds the policy of a finished ``bench/wordle_gpu_run.py`` run
 (its ``summary.json``'s final version, from its ``bucket``) as a model directory (``--export-to``,
 default ``RUN_DIR/final-policy``) on the config and tokenizer of ``--model`` (the run's model),
@@ -61,6 +64,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--allow-non-words", action="store_true")
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument(
+        "--also-temperature",
+        type=float,
+        default=None,
+        help="play the same games again sampling at this temperature (the run's): the report's "
+        "`sampled` block",
+    )
     ap.add_argument("--batch-size", type=int, default=256, help="games generated together")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0, help="torch seed (sampling)")
@@ -284,6 +294,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.eval()
     summary, records = evaluate(model, tokenizer, a)
+    sampled: dict[str, Any] = {}
+    if a.also_temperature is not None:
+        again = argparse.Namespace(**{**vars(a), "temperature": a.also_temperature})
+        sampled_summary, _ = evaluate(model, tokenizer, again)
+        sampled = {"sampled": {"temperature": a.also_temperature, **sampled_summary}}
     report = {
         "label": a.label,
         "model": str(model_dir),
@@ -292,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "label"
         },
         **summary,
+        **sampled,
         "seconds": round(time.perf_counter() - started, 1),
         "examples": [
             {

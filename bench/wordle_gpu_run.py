@@ -313,10 +313,11 @@ def wordle_summary(summary: dict[str, Any], games: list[dict[str, Any]]) -> dict
     return; per window of time the env server's games won / lost / forfeited and the win
     rate (every game the workers played, trained on or not)."""
     means = summary.get("window_means", {})
+    played = [g for g in games if g["games"]]  # windows in which games ended
     return {
         "per_window_of_steps": {name: means.get(key, []) for name, key in WORDLE_KEYS.items()},
         "env_games_per_window": games,
-        "win_rate_first_last": [games[0]["win_rate"], games[-1]["win_rate"]] if games else None,
+        "win_rate_first_last": [played[0]["win_rate"], played[-1]["win_rate"]] if played else None,
     }
 
 
