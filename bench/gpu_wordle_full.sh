@@ -26,7 +26,8 @@
 #
 # SMOKE=1: the same pipeline in a minute or two on a CPU (tiny model, a few games and steps,
 # the transformers engine, one worker), to check that each stage hands its output to the next.
-# Every knob below can be set from the environment.
+# Every knob below can be set from the environment. STAGES="prep" runs stages 1-3, STAGES="grpo"
+# stages 4-5 on prep's WORK_DIR and RESULTS_DIR (two runs of ~4 and ~10 minutes instead of one).
 set -uo pipefail
 RES=${1:?results directory}
 mkdir -p "$RES"
@@ -68,6 +69,9 @@ EVAL=(--games "$EVAL_GAMES" --max-guesses "$EVAL_GUESSES" --max-invalid 1
   --max-new-tokens "$MAX_NEW" --temperature 0 --also-temperature "${TEMPERATURE:-1.0}"
   --cache-dir "$CACHE")
 
+STAGES=${STAGES:-prep grpo}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+
 stage() {  # stage NAME COMMAND...: log to logs/NAME.log, one line in status.txt
   local name=$1
   shift
@@ -90,59 +94,24 @@ solver_games() {  # PAR processes of GAMES/PAR games each, seeds 0..GAMES-1, the
   cat "$WORK"/solver.*.jsonl >"$WORK/solver.jsonl" && rm -f "$WORK"/solver.*.jsonl
 }
 
-echo "start $(date -u +%FT%TZ) smoke=${SMOKE:-0}" >"$RES/status.txt"
+echo "start $(date -u +%FT%TZ) smoke=${SMOKE:-0} stages=$STAGES" >>"$RES/status.txt"
 T0=$SECONDS
-stage model "$PY" -c "from pathlib import Path; from deltarl.demo.model import prepare_model
-print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
-BASE=$(tail -n 1 "$RES/logs/model.log")
-stage solver solver_games || exit 1
-
-# 2. SFT on the first GPU while the untrained model plays on the second
-if [ -n "$EVAL_GPU_UNTRAINED" ]; then
-  stage eval_untrained "$PY" "$HERE/wordle_eval.py" --model "$BASE" --label untrained \
-    --device "$EVAL_GPU_UNTRAINED" --out "$RES/eval_untrained.json" "${EVAL[@]}" &
-  UNTRAINED=$!
-fi
-stage sft "$PY" -m deltarl sft --set "model=$BASE" --set "data=$WORK/solver.jsonl" \
-  --set "out=$WORK/sft" --set "steps=$SFT_STEPS" --set "batch_size=$SFT_BATCH" \
-  --set "lr=$SFT_LR" --set "device=$SFT_DEVICE" --set "precision=$SFT_PRECISION" \
-  --set log_every=20 || exit 1
-if [ -n "$EVAL_GPU_UNTRAINED" ]; then
-  wait "$UNTRAINED"
-else
-  stage eval_untrained "$PY" "$HERE/wordle_eval.py" --model "$BASE" --label untrained \
-    --device "$EVAL_DEVICE" --out "$RES/eval_untrained.json" "${EVAL[@]}"
-fi
-
-# 3. the SFT model
-stage eval_sft "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label sft \
-  --device "$EVAL_DEVICE" --out "$RES/eval_sft.json" "${EVAL[@]}"
-
-# 4. GRPO from the SFT model, the whole system on loopback
-rm -rf "$WORK/grpo"
-stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/grpo" --model "$WORK/sft" \
-  --cache-dir "$CACHE" --duration "$DURATION" --lr "$GRPO_LR" --max-new-tokens "$MAX_NEW" \
-  --set "run.temperature=${TEMPERATURE:-1.0}" \
-  "${RUN_ARGS[@]}" "${SHAPING[@]}"
-cp "$WORK/grpo/summary.json" "$RES/grpo_summary.json" 2>/dev/null
-cp "$WORK/grpo/reward.png" "$RES/reward.png" 2>/dev/null
-
-# 5. the final policy, rebuilt from the run's bucket
-stage eval_grpo "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label grpo \
-  --export-from "$WORK/grpo" --export-to "$WORK/final-policy" \
-  --device "$EVAL_DEVICE" --out "$RES/eval_grpo.json" "${EVAL[@]}"
-
-"$PY" - "$WORK" "$RES" <<'EOF' >"$RES/pipeline.json"
+finish() {  # pipeline.json and logs.tar.gz, also after a failed stage
+  local rc=$?
+  "$PY" - "$WORK" "$RES" <<'EOF' >"$RES/pipeline.json"
 import json, statistics, sys
 from pathlib import Path
 work, res = Path(sys.argv[1]), Path(sys.argv[2])
-games = [json.loads(x) for x in (work / "solver.jsonl").read_text().splitlines() if x.strip()]
+out = {}
+solver = work / "solver.jsonl"
+games = [json.loads(x) for x in solver.read_text().splitlines() if x.strip()] if solver.exists() else []
 won = [g for g in games if g["won"]]
-out = {"solver": {
-    "games": len(games), "seeds": [min(g["seed"] for g in games), max(g["seed"] for g in games)],
-    "max_guesses": games[0]["max_guesses"], "win_rate": len(won) / len(games),
-    "mean_guesses": statistics.fmean(g["guesses"] for g in games),
-    "mean_guesses_won": statistics.fmean(g["guesses"] for g in won) if won else None}}
+if games:
+    out["solver"] = {
+        "games": len(games), "seeds": [min(g["seed"] for g in games), max(g["seed"] for g in games)],
+        "max_guesses": games[0]["max_guesses"], "win_rate": len(won) / len(games),
+        "mean_guesses": statistics.fmean(g["guesses"] for g in games),
+        "mean_guesses_won": statistics.fmean(g["guesses"] for g in won) if won else None}
 sft = work / "sft" / "sft.json"
 if sft.exists():
     s = json.loads(sft.read_text())
@@ -168,11 +137,58 @@ if p.exists():
 print(json.dumps(out, indent=1))
 EOF
 
-# everything small of the run, in one tarball (not the bucket, checkpoints or models)
-cp "$WORK/sft/sft.json" "$RES/logs/sft_losses.json" 2>/dev/null
-(cd "$WORK" && find grpo -type f \( -name '*.log' -o -name '*.jsonl' -o -name '*.json' \) \
-  -not -path 'grpo/bucket/*' -not -path '*checkpoint*' -size -20M -print0 |
-  tar --null -czf "$RES/logs.tar.gz" -T - -C "$RES" logs)
-rm -rf "$RES/logs"
-echo "total $((SECONDS - T0))s" | tee -a "$RES/status.txt"
-ls -la "$RES"
+  # everything small of the run, in one tarball (not the bucket, checkpoints or models)
+  cp "$WORK/sft/sft.json" "$RES/logs/sft_losses.json" 2>/dev/null
+  # an earlier part's logs (STAGES=grpo after STAGES=prep) stay in the tarball
+  [ -f "$RES/logs.tar.gz" ] && tar xzf "$RES/logs.tar.gz" -C "$RES" --skip-old-files logs
+  (cd "$WORK" && find grpo -type f \( -name '*.log' -o -name '*.jsonl' -o -name '*.json' \) \
+    -not -path 'grpo/bucket/*' -not -path '*checkpoint*' -size -20M -print0 2>/dev/null |
+    tar --null -czf "$RES/logs.tar.gz" -T - -C "$RES" logs)
+  rm -rf "$RES/logs"
+  echo "total $((SECONDS - T0))s exit=$rc" | tee -a "$RES/status.txt"
+  ls -la "$RES"
+}
+trap finish EXIT
+
+if want prep; then
+  stage model "$PY" -c "from pathlib import Path; from deltarl.demo.model import prepare_model; \
+print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
+  BASE=$(tail -n 1 "$RES/logs/model.log")
+  stage solver solver_games || exit 1
+
+  # 2. SFT on the first GPU while the untrained model plays on the second
+  if [ -n "$EVAL_GPU_UNTRAINED" ]; then
+    stage eval_untrained "$PY" "$HERE/wordle_eval.py" --model "$BASE" --label untrained \
+      --device "$EVAL_GPU_UNTRAINED" --out "$RES/eval_untrained.json" "${EVAL[@]}" &
+    UNTRAINED=$!
+  fi
+  stage sft "$PY" -m deltarl sft --set "model=$BASE" --set "data=$WORK/solver.jsonl" \
+    --set "out=$WORK/sft" --set "steps=$SFT_STEPS" --set "batch_size=$SFT_BATCH" \
+    --set "lr=$SFT_LR" --set "device=$SFT_DEVICE" --set "precision=$SFT_PRECISION" \
+    --set log_every=20 || exit 1
+  if [ -n "$EVAL_GPU_UNTRAINED" ]; then
+    wait "$UNTRAINED"
+  else
+    stage eval_untrained "$PY" "$HERE/wordle_eval.py" --model "$BASE" --label untrained \
+      --device "$EVAL_DEVICE" --out "$RES/eval_untrained.json" "${EVAL[@]}"
+  fi
+
+  # 3. the SFT model
+  stage eval_sft "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label sft \
+    --device "$EVAL_DEVICE" --out "$RES/eval_sft.json" "${EVAL[@]}"
+fi
+if want grpo; then
+  # 4. GRPO from the SFT model, the whole system on loopback
+  rm -rf "$WORK/grpo"
+  stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/grpo" --model "$WORK/sft" \
+    --cache-dir "$CACHE" --duration "$DURATION" --lr "$GRPO_LR" --max-new-tokens "$MAX_NEW" \
+    --set "run.temperature=${TEMPERATURE:-1.0}" \
+    "${RUN_ARGS[@]}" "${SHAPING[@]}"
+  cp "$WORK/grpo/summary.json" "$RES/grpo_summary.json" 2>/dev/null
+  cp "$WORK/grpo/reward.png" "$RES/reward.png" 2>/dev/null
+
+  # 5. the final policy, rebuilt from the run's bucket
+  stage eval_grpo "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label grpo \
+    --export-from "$WORK/grpo" --export-to "$WORK/final-policy" \
+    --device "$EVAL_DEVICE" --out "$RES/eval_grpo.json" "${EVAL[@]}"
+fi
