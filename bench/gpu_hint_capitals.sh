@@ -7,13 +7,13 @@
 # mean reward per step, the mean of the last LAST steps, and hints minus GRPO (rewritten after
 # every run). About 1 min per run on one H100 (6 runs: ~7 min; start it in the background, or
 # SEEDS="0 1" under a 10-minute limit).
-#   [SEEDS="0 1 2"] [STEPS=15] [LAST=5] [HINT_COEF=1.0] bash bench/gpu_hint_capitals.sh RES
+#   [SEEDS="0 1 2"] [STEPS=15] [LAST=5] [HINT_COEF=5.0] bash bench/gpu_hint_capitals.sh RES
 set -uo pipefail
 RES=${1:?results directory}
 SEEDS=${SEEDS:-0 1 2}
 STEPS=${STEPS:-15}
 LAST=${LAST:-5}
-HINT_COEF=${HINT_COEF:-1.0}
+HINT_COEF=${HINT_COEF:-5.0}
 mkdir -p "$RES"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 COMMON=(--task charset --set 'env.charset_target="ABCDEFGHIJKLMNOPQRSTUVWXYZ"'

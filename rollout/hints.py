@@ -17,8 +17,9 @@ Hinters:
 * :class:`EnvHinter` (``hint_mode = "env"``): the environment's own rules, by task (the
   episode's prompt says which): :class:`CharsetHinter` and :class:`WordleHinter`.
 * :class:`CharsetHinter`: the charset task's scoring replayed on the reply; the hint names the
-  kinds of characters outside the set ("lowercase letters and spaces"), or a reply too short,
-  and shows a reply with full marks ("Reply in CAPITAL LETTERS only, for example: HELLOWORLD").
+  kinds of characters outside the set, or a reply too short, and shows a reply with full marks
+  ("Reply in CAPITAL LETTERS only, without lowercase letters or spaces, for example:
+  HELLOWORLD").
 * :class:`WordleHinter`: the environment's own feedback, replayed: the
   first guess that ignores what earlier feedback established (a letter known absent, a green
   moved, a yellow left out or put back where it was yellow, a repeated word), or the first
@@ -238,9 +239,14 @@ def _allowed(rules: CharsetRules) -> tuple[str, str]:
 class CharsetHinter:
     """The charset task's scoring, replayed from the transcript: the rules are read back from
     the environment's prompt (:func:`~deltarl.env_server.charset.environment.parse_prompt`), the
-    reply is scored as the environment scores it, and the hint names what cost points: the kinds
-    of characters outside the set, or a reply too short. None when the episode is not the charset
-    task, or the reply has full marks."""
+    reply is scored as the environment scores it, and the hint, one imperative sentence, names
+    what cost points (the kinds of characters outside the set, or a reply too short) and shows a
+    reply with full marks. None when the episode is not the charset task, or the reply has full
+    marks. The wording is measured: SmolLM2-135M-Instruct, 24 samples after the hint as a second
+    user message, scores 0.33-0.41 with "Reply in CAPITAL LETTERS only, without lowercase letters
+    or spaces, for example: HELLOWORLD" against 0.08-0.12 without a hint, but only 0.16 with "Your
+    reply used characters that are not allowed: ... Reply in CAPITAL LETTERS only, ..." (it echoes
+    "Your reply ..."); docs/distillation.md."""
 
     name = "env"
 
@@ -256,16 +262,12 @@ class CharsetHinter:
         bad = {c for c in reply if c not in set(rules.target)}
         if bad:
             kinds = _kinds(bad)
-            said = ", ".join(kinds[:-1]) + " and " + kinds[-1] if len(kinds) > 1 else kinds[0]
-            return Hint(
-                0,
-                f"Your reply used characters that are not allowed: {said}. Reply in {allowed}, "
-                f"for example: {example}",
-            )
+            said = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]
+            return Hint(0, f"Reply in {allowed}, without {said}, for example: {example}")
         return Hint(
             0,
-            f"Your reply had {len(reply)} characters; it needs at least {rules.min_chars}. Reply "
-            f"with a longer text in {allowed}, for example: {example}",
+            f"Reply with at least {rules.min_chars} characters, in {allowed}, for example: "
+            f"{example}",
         )
 
 

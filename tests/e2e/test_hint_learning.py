@@ -5,14 +5,17 @@ asked to reply in capital letters, the charset task with target A-Z, 2 CPU worke
 than the demo (GROUP_SIZE x 2 groups per step, MAX_NEW_TOKENS, STEPS steps):
 
 * GRPO alone: the demo's settings (lr 1e-4, fp32);
-* hinted: the same, with ``rollout.hint_mode = "env"`` (the charset hinter: "Your reply used
-  characters that are not allowed: lowercase letters and spaces. Reply in CAPITAL LETTERS only,
-  for example: HELLOWORLD", inserted before the reply and scored once by the worker's policy)
-  and ``trainer.loss.hint_coef`` HINT_COEF.
+* hinted: the same, with ``rollout.hint_mode = "env"`` (the charset hinter: "Reply in CAPITAL
+  LETTERS only, without lowercase letters or spaces, for example: HELLOWORLD", inserted before
+  the reply and scored once by the worker's policy) and ``trainer.loss.hint_coef`` HINT_COEF.
 
 Asserted, per seed: the mean reward of the last K trained batches is higher with hints by
 MARGIN or more, and hints were attached to the trained batches. Measured numbers:
-docs/distillation.md (Evidence so far) and docs/evidence.md.
+docs/distillation.md (Evidence so far) and docs/evidence.md. Status (2026-11-27): NOT seen to
+pass. The calibration runs on 2 shared CPU cores (load average 8-13 from other sessions) took
+9.5-10 min each (4 runs: ~40 min, far over the ~5 min CI budget), and at this budget (5 steps of
+2 x 4 episodes; with staleness 2 the first 3 trained batches are the same in both arms) the
+arms were within noise of each other on seed 0; seed 1 was not run.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = (0, 1)
-STEPS = 6
+STEPS = 5
 K = 2  # last steps averaged
 GROUP_SIZE = 4
 MAX_NEW_TOKENS = 16
-HINT_COEF = 1.0
+HINT_COEF = 5.0
 MARGIN = 0.1
 SMALL = (
     f"trainer.max_steps={STEPS}",
@@ -59,11 +62,11 @@ def run(root: Path, name: str, seed: int, *sets: str) -> tuple[list[float], list
         [
             *(sys.executable, "-m", "deltarl", "run", str(ROOT / "examples" / "demo.toml")),
             *(x for o in overrides for x in ("--set", o)),
-            *("--run-dir", str(run_dir), "--no-live", "--timeout", "500"),
+            *("--run-dir", str(run_dir), "--no-live", "--timeout", "900"),
         ],
         capture_output=True,
         text=True,
-        timeout=560,
+        timeout=960,
         env=env,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

@@ -121,10 +121,10 @@ def test_the_charset_prompt_gives_its_rules_back(rules: CharsetRules) -> None:
 @pytest.mark.parametrize(
     ("reply", "says"),
     [
-        ("Hello world", "not allowed: lowercase letters and spaces. Reply in CAPITAL LETTERS only"),
-        ("HI 42!\n", "not allowed: digits, spaces, line breaks and other characters (!)"),
-        ("HELLO", "had 5 characters; it needs at least 8"),
-        ("", "had 0 characters"),
+        ("Hello world", "Reply in CAPITAL LETTERS only, without lowercase letters or spaces,"),
+        ("HI 42!\n", "without digits, spaces, line breaks or other characters (!),"),
+        ("HELLO", "Reply with at least 8 characters, in CAPITAL LETTERS only,"),
+        ("", "Reply with at least 8 characters"),
     ],
 )
 def test_the_charset_hinter_names_what_cost_points(reply: str, says: str) -> None:
