@@ -14,7 +14,13 @@ SDPO, 2601.20802).
 
 Hinters:
 
-* :class:`WordleHinter` (``hint_mode = "env"``): the environment's own feedback, replayed: the
+* :class:`EnvHinter` (``hint_mode = "env"``): the environment's own rules, by task (the
+  episode's prompt says which): :class:`CharsetHinter` and :class:`WordleHinter`.
+* :class:`CharsetHinter`: the charset task's scoring replayed on the reply; the hint names the
+  kinds of characters outside the set, or a reply too short, and shows a reply with full marks
+  ("Reply in CAPITAL LETTERS only, without lowercase letters or spaces, for example:
+  HELLOWORLD").
+* :class:`WordleHinter`: the environment's own feedback, replayed: the
   first guess that ignores what earlier feedback established (a letter known absent, a green
   moved, a yellow left out or put back where it was yellow, a repeated word), or the first
   malformed move. Deterministic, instant, always right about the rules.
@@ -35,12 +41,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import string
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
 
+from deltarl.env_server.charset.environment import CharsetRules, parse_prompt, score_reply
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import Engine, WeightsGate
 from deltarl.rollout.episodes import Episode
@@ -186,6 +194,104 @@ class WordleHinter:
                         "not there; move it."
                     )
         return None
+
+
+# -- the charset task's rules -------------------------------------------------------------------
+
+_EXAMPLES = ("HELLOWORLD", "helloworld", "GOODMORNING", "goodmorning", "0123456789")
+
+
+def _kinds(chars: set[str]) -> list[str]:
+    """Names for the kinds of characters in ``chars``, e.g. ["lowercase letters", "spaces"]."""
+    kinds = [
+        ("lowercase letters", str.islower),
+        ("capital letters", str.isupper),
+        ("digits", str.isdigit),
+        ("spaces", lambda c: c == " "),
+        ("line breaks", lambda c: c in "\r\n"),
+    ]
+    names, left = [], set(chars)
+    for name, test in kinds:
+        hit = {c for c in left if test(c)}
+        if hit:
+            names.append(name)
+            left -= hit
+    if left:
+        shown = " ".join(sorted(left)[:8])
+        names.append(f"other characters ({shown})")
+    return names
+
+
+def _allowed(rules: CharsetRules) -> tuple[str, str]:
+    """(how to say the target set, an example reply that scores 1.0)."""
+    target = set(rules.target)
+    example = next((w for w in _EXAMPLES if set(w) <= target and len(w) >= rules.min_chars), None)
+    if example is None:
+        ordered = "".join(dict.fromkeys(rules.target))
+        example = (ordered * rules.min_chars)[: max(rules.min_chars, len(ordered))]
+    if target == set(string.ascii_uppercase):
+        return "CAPITAL LETTERS only", example
+    if target == set(string.ascii_lowercase):
+        return "lowercase letters only", example
+    return f"only these characters: {rules.target}", example
+
+
+class CharsetHinter:
+    """The charset task's scoring, replayed from the transcript: the rules are read back from
+    the environment's prompt (:func:`~deltarl.env_server.charset.environment.parse_prompt`), the
+    reply is scored as the environment scores it, and the hint, one imperative sentence, names
+    what cost points (the kinds of characters outside the set, or a reply too short) and shows a
+    reply with full marks. None when the episode is not the charset task, or the reply has full
+    marks. The wording is measured: SmolLM2-135M-Instruct, 24 samples after the hint as a second
+    user message, scores 0.33-0.41 with "Reply in CAPITAL LETTERS only, without lowercase letters
+    or spaces, for example: HELLOWORLD" against 0.08-0.12 without a hint, but only 0.16 with "Your
+    reply used characters that are not allowed: ... Reply in CAPITAL LETTERS only, ..." (it echoes
+    "Your reply ..."); docs/distillation.md."""
+
+    name = "env"
+
+    async def hint(self, episode: Episode) -> Hint | None:
+        rules = charset_rules(episode)
+        if rules is None or not episode.turns:
+            return None
+        reply = episode.turns[0].reply
+        reward, _ = score_reply(reply, rules)
+        if reward >= 1.0:
+            return None
+        allowed, example = _allowed(rules)
+        bad = {c for c in reply if c not in set(rules.target)}
+        if bad:
+            kinds = _kinds(bad)
+            said = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]
+            return Hint(0, f"Reply in {allowed}, without {said}, for example: {example}")
+        return Hint(
+            0,
+            f"Reply with at least {rules.min_chars} characters, in {allowed}, for example: "
+            f"{example}",
+        )
+
+
+def charset_rules(episode: Episode) -> CharsetRules | None:
+    """The charset rules the episode's first user message states, None if it is not the charset
+    task's prompt."""
+    first = next((m["content"] for m in episode.messages if m["role"] == "user"), None)
+    return parse_prompt(first) if first is not None else None
+
+
+class EnvHinter:
+    """``hint_mode = "env"``: the environment's own rules, by task: :class:`CharsetHinter` for an
+    episode whose prompt is the charset task's, :class:`WordleHinter` for any other."""
+
+    name = "env"
+
+    def __init__(self) -> None:
+        self.charset = CharsetHinter()
+        self.wordle = WordleHinter()
+
+    async def hint(self, episode: Episode) -> Hint | None:
+        if charset_rules(episode) is not None:
+            return await self.charset.hint(episode)
+        return await self.wordle.hint(episode)
 
 
 # -- a chat model --------------------------------------------------------------------------------

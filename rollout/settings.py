@@ -290,7 +290,8 @@ class RolloutSettings(TLSServerSettings):
     hint_mode: Literal["off", "env", "chat"] = Field(
         default="off",
         description="Hinted self-distillation (docs/distillation.md): for episodes below "
-        "hint_below, 'env' replays the environment's feedback (Wordle) to find the turn that went "
+        "hint_below, 'env' replays the environment's rules (Wordle's feedback, the charset "
+        "task's scoring) to find the turn that went "
         "wrong and a hint, 'chat' asks an OpenAI-compatible endpoint (hint_url); that turn is "
         "then scored once after the hint (hint_scorer) and attached to the trajectory.",
     )

@@ -62,10 +62,10 @@ from deltarl.rollout.episodes import Episode, EpisodeGroup, EpisodeRunner
 from deltarl.rollout.follower import VersionFollower
 from deltarl.rollout.hints import (
     ChatHinter,
+    EnvHinter,
     Hint,
     Hinter,
     HintStats,
-    WordleHinter,
     hint_episodes,
     score_hints,
 )
@@ -592,7 +592,7 @@ class RolloutWorker:
     def _make_hinter(self) -> Hinter | None:
         cfg = self.settings
         if cfg.hint_mode == "env":
-            return WordleHinter()
+            return EnvHinter()
         if cfg.hint_mode == "chat":
             assert cfg.hint_url is not None
             token = cfg.hint_token.get_secret_value() if cfg.hint_token else None

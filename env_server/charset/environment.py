@@ -74,6 +74,25 @@ def make_prompt(rules: CharsetRules) -> str:
     )
 
 
+_PROMPT_HEAD = "Reply with at least "
+_PROMPT_MID = " characters, using only these: "
+_PROMPT_TAIL = "\nYour score is the share of your reply's characters that are among them"
+
+
+def parse_prompt(text: str) -> CharsetRules | None:
+    """The rules a :func:`make_prompt` text states (the inverse of it), None for any other text.
+    Lets a client that holds only the transcript (the rollout worker's env hinter) replay the
+    scoring exactly."""
+    if not text.startswith(_PROMPT_HEAD) or _PROMPT_TAIL not in text:
+        return None
+    head, _, rest = text[len(_PROMPT_HEAD) :].partition(_PROMPT_MID)
+    target = rest.rpartition(_PROMPT_TAIL)[0]
+    if not head.isdigit() or not target:
+        return None
+    rules = CharsetRules(target=target, min_chars=int(head))
+    return rules if make_prompt(rules) == text else None
+
+
 class CharsetEnvironment:
     """Reset/step/state for one session. Not thread-safe; the server serialises calls."""
 

@@ -1,5 +1,5 @@
 """Hinted self-distillation on the worker (rollout/hints.py): the Wordle hinter finds the turn
-that ignored the feedback, chat hints are validated (malformed ones skipped and counted), the
+that ignored the feedback, the charset hinter names the characters that cost points, chat hints are validated (malformed ones skipped and counted), the
 hinted turn is scored once after the hint, and a worker attaches hints to what it submits."""
 
 from __future__ import annotations
@@ -21,12 +21,20 @@ from worker_helpers import (
     worker_settings,
 )
 
+from deltarl.env_server.charset.environment import (
+    CharsetEnvironment,
+    CharsetRules,
+    make_prompt,
+    parse_prompt,
+)
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes import Episode, Turn
 from deltarl.rollout.hints import (
+    CharsetHinter,
     ChatHinter,
+    EnvHinter,
     Hint,
     HintStats,
     WordleHinter,
@@ -82,6 +90,67 @@ def test_wordle_hinter_names_the_turn_that_ignored_the_feedback(
 def test_wordle_hinter_is_silent_on_consistent_play() -> None:
     ep = episode(["[crane]", "[chore]"], ["GYXXG", "GGGGG"], reward=1.0)
     assert asyncio.run(WordleHinter().hint(ep)) is None
+
+
+CAPITALS = CharsetRules(target="ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def charset_episode(reply: str, rules: CharsetRules = CAPITALS) -> Episode:
+    """A one-reply charset episode as the worker records it (the env's prompt as the user turn,
+    the reward the environment gives)."""
+    env = CharsetEnvironment(rules)
+    prompt = env.reset(seed=0).observation.prompt
+    reward = env.step(reply).reward
+    ep = Episode(group_id="g", index=0, seed=0, reward=reward)
+    ep.messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+    c = Completion([1], [-0.1], "stop", UNMANAGED, UNMANAGED)
+    ep.turns.append(Turn(0, 1, c, reply, 0, 0, reward, {}, True))
+    return ep
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [CAPITALS, CharsetRules(), CharsetRules(target="ab c\n.", min_chars=3)],
+)
+def test_the_charset_prompt_gives_its_rules_back(rules: CharsetRules) -> None:
+    assert parse_prompt(make_prompt(rules)) == rules
+    assert parse_prompt("You are Player 0 in Wordle. ...") is None
+    assert parse_prompt(make_prompt(rules) + " and more") is None
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        ("Hello world", "Reply in CAPITAL LETTERS only, without lowercase letters or spaces,"),
+        ("HI 42!\n", "without digits, spaces, line breaks or other characters (!),"),
+        ("HELLO", "Reply with at least 8 characters, in CAPITAL LETTERS only,"),
+        ("", "Reply with at least 8 characters"),
+    ],
+)
+def test_the_charset_hinter_names_what_cost_points(reply: str, says: str) -> None:
+    ep = charset_episode(reply)
+    assert ep.reward < 1.0
+    for hinter in (CharsetHinter(), EnvHinter()):
+        hint = asyncio.run(hinter.hint(ep))
+        assert hint is not None and hint.turn == 0 and says in hint.text, hint
+        assert hint.text.endswith("for example: HELLOWORLD")
+        assert check_hint({"failure_turn": 0, "hint": hint.text}, 1) == hint  # <= 3 sentences
+
+
+def test_the_charset_hinter_example_scores_full_marks_under_any_target() -> None:
+    for rules in (CharsetRules(), CharsetRules(target="xyz", min_chars=5)):
+        hint = asyncio.run(CharsetHinter().hint(charset_episode("Oops", rules)))
+        assert hint is not None
+        example = hint.text.rsplit("for example: ", 1)[1]
+        assert charset_episode(example, rules).reward == 1.0, hint
+
+
+def test_the_env_hinter_is_silent_on_full_marks_and_picks_the_task() -> None:
+    assert asyncio.run(EnvHinter().hint(charset_episode("HELLOWORLD"))) is None
+    assert asyncio.run(CharsetHinter().hint(episode(["[crane]"], ["XXXXX"]))) is None
+    # a Wordle episode goes to the Wordle hinter
+    hint = asyncio.run(EnvHinter().hint(episode(["[crane]", "[crane]"], ["XXXXX"])))
+    assert hint is not None and "already guessed" in hint.text
 
 
 def test_chat_hints_are_validated() -> None:
