@@ -41,7 +41,7 @@ def _wait_for(client: Any, proc: subprocess.Popen[bytes], timeout: float) -> dic
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"the teacher exited with {proc.returncode} (see teacher.log)")
+            raise RuntimeError(f"the teacher exited with {proc.returncode}")
         try:
             info: dict[str, Any] = client.info()
             return info
@@ -86,7 +86,8 @@ def main() -> int:
         "DELTARL_TEACHER_TOKEN": TOKEN,
         "DELTARL_TEACHER_PORT": str(a.port),
         "DELTARL_TEACHER_GPU_MEMORY_UTILIZATION": "0.3",
-        "CUDA_VISIBLE_DEVICES": "0",
+        # the caller's first GPU (the reference model runs on its second when there is one)
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
     }
     log = open(tmp / "teacher.log", "w")  # noqa: SIM115 - open while the service runs
     t0 = time.perf_counter()
@@ -98,7 +99,13 @@ def main() -> int:
     try:
         url = f"http://127.0.0.1:{a.port}"
         with SyncTeacherClient(url, TOKEN, deadline_s=600.0, retries=1000) as client:
-            info = _wait_for(client, proc, 600.0)
+            try:
+                info = _wait_for(client, proc, 600.0)
+            except RuntimeError:
+                log.flush()
+                tail = (tmp / "teacher.log").read_text(errors="replace").splitlines()[-40:]
+                print("\n".join(["teacher.log (last 40 lines):", *tail]), file=sys.stderr)
+                raise
             result["started_s"] = time.perf_counter() - t0
             result["info"] = info
             t1 = time.perf_counter()

@@ -176,12 +176,6 @@ def _run_main(
     with CoordinatorClient(deploy.coordinator_url, token) as client:
         publisher: WeightPublisher | ShardedPublisher
         if ctx.enabled and settings.parallel == "fsdp":
-            if settings.publish.proof_challenges:
-                logger.warning(
-                    "FSDP: weight challenges are not computed on sharded state yet; workers "
-                    "stay unproven (publish.proof_challenges=%d ignored)",
-                    settings.publish.proof_challenges,
-                )
             publisher = ShardedPublisher(
                 bucket,
                 settings.publish,

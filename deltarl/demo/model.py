@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Literal
@@ -64,7 +65,10 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
     if out.exists():
         shutil.rmtree(out)  # an interrupted build
     gguf_dir, gguf_file = _smollm2_gguf()
-    tmp = out.with_name(out.name + ".tmp")
+    _remove_abandoned_builds(out)
+    # one build directory per process: processes preparing the same model at once (a run's
+    # services, two benchmark scripts) each build their own and the first rename wins
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
 
@@ -128,9 +132,35 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
     (tmp / MARKER).write_text(
         json.dumps({"kind": kind, "source": f"{gguf_dir}/{gguf_file}", "parameters": params}) + "\n"
     )
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if not (out / MARKER).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same build first
+        logger.info("model %s: built by another process in %s", kind, out)
+        return out
     logger.info("model %s: %d parameters saved in %s", kind, params, out)
     return out
+
+
+def _remove_abandoned_builds(out: Path) -> None:
+    """Delete build directories of ``out`` left by processes that no longer run."""
+    for old in out.parent.glob(f"{out.name}.tmp*"):
+        pid = old.name.rpartition("-")[2]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def byte_tokenizer(chat_template: str) -> Any:
