@@ -55,7 +55,7 @@ else
   EVAL_GUESSES=6
   EVAL_GPU_UNTRAINED=cuda:1
 fi
-GRPO_LR=${GRPO_LR:-5e-6}
+GRPO_LR=${GRPO_LR:-1e-5}
 MAX_NEW=${MAX_NEW_TOKENS:-12}
 WORK=${WORK_DIR:-$RES/../wordle-work}
 mkdir -p "$WORK" "$RES/logs"
