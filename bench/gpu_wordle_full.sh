@@ -61,10 +61,19 @@ WORK=${WORK_DIR:-$RES/../wordle-work}
 mkdir -p "$WORK" "$RES/logs"
 WORK=$(cd "$WORK" && pwd)
 CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
-# the GRPO run's game: real rules (dictionary words), one tolerated invalid move, a shaped reward
-SHAPING=(--set env.allow_non_words=false --set 'env.reward="shaped"'
-  --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
-  --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1)
+# the GRPO run's game: real rules (dictionary words), one tolerated invalid move; REWARD=shaped
+# (default: win, greens, yellows, format, repetition and invalid terms on every move) or
+# REWARD=win (1 for a win, else 0: the cleaner signal once moves are valid, as TRL's Wordle
+# example found); GRPO_MODEL: the model GRPO starts from (default: the SFT model; e.g. the
+# previous run's final policy, $WORK_DIR/final-policy, for a second stage)
+case ${REWARD:-shaped} in
+  shaped) SHAPING=(--set env.allow_non_words=false --set 'env.reward="shaped"'
+    --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
+    --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1) ;;
+  win) SHAPING=(--set env.allow_non_words=false --set 'env.reward="final"'
+    --set env.partial_credit=0.0 --set env.format_credit=0.0) ;;
+  *) echo "REWARD must be shaped or win, not ${REWARD}" >&2; exit 2 ;;
+esac
 EVAL=(--games "$EVAL_GAMES" --max-guesses "$EVAL_GUESSES" --max-invalid 1
   --max-new-tokens "$MAX_NEW" --temperature 0 --also-temperature "${TEMPERATURE:-1.0}"
   --cache-dir "$CACHE")
@@ -180,7 +189,11 @@ fi
 if want grpo; then
   # 4. GRPO from the SFT model, the whole system on loopback
   rm -rf "$WORK/grpo"
-  stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/grpo" --model "$WORK/sft" \
+  GRPO_FROM=${GRPO_MODEL:-$WORK/sft}
+  if [ "$GRPO_FROM" = "$WORK/final-policy" ]; then  # eval_grpo rewrites it: start from a copy
+    rm -rf "$WORK/grpo-start" && cp -r "$GRPO_FROM" "$WORK/grpo-start" && GRPO_FROM=$WORK/grpo-start
+  fi
+  stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/grpo" --model "$GRPO_FROM" \
     --cache-dir "$CACHE" --duration "$DURATION" --lr "$GRPO_LR" --max-new-tokens "$MAX_NEW" \
     --set "run.temperature=${TEMPERATURE:-1.0}" \
     "${RUN_ARGS[@]}" "${SHAPING[@]}"
@@ -188,7 +201,7 @@ if want grpo; then
   cp "$WORK/grpo/reward.png" "$RES/reward.png" 2>/dev/null
 
   # 5. the final policy, rebuilt from the run's bucket
-  stage eval_grpo "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label grpo \
+  stage eval_grpo "$PY" "$HERE/wordle_eval.py" --model "$GRPO_FROM" --label grpo \
     --export-from "$WORK/grpo" --export-to "$WORK/final-policy" \
     --device "$EVAL_DEVICE" --out "$RES/eval_grpo.json" "${EVAL[@]}"
 fi
