@@ -101,12 +101,13 @@ def _writer_rows(meta: CheckpointMeta, name: str, rows: int) -> list[int]:
 
 def _pieces(
     meta: CheckpointMeta, want: Mapping[str, tuple[int, int, int]]
-) -> dict[int, dict[str, tuple[int, int]]]:
+) -> tuple[dict[int, dict[str, tuple[int, int]]], dict[str, list[int]]]:
     """For each rank of the writer: the rows (in its file) of every tensor in ``want`` (name ->
-    global rows, first and end row wanted) that it holds."""
+    global rows, first and end row wanted) that it holds; and each tensor's rows per rank."""
     out: dict[int, dict[str, tuple[int, int]]] = {}
+    layout: dict[str, list[int]] = {}
     for name, (rows, lo, hi) in want.items():
-        held = _writer_rows(meta, name, rows)
+        held = layout[name] = _writer_rows(meta, name, rows)
         if sum(held) != rows or any(r < 0 for r in held) or len(held) != meta.world_size:
             raise CheckpointError(
                 f"trainer.json: the ranks' rows of {name!r} ({held}) do not add up to its {rows}"
@@ -120,7 +121,7 @@ def _pieces(
             if a < b:
                 out.setdefault(rank, {})[name] = (a - start, b - start)
             start += count
-    return out
+    return out, layout
 
 
 def _assemble(
@@ -136,14 +137,14 @@ def _assemble(
     result: list[dict[str, torch.Tensor]] = []
     for kind, want in ((0, model_want), (1, opt_want)):
         sharded = {k: v for k, v in want.items() if v is not None}
-        pieces = _pieces(meta, sharded)
+        pieces, layout = _pieces(meta, sharded)
         whole = {k for k, v in want.items() if v is None}
         if whole:
             pieces.setdefault(0, {})
         got: dict[str, list[torch.Tensor]] = {}
         for rank in sorted(pieces):
             mine = pieces[rank]
-            expect = _writer_rows_by_name(meta, sharded, rank)
+            expect = {n: held[rank] for n, held in layout.items()}
 
             def select(
                 name: str,
@@ -173,19 +174,13 @@ def _assemble(
     return result[0], result[1]
 
 
-def _writer_rows_by_name(
-    meta: CheckpointMeta, sharded: Mapping[str, tuple[int, int, int]], rank: int
-) -> dict[str, int]:
-    return {n: _writer_rows(meta, n, rows)[rank] for n, (rows, _, _) in sharded.items()}
-
-
 def _opt_want(
     ckpt_dir: Path, meta: CheckpointMeta, model_want: Mapping[str, tuple[int, int, int] | None]
 ) -> dict[str, tuple[int, int, int] | None]:
     """What to read of the optimizer state (``"<param>/<key>"``, as rank 0 of the writer lists
     it): a parameter's rows for its per-element state, rank 0's copy of its scalars."""
     out: dict[str, tuple[int, int, int] | None] = {}
-    for key, dims in _shapes(ckpt_dir, meta)[1].items():
+    for key, dims in _header_dims(ckpt_dir / _written_files(meta, 0)[1]).items():
         pname = key.rpartition("/")[0]
         if pname not in model_want:
             raise CheckpointError(f"{ckpt_dir}: optimizer state {key!r} names no model tensor")
@@ -204,7 +199,7 @@ def gather_whole(ckpt_dir: Path, meta: CheckpointMeta) -> Checkpoint:
             "torchrun (on any number of ranks)"
         )
     model_want: dict[str, tuple[int, int, int] | None] = {}
-    for name in _shapes(ckpt_dir, meta)[0]:
+    for name in _header_dims(ckpt_dir / _files(0)[0]):
         if name in meta.shard_rows:
             rows = sum(meta.shard_rows[name])
             model_want[name] = (rows, 0, rows)
@@ -216,20 +211,17 @@ def gather_whole(ckpt_dir: Path, meta: CheckpointMeta) -> Checkpoint:
     return Checkpoint(ckpt_dir, meta, model, opt, rng, resharded_from=meta.world_size)
 
 
-def _shapes(ckpt_dir: Path, meta: CheckpointMeta) -> tuple[dict[str, int], dict[str, int]]:
-    """Tensor names (and their number of dimensions) of rank 0's model and optimizer files,
-    from their headers."""
+def _header_dims(path: Path) -> dict[str, int]:
+    """Tensor names and their number of dimensions, from a safetensors file's header (the file
+    itself is checked whole when it is read)."""
     from deltarl.services.weightsync.anchor import read_header
 
-    out: list[dict[str, int]] = []
-    for fname in _written_files(meta, 0)[:2]:
-        try:
-            with open(ckpt_dir / fname, "rb") as fh:
-                _, entries = read_header(fh)
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{ckpt_dir / fname}: unreadable header ({err})") from None
-        out.append({e.name: len(e.shape) for e in entries})
-    return out[0], out[1]
+    try:
+        with open(path, "rb") as fh:
+            _, entries = read_header(fh)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable header ({err})") from None
+    return {e.name: len(e.shape) for e in entries}
 
 
 def _sharded(t: torch.Tensor) -> bool:
