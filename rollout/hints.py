@@ -259,7 +259,7 @@ class CharsetHinter:
         if reward >= 1.0:
             return None
         allowed, example = _allowed(rules)
-        bad = {c for c in reply if c not in set(rules.target)}
+        bad = set(reply) - set(rules.target)
         if bad:
             kinds = _kinds(bad)
             said = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]

