@@ -2,7 +2,7 @@
 # The FSDP2 publication scaling curve on one node: 0.6b, 1.7b, 7b, 14b back to back, one
 # torchrun each, every one under a timeout, each writing RESULTS_DIR/fsdp_publish_<preset>_<N>gpu.jsonl
 # (one JSON line per step, then a summary line; a preset that fails, e.g. OOM, leaves one
-# {"failed": ...} line and the next preset runs). At most 7.5 minutes in all (the limits below).
+# {"failed": ...} line and the next preset runs). At most 9 minutes in all (the limits below).
 #
 #   PYTHONPATH=/tmp/site bash bench/fsdp_scaling.sh RESULTS_DIR [NPROC]
 #
@@ -17,8 +17,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 # seconds per preset (model build, anchor, the published steps, the follower's apply); 14b
 # publishes without the follower (its apply is the 7b one's, twice the size), to fit the budget
-declare -A limit=([0.6b]=60 [1.7b]=90 [7b]=170 [14b]=120)
-declare -A steps=([0.6b]=4 [1.7b]=4 [7b]=4 [14b]=3)
+declare -A limit=([0.6b]=60 [1.7b]=90 [7b]=240 [14b]=150)
+declare -A steps=([0.6b]=4 [1.7b]=4 [7b]=6 [14b]=3)
 declare -A follow=([0.6b]=--apply [1.7b]=--apply [7b]=--apply [14b]=)
 port=29611
 for p in $presets; do

@@ -49,7 +49,9 @@ else
   SFT_STEPS=${SFT_STEPS:-400} SFT_BATCH=${SFT_BATCH:-32} SFT_LR=${SFT_LR:-5e-5}
   SFT_DEVICE=cuda:0 SFT_PRECISION=bf16 EVAL_GAMES=${EVAL_GAMES:-200} EVAL_DEVICE=cuda:0
   DURATION=${DURATION:-420}
-  RUN_ARGS=(--engine vllm --worker-gpus 1 2 --workers 2 --gpu-memory-utilization 0.5
+  read -ra WGPUS <<<"${WORKER_GPUS:-1 2}"
+  RUN_ARGS=(--engine vllm --worker-gpus "${WGPUS[@]}" --workers "${#WGPUS[@]}"
+    --gpu-memory-utilization 0.5
     --group-size 8 --groups-per-step "${GROUPS_PER_STEP:-8}" --in-flight-groups 8
     --max-guesses 6 --max-invalid 1 --window 10 --env-window-s 60)
   EVAL_GUESSES=6
@@ -65,7 +67,10 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # (default: win, greens, yellows, format, repetition and invalid terms on every move) or
 # REWARD=win (1 for a win, else 0: the cleaner signal once moves are valid, as TRL's Wordle
 # example found); GRPO_MODEL: the model GRPO starts from (default: the SFT model; e.g. the
-# previous run's final policy, $WORK_DIR/final-policy, for a second stage)
+# previous run's final policy, $WORK_DIR/final-policy, for a second stage); GRPO_NAME: the
+# run's directory under WORK_DIR (default grpo; its final policy goes to final-policy, else
+# final-$GRPO_NAME), so several GRPO arms can start from one prep; WORKER_GPUS: the vLLM
+# workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints)
 case ${REWARD:-shaped} in
   shaped) SHAPING=(--set env.allow_non_words=false --set 'env.reward="shaped"'
     --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
@@ -150,8 +155,9 @@ EOF
   cp "$WORK/sft/sft.json" "$RES/logs/sft_losses.json" 2>/dev/null
   # an earlier part's logs (STAGES=grpo after STAGES=prep) stay in the tarball
   [ -f "$RES/logs.tar.gz" ] && tar xzf "$RES/logs.tar.gz" -C "$RES" --skip-old-files logs
-  (cd "$WORK" && find grpo -type f \( -name '*.log' -o -name '*.jsonl' -o -name '*.json' \) \
-    -not -path 'grpo/bucket/*' -not -path '*checkpoint*' -size -20M -print0 2>/dev/null |
+  local run=${GRPO_NAME:-grpo}
+  (cd "$WORK" && find "$run" -type f \( -name '*.log' -o -name '*.jsonl' -o -name '*.json' \) \
+    -not -path "$run/bucket/*" -not -path '*checkpoint*' -size -20M -print0 2>/dev/null |
     tar --null -czf "$RES/logs.tar.gz" -T - -C "$RES" logs)
   rm -rf "$RES/logs"
   echo "total $((SECONDS - T0))s exit=$rc" | tee -a "$RES/status.txt"
@@ -188,20 +194,24 @@ print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
 fi
 if want grpo; then
   # 4. GRPO from the SFT model, the whole system on loopback
-  rm -rf "$WORK/grpo"
+  NAME=${GRPO_NAME:-grpo}
+  FINAL=$WORK/final-policy
+  [ "$NAME" = grpo ] || FINAL=$WORK/final-$NAME
+  rm -rf "${WORK:?}/$NAME"
   GRPO_FROM=${GRPO_MODEL:-$WORK/sft}
-  if [ "$GRPO_FROM" = "$WORK/final-policy" ]; then  # eval_grpo rewrites it: start from a copy
-    rm -rf "$WORK/grpo-start" && cp -r "$GRPO_FROM" "$WORK/grpo-start" && GRPO_FROM=$WORK/grpo-start
+  if [ "$GRPO_FROM" = "$FINAL" ]; then  # eval_grpo rewrites it: start from a copy
+    rm -rf "$WORK/$NAME-start" && cp -r "$GRPO_FROM" "$WORK/$NAME-start" && GRPO_FROM=$WORK/$NAME-start
   fi
-  stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/grpo" --model "$GRPO_FROM" \
+  read -ra EXTRA <<<"${EXTRA_SETS:-}"
+  stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/$NAME" --model "$GRPO_FROM" \
     --cache-dir "$CACHE" --duration "$DURATION" --lr "$GRPO_LR" --max-new-tokens "$MAX_NEW" \
     --set "run.temperature=${TEMPERATURE:-1.0}" \
-    "${RUN_ARGS[@]}" "${SHAPING[@]}"
-  cp "$WORK/grpo/summary.json" "$RES/grpo_summary.json" 2>/dev/null
-  cp "$WORK/grpo/reward.png" "$RES/reward.png" 2>/dev/null
+    "${RUN_ARGS[@]}" "${SHAPING[@]}" "${EXTRA[@]}"
+  cp "$WORK/$NAME/summary.json" "$RES/grpo_summary.json" 2>/dev/null
+  cp "$WORK/$NAME/reward.png" "$RES/reward.png" 2>/dev/null
 
   # 5. the final policy, rebuilt from the run's bucket
   stage eval_grpo "$PY" "$HERE/wordle_eval.py" --model "$GRPO_FROM" --label grpo \
-    --export-from "$WORK/grpo" --export-to "$WORK/final-policy" \
+    --export-from "$WORK/$NAME" --export-to "$FINAL" \
     --device "$EVAL_DEVICE" --out "$RES/eval_grpo.json" "${EVAL[@]}"
 fi

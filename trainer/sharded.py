@@ -6,13 +6,16 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
 
     rank 0: publish(state, step=...)            ranks 1..N-1: (control loop) ("publish", (v, ...))
       broadcast ("publish", (v, step, anchor))     -> publish_local(state, v, step, anchor)
-      every rank, in parallel: bf16 cast of its rows (on its device) -> delta against its bf16
-        snapshot of the last version (on its device) -> encode -> upload its part(s)
+      every rank, in parallel, one tensor at a time: bf16 cast of its rows (on its device) ->
+        the changed elements against its bf16 snapshot of the last version and the encoder's
+        context scan of them (on its device, :mod:`~deltarl.services.weightsync.codec.device_scan`)
+        -> the new rows overwrite the snapshot and start copying to the host to be hashed;
+        then encode (on the host, from O(changed) data) -> upload its part(s)
       all_gather of the small part records (keys, sizes, xxh3, slice digests, counts)
       rank 0: the manifest (one sharded ObjectRef per kind, listing every rank's part) and
         latest.json, then registration; broadcast of the outcome
-      every rank: success -> the new bf16 rows become its snapshot; failure -> keep the old one,
-        and the next version must be an anchor (as WeightPublisher)
+      every rank: success -> the snapshot is the new version's; failure -> the next version
+        must be an anchor (as WeightPublisher), which rebuilds the snapshot
 
 A part is an ordinary codec object (delta or anchor) whose tensors are the rank's row ranges,
 named by slice keys ``"name[lo:hi]"`` (:func:`~deltarl.services.weightsync.manifest.slice_key`);
@@ -21,11 +24,13 @@ combined by :func:`~deltarl.services.weightsync.digest.combine_digests` in key o
 state digest of a sharded version depends on the layout (world size), which the manifest records;
 a worker computes it the same way from the row views of its full tensors.
 
-Memory per rank for publication: its snapshot (2 bytes per local element, on the device), the
-bf16 cast of the new rows (2 bytes per local element, freed after the step), the delta (~10
-bytes per changed element on the host) and, for rows on a GPU, a pinned host mirror: two buffers
-of 2 bytes per local element (the last version's rows, which are the encoder's base, and the new
-rows being copied and hashed; they swap on commit). Nothing of the other ranks' rows.
+Memory per rank for publication: its snapshot (2 bytes per local element, on the device), one
+tensor's bf16 cast and the scan's temporaries at a time (about 16 bytes per element of one
+16 M-element chunk), the delta (~10 bytes per changed element on the host) and, for rows on a
+GPU, one pinned host buffer of 2 bytes per local element (the new rows, for the digests and
+anchors). Nothing of the other ranks' rows. Rows on the CPU (or ``scan_on_device=False``) keep
+the simpler path: a whole bf16 copy of the new rows next to the snapshot, diffed and scanned
+on the host.
 
 Not supported here (refused or documented): chained deltas (each version carries standalone
 deltas only), publishing in a background thread (the collectives run in the training thread),
@@ -50,6 +55,8 @@ import torch.distributed as tdist
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.bits import float_format
+from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
+from deltarl.services.weightsync.codec.device_scan import changes_and_scans
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
@@ -123,87 +130,62 @@ def _digest_when_ready(t: torch.Tensor, ready: Any) -> str:
 
 
 class _HostMirror:
-    """The rank's rows on the host, for the digests and as the encoder's base.
+    """The rank's new rows on the host, for the digests (which hash every byte) and anchors.
 
-    Digests hash every byte, so the new rows cross to the host every version anyway; keeping
-    that copy makes it the next version's base for the encoder (which reads every element of a
-    changed chunk: its exponent histogram and ranks, not only the changed elements), so the
-    encoder copies nothing back. Two sets of pinned buffers (one flat allocation each): the
-    committed base and the one being filled; they swap on commit. CPU rows are their own
-    mirror (no copy, no buffer)."""
+    One pinned buffer (one flat allocation), reused every version: a tensor's copy starts on a
+    side stream as soon as its rows are final and is hashed as soon as it lands, while the
+    device works on the next tensor. The delta's encoder does not read it (the O(n) context
+    scan runs on the device, :mod:`~deltarl.services.weightsync.codec.device_scan`). CPU rows
+    are their own mirror (no copy, no buffer)."""
 
     def __init__(self) -> None:
-        self.base: dict[str, torch.Tensor] | None = None
-        self._base_flat: torch.Tensor | None = None
-        self._spare: torch.Tensor | None = None
-        self._pending: tuple[dict[str, torch.Tensor], torch.Tensor | None] | None = None
+        self._flat: torch.Tensor | None = None
+        self._at = 0
         self._stream: Any = None
 
     @property
     def host_bytes(self) -> int:
-        pending = None if self._pending is None else self._pending[1]
-        held = {id(t): t for t in (self._base_flat, self._spare, pending) if t is not None}
-        return sum(t.numel() * t.element_size() for t in held.values())
+        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
 
-    def fill(
-        self, new: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Start copying ``new`` to host buffers; returns (host tensors, CUDA event per copied
-        tensor: the copy has landed once it is reached)."""
-        keys = sorted(new)
-        on_gpu = [k for k in keys if new[k].device.type == "cuda"]
-        out = {k: new[k] for k in keys if new[k].device.type != "cuda"}
-        ready: dict[str, Any] = {}
-        flat = None
-        if on_gpu:
-            dtype = new[on_gpu[0]].dtype
-            if any(new[k].dtype != dtype for k in on_gpu):
-                raise ValueError("the rows of one version must share one dtype")
-            total = sum(new[k].numel() for k in on_gpu)
-            flat = self._spare
-            if flat is None or flat.numel() != total or flat.dtype != dtype:
-                try:
-                    flat = torch.empty(total, dtype=dtype, pin_memory=True)
-                except RuntimeError as err:  # no pinned memory to be had: correct, slower
-                    logger.warning("pinned host mirror unavailable (%s); using pageable", err)
-                    flat = torch.empty(total, dtype=dtype)
-            self._spare = None
-            device = new[on_gpu[0]].device
-            if self._stream is None or self._stream.device != device:
-                self._stream = torch.cuda.Stream(device)
-            stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream(device))  # the bf16 cast
-            at = 0
-            with torch.cuda.stream(stream):
-                for k in on_gpu:
-                    t = new[k]
-                    host = flat[at : at + t.numel()].view(t.shape)
-                    at += t.numel()
-                    host.copy_(t, non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    out[k], ready[k] = host, ev
-        self._pending = (out, flat)
-        return out, ready
-
-    def commit(self) -> None:
-        """The rows last filled are the committed base now; the old base's buffer is reused."""
-        if self._pending is None:
+    def start(self, rows: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Size the buffer for ``rows`` (their GPU tensors, as ``dtype``); copies start with
+        :meth:`copy`. The previous version's copies must have landed (they have: its digests
+        were awaited)."""
+        total = sum(t.numel() for t in rows.values() if t.device.type == "cuda")
+        self._at = 0
+        if not total:
             return
-        out, flat = self._pending
-        self._pending = None
-        if self._base_flat is not None and (flat is None or self._base_flat is not flat):
-            self._spare = self._base_flat
-        self.base, self._base_flat = out, flat
+        if self._flat is None or self._flat.numel() != total or self._flat.dtype != dtype:
+            self._flat = None  # free the old buffer first
+            try:
+                self._flat = torch.empty(total, dtype=dtype, pin_memory=True)
+            except RuntimeError as err:  # no pinned memory to be had: correct, slower
+                logger.warning("pinned host mirror unavailable (%s); using pageable", err)
+                self._flat = torch.empty(total, dtype=dtype)
 
-    def discard(self) -> None:
-        """A failed version: its buffer goes back to spare, the committed base stays."""
-        if self._pending is not None:
-            _, flat = self._pending
-            self._pending = None
-            if flat is not None:
-                self._spare = flat
-        if self._stream is not None:  # no copy may still read rows that are about to be freed
+    def copy(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``t`` (after the work queued on the current stream) into the buffer;
+        returns (host tensor, CUDA event reached once the copy has landed). A CPU tensor is
+        returned as is, with no event."""
+        if t.device.type != "cuda":
+            return t, None
+        assert self._flat is not None, "start() sizes the buffer first"
+        if self._stream is None or self._stream.device != t.device:
+            self._stream = torch.cuda.Stream(t.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        host = self._flat[self._at : self._at + t.numel()].view(t.shape)
+        self._at += t.numel()
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return host, ready
+
+    def settle(self) -> None:
+        """Wait for every copy started (a failed version: no copy may still read rows that are
+        about to change or be freed)."""
+        if self._stream is not None:
             self._stream.synchronize()
 
 
@@ -255,7 +237,7 @@ class _Record:
     changed: int = 0
     numel: int = 0
     times: dict[str, float] = field(default_factory=dict)  # cast, diff, encode, upload (s)
-    memory: int = 0  # device bytes held for publication (snapshot + new rows)
+    memory: int = 0  # device bytes held for publication (snapshot + new rows or largest cast)
     host_memory: int = 0  # pinned host bytes of the mirror (base + new rows; 0 on CPU)
 
 
@@ -263,6 +245,10 @@ class ShardedPublisher(VersionBook):
     """One per rank of an FSDP2 job (see the module docstring). Rank 0's instance has the
     surface :func:`~.loop.train` uses (``publish``, ``wait``, ``close``, ``last_report``);
     the other ranks call :meth:`publish_local` when rank 0's control message says so.
+
+    ``scan_on_device``: find the changes and run the encoder's context scan where the rows are,
+    one tensor at a time, overwriting the snapshot in place (default: when the rows are on a
+    GPU); False: diff whole copies and scan on the host. Same bytes either way.
 
     ``on_rank_report``: called on every rank with that rank's timings after each version
     (the benchmark prints them).
@@ -279,6 +265,7 @@ class ShardedPublisher(VersionBook):
         dtype: torch.dtype = torch.bfloat16,
         on_report: Callable[[PublishReport], None] | None = None,
         on_rank_report: Callable[[dict[str, Any]], None] | None = None,
+        scan_on_device: bool | None = None,
     ) -> None:
         self.settings = settings if settings is not None else PublishSettings()
         if not ctx.enabled:
@@ -301,6 +288,7 @@ class ShardedPublisher(VersionBook):
         self._threads = self.settings.codec_threads or default_codec_threads()
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sharded-digest")
         self._mirror = _HostMirror()
+        self._scan_on_device = scan_on_device
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
         self.waited_s = 0.0
 
@@ -380,10 +368,11 @@ class ShardedPublisher(VersionBook):
         outcome = broadcast(outcome, self.ctx)
         if outcome is not None or new is None:
             self._failed = True
-            self._mirror.discard()
+            self._mirror.settle()
+            if self._scan_on(state):  # the snapshot may be partly overwritten: anchor next
+                self._base = self._base_digests = None
             return False
         self._base, self._base_digests = new, record.digests
-        self._mirror.commit()
         self._last_version, self._failed = version, False
         self._prove(version, new, records)
         if report is not None:
@@ -407,47 +396,80 @@ class ShardedPublisher(VersionBook):
             )
         return True
 
+    def _scan_on(self, state: Mapping[str, torch.Tensor]) -> bool:
+        """Whether this rank finds and scans the changes on the device (rows on a GPU, unless
+        ``scan_on_device`` says otherwise)."""
+        if self._scan_on_device is not None:
+            return self._scan_on_device
+        return any(t.device.type == "cuda" for t in state.values())
+
     def _encode_and_upload(
         self, state: Mapping[str, torch.Tensor], version: int, anchor: bool
     ) -> tuple[dict[str, torch.Tensor], _Record]:
         rec = _Record(rank=self.ctx.rank)
         t0 = time.perf_counter()
-        new = {k: t.detach().to(self.dtype, copy=True).contiguous() for k, t in state.items()}
+        keys = sorted(state)
         base = self._base
-        rec.memory = sum(t.numel() * t.element_size() for t in new.values())
-        if base is not None:
-            rec.memory += sum(t.numel() * t.element_size() for t in base.values())
-        # the new rows on the host: pinned buffers filled by asynchronous copies on a side
-        # stream (CUDA), or the rows themselves (CPU); each tensor is hashed in the pool as soon
-        # as its copy has landed, while this thread finds the changed elements on the device
-        host_new, ready = self._mirror.fill(new)
-        rec.host_memory = self._mirror.host_bytes
-        t1 = time.perf_counter()
-        digest_of = {
-            k: self._pool.submit(_digest_when_ready, host_new[k], ready.get(k)) for k in sorted(new)
-        }
-        rec.numel = sum(t.numel() for t in new.values())
-        rec.shapes = {k: list(t.shape) for k, t in new.items()}
-        delta = None
-        host_base = self._mirror.base
         with_delta = (
             base is not None
-            and host_base is not None
             and self._base_digests is not None
             and not self._failed
-            and set(base) == set(new)
+            and set(base) == set(state)
         )
-        changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if with_delta:
             assert base is not None
-            for k in sorted(new):
-                o, n = base[k], new[k]
-                if o.dtype != n.dtype or o.shape != n.shape:
-                    raise StateMismatchError(
-                        f"{k}: {o.dtype}{list(o.shape)} became {n.dtype}{list(n.shape)}"
-                    )
-                changes[k] = changed_elements(o, n)
-        rec.digests = {k: f.result() for k, f in digest_of.items()}
+            for k in keys:
+                o, n = base[k], state[k]
+                if o.shape != n.shape:
+                    raise StateMismatchError(f"{k}: {list(o.shape)} became {list(n.shape)}")
+        on_device = self._scan_on(state)
+        # the new rows reach the host (pinned buffer, side stream; CPU rows: themselves) and
+        # are hashed in the pool as each copy lands, while this thread works on the next tensor
+        self._mirror.start(state, self.dtype)
+        rec.host_memory = self._mirror.host_bytes
+        host_new: dict[str, torch.Tensor] = {}
+        digest_of = {}
+        changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        scans: dict[tuple[str, int], ChunkScan] = {}
+        t1 = time.perf_counter()
+        if on_device:
+            # one tensor at a time: cast, changes and their context scan on the device, then
+            # the new rows overwrite the snapshot in place; a second copy of the rows is never
+            # held, and only O(changed) data crosses to the host
+            reuse = base is not None and all(
+                k in base and base[k].shape == state[k].shape and base[k].device == state[k].device
+                for k in keys
+            )
+            new = base if reuse and base is not None else {}
+            peak = 0
+            for k in keys:
+                n = state[k].detach().to(self.dtype)
+                peak = max(peak, n.numel() * n.element_size() * (n is not state[k]))
+                if with_delta:
+                    assert base is not None
+                    index, value, found = changes_and_scans(base[k], n)
+                    changes[k] = (index, value)
+                    scans.update(((k, start), sc) for start, sc in found.items())
+                if reuse:
+                    new[k].copy_(n)
+                else:
+                    new[k] = n.contiguous() if n is not state[k] else n.clone()
+                host_new[k], ready = self._mirror.copy(new[k])
+                digest_of[k] = self._pool.submit(_digest_when_ready, host_new[k], ready)
+            rec.memory = sum(t.numel() * t.element_size() for t in new.values()) + peak
+        else:
+            new = {k: state[k].detach().to(self.dtype, copy=True).contiguous() for k in keys}
+            rec.memory = 2 * sum(t.numel() * t.element_size() for t in new.values())
+            for k in keys:
+                host_new[k], ready = self._mirror.copy(new[k])
+                digest_of[k] = self._pool.submit(_digest_when_ready, host_new[k], ready)
+            if with_delta:
+                assert base is not None
+                changes = {k: changed_elements(base[k], new[k]) for k in keys}
+        rec.numel = sum(t.numel() for t in new.values())
+        rec.shapes = {k: list(t.shape) for k, t in new.items()}
+        rec.digests = {k: digest_of[k].result() for k in keys}
+        delta = None
         if with_delta:
             assert self._base_digests is not None
             delta = delta_from_changes(
@@ -458,9 +480,11 @@ class ShardedPublisher(VersionBook):
         t2 = time.perf_counter()
         fmt = self.settings.format
         blob = anchor_blob = None
-        if delta is not None and host_base is not None:
-            # the base as the host already holds it (last version's mirror): no copy back
-            blob = encode_delta(delta, host_base, fmt, threads=self._threads)
+        if delta is not None:
+            if on_device:
+                blob = encode_delta(delta, None, fmt, threads=self._threads, scans=scans)
+            else:
+                blob = encode_delta(delta, base, fmt, threads=self._threads)
         if anchor:
             anchor_blob = encode_anchor(
                 dict(host_new), version, self.settings.anchor_compress, digests=rec.digests

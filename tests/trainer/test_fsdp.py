@@ -122,7 +122,9 @@ def rank_main(rank: int, root: str) -> None:
         registered = len(coordinator.manifests)
         (out / "proofs.json").write_text(json.dumps(proofs))
     else:
-        pub = ShardedPublisher(bucket, None, ctx)
+        # rank 1 finds and scans its changes the device way (in place, one tensor at a time)
+        # on its CPU rows, rank 0 the host way: the worker must follow both bit-exactly
+        pub = ShardedPublisher(bucket, None, ctx, scan_on_device=True)
         last = train_replica(model, settings, ctx, publisher=pub, checkpointer=ckpt)
         registered = 0
     full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}  # the test only

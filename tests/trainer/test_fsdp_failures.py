@@ -1,5 +1,6 @@
-"""A sharded publication that fails on one rank: nothing becomes visible, every rank keeps its
-snapshot, deltas are refused until an anchor-only version, and a worker still follows."""
+"""A sharded publication that fails on one rank: nothing becomes visible, deltas are refused
+until an anchor-only version, and a worker still follows. With the host scan every rank keeps
+its snapshot; with the device scan (snapshot overwritten in place) the anchor rebuilds it."""
 
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ class FailOnce(LocalBucket):
         super().put_bytes(key, data, overwrite=overwrite)
 
 
-def rank_main(rank: int, root: str) -> None:
+def rank_main(rank: int, root: str, on_device: bool) -> None:
     ctx, device = join(rank, root)
     model = sharded_bigram(ctx, device)
     bucket_dir = Path(root) / "bucket"
     pub = ShardedPublisher(
-        FailOnce(bucket_dir) if rank == 1 else LocalBucket(bucket_dir), None, ctx
+        FailOnce(bucket_dir) if rank == 1 else LocalBucket(bucket_dir),
+        None,
+        ctx,
+        scan_on_device=on_device,  # True: the snapshot is overwritten before the upload fails
     )
 
     start = model.table.weight.to_local().detach().clone()
@@ -76,10 +80,11 @@ def rank_main(rank: int, root: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-scan", "device-scan"])
 def test_a_failed_rank_upload_leaves_the_bucket_intact_and_forces_an_anchor(
-    tmp_path: Path,
+    tmp_path: Path, on_device: bool
 ) -> None:
-    mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(str(tmp_path), on_device), nprocs=2, join=True)
     events = json.loads((tmp_path / "events.json").read_text())
     assert events == ["latest 1", "v2 anchor", "v3 delta"]
     reader = BucketReader(LocalBucket(tmp_path / "bucket"))

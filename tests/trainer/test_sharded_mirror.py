@@ -48,11 +48,11 @@ def test_the_publishers_delta_encodes_to_the_bytes_of_compute_delta() -> None:
 def test_cpu_rows_are_their_own_mirror() -> None:
     _, new = _rows(1)
     m = _HostMirror()
-    host, ready = m.fill(new)
-    assert ready == {} and all(host[k] is new[k] for k in new) and m.host_bytes == 0
-    assert m.base is None
-    m.commit()
-    assert m.base is not None and all(m.base[k] is new[k] for k in new)
+    m.start(new, torch.bfloat16)
+    for t in new.values():
+        host, ready = m.copy(t)
+        assert host is t and ready is None
+    assert m.host_bytes == 0
 
 
 def test_threads_default_to_this_ranks_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,31 +69,20 @@ def test_threads_default_to_this_ranks_share_of_the_cores(monkeypatch: pytest.Mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_mirror_copies_hashes_and_swaps_its_buffers() -> None:
+def test_cuda_mirror_copies_hashes_and_reuses_one_buffer() -> None:
     from deltarl.trainer.sharded import _digest_when_ready
 
     old, new = _rows(2, "cuda")
     m = _HostMirror()
-    host0, ready0 = m.fill(old)
-    assert set(ready0) == set(old)
-    for k in old:
-        assert host0[k].device.type == "cpu" and host0[k].is_pinned()
-        assert _digest_when_ready(host0[k], ready0[k]) == tensor_digest(old[k])
-        assert torch.equal(host0[k], old[k].cpu())
-    m.commit()
-    assert m.base is host0
-    host1, ready1 = m.fill(new)  # a fresh buffer: the base must stay intact
-    for k in new:
-        ready1[k].synchronize()
-        assert torch.equal(host1[k], new[k].cpu()) and torch.equal(m.base[k], old[k].cpu())
-    m.discard()  # failed version: base unchanged, its buffer becomes the spare
-    assert m.base is host0
-    host2, ready2 = m.fill(new)
-    for k in new:
-        ready2[k].synchronize()
-    assert host2[next(iter(new))].data_ptr() == host1[next(iter(new))].data_ptr()
-    m.commit()
-    host3, _ = m.fill(old)  # the old base's buffer is reused for the version after
-    k0 = sorted(old)[0]
-    assert host3[k0].data_ptr() == host0[k0].data_ptr()
-    assert m.host_bytes == 2 * sum(t.numel() * 2 for t in old.values())
+    first = {}
+    for rows in (old, new):
+        m.start(rows, torch.bfloat16)
+        for k in sorted(rows):
+            host, ready = m.copy(rows[k])
+            assert host.device.type == "cpu" and host.is_pinned()
+            assert _digest_when_ready(host, ready) == tensor_digest(rows[k])
+            assert torch.equal(host, rows[k].cpu())
+            first.setdefault(k, host.data_ptr())
+            assert host.data_ptr() == first[k]  # the same buffer every version
+    assert m.host_bytes == sum(t.numel() * 2 for t in old.values())
+    m.settle()

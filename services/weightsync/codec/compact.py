@@ -41,6 +41,7 @@ from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.services.weightsync.codec.compact_chunks import (
     ChunkAnalysis,
     ChunkRef,
+    ChunkScan,
     Prediction,
     analyse_chunk,
     choose_own_tables,
@@ -103,12 +104,13 @@ def _chunks(patches: Mapping[str, TensorPatch], chunk_elems: int) -> list[tuple[
 
 def encode_compact(
     delta: Delta,
-    base: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor] | None,
     *,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     threads: int | None = None,
     context: DeltaContext | None = None,
     rho16: int = RHO16_DEFAULT,
+    scans: Mapping[tuple[str, int], ChunkScan] | None = None,
 ) -> bytes:
     """Serialize ``delta`` in the compact format, using ``base`` (the state at the delta's base
     version; GPU tensors are copied to CPU one at a time) as side information.
@@ -117,11 +119,19 @@ def encode_compact(
     the delta is *chained*: values are coded against an extrapolation of each element's
     previous move, and only a receiver holding the same context can decode it.
 
+    ``scans``: the context scan of every chunk with changes, by (tensor, chunk start), computed
+    elsewhere with the same ``chunk_elems`` (:func:`~.device_scan.changes_and_scans`, on the
+    GPU holding the weights); then ``base`` is not read and may be None. Standalone only. The
+    bytes are the same as with ``base``.
+
     Phase A analyses every chunk in parallel (contexts, ranks, symbols); then the value tables are
     chosen for the whole delta (shared per old exponent, or a context's own where that is cheaper
     including the table); phase B codes every chunk in parallel.
     """
-    check_compatible(base, delta.patches)
+    if base is not None:
+        check_compatible(base, delta.patches)
+    elif scans is None:
+        raise ValueError("the compact encoder needs the base state or the chunks' scans")
     if chunk_elems < 1:
         raise ValueError("chunk_elems must be positive")
     threads = threads or default_threads()
@@ -131,8 +141,15 @@ def encode_compact(
             raise ValueError(f"rho16 must be in [0, 32], got {rho16}")
     chained = context is not None
     jobs = _chunks(delta.patches, chunk_elems)
+    if scans is not None:
+        if chained:
+            raise ValueError("precomputed scans are for standalone deltas, not chained ones")
+        missing = [(n, s) for n, s, _ in jobs if (n, s) not in scans]
+        if missing:
+            raise ValueError(f"no scan of chunk(s) {missing[:3]} (chunk_elems {chunk_elems})")
     olds: dict[str, np.ndarray] = {}
-    for name in {j[0] for j in jobs}:
+    for name in {j[0] for j in jobs} if scans is None else ():
+        assert base is not None
         t = base[name]
         if t.device.type != "cpu":
             t = t.cpu()
@@ -143,9 +160,17 @@ def encode_compact(
         p = delta.patches[name]
         lo, hi = np.searchsorted(p.index, [start, start + count])
         fmt = float_format(p.dtype)
+        index, value = p.index[lo:hi] - start, p.value[lo:hi]
+        if scans is not None:
+            scan = scans[(name, start)]
+            if scan.count != count:
+                raise ValueError(
+                    f"scan of {name}[{start}:] covers {scan.count} elements, not {count}"
+                )
+            return analyse_chunk(name, start, None, index, value, fmt, scan=scan)
         old = olds[name][start : start + count]
         prev = _prediction(context, name, start, count, rho16)
-        return analyse_chunk(name, start, old, p.index[lo:hi] - start, p.value[lo:hi], fmt, prev)
+        return analyse_chunk(name, start, old, index, value, fmt, prev)
 
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))

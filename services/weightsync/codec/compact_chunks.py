@@ -20,6 +20,7 @@ from deltarl.services.weightsync.codec.context import (
 )
 from deltarl.services.weightsync.codec.entropy import (
     ALPHABET,
+    SMALL,
     TOP_BITS,
     VarintReader,
     coding_cost_bits,
@@ -105,25 +106,49 @@ class Prediction:
     rho16: int
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkScan:
+    """What :func:`~.kernels.scan_contexts` finds in one chunk, computed where the weights live
+    (:func:`~.device_scan.changes_and_scans`: on a GPU, so only O(changed) data reaches the
+    host). With it :func:`analyse_chunk` reads no base element but the changed ones."""
+
+    count: int  # elements in the chunk
+    hist: np.ndarray  # int64 [contexts]: the chunk's elements per position context
+    ctx: np.ndarray  # int64 [k]: each changed element's context, in index order
+    rank: np.ndarray  # int64 [k]: its rank among the chunk's earlier elements of that context
+    old: np.ndarray  # [k]: the changed elements' bit patterns at the base
+
+
 def analyse_chunk(
     tensor: str,
     start: int,
-    old: np.ndarray,
+    old: np.ndarray | None,
     index: np.ndarray,
     value: np.ndarray,
     fmt: FloatFormat,
     prediction: Prediction | None = None,
+    scan: ChunkScan | None = None,
 ) -> ChunkAnalysis:
-    keys, shift, emask = position_contexts(old, fmt, prediction)
-    nctx = emask + 1
-    real = value != old[index]  # a composed delta may hold elements that changed back
-    if not bool(real.all()):
-        index, value = index[real], value[real]
-    k = index.size
-    hist = np.zeros(nctx, np.int64)
-    ctx = np.empty(k, np.int64)
-    rank = np.empty(k, np.int64)
-    kernels.scan_contexts(keys, index, shift, emask, hist, ctx, rank)
+    """Phase A for one chunk: ``old`` (the chunk's base bit patterns), ``index`` (chunk-local,
+    increasing) and ``value`` (new bit patterns) of its changed elements. With ``scan`` (a
+    standalone delta only) ``old`` is not read and may be None."""
+    if scan is not None:
+        hist, ctx, rank, ref, count = _checked_scan(scan, index, value, fmt, prediction)
+        nctx = hist.size
+    else:
+        if old is None:
+            raise ValueError("analyse_chunk needs the chunk's base elements or its scan")
+        keys, shift, emask = position_contexts(old, fmt, prediction)
+        nctx = emask + 1
+        real = value != old[index]  # a composed delta may hold elements that changed back
+        if not bool(real.all()):
+            index, value = index[real], value[real]
+        k = index.size
+        hist = np.zeros(nctx, np.int64)
+        ctx = np.empty(k, np.int64)
+        rank = np.empty(k, np.int64)
+        kernels.scan_contexts(keys, index, shift, emask, hist, ctx, rank)
+        count, ref = old.size, None
     kc_all = np.bincount(ctx, minlength=nctx)
     present = np.flatnonzero(kc_all)
     comp = 2 * kc_all > hist
@@ -134,20 +159,36 @@ def analyse_chunk(
     kernels.position_gaps(ctx, rank, hist, kc_all, comp, gaps, gc)
     kparams = rice_parameter(hist, coded)[gc]
 
-    ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
-    d = wrapped_diff(value, ref, fmt.width)
-    if forbidden is not None:
-        d = skip_forbidden(d, forbidden)
-    symbols, extra, widths = diff_to_symbols(d)
-    vkeys = np.flatnonzero(np.bincount(vctx, minlength=1))  # value contexts present, ascending
+    if ref is None:
+        assert old is not None
+        ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+    else:
+        forbidden, vctx = None, ctx
+    if forbidden is None:  # standalone: diff, symbols and their counts in one compiled pass
+        k = value.size
+        symbols = np.empty(k, np.uint16)
+        extra = np.empty(k, np.uint32)
+        widths = np.empty(k, np.uint8)
+        by_ctx = np.zeros((nctx, ALPHABET), np.int64)
+        kernels.value_symbols(
+            value, ref, fmt.width, vctx, TOP_BITS, SMALL, symbols, extra, widths, by_ctx
+        )
+        vkeys = np.flatnonzero(by_ctx.any(axis=1))  # value contexts present, ascending
+        counts = by_ctx[vkeys]
+    else:
+        d = skip_forbidden(wrapped_diff(value, ref, fmt.width), forbidden)
+        symbols, extra, widths = diff_to_symbols(d)
+        vkeys = np.flatnonzero(np.bincount(vctx, minlength=1))  # value contexts present
+        counts = None
     pos_of_key = np.zeros(int(vkeys[-1]) + 1 if vkeys.size else 1, np.int64)
     pos_of_key[vkeys] = np.arange(vkeys.size)
     sym_ctx = pos_of_key[vctx]
-    counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=vkeys.size * ALPHABET)
+    if counts is None:
+        counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=vkeys.size * ALPHABET)
     return ChunkAnalysis(
         tensor=tensor,
         start=start,
-        count=old.size,
+        count=count,
         ctx_ids=present,
         kc=kc_all[present],
         key=vkeys,
@@ -155,12 +196,40 @@ def analyse_chunk(
         # compact dtypes: this is held for every changed element until the chunk is coded
         gaps=gaps.astype(np.uint32),
         kparams=kparams.astype(np.uint8),
-        symbols=symbols.astype(np.uint16),
+        symbols=symbols.astype(np.uint16, copy=False),
         sym_ctx=sym_ctx.astype(np.int32),
-        extra=extra.astype(np.uint32),
-        widths=widths.astype(np.uint8),
+        extra=extra.astype(np.uint32, copy=False),
+        widths=widths.astype(np.uint8, copy=False),
         chained=prediction is not None,
     )
+
+
+def _checked_scan(
+    scan: ChunkScan,
+    index: np.ndarray,
+    value: np.ndarray,
+    fmt: FloatFormat,
+    prediction: Prediction | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(hist, ctx, rank, old values, count)`` of a precomputed scan, after checking that it
+    fits the chunk (a wrong scan would code wrong positions without any error)."""
+    if prediction is not None:
+        raise ValueError(
+            "a precomputed scan is for standalone deltas (a chained one needs the base)"
+        )
+    _, emask = context_layout(fmt)
+    k = index.size
+    if scan.hist.shape != (emask + 1,) or int(scan.hist.sum()) != scan.count:
+        raise ValueError(f"scan histogram does not fit a chunk of {scan.count} {fmt.name} elements")
+    if scan.ctx.shape != (k,) or scan.rank.shape != (k,) or scan.old.shape != (k,):
+        raise ValueError(f"scan lists {scan.ctx.size} changed elements, the delta {k}")
+    if k and (int(index[-1]) >= scan.count or bool((value == scan.old).any())):
+        raise ValueError(
+            "scan does not fit the delta: an index past the chunk or an unchanged value"
+        )
+    ctx = np.ascontiguousarray(scan.ctx, dtype=np.int64)
+    rank = np.ascontiguousarray(scan.rank, dtype=np.int64)
+    return np.ascontiguousarray(scan.hist, np.int64), ctx, rank, scan.old, scan.count
 
 
 N_KEYS = 256  # shared tables are keyed by the old exponent (8 bits at most)

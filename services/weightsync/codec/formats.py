@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from deltarl.services.weightsync.codec import compact, trl_format
+from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
 from deltarl.services.weightsync.codec.context import DeltaContext
 from deltarl.services.weightsync.delta import Delta
 from deltarl.services.weightsync.errors import CorruptDeltaError
@@ -41,8 +42,10 @@ def encode_delta(
     *,
     threads: int | None = None,
     context: DeltaContext | None = None,
+    scans: Mapping[tuple[str, int], ChunkScan] | None = None,
 ) -> bytes:
-    """Serialize ``delta`` in format ``fmt`` (``base`` is required for ``compact``).
+    """Serialize ``delta`` in format ``fmt`` (``compact`` needs ``base``, or ``scans``: the
+    chunks' context scans computed where the weights live, see :mod:`.device_scan`).
 
     ``context``: make a *chained* compact delta, coded against the moves of the delta that
     produced ``base`` (:class:`~.context.DeltaContext`); only the compact format has one.
@@ -50,9 +53,9 @@ def encode_delta(
     if context is not None and fmt != "compact":
         raise ValueError(f"only the compact format can be chained on a context, not {fmt!r}")
     if fmt == "compact":
-        if base is None:
+        if base is None and scans is None:
             raise ValueError("the compact format needs the base state to encode against")
-        return compact.encode_compact(delta, base, threads=threads, context=context)
+        return compact.encode_compact(delta, base, threads=threads, context=context, scans=scans)
     if fmt == "trl-raw":
         return trl_format.encode_trl(delta, "raw")
     if fmt == "trl-gap":

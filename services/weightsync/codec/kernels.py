@@ -88,30 +88,47 @@ def position_gaps(ctx, rank, hist, kc, comp, gaps_out, gctx_out):  # pragma: no 
     return m
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _symbol(v, top_bits, small):  # pragma: no cover - jit
+    """(symbol, extra-bit value, extra-bit width) of one non-zero diff ``v`` (the rule is
+    :func:`~.entropy.diff_to_symbols`)."""
+    neg = np.int64(1) if v < 0 else np.int64(0)
+    a = -v if v < 0 else v
+    if a <= small:
+        return 2 * (a - 1) + neg, np.int64(0), np.int64(0)
+    length = np.int64(0)
+    x = a
+    while x:
+        x >>= 1
+        length += 1
+    w = length - 1 - top_bits
+    top = (a >> w) & ((1 << top_bits) - 1)
+    return 16 + 2 * (((length - 4) << top_bits) | top) + neg, a & ((np.int64(1) << w) - 1), w
+
+
 @njit(nogil=True, cache=True)
 def diff_symbols(d, top_bits, small, sym_out, extra_out, width_out):  # pragma: no cover - jit
-    """Symbol, extra-bit value and extra-bit width of every diff (the rule is
-    :func:`~.entropy.diff_to_symbols`; one pass instead of a dozen int64 temporaries)."""
-    top_mask = (1 << top_bits) - 1
+    """Symbol, extra-bit value and extra-bit width of every diff (one pass instead of a dozen
+    int64 temporaries)."""
     for i in range(d.size):
-        v = np.int64(d[i])
-        neg = np.int64(1) if v < 0 else np.int64(0)
-        a = -v if v < 0 else v
-        if a <= small:
-            sym_out[i] = 2 * (a - 1) + neg
-            extra_out[i] = 0
-            width_out[i] = 0
-        else:
-            length = np.int64(0)
-            x = a
-            while x:
-                x >>= 1
-                length += 1
-            w = length - 1 - top_bits
-            top = (a >> w) & top_mask
-            sym_out[i] = 16 + 2 * (((length - 4) << top_bits) | top) + neg
-            extra_out[i] = a & ((np.int64(1) << w) - 1)
-            width_out[i] = w
+        sym_out[i], extra_out[i], width_out[i] = _symbol(np.int64(d[i]), top_bits, small)
+
+
+@njit(nogil=True, cache=True)
+def value_symbols(
+    value, ref, width, vctx, top_bits, small, sym_out, extra_out, width_out, counts
+):  # pragma: no cover - jit
+    """Standalone values in one pass: the diff ``value - ref`` wrapped to ``width`` bits (as
+    :func:`~.entropy.wrapped_diff`), its symbol, extra bits and width (as :func:`diff_symbols`),
+    and ``counts[vctx[i], symbol] += 1`` (``counts`` zeroed by the caller)."""
+    span = np.int64(1) << width
+    for i in range(value.size):
+        v = (np.int64(value[i]) - np.int64(ref[i])) & (span - 1)
+        if v >= span >> 1:
+            v -= span
+        sym, extra_out[i], width_out[i] = _symbol(v, top_bits, small)
+        sym_out[i] = sym
+        counts[vctx[i], sym] += 1
 
 
 @njit(nogil=True, cache=True)

@@ -1,0 +1,111 @@
+"""The encoder's context scan computed with torch ops (:mod:`.device_scan`, what a GPU rank runs)
+equals the numba scan, and an encoder fed those scans writes the same bytes as one given the
+base. Run here on CPU tensors; the same ops run on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_compact_golden import _state
+
+from deltarl.services.weightsync import compute_delta
+from deltarl.services.weightsync.codec import kernels
+from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
+from deltarl.services.weightsync.codec.compact import encode_compact
+from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
+from deltarl.services.weightsync.codec.device_scan import changes_and_scans
+from deltarl.services.weightsync.delta import changed_elements
+
+CHUNK = 997  # several chunks per tensor, the last one short
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])  # bf16, fp16 (a dense region), fp32
+def test_the_scan_equals_the_numba_scan(name: str) -> None:
+    old, new = _state()
+    o, n = old[name], new[name]
+    index, value, scans = changes_and_scans(o, n, CHUNK)
+    want_index, want_value = changed_elements(o, n)
+    assert np.array_equal(index, want_index) and np.array_equal(value, want_value)
+    shift, emask = context_layout(float_format(o.dtype))
+    bits = bits_numpy(o.contiguous())
+    with_changes = sorted({int(i) // CHUNK * CHUNK for i in index})
+    assert sorted(scans) == with_changes and len(with_changes) > 1
+    for start, scan in scans.items():
+        count = min(CHUNK, bits.size - start)
+        lo, hi = np.searchsorted(index, [start, start + count])
+        local = index[lo:hi] - start
+        hist = np.zeros(emask + 1, np.int64)
+        ctx, rank = np.empty(hi - lo, np.int64), np.empty(hi - lo, np.int64)
+        kernels.scan_contexts(bits[start : start + count], local, shift, emask, hist, ctx, rank)
+        assert scan.count == count
+        assert np.array_equal(scan.hist, hist)
+        assert np.array_equal(scan.ctx, ctx) and np.array_equal(scan.rank, rank)
+        assert np.array_equal(scan.old, bits[start : start + count][local])
+
+
+def test_an_encoder_fed_the_scans_writes_the_same_bytes() -> None:
+    old, new = _state()
+    delta = compute_delta(old, new, 3, 4)
+    scans = {}
+    for k in old:
+        _, _, found = changes_and_scans(old[k], new[k], CHUNK)
+        scans.update(((k, s), sc) for s, sc in found.items())
+    want = encode_compact(delta, old, chunk_elems=CHUNK, threads=2)
+    assert encode_compact(delta, None, chunk_elems=CHUNK, threads=2, scans=scans) == want
+
+
+def test_unchanged_and_mismatched_inputs() -> None:
+    old, new = _state()
+    index, value, scans = changes_and_scans(old["a"], old["a"].clone(), CHUNK)
+    assert index.size == value.size == 0 and scans == {}
+    with pytest.raises(ValueError, match="differ"):
+        changes_and_scans(old["a"], new["b"])
+    with pytest.raises(ValueError, match="positive"):
+        changes_and_scans(old["a"], new["a"], 0)
+
+
+def test_the_encoder_refuses_scans_that_do_not_fit() -> None:
+    old, new = _state()
+    delta = compute_delta({"a": old["a"]}, {"a": new["a"]}, 3, 4)
+    _, _, found = changes_and_scans(old["a"], new["a"], CHUNK)
+    scans = {("a", s): sc for s, sc in found.items()}
+    with pytest.raises(ValueError, match="base state or the chunks' scans"):
+        encode_compact(delta, None)
+    with pytest.raises(ValueError, match="no scan of chunk"):
+        encode_compact(delta, None, chunk_elems=CHUNK, scans=dict(list(scans.items())[1:]))
+    with pytest.raises(ValueError, match="covers"):  # scans made with another chunk size
+        encode_compact(delta, None, chunk_elems=2 * CHUNK, scans=scans)
+    first = scans[("a", 0)]
+    bad = {
+        "hist": ChunkScan(first.count, first.hist[:-1], first.ctx, first.rank, first.old),
+        "lists": ChunkScan(first.count, first.hist, first.ctx[1:], first.rank, first.old),
+        "unchanged": ChunkScan(
+            first.count,
+            first.hist,
+            first.ctx,
+            first.rank,
+            delta.patches["a"].value[: first.ctx.size],
+        ),
+    }
+    for what, scan in bad.items():
+        broken = {**scans, ("a", 0): scan}
+        with pytest.raises(ValueError, match="scan"):
+            encode_compact(delta, None, chunk_elems=CHUNK, scans=broken)
+        print(what, "refused")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_scan_on_a_gpu_equals_the_scan_on_the_cpu() -> None:
+    old, new = _state()
+    for k in old:
+        want = changes_and_scans(old[k], new[k], CHUNK)
+        got = changes_and_scans(old[k].cuda(), new[k].cuda(), CHUNK)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        assert sorted(got[2]) == sorted(want[2])
+        for start, scan in want[2].items():
+            other = got[2][start]
+            assert other.count == scan.count
+            for field in ("hist", "ctx", "rank", "old"):
+                assert np.array_equal(getattr(other, field), getattr(scan, field)), (k, field)
