@@ -77,6 +77,8 @@ MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"
 TRAILER = struct.Struct("<QQ8s")  # footer length, xxh3-64 of footer, end magic
 DEFAULT_CHUNK_ELEMS = 1 << 24
+# index and footer: level 19 took ~0.2 s per object (serial, every publication) to save < 1 KB
+ZSTD_LEVEL = 3
 
 
 def default_threads() -> int:
@@ -204,7 +206,7 @@ def encode_compact(
         index += head
         out += body
     body_digest = xxhash.xxh3_64_intdigest(memoryview(out)[len(MAGIC) :])
-    packed_index = zstandard.ZstdCompressor(level=19).compress(bytes(index))
+    packed_index = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(bytes(index))
     index_meta = [len(out), len(packed_index), len(index), xxhash.xxh3_64_intdigest(packed_index)]
     out += packed_index
     footer = {
@@ -231,7 +233,7 @@ def encode_compact(
         ],
     }
     raw = json.dumps(footer, separators=(",", ":")).encode()
-    packed = zstandard.ZstdCompressor(level=19).compress(raw)
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
     out += packed
     out += TRAILER.pack(len(packed), xxhash.xxh3_64_intdigest(packed), TRAILER_MAGIC)
     return bytes(out)
