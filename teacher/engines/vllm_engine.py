@@ -1,5 +1,8 @@
-"""The vLLM teacher engine, written against vLLM 0.33.0's offline API. **It has not run yet**
-(vLLM is not installable on the machines this was written on; its test is marked ``gpu``).
+"""The vLLM teacher engine, written against vLLM 0.33.0's offline API. It serves on a GPU since
+session 9 (``bench/teacher_vllm_check.py``; its scores differ from the transformers engine's by
+more than that check's bound, see docs/benchmarks.md); vLLM is not installable on the machines
+this was written on, and its GPU test is marked ``gpu``. No tokenizer is loaded
+(``skip_tokenizer_init``): requests are token ids, answers are logprobs of ids.
 
 Each sequence is one ``TokensPrompt`` generated with ``SamplingParams(max_tokens=1,
 prompt_logprobs=k)``: vLLM then returns, for every prompt position after the first, a dict
@@ -62,6 +65,9 @@ class VllmTeacher:
             max_logprobs=max_top_k,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=False,  # prompt logprobs need every position computed
+            # requests are token ids and answers logprobs of ids: no tokenizer is needed (a
+            # model directory without one, e.g. a converted checkpoint, must still serve)
+            skip_tokenizer_init=True,
         )
         return cls(llm, model_name=name, max_top_k=max_top_k)
 
@@ -81,7 +87,9 @@ class VllmTeacher:
             return []
         prompts = [TokensPrompt(prompt_token_ids=j.tokens.tolist()) for j in jobs]
         params = [
-            SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=max(j.top_k, 1))
+            SamplingParams(
+                max_tokens=1, temperature=1.0, prompt_logprobs=max(j.top_k, 1), detokenize=False
+            )
             for j in jobs
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

@@ -1,6 +1,6 @@
 """The vLLM teacher engine. The conversion of vLLM's ``prompt_logprobs`` runs everywhere (on
 stand-ins of vLLM's ``Logprob``); the engine itself needs vLLM 0.33.0 and a CUDA GPU (marker
-``gpu``) and has not run yet."""
+``gpu``); it first served on a GPU in session 9 (bench/teacher_vllm_check.py, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,52 @@ def test_prompt_logprobs_become_rows() -> None:
     assert k0.top_ids.shape == (3, 0) and k0.sampled.tolist() == [-0.5, -1.0, -6.0]
     short = _scores(ScoreJob(tokens, 3, 1.0, 3), plp[:4])  # type: ignore[arg-type]
     assert short.top_ids.tolist() == [[2, 4, -1]] and math.isinf(short.top_logprobs[0, 2])
+
+
+def test_the_engine_needs_no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model directory without tokenizer files (a converted or random checkpoint) must
+    serve: the engine builds vLLM with ``skip_tokenizer_init`` and never detokenizes (on a GPU
+    the engine once failed at start with "Couldn't instantiate the backend tokenizer")."""
+    import sys
+    import types
+
+    built: dict[str, object] = {}
+    requests: list[dict[str, object]] = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs: object) -> None:
+            built.update(kwargs)
+            config = types.SimpleNamespace(get_vocab_size=lambda: 32)
+            self.llm_engine = types.SimpleNamespace(model_config=config)
+
+        def generate(self, prompts: list[object], params: list[object], use_tqdm: bool) -> list:
+            requests.extend(vars(p) for p in params)
+            plp = [None, {7: FakeLogprob(-0.5, 1)}]
+            return [types.SimpleNamespace(prompt_logprobs=plp) for _ in prompts]
+
+    class FakeParams:
+        def __init__(self, **kwargs: object) -> None:
+            self.__dict__.update(kwargs)
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = FakeLLM  # type: ignore[attr-defined]
+    fake.SamplingParams = FakeParams  # type: ignore[attr-defined]
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    engine = VllmTeacher.load(
+        "/no/tokenizer/here",
+        dtype="bfloat16",
+        max_top_k=8,
+        max_seq_len=64,
+        gpu_memory_utilization=0.3,
+        name="m",
+    )
+    assert built["skip_tokenizer_init"] is True and engine.vocab_size == 32
+    out = engine.score([ScoreJob(np.asarray([5, 7], np.int32), 1, 1.0, 1)])
+    assert out[0].sampled.tolist() == [-0.5]
+    assert requests and all(r["detokenize"] is False for r in requests)
 
 
 @pytest.mark.gpu
