@@ -114,10 +114,8 @@ class ChunkScan:
 
     count: int  # elements in the chunk
     hist: np.ndarray  # int64 [contexts]: the chunk's elements per position context
-    ctx: np.ndarray  # [k] (any integer dtype): each changed element's context, in index order
-    rank: (
-        np.ndarray
-    )  # [k] (any integer dtype): its rank among the chunk's earlier elements of that context
+    ctx: np.ndarray  # int64 [k]: each changed element's context, in index order
+    rank: np.ndarray  # int64 [k]: its rank among the chunk's earlier elements of that context
     old: np.ndarray  # [k]: the changed elements' bit patterns at the base
 
 

@@ -34,8 +34,6 @@ def changes_and_scans(
 
     ``old`` and ``new``: same dtype, shape and device. Transient device memory: about 16 bytes
     per element of one chunk (the contexts, the sort's keys and permutation, a mark per element).
-    Three synchronizations per tensor (the count of changes, the chunks' bounds, the copy to the
-    host) and one copy: everything for the host is packed into one buffer (pinned on a GPU).
     """
     if old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
         raise ValueError(
@@ -46,91 +44,70 @@ def changes_and_scans(
         raise ValueError("chunk_elems must be positive")
     fmt = float_format(new.dtype)
     shift, emask = context_layout(fmt)
+    ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
+    tidx = torch.nonzero(ob != nb).view(-1)
+    index = tidx.cpu().numpy().astype(np.int64, copy=False)
+    value = nb[tidx].cpu().numpy()
+    starts = np.arange(0, ob.numel(), chunk_elems, dtype=np.int64)
+    bounds = np.searchsorted(index, np.append(starts, ob.numel()))
     if emask > 255:
         raise ValueError(f"{fmt.name}: more than 256 position contexts")
-    ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
-    n = ob.numel()
-    tidx = torch.nonzero(ob != nb).view(-1)  # sync: the number of changes
-    k = tidx.numel()
-    if k == 0:
-        return np.empty(0, np.int64), np.empty(0, fmt.bits_dtype), {}
-    edges = torch.arange(0, n + chunk_elems, chunk_elems, device=ob.device).clamp_(max=n)
-    bounds = torch.searchsorted(tidx, edges).tolist()  # sync: where each chunk's changes are
-    hists: list[torch.Tensor] = []
-    ranks: list[torch.Tensor] = []
+    hists, ctxs, ranks, olds = [], [], [], []
     used: list[tuple[int, int, int, int]] = []  # (start, count, lo, hi)
-    for i in range(len(bounds) - 1):
-        lo, hi = bounds[i], bounds[i + 1]
+    for i, start in enumerate(starts.tolist()):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
         if hi == lo:
             continue
-        start = i * chunk_elems
-        count = min(chunk_elems, n - start)
-        keys = ((ob[start : start + count] >> shift) & emask).to(torch.uint8)  # one radix pass
-        hist, rank = _scan(keys, tidx[lo:hi] - start, emask + 1)
+        count = min(chunk_elems, ob.numel() - start)
+        part = ob[start : start + count]
+        c = ((part >> shift) & emask).to(torch.uint8)  # one byte: the sort is one radix pass
+        local = tidx[lo:hi] - start
+        hist, ctx, rank = _scan(c, local, emask + 1)
         hists.append(hist)
+        ctxs.append(ctx)
         ranks.append(rank)
+        olds.append(part[local])
         used.append((start, count, lo, hi))
-    old_at = ob[tidx]
-    ctx = ((old_at >> shift) & emask).to(torch.uint8)  # each change's context: its old exponent
-    # widest items first, so every part of the packed buffer stays aligned for its dtype
-    host = _to_host([tidx, torch.stack(hists), torch.cat(ranks), nb[tidx], old_at, ctx])
-    index, hist_h, rank_h, value, old_h, ctx_h = host
     scans: dict[int, ChunkScan] = {}
+    if not used:
+        return index, value, scans
+    # one copy of each kind to the host, split per chunk there
+    hist_h = torch.stack(hists).cpu().numpy()
+    ctx_h = torch.cat(ctxs).cpu().numpy()
+    rank_h = torch.cat(ranks).cpu().numpy()
+    old_h = torch.cat(olds).cpu().numpy()
+    at = 0
     for j, (start, count, lo, hi) in enumerate(used):
+        k = hi - lo
         scans[start] = ChunkScan(
             count=count,
-            hist=hist_h[j * (emask + 1) : (j + 1) * (emask + 1)],
-            ctx=ctx_h[lo:hi],
-            rank=rank_h[lo:hi],
-            old=old_h[lo:hi],
+            hist=hist_h[j],
+            ctx=ctx_h[at : at + k],
+            rank=rank_h[at : at + k],
+            old=old_h[at : at + k],
         )
+        at += k
     return index, value, scans
 
 
 def _scan(
     keys: torch.Tensor, changed: torch.Tensor, nctx: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hist, rank)`` of one chunk on its device: ``keys`` (uint8, the context of every
-    element), ``changed`` (increasing chunk-local indices, ``k`` of them); ``rank`` (int32)
-    follows ``changed``'s order. No synchronization."""
-    k = changed.numel()
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hist, ctx, rank)`` of one chunk on its device: ``keys`` (uint8, the context of every
+    element), ``changed`` (increasing chunk-local indices). ``ctx`` and ``rank`` follow
+    ``changed``'s order."""
     hist = torch.bincount(keys, minlength=nctx)
     first = torch.cumsum(hist, 0) - hist  # elements of smaller contexts
     sorted_keys, perm = torch.sort(keys, stable=True)
     mark = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
     mark[changed] = True
-    pos = _nonzero(mark[perm], k)  # sorted positions of the changes
-    rank = pos - first[sorted_keys[pos].to(torch.int64)]
+    pos = torch.nonzero(mark[perm]).view(-1)  # sorted positions of the changed elements
+    ctx = sorted_keys[pos].to(torch.int64)
+    rank = pos - first[ctx]
     # (context, index) order -> index order: where each one's index sits among ``changed``
-    out = torch.empty_like(rank)
-    out[torch.searchsorted(changed, perm[pos])] = rank
-    return hist, out.to(torch.int32)
-
-
-def _nonzero(mask: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` true elements of ``mask``, without a synchronization where the
-    device supports it (``nonzero_static``)."""
-    try:
-        return torch.nonzero_static(mask, size=k).view(-1)
-    except (NotImplementedError, RuntimeError):  # pragma: no cover - older builds or devices
-        return torch.nonzero(mask).view(-1)
-
-
-def _to_host(parts: list[torch.Tensor]) -> list[np.ndarray]:
-    """The tensors as numpy arrays on the host, in one copy: packed into one byte buffer on their
-    device, copied into pinned memory (from a GPU) and split there without another copy."""
-    flat = [t.contiguous().view(-1) for t in parts]
-    if flat[0].device.type == "cpu":
-        return [t.numpy() for t in flat]
-    sizes = [t.numel() * t.element_size() for t in flat]
-    packed = torch.cat([t.view(torch.uint8) for t in flat])
-    host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    torch.cuda.current_stream(packed.device).synchronize()
-    buf = host.numpy()
-    out, at = [], 0
-    for t, size in zip(flat, sizes, strict=True):
-        np_dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-        out.append(buf[at : at + size].view(np_dtype))
-        at += size
-    return out
+    order = torch.searchsorted(changed, perm[pos])
+    out_ctx = torch.empty_like(ctx)
+    out_rank = torch.empty_like(rank)
+    out_ctx[order] = ctx
+    out_rank[order] = rank
+    return hist, out_ctx.to(torch.int16), out_rank.to(torch.int32)
