@@ -22,7 +22,8 @@
 #   system_fsdp  the whole system with an FSDP2 trainer of 2 ranks (GPUs 0-1) and one vllm
 #                worker on each of GPUs 2 and 3 (needs 4 GPUs; issue 17's training loop on GPUs)
 #   tp       bench/vllm_tp.py: one engine at tensor parallelism 2 following a bucket, vs 1 (2 GPUs)
-#   teacher  bench/teacher_vllm_check.py: deltarl teacher with the vllm engine vs transformers
+#   teacher  bench/teacher_vllm_check.py: deltarl teacher with the vllm engine vs transformers,
+#            in bfloat16 (within bf16 rounding of the logits) and in float32 (plain tolerance)
 #   tests_tp the gpu tests of tensor parallelism, Engine.score on vLLM and the vLLM teacher
 set -uo pipefail
 RES=${1:?results directory}
@@ -65,7 +66,8 @@ for step in "${steps[@]}"; do
       --set 'trainer.parallel="fsdp"' --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
       --run-dir "$RES/wordle-vllm-fsdp" "${WORDLE[@]}" ;;
     tp) run tp python3 bench/vllm_tp.py --json "$RES/vllm_tp.json" ${DELTARL_TP_REUSE:+--reuse "$DELTARL_TP_REUSE"} ;;
-    teacher) run teacher python3 bench/teacher_vllm_check.py --json "$RES/teacher_vllm.json" ;;
+    teacher) run teacher python3 bench/teacher_vllm_check.py --json "$RES/teacher_vllm.json"
+      run teacher_fp32 python3 bench/teacher_vllm_check.py --dtype float32 --json "$RES/teacher_vllm_fp32.json" ;;
     tests_tp) run tests_tp timeout 540 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
       tests/rollout/test_vllm_gpu.py -k "tensor_parallel or score_batch" \
       tests/teacher/test_teacher_vllm.py tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_shards.py ;;

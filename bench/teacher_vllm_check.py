@@ -11,6 +11,15 @@ holding the same weights. Reported: |logprob difference| of the sampled tokens a
 (422). Exit status 1 when the mean difference exceeds ``--tolerance`` or top-1 agreement is
 below 0.9.
 
+In bfloat16 both engines round their logits to bf16 after different matmul kernels, so a
+logprob may differ by about one bf16 spacing of its logit plus one of the largest logit (0.125
+at magnitude 16-32, 0.5 at 64-128): the session-9 run differed by 0.22 on average, in steps of
+0.125-0.25. So in bfloat16 the check also reports, per scored position, that bound
+(``2 * spacing(|reference logit of the token|) + 2 * spacing(max reference logit)``, from the
+reference model's own logits) and the share of positions within it (``within_bf16_bound``), and
+passes on that share (>= 0.99) instead of the mean; run ``--dtype float32`` for the plain
+comparison at ``--tolerance``.
+
     python bench/teacher_vllm_check.py --json bench/results/teacher_vllm.json
 """
 
@@ -125,17 +134,26 @@ def main() -> int:
     jobs = [
         ScoreJob(np.asarray(s, np.int32), p, 1.0, a.k) for s, p in zip(seqs, prompts, strict=True)
     ]
-    sampled, top, top1 = [], [], []
+    sampled, top, top1, within = [], [], [], []
     for i, want in enumerate(ref.score(jobs)):
         s, ids, lps = got.sequence(i)
-        sampled += np.abs(s - want.sampled).tolist()
+        diff = np.abs(s - want.sampled)
+        sampled += diff.tolist()
         top += np.abs(lps - want.top_logprobs).ravel().tolist()
         top1 += (ids[:, 0] == want.top_ids[:, 0]).tolist()
+        if a.dtype == "bfloat16":
+            bound = _bf16_bounds(model, seqs[i], prompts[i], device)
+            within += (diff <= bound + 1e-3).tolist()
     result["sampled_abs_diff"] = {"mean": statistics.mean(sampled), "max": max(sampled)}
     result["topk_abs_diff"] = {"mean": statistics.mean(top), "max": max(top)}
     result["top1_agreement"] = statistics.mean(top1)
     result["positions"] = len(sampled)
-    if result["sampled_abs_diff"]["mean"] > a.tolerance or result["top1_agreement"] < 0.9:
+    if within:
+        result["within_bf16_bound"] = statistics.mean(within)
+        close = result["within_bf16_bound"] >= 0.99
+    else:
+        close = result["sampled_abs_diff"]["mean"] <= a.tolerance
+    if not close or result["top1_agreement"] < 0.9:
         failures.append("vLLM's scores are not the transformers engine's within the tolerance")
     result["tolerance_mean"] = a.tolerance
     result["failures"] = failures
@@ -144,6 +162,26 @@ def main() -> int:
     if a.json:
         a.json.write_text(text + "\n")
     return 1 if failures else 0
+
+
+def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bfloat16 numbers at ``|x|`` (8 significant bits)."""
+    exp = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
+    return torch.pow(2.0, exp - 7)
+
+
+@torch.no_grad()
+def _bf16_bounds(model: Any, seq: list[int], prompt: int, device: str) -> np.ndarray:
+    """Per scored position of ``seq``: how far two engines that each round their logits to bf16
+    may disagree on the sampled token's logprob (one spacing of that logit and one of the
+    largest, each twice for safety)."""
+    ids = torch.tensor([seq], device=device)
+    logits = model(input_ids=ids).logits[0].float()  # row p predicts token p + 1
+    rows = logits[prompt - 1 : len(seq) - 1]
+    token = torch.tensor(seq[prompt:], device=device)
+    own = rows.gather(1, token[:, None])[:, 0]
+    bound = 2 * _bf16_spacing(own) + 2 * _bf16_spacing(rows.max(dim=1).values)
+    return bound.cpu().numpy()
 
 
 if __name__ == "__main__":
