@@ -41,7 +41,9 @@ THRESHOLD = 0.9
 DISTILL_COEF = 5.0
 
 
-def run(root: Path, name: str, steps: int, seed: int, *sets: str) -> tuple[list[float], Path]:
+def run(
+    root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str
+) -> tuple[list[float], Path]:
     """One ``deltarl run examples/charset-tiny.toml`` run: the trained batches' mean reward per
     step, and its run directory."""
     run_dir = root / name
@@ -52,7 +54,7 @@ def run(root: Path, name: str, steps: int, seed: int, *sets: str) -> tuple[list[
         [
             *(sys.executable, "-m", "deltarl", "run", str(ROOT / "examples" / "charset-tiny.toml")),
             *(x for o in overrides for x in ("--set", o)),
-            *("--run-dir", str(run_dir), "--cache-dir", str(root / "cache")),
+            *("--run-dir", str(run_dir), "--cache-dir", str(cache)),
             *("--no-live", "--timeout", "400"),
         ],
         capture_output=True,
@@ -75,22 +77,25 @@ def steps_to(rewards: list[float], target: float) -> int:
     return len(rewards) + 1
 
 
-def test_a_charset_teacher_makes_the_student_learn_faster(tmp_path: Path) -> None:
-    rewards, run_dir = run(tmp_path, "teacher", TEACHER_STEPS, TEACHER_SEED)
+def test_a_charset_teacher_makes_the_student_learn_faster(
+    tmp_path: Path, model_cache: Path
+) -> None:
+    rewards, run_dir = run(tmp_path, model_cache, "teacher", TEACHER_STEPS, TEACHER_SEED)
     teacher_reward = mean(rewards[-5:])
     assert teacher_reward > 0.8, rewards  # the teacher learned the task
     teacher_dir = export_version(
         str(run_dir / "bucket"),
         TEACHER_STEPS,
-        prepare_model("tiny-bytes", tmp_path / "cache"),
+        prepare_model("tiny-bytes", model_cache),
         tmp_path / "teacher-model",
     )
     target = THRESHOLD * teacher_reward
     results = {}
     for seed in SEEDS:
-        grpo, _ = run(tmp_path, f"grpo-{seed}", STUDENT_STEPS, seed)
+        grpo, _ = run(tmp_path, model_cache, f"grpo-{seed}", STUDENT_STEPS, seed)
         distilled, student_dir = run(
             tmp_path,
+            model_cache,
             f"distill-{seed}",
             STUDENT_STEPS,
             seed,

@@ -36,7 +36,9 @@ K = 5  # steps averaged at each end of the curve
 MARGIN = 0.3
 
 
-def run_demo(root: Path, seed: int = SEED, steps: int = STEPS) -> tuple[int, str, Path, float]:
+def run_demo(
+    root: Path, cache: Path, seed: int = SEED, steps: int = STEPS
+) -> tuple[int, str, Path, float]:
     """``deltarl demo --tiny --task charset`` in a subprocess: (exit code, output, run dir,
     seconds)."""
     run_dir = root / "run"
@@ -46,7 +48,7 @@ def run_demo(root: Path, seed: int = SEED, steps: int = STEPS) -> tuple[int, str
         [
             *(sys.executable, "-m", "deltarl", "demo", "--tiny", "--task", "charset"),
             *("--steps", str(steps), "--workers", str(WORKERS), "--seed", str(seed)),
-            *("--run-dir", str(run_dir), "--cache-dir", str(root / "cache")),
+            *("--run-dir", str(run_dir), "--cache-dir", str(cache)),
             *("--no-live", "--timeout", "240"),
         ],
         capture_output=True,
@@ -58,8 +60,10 @@ def run_demo(root: Path, seed: int = SEED, steps: int = STEPS) -> tuple[int, str
 
 
 @pytest.fixture(scope="module")
-def learning_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    code, out, run_dir, seconds = run_demo(tmp_path_factory.mktemp("learning"))
+def learning_run(
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path
+) -> tuple[dict[str, Any], Path]:
+    code, out, run_dir, seconds = run_demo(tmp_path_factory.mktemp("learning"), model_cache)
     assert code == 0, out[-6000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     print(f"learning run: {seconds:.0f} s, rewards {[r for _, r in summary['reward']['trained']]}")
