@@ -26,7 +26,7 @@ WORKERS = 2
 
 @pytest.fixture(scope="module")
 def demo_run(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     root = tmp_path_factory.mktemp("demo")
     run_dir = root / "run"
@@ -47,7 +47,7 @@ def demo_run(
             "--run-dir",
             str(run_dir),
             "--cache-dir",
-            str(root / "cache"),
+            str(model_cache),
             "--no-live",
             "--timeout",
             "240",
@@ -213,7 +213,7 @@ def test_plain_png_without_matplotlib(tmp_path: Path) -> None:
     assert len(zlib.decompress(data[idat + 4 : idat + 4 + size])) == 32 * (1 + 64 * 3)
 
 
-def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
+def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path, model_cache: Path) -> None:
     """kill -9 of a worker mid-run: the demo names it, shows its log, stops every other process
     and exits with 1."""
     run_dir = tmp_path / "run"
@@ -224,7 +224,7 @@ def test_demo_reports_a_dead_worker_and_stops_the_rest(tmp_path: Path) -> None:
             [
                 *(sys.executable, "-m", "deltarl", "demo", "--tiny", "--task", "wordle"),
                 *("--steps", "50", "--no-live"),
-                *("--run-dir", str(run_dir), "--cache-dir", str(tmp_path / "cache")),
+                *("--run-dir", str(run_dir), "--cache-dir", str(model_cache)),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]  # ~60 s alone, 130 s on a 
 STEPS = 2
 
 
-def test_demo_with_a_teacher(tmp_path: Path) -> None:
+def test_demo_with_a_teacher(tmp_path: Path, model_cache: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
     proc = subprocess.run(
@@ -35,7 +35,7 @@ def test_demo_with_a_teacher(tmp_path: Path) -> None:
             "--run-dir",
             str(run_dir),
             "--cache-dir",
-            str(tmp_path / "cache"),
+            str(model_cache),
             "--no-live",
             "--timeout",
             "240",

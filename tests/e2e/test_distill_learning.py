@@ -6,8 +6,10 @@ preset of ``deltarl demo --tiny --task charset``: a random byte-level Llama, 2 w
 1. the teacher: a GRPO run of TEACHER_STEPS steps; its final version, rebuilt from the bucket,
    becomes a Hugging Face directory (:func:`~deltarl.demo.report.export_version`);
 2. for each seed: the same student (the untrained tiny model) for STUDENT_STEPS steps with GRPO
-   alone, and with a ``[teacher]`` serving that directory (the workers ask it for every group)
-   and ``loss.distill = "jsd"`` (``distill_coef`` DISTILL_COEF), all else equal.
+   alone (``deltarl demo --tiny --task charset``, the same preset: the session's shared run,
+   e2e_runs.py; seed 0's is test_learning's run), and with a ``[teacher]`` serving that
+   directory (the workers ask it for every group) and ``loss.distill = "jsd"``
+   (``distill_coef`` DISTILL_COEF), all else equal (asserted on the two runs' configs).
 
 Asserted, per seed: the distilled student reaches the threshold (THRESHOLD x the teacher's
 reward, over a WINDOW-step running mean of the trained batches' reward) in fewer steps than
@@ -21,10 +23,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
 import pytest
+from e2e_runs import CharsetRun
 
 from deltarl.demo.model import prepare_model
 from deltarl.demo.report import export_version
@@ -41,7 +46,9 @@ THRESHOLD = 0.9
 DISTILL_COEF = 5.0
 
 
-def run(root: Path, name: str, steps: int, seed: int, *sets: str) -> tuple[list[float], Path]:
+def run(
+    root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str
+) -> tuple[list[float], Path]:
     """One ``deltarl run examples/charset-tiny.toml`` run: the trained batches' mean reward per
     step, and its run directory."""
     run_dir = root / name
@@ -52,7 +59,7 @@ def run(root: Path, name: str, steps: int, seed: int, *sets: str) -> tuple[list[
         [
             *(sys.executable, "-m", "deltarl", "run", str(ROOT / "examples" / "charset-tiny.toml")),
             *(x for o in overrides for x in ("--set", o)),
-            *("--run-dir", str(run_dir), "--cache-dir", str(root / "cache")),
+            *("--run-dir", str(run_dir), "--cache-dir", str(cache)),
             *("--no-live", "--timeout", "400"),
         ],
         capture_output=True,
@@ -75,22 +82,35 @@ def steps_to(rewards: list[float], target: float) -> int:
     return len(rewards) + 1
 
 
-def test_a_charset_teacher_makes_the_student_learn_faster(tmp_path: Path) -> None:
-    rewards, run_dir = run(tmp_path, "teacher", TEACHER_STEPS, TEACHER_SEED)
+def without_teacher(config: dict[str, Any]) -> dict[str, Any]:
+    """A run config without its teacher and loss settings (what the two students differ in)."""
+    out = json.loads(json.dumps(config))
+    out["teacher"] = None
+    out["trainer"].pop("loss", None)
+    return out
+
+
+def test_a_charset_teacher_makes_the_student_learn_faster(
+    tmp_path: Path, model_cache: Path, charset_grpo: Callable[[int, int], CharsetRun]
+) -> None:
+    rewards, run_dir = run(tmp_path, model_cache, "teacher", TEACHER_STEPS, TEACHER_SEED)
     teacher_reward = mean(rewards[-5:])
     assert teacher_reward > 0.8, rewards  # the teacher learned the task
     teacher_dir = export_version(
         str(run_dir / "bucket"),
         TEACHER_STEPS,
-        prepare_model("tiny-bytes", tmp_path / "cache"),
+        prepare_model("tiny-bytes", model_cache),
         tmp_path / "teacher-model",
     )
     target = THRESHOLD * teacher_reward
     results = {}
     for seed in SEEDS:
-        grpo, _ = run(tmp_path, f"grpo-{seed}", STUDENT_STEPS, seed)
+        grpo_run = charset_grpo(seed, STUDENT_STEPS)
+        grpo = grpo_run.rewards()
+        print(f"grpo-{seed}: {grpo_run.seconds:.0f} s, rewards {[round(r, 2) for r in grpo]}")
         distilled, student_dir = run(
             tmp_path,
+            model_cache,
             f"distill-{seed}",
             STUDENT_STEPS,
             seed,
@@ -100,6 +120,8 @@ def test_a_charset_teacher_makes_the_student_learn_faster(tmp_path: Path) -> Non
             'trainer.loss.distill="jsd"',
             f"trainer.loss.distill_coef={DISTILL_COEF}",
         )
+        distilled_config = json.loads((student_dir / "summary.json").read_text())["config"]
+        assert without_teacher(distilled_config) == without_teacher(grpo_run.summary()["config"])
         metrics = [json.loads(line) for line in (student_dir / "trainer" / "metrics.jsonl").open()]
         coverage = [m["distill/coverage"] for m in metrics if "distill/coverage" in m]
         assert len(coverage) == STUDENT_STEPS and min(coverage) == 1.0, coverage

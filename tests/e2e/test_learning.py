@@ -11,23 +11,19 @@ times: docs/evidence.md.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 import pytest
+from e2e_runs import WORKERS, CharsetRun
 
 from deltarl.demo.report import rebuild_digest, trainer_final
 
 pytestmark = pytest.mark.network
 
 STEPS = 20
-WORKERS = 2
 SEED = 0
 K = 5  # steps averaged at each end of the curve
 # Measured over 5 seeds (docs/evidence.md): last 5 - first 5 = 0.80 +- 0.03 (first 5: ~0.14, a
@@ -36,34 +32,14 @@ K = 5  # steps averaged at each end of the curve
 MARGIN = 0.3
 
 
-def run_demo(root: Path, seed: int = SEED, steps: int = STEPS) -> tuple[int, str, Path, float]:
-    """``deltarl demo --tiny --task charset`` in a subprocess: (exit code, output, run dir,
-    seconds)."""
-    run_dir = root / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "deltarl", "demo", "--tiny", "--task", "charset"),
-            *("--steps", str(steps), "--workers", str(WORKERS), "--seed", str(seed)),
-            *("--run-dir", str(run_dir), "--cache-dir", str(root / "cache")),
-            *("--no-live", "--timeout", "240"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    return proc.returncode, proc.stdout + proc.stderr, run_dir, time.monotonic() - t0
-
-
 @pytest.fixture(scope="module")
-def learning_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    code, out, run_dir, seconds = run_demo(tmp_path_factory.mktemp("learning"))
-    assert code == 0, out[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"learning run: {seconds:.0f} s, rewards {[r for _, r in summary['reward']['trained']]}")
-    return summary, run_dir
+def learning_run(charset_grpo: Callable[[int, int], CharsetRun]) -> tuple[dict[str, Any], Path]:
+    """``deltarl demo --tiny --task charset`` (e2e_runs.run_charset_demo; test_distill_learning's
+    GRPO baseline of seed 0 is the same run)."""
+    run = charset_grpo(SEED, STEPS)
+    summary = run.summary()
+    print(f"learning run: {run.seconds:.0f} s, rewards {run.rewards()}")
+    return summary, run.run_dir
 
 
 def test_reward_goes_up(learning_run: tuple[dict[str, Any], Path]) -> None:

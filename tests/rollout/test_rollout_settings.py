@@ -29,8 +29,8 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
     """Decoding next to a Python-heavy generation thread needs a short switch interval."""
     import sys
 
-    from rollout.episode_helpers import smollm2_tokenizer
     from rollout.worker_helpers import tiny_model
+    from smollm2_helpers import smollm2_tokenizer
 
     from deltarl.rollout.engines.transformers_engine import TransformersEngine
     from deltarl.rollout.weights import WeightSync

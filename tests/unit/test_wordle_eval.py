@@ -6,18 +6,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from smollm2_helpers import smollm2_tokenizer
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed, score_guess  # noqa: E402
-from deltarl.rollout.settings import smollm2_gguf  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -29,12 +28,6 @@ def load(name: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-@cache
-def tokenizer() -> Any:
-    directory, gguf = smollm2_gguf()
-    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
 
 
 REPLIES = ["[crane]", "[slate]", "no idea"]  # valid, valid, invalid (a forfeit with 0 tolerated)
@@ -67,7 +60,7 @@ def test_scripted_games_are_counted_as_the_env_scores_them() -> None:
     ev = load("wordle_eval")
     a = ev._args(["--model", "x", "--games", "5", "--batch-size", "2", "--max-invalid", "0"])
     a.seed_start = 10
-    summary, records = ev.evaluate(Scripted(tokenizer()), tokenizer(), a)
+    summary, records = ev.evaluate(Scripted(smollm2_tokenizer()), smollm2_tokenizer(), a)
     words = WordLists.load()
     answers = [answer_for_seed(words, s) for s in range(10, 15)]
     assert [r["answer"] for r in records] == answers
@@ -92,7 +85,7 @@ def test_the_winning_reply_wins() -> None:
     REPLIES.insert(0, f"[{answer}]")
     try:
         a = ev._args(["--model", "x", "--games", "1", "--seed-start", "7"])
-        summary, records = ev.evaluate(Scripted(tokenizer()), tokenizer(), a)
+        summary, records = ev.evaluate(Scripted(smollm2_tokenizer()), smollm2_tokenizer(), a)
     finally:
         REPLIES.pop(0)
     assert summary["win_rate"] == 1.0 and records[0]["guesses"] == 1
