@@ -11,14 +11,16 @@ unhinted replies therefore ignore the target; hinted, it answers in the set the 
 
 Then, per seed, two runs of ``deltarl run examples/charset-tiny.toml`` (real processes:
 coordinator, env server, 2 workers, trainer) from that model, target TARGET: GRPO alone, and
-GRPO + the env hints scored by the worker's own policy, all else equal. Asserted, per seed: the
+GRPO + the env hints scored by the worker's own policy (``hint_coef`` HINT_COEF, ``hint_beta``
+HINT_BETA: the forward KL to the hinted distribution), all else equal. Asserted, per seed: the
 hinted run's mean reward over the last LATE steps is at least LATE_GAP above GRPO alone's, and it
 reaches THRESHOLD (a WINDOW-step running mean of the trained batches' reward) in fewer steps (a
-run that never reaches it counts as STEPS + 1); every step of the hinted run trained on hints
-(``hint/loss`` logged) while GRPO's had none. Measured over 3 runs of seeds 0 and 1: late gap
-0.29-0.54 (the same arm and seed varies by ~0.05-0.15 between runs), steps to the threshold 7-8
-with hints against 10-11 without. Numbers and what they show: docs/distillation.md,
-docs/evidence.md.
+run that never reaches it counts as STEPS + 1); every step of the hinted run with a failed reply
+trained on hints (``hint/loss`` logged) while GRPO's had none. Measured in this setting over 4-5
+runs of seeds 0 and 1: steps 7-10 gap 0.29-0.54 (one arm of one seed varies by up to ~0.16
+between runs), steps to the threshold 7-8 with hints against 10-11 without; with the default
+reverse KL the gap was 0.21-0.52 (3 runs per seed), hence the forward KL here. Numbers and what
+they show: docs/distillation.md, docs/evidence.md.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ STEPS = 10
 SEEDS = (0, 1)
 LR = 3e-3
 HINT_COEF = 5.0
-HINT_BETA = 0.0  # forward KL to the hinted distribution
+HINT_BETA = 0.0  # forward KL: the wider gap in the runs measured (docs/evidence.md)
 WINDOW = 3
 THRESHOLD = 0.5
 LATE = 4  # steps 7-10
@@ -160,10 +162,10 @@ def steps_to(rewards: list[float], target: float) -> int:
     return len(rewards) + 1
 
 
-def hint_steps(run_dir: Path) -> int:
-    """How many trainer steps logged a hint loss."""
+def hint_steps(run_dir: Path) -> set[int]:
+    """The trainer steps that logged a hint loss."""
     lines = (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines()
-    return sum("hint/loss" in json.loads(line) for line in lines)
+    return {m["step"] for m in map(json.loads, lines) if "hint/loss" in m}
 
 
 def test_env_hints_make_a_hint_reading_student_learn_faster(
@@ -188,7 +190,9 @@ def test_env_hints_make_a_hint_reading_student_learn_faster(
         finally:
             for r in (grpo, hinted):
                 r.stop()
-        assert hint_steps(grpo.run_dir) == 0 and hint_steps(hinted.run_dir) == STEPS
+        # every hinted step with a failed reply trained on hints (a batch at full marks has none)
+        failed = {step for step, r in enumerate(hinted_rewards, 1) if r < 1.0}
+        assert not hint_steps(grpo.run_dir) and failed <= hint_steps(hinted.run_dir), failed
         late = mean(hinted_rewards[-LATE:]) - mean(grpo_rewards[-LATE:])
         results[seed] = (
             steps_to(grpo_rewards, THRESHOLD),
