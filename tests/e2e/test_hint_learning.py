@@ -16,9 +16,9 @@ HINT_BETA: the forward KL to the hinted distribution), all else equal. Asserted,
 hinted run's mean reward over the last LATE steps is at least LATE_GAP above GRPO alone's, and it
 reaches THRESHOLD (a WINDOW-step running mean of the trained batches' reward) in fewer steps (a
 run that never reaches it counts as STEPS + 1); every step of the hinted run with a failed reply
-trained on hints (``hint/loss`` logged) while GRPO's had none. Measured in this setting over 4-5
-runs of seeds 0 and 1: steps 7-10 gap 0.29-0.54 (one arm of one seed varies by up to ~0.16
-between runs), steps to the threshold 7-8 with hints against 10-11 without; with the default
+trained on hints (``hint/loss`` logged) while GRPO's had none. Measured in this setting over 5-6
+runs of seeds 0 and 1: steps 7-10 gap 0.27-0.56 (one arm of one seed varies by up to ~0.16
+between runs), steps to the threshold 7-8 with hints against 9-11 without; with the default
 reverse KL the gap was 0.21-0.52 (3 runs per seed), hence the forward KL here. Numbers and what
 they show: docs/distillation.md, docs/evidence.md.
 """
