@@ -254,21 +254,24 @@ class CharsetHinter:
         rules = charset_rules(episode)
         if rules is None or not episode.turns:
             return None
-        reply = episode.turns[0].reply
-        reward, _ = score_reply(reply, rules)
-        if reward >= 1.0:
-            return None
-        allowed, example = _allowed(rules)
-        bad = set(reply) - set(rules.target)
-        if bad:
-            kinds = _kinds(bad)
-            said = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]
-            return Hint(0, f"Reply in {allowed}, without {said}, for example: {example}")
-        return Hint(
-            0,
-            f"Reply with at least {rules.min_chars} characters, in {allowed}, for example: "
-            f"{example}",
-        )
+        text = charset_hint(episode.turns[0].reply, rules)
+        return Hint(0, text) if text is not None else None
+
+
+def charset_hint(reply: str, rules: CharsetRules) -> str | None:
+    """The hint :class:`CharsetHinter` gives for ``reply`` under ``rules``; None at full marks.
+    Also the wording of the synthetic hint-following transcripts
+    (:mod:`deltarl.trainer.sft_charset`)."""
+    reward, _ = score_reply(reply, rules)
+    if reward >= 1.0:
+        return None
+    allowed, example = _allowed(rules)
+    bad = set(reply) - set(rules.target)
+    if bad:
+        kinds = _kinds(bad)
+        said = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]
+        return f"Reply in {allowed}, without {said}, for example: {example}"
+    return f"Reply with at least {rules.min_chars} characters, in {allowed}, for example: {example}"
 
 
 def charset_rules(episode: Episode) -> CharsetRules | None:

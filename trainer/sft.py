@@ -6,8 +6,11 @@ as :mod:`.sft_data` writes) is tokenized exactly as a rollout episode would hold
 prompt, each reply's tokens followed by the template's end-of-turn token, then the template text
 that closes the turn and opens the next user turn), and the loss mask is 1 on the reply tokens
 and their end-of-turn token (what the policy samples) and 0 on everything else (system, user,
-template text). The model trains for ``steps`` AdamW steps (fp32 master weights) on batches of
-``batch_size`` transcripts drawn in a seeded random order, and is saved with its tokenizer as a
+template text). An assistant message may also hold ``prefill``, text its reply starts with
+that is context, not trained (masked 0; the reply is ``prefill`` then ``content``): e.g. the
+start of a wrong reply that a hint should steer back on course (:mod:`.sft_charset`). The
+model trains for ``steps`` AdamW steps (fp32 master weights) on batches of ``batch_size``
+transcripts drawn in a seeded random order, and is saved with its tokenizer as a
 Hugging Face directory (``save_pretrained``): use it as the run's model (``[run] model =
 "<out>"``, or the trainer's ``model``) and the trainer's first published anchor (version 0) is
 the warm-started weights, which the workers load.
@@ -128,26 +131,36 @@ def encode_transcript(fmt: ChatFormat, messages: Sequence[dict[str, str]]) -> En
     """Tokens and mask of a conversation, built as a rollout episode is (module docstring).
 
     ``messages``: optional system turn, then user, assistant, user, assistant, ..., ending with
-    an assistant turn. Raises ``ValueError`` for another shape.
+    an assistant turn; the first assistant turn may follow several user turns (a hinted context,
+    :func:`~deltarl.rollout.hints.hinted_context`: the prompt, then the hint as one more user
+    message), which are rendered together as the first prompt. An assistant message's
+    ``prefill`` (optional) is encoded before its ``content`` with mask 0. Raises ``ValueError``
+    for another shape.
     """
     roles = [m["role"] for m in messages]
     start = 1 if roles and roles[0] == "system" else 0
-    body = roles[start:]
+    first = roles.index("assistant") if "assistant" in roles else len(roles)
+    rest = roles[first:]
     if (
-        len(body) < 2
-        or body[-1] != "assistant"
-        or any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(body))
+        first == start
+        or any(r != "user" for r in roles[start:first])
+        or not rest
+        or rest[-1] != "assistant"
+        or any(r != ("assistant" if i % 2 == 0 else "user") for i, r in enumerate(rest))
     ):
         raise ValueError(
-            f"a transcript is [system], user, assistant, user, ..., assistant; got {roles}"
+            "a transcript is [system], user, [user, ...], assistant, user, ..., assistant; "
+            f"got {roles}"
         )
     eot = fmt.end_of_turn_id
-    tokens = fmt.prompt_ids(messages[: start + 1])
+    tokens = fmt.prompt_ids(messages[:first])
     mask = [0] * len(tokens)
-    for i in range(start + 1, len(messages), 2):
+    for i in range(first, len(messages), 2):
+        prefill = messages[i].get("prefill", "")
+        head = fmt.encode(prefill) if prefill else []
         reply = fmt.encode(messages[i]["content"]) + ([eot] if eot is not None else [])
-        tokens += reply
-        mask += [1] * len(reply)
+        tokens += head + reply
+        mask += [0] * len(head) + [1] * len(reply)
         if i + 1 < len(messages):
             more = fmt.continuation_ids(messages[: i + 1], messages[i + 1]["content"], eot)
             tokens += more
