@@ -10,7 +10,8 @@ import string
 from pathlib import Path
 
 import pytest
-from test_sft import IM_END, tokenizer
+from smollm2_helpers import smollm2_tokenizer
+from test_sft import IM_END
 
 from deltarl.env_server.charset.environment import CharsetRules, make_prompt, score_reply
 from deltarl.rollout.chat_format import ChatFormat
@@ -76,7 +77,7 @@ def test_a_family_of_targets_and_no_system_prompt() -> None:
 def test_a_hinted_transcript_is_what_the_env_hinter_scores() -> None:
     """The hint is CharsetHinter's for the recorded random reply, and ``deltarl sft`` trains the
     reply after exactly the tokens the worker scores a hinted turn after (``hinted_context``)."""
-    fmt = ChatFormat(tokenizer())
+    fmt = ChatFormat(smollm2_tokenizer())
     records = [r for r in hint_transcripts(20, seed=1, data=HintData(recover=0.5)) if r["hinted"]]
     assert any("prefill" in r["messages"][-1] for r in records)
     assert any("prefill" not in r["messages"][-1] for r in records)
@@ -99,7 +100,7 @@ def test_a_hinted_transcript_is_what_the_env_hinter_scores() -> None:
 
 
 def test_several_user_turns_only_before_the_first_reply() -> None:
-    fmt = ChatFormat(tokenizer())
+    fmt = ChatFormat(smollm2_tokenizer())
     u, a = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
     encode_transcript(fmt, [u, u, u, a, u, a])
     for bad in ([u, u], [a, u, a], [u, a, u, u, a], [u, a, a]):
