@@ -44,13 +44,14 @@ import argparse
 import json
 import random
 import string
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deltarl.env_server.charset.environment import CharsetRules, make_prompt
 from deltarl.rollout.hints import charset_hint
+from deltarl.trainer.sft_data import write_transcripts
 
 __all__ = ["HintData", "hint_transcript", "hint_transcripts", "write_transcripts"]
 
@@ -130,17 +131,6 @@ def hint_transcripts(
     data = data or HintData()
     for _ in range(count):
         yield hint_transcript(rng, data)
-
-
-def write_transcripts(path: Path, records: Iterable[dict[str, Any]]) -> int:
-    """Write ``records`` as JSONL to ``path``; returns how many."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with path.open("w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-            n += 1
-    return n
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,9 @@ def solver_transcripts(
             yield record
 
 
-def write_transcripts(path: Path, records: Iterator[dict[str, Any]]) -> int:
-    """Write records as JSONL; return how many."""
+def write_transcripts(path: Path, records: Iterable[dict[str, Any]]) -> int:
+    """Write records as JSONL (any transcript records: these, :mod:`.sft_charset`'s); return how
+    many."""
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with path.open("w") as f:

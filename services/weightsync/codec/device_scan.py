@@ -44,14 +44,14 @@ def changes_and_scans(
         raise ValueError("chunk_elems must be positive")
     fmt = float_format(new.dtype)
     shift, emask = context_layout(fmt)
+    if emask > 255:
+        raise ValueError(f"{fmt.name}: more than 256 position contexts")
     ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
     tidx = torch.nonzero(ob != nb).view(-1)
     index = tidx.cpu().numpy().astype(np.int64, copy=False)
     value = nb[tidx].cpu().numpy()
     starts = np.arange(0, ob.numel(), chunk_elems, dtype=np.int64)
     bounds = np.searchsorted(index, np.append(starts, ob.numel()))
-    if emask > 255:
-        raise ValueError(f"{fmt.name}: more than 256 position contexts")
     hists, ctxs, ranks, olds = [], [], [], []
     used: list[tuple[int, int, int, int]] = []  # (start, count, lo, hi)
     for i, start in enumerate(starts.tolist()):
@@ -71,22 +71,16 @@ def changes_and_scans(
     scans: dict[int, ChunkScan] = {}
     if not used:
         return index, value, scans
-    # one copy of each kind to the host, split per chunk there
+    # one copy of each kind to the host, split per chunk there (the chunks' changes follow each
+    # other in index order, so a chunk's rows are its [lo, hi) of the changed elements)
     hist_h = torch.stack(hists).cpu().numpy()
     ctx_h = torch.cat(ctxs).cpu().numpy()
     rank_h = torch.cat(ranks).cpu().numpy()
     old_h = torch.cat(olds).cpu().numpy()
-    at = 0
     for j, (start, count, lo, hi) in enumerate(used):
-        k = hi - lo
         scans[start] = ChunkScan(
-            count=count,
-            hist=hist_h[j],
-            ctx=ctx_h[at : at + k],
-            rank=rank_h[at : at + k],
-            old=old_h[at : at + k],
+            count=count, hist=hist_h[j], ctx=ctx_h[lo:hi], rank=rank_h[lo:hi], old=old_h[lo:hi]
         )
-        at += k
     return index, value, scans
 
 
