@@ -265,6 +265,10 @@ def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
                 "detect_s": [r["cast_s"] + r["diff_s"] for r in every],
                 "encode_s": [r["encode_s"] for r in every],
                 "upload_s": [r["upload_s"] for r in every],
+                # detect = loop (the device queue, one tensor at a time) + wait (what still ran
+                # after it: scans landing, digests, the encoder's first phase in the pool)
+                "loop_s": [r.get("loop_s") for r in every],
+                "wait_s": [r.get("wait_s") for r in every],
                 "publish_s": publish_s,
                 "bytes": size,
                 "changed": changed,

@@ -10,7 +10,9 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
         the changed elements against its bf16 snapshot of the last version and the encoder's
         context scan of them (on its device, :mod:`~deltarl.services.weightsync.codec.device_scan`)
         -> the new rows overwrite the snapshot and start copying to the host to be hashed;
-        then encode (on the host, from O(changed) data) -> upload its part(s)
+        the changes land in pinned host memory and the encoder's first phase (per chunk, in
+        the rank's thread pool) starts on them while the device works on the next tensors;
+        then the rest of the encoding (tables, entropy coding) -> upload its part(s)
       all_gather of the small part records (keys, sizes, xxh3, slice digests, counts)
       rank 0: the manifest (one sharded ObjectRef per kind, listing every rank's part) and
         latest.json, then registration; broadcast of the outcome
@@ -26,9 +28,9 @@ a worker computes it the same way from the row views of its full tensors.
 
 Memory per rank for publication: its snapshot (2 bytes per local element, on the device), one
 tensor's bf16 cast and the scan's temporaries at a time (about 16 bytes per element of one
-16 M-element chunk), the delta (~10 bytes per changed element on the host) and, for rows on a
-GPU, one pinned host buffer of 2 bytes per local element (the new rows, for the digests and
-anchors). Nothing of the other ranks' rows. Rows on the CPU (or ``scan_on_device=False``) keep
+16 M-element chunk), the delta and its scans (~30 bytes per changed element on the host,
+pinned when it comes from a GPU) and, for rows on a GPU, one pinned host buffer of 2 bytes per
+local element (the new rows, for the digests and anchors). Nothing of the other ranks' rows. Rows on the CPU (or ``scan_on_device=False``) keep
 the simpler path: a whole bf16 copy of the new rows next to the snapshot, diffed and scanned
 on the host.
 
@@ -44,7 +46,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,9 +56,9 @@ import torch.distributed as tdist
 
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.bits import float_format
-from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
-from deltarl.services.weightsync.codec.device_scan import changes_and_scans
+from deltarl.services.weightsync.codec.bits import FloatFormat, float_format
+from deltarl.services.weightsync.codec.compact_chunks import ChunkAnalysis, analyse_chunk
+from deltarl.services.weightsync.codec.device_scan import PendingScan, start_changes_and_scans
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
@@ -119,6 +121,18 @@ def delta_from_changes(
             result_digest=digests[k],
         )
     return Delta(base_version=base_version, version=version, patches=patches)
+
+
+def _analyse(
+    scan: PendingScan, name: str, start: int, count: int, fmt: FloatFormat
+) -> ChunkAnalysis:
+    """The compact encoder's first phase for one chunk of ``name``, once its scan has landed
+    (runs in the pool while the device works on the next tensors)."""
+    index, value, scans = scan.result()
+    lo, hi = np.searchsorted(index, [start, start + count])
+    return analyse_chunk(
+        name, start, None, index[lo:hi] - start, value[lo:hi], fmt, scan=scans[start]
+    )
 
 
 def _digest_when_ready(t: torch.Tensor, ready: Any) -> str:
@@ -423,6 +437,7 @@ class ShardedPublisher(VersionBook):
                 if o.shape != n.shape:
                     raise StateMismatchError(f"{k}: {list(o.shape)} became {list(n.shape)}")
         on_device = self._scan_on(state)
+        fmt = self.settings.format
         # the new rows reach the host (pinned buffer, side stream; CPU rows: themselves) and
         # are hashed in the pool as each copy lands, while this thread works on the next tensor
         self._mirror.start(state, self.dtype)
@@ -430,26 +445,33 @@ class ShardedPublisher(VersionBook):
         host_new: dict[str, torch.Tensor] = {}
         digest_of = {}
         changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        scans: dict[tuple[str, int], ChunkScan] = {}
+        analyses: list[Future[ChunkAnalysis]] = []
         t1 = time.perf_counter()
         if on_device:
-            # one tensor at a time: cast, changes and their context scan on the device, then
-            # the new rows overwrite the snapshot in place; a second copy of the rows is never
-            # held, and only O(changed) data crosses to the host
+            # one tensor at a time: cast, changes and their context scan queued on the device,
+            # then the new rows overwrite the snapshot in place (same stream: after the scan
+            # has read it); a second copy of the rows is never held, only O(changed) data
+            # crosses to the host, and the encoder's first phase runs on each chunk in the pool
+            # as soon as its scan has landed, while the device works on the next tensors
             reuse = base is not None and all(
                 k in base and base[k].shape == state[k].shape and base[k].device == state[k].device
                 for k in keys
             )
             new = base if reuse and base is not None else {}
             peak = 0
+            pending: dict[str, PendingScan] = {}
             for k in keys:
                 n = state[k].detach().to(self.dtype)
                 peak = max(peak, n.numel() * n.element_size() * (n is not state[k]))
                 if with_delta:
                     assert base is not None
-                    index, value, found = changes_and_scans(base[k], n)
-                    changes[k] = (index, value)
-                    scans.update(((k, start), sc) for start, sc in found.items())
+                    pending[k] = scan = start_changes_and_scans(base[k], n)
+                    if fmt == "compact":
+                        ffmt = float_format(self.dtype)
+                        analyses += [
+                            self._pool.submit(_analyse, scan, k, start, count, ffmt)
+                            for start, count in scan.chunks
+                        ]
                 if reuse:
                     new[k].copy_(n)
                 else:
@@ -457,6 +479,10 @@ class ShardedPublisher(VersionBook):
                 host_new[k], ready = self._mirror.copy(new[k])
                 digest_of[k] = self._pool.submit(_digest_when_ready, host_new[k], ready)
             rec.memory = sum(t.numel() * t.element_size() for t in new.values()) + peak
+            t_loop = time.perf_counter()
+            for k, scan in pending.items():
+                index, value, _ = scan.result()
+                changes[k] = (index, value)
         else:
             new = {k: state[k].detach().to(self.dtype, copy=True).contiguous() for k in keys}
             rec.memory = 2 * sum(t.numel() * t.element_size() for t in new.values())
@@ -466,6 +492,7 @@ class ShardedPublisher(VersionBook):
             if with_delta:
                 assert base is not None
                 changes = {k: changed_elements(base[k], new[k]) for k in keys}
+            t_loop = time.perf_counter()
         rec.numel = sum(t.numel() for t in new.values())
         rec.shapes = {k: list(t.shape) for k, t in new.items()}
         rec.digests = {k: digest_of[k].result() for k in keys}
@@ -477,12 +504,14 @@ class ShardedPublisher(VersionBook):
             )
             rec.base_digests = dict(self._base_digests)
             rec.changed = delta.changed
+        done = [a.result() for a in analyses]
         t2 = time.perf_counter()
-        fmt = self.settings.format
         blob = anchor_blob = None
         if delta is not None:
-            if on_device:
-                blob = encode_delta(delta, None, fmt, threads=self._threads, scans=scans)
+            if on_device:  # the base is overwritten; the compact encoder's phase A is done
+                blob = encode_delta(
+                    delta, None, fmt, threads=self._threads, analyses=done if done else None
+                )
             else:
                 blob = encode_delta(delta, base, fmt, threads=self._threads)
         if anchor:
@@ -497,7 +526,16 @@ class ShardedPublisher(VersionBook):
             fmt_tag = "safetensors+zstd" if self.settings.anchor_compress else "safetensors"
             rec.anchor = self._writer.upload_part(version, fmt_tag, anchor_blob, slices)
         t4 = time.perf_counter()
-        rec.times = {"cast": t1 - t0, "diff": t2 - t1, "encode": t3 - t2, "upload": t4 - t3}
+        # loop (device queue and snapshot overwrite) + wait (the scans, digests and first
+        # encoder phase still running after it) = diff
+        rec.times = {
+            "cast": t1 - t0,
+            "diff": t2 - t1,
+            "loop": t_loop - t1,
+            "wait": t2 - t_loop,
+            "encode": t3 - t2,
+            "upload": t4 - t3,
+        }
         return new, rec
 
     def _prove(self, version: int, new: Mapping[str, torch.Tensor], records: list[_Record]) -> None:

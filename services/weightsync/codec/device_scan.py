@@ -10,10 +10,18 @@ ranks and old values, and a 256-entry histogram per chunk, cross to the host
 (:class:`~.compact_chunks.ChunkScan`); the encoder then never touches the base
 (:func:`~.compact.encode_compact` ``scans=``), and its bytes are the same.
 
+:func:`start_changes_and_scans` queues the work of one tensor and returns at once after one
+synchronization (the number of changes per chunk); the results land in pinned host memory while
+the caller queues the next tensor, and :meth:`PendingScan.result` (any thread) waits for them.
+:func:`changes_and_scans` is both in one call.
+
 Works on any torch device (the tests run it on CPU against the numba kernel).
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +30,7 @@ from deltarl.services.weightsync.codec.bits import bits_view, float_format
 from deltarl.services.weightsync.codec.compact import DEFAULT_CHUNK_ELEMS
 from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
 
-__all__ = ["changes_and_scans"]
+__all__ = ["PendingScan", "changes_and_scans", "start_changes_and_scans"]
 
 
 def changes_and_scans(
@@ -35,6 +43,59 @@ def changes_and_scans(
     ``old`` and ``new``: same dtype, shape and device. Transient device memory: about 16 bytes
     per element of one chunk (the contexts, the sort's keys and permutation, a mark per element).
     """
+    return start_changes_and_scans(old, new, chunk_elems).result()
+
+
+class PendingScan:
+    """The changes and chunk scans of one tensor, on their way to the host.
+
+    ``chunks``: ``(start, count)`` of every chunk with a change, in order (known at once);
+    :meth:`result` waits for the copies (thread-safe, computed once)."""
+
+    def __init__(
+        self,
+        parts: dict[str, torch.Tensor],
+        used: list[tuple[int, int, int, int]],
+        nctx: int,
+        ready: Any,
+    ) -> None:
+        self._parts, self._used, self._nctx, self._ready = parts, used, nctx, ready
+        self._lock = threading.Lock()
+        self._result: tuple[np.ndarray, np.ndarray, dict[int, ChunkScan]] | None = None
+        self.chunks = [(start, count) for start, count, _, _ in used]
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, dict[int, ChunkScan]]:
+        """``(index, value, scans)`` as :func:`changes_and_scans` returns them."""
+        with self._lock:
+            if self._result is None:
+                if self._ready is not None:
+                    self._ready.synchronize()
+                p = {k: t.numpy() for k, t in self._parts.items()}
+                index = p["index"].astype(np.int64, copy=False)
+                hist = p["hist"].reshape(-1, self._nctx) if self._used else p["hist"]
+                scans = {
+                    start: ChunkScan(
+                        count=count,
+                        hist=hist[j],
+                        ctx=p["ctx"][lo:hi],
+                        rank=p["rank"][lo:hi],
+                        old=p["old"][lo:hi],
+                    )
+                    for j, (start, count, lo, hi) in enumerate(self._used)
+                }
+                self._result = (index, p["value"], scans)
+                self._parts = {}
+            return self._result
+
+
+def start_changes_and_scans(
+    old: torch.Tensor, new: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS
+) -> PendingScan:
+    """Queue :func:`changes_and_scans` for one tensor on the current stream and return.
+
+    One synchronization (the changes per chunk, a few bytes); on a GPU, the results are copied
+    into pinned host memory behind the work, so the caller may queue the next tensor (or
+    overwrite ``old`` in place on the same stream) at once."""
     if old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
         raise ValueError(
             f"old and new differ: {old.dtype}{list(old.shape)} on {old.device} vs "
@@ -46,62 +107,80 @@ def changes_and_scans(
     shift, emask = context_layout(fmt)
     if emask > 255:
         raise ValueError(f"{fmt.name}: more than 256 position contexts")
+    nctx = emask + 1
     ob, nb = bits_view(old.contiguous()), bits_view(new.contiguous())
-    tidx = torch.nonzero(ob != nb).view(-1)
-    index = tidx.cpu().numpy().astype(np.int64, copy=False)
-    value = nb[tidx].cpu().numpy()
-    starts = np.arange(0, ob.numel(), chunk_elems, dtype=np.int64)
-    bounds = np.searchsorted(index, np.append(starts, ob.numel()))
-    hists, ctxs, ranks, olds = [], [], [], []
+    n = ob.numel()
+    mask = ob != nb
+    full = n - n % chunk_elems
+    per_chunk = []
+    if full:
+        per_chunk.append(mask[:full].view(-1, chunk_elems).sum(1))
+    if full < n:
+        per_chunk.append(mask[full:].sum().view(1))
+    counts = torch.cat(per_chunk).tolist() if per_chunk else []  # the one synchronization
+    k = int(sum(counts))
+    tidx = _nonzero(mask, k)
+    del mask
     used: list[tuple[int, int, int, int]] = []  # (start, count, lo, hi)
-    for i, start in enumerate(starts.tolist()):
-        lo, hi = int(bounds[i]), int(bounds[i + 1])
-        if hi == lo:
+    hists, ranks = [], []
+    lo = 0
+    for i, changes in enumerate(counts):
+        if not changes:
             continue
-        count = min(chunk_elems, ob.numel() - start)
-        part = ob[start : start + count]
-        c = ((part >> shift) & emask).to(torch.uint8)  # one byte: the sort is one radix pass
-        local = tidx[lo:hi] - start
-        hist, ctx, rank = _scan(c, local, emask + 1)
+        start = i * chunk_elems
+        count = min(chunk_elems, n - start)
+        keys = ((ob[start : start + count] >> shift) & emask).to(torch.uint8)  # one radix pass
+        hist, rank = _scan(keys, tidx[lo : lo + changes] - start, nctx)
         hists.append(hist)
-        ctxs.append(ctx)
         ranks.append(rank)
-        olds.append(part[local])
-        used.append((start, count, lo, hi))
-    scans: dict[int, ChunkScan] = {}
-    if not used:
-        return index, value, scans
-    # one copy of each kind to the host, split per chunk there (the chunks' changes follow each
-    # other in index order, so a chunk's rows are its [lo, hi) of the changed elements)
-    hist_h = torch.stack(hists).cpu().numpy()
-    ctx_h = torch.cat(ctxs).cpu().numpy()
-    rank_h = torch.cat(ranks).cpu().numpy()
-    old_h = torch.cat(olds).cpu().numpy()
-    for j, (start, count, lo, hi) in enumerate(used):
-        scans[start] = ChunkScan(
-            count=count, hist=hist_h[j], ctx=ctx_h[lo:hi], rank=rank_h[lo:hi], old=old_h[lo:hi]
-        )
-    return index, value, scans
+        used.append((start, count, lo, lo + changes))
+        lo += changes
+    old_at = ob[tidx]
+    device_parts = {
+        "index": tidx,
+        "value": nb[tidx],
+        "old": old_at,
+        "ctx": ((old_at >> shift) & emask).to(torch.int16),  # each change's old exponent
+        "hist": torch.cat(hists) if hists else torch.zeros(0, dtype=torch.int64, device=ob.device),
+        "rank": torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.int32, device=ob.device),
+    }
+    if ob.device.type != "cuda":
+        return PendingScan(device_parts, used, nctx, None)
+    # non-blocking copies to the host land in pinned memory (torch's caching host allocator)
+    host = {name: t.to("cpu", non_blocking=True) for name, t in device_parts.items()}
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(ob.device))
+    return PendingScan(host, used, nctx, ready)
 
 
 def _scan(
     keys: torch.Tensor, changed: torch.Tensor, nctx: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(hist, ctx, rank)`` of one chunk on its device: ``keys`` (uint8, the context of every
-    element), ``changed`` (increasing chunk-local indices). ``ctx`` and ``rank`` follow
-    ``changed``'s order."""
-    hist = torch.bincount(keys, minlength=nctx)
-    first = torch.cumsum(hist, 0) - hist  # elements of smaller contexts
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hist, rank)`` of one chunk on its device, without a synchronization: ``keys`` (uint8,
+    the context of every element), ``changed`` (increasing chunk-local indices); ``rank``
+    (int32) follows ``changed``'s order."""
     sorted_keys, perm = torch.sort(keys, stable=True)
+    # where each context starts in sorted order = the elements of smaller contexts (no
+    # bincount: on CUDA it reads the maximum back to the host)
+    bounds = torch.searchsorted(
+        sorted_keys, torch.arange(nctx, dtype=torch.uint8, device=keys.device)
+    )
+    end = torch.full((1,), keys.numel(), dtype=bounds.dtype, device=keys.device)
+    hist = torch.diff(bounds, append=end)
     mark = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
     mark[changed] = True
-    pos = torch.nonzero(mark[perm]).view(-1)  # sorted positions of the changed elements
-    ctx = sorted_keys[pos].to(torch.int64)
-    rank = pos - first[ctx]
+    pos = _nonzero(mark[perm], changed.numel())  # sorted positions of the changes
+    rank = pos - bounds[sorted_keys[pos].to(torch.int64)]
     # (context, index) order -> index order: where each one's index sits among ``changed``
-    order = torch.searchsorted(changed, perm[pos])
-    out_ctx = torch.empty_like(ctx)
-    out_rank = torch.empty_like(rank)
-    out_ctx[order] = ctx
-    out_rank[order] = rank
-    return hist, out_ctx.to(torch.int16), out_rank.to(torch.int32)
+    out = torch.empty_like(rank)
+    out[torch.searchsorted(changed, perm[pos])] = rank
+    return hist, out.to(torch.int32)
+
+
+def _nonzero(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (int64) of the ``k`` true elements of the flat ``mask``, without a
+    synchronization where torch can (``nonzero_static``)."""
+    try:
+        return torch.nonzero_static(mask, size=k).view(-1)
+    except (NotImplementedError, RuntimeError):  # pragma: no cover - builds without it
+        return torch.nonzero(mask).view(-1)
