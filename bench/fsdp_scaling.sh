@@ -7,7 +7,7 @@
 #   PYTHONPATH=/tmp/site bash bench/fsdp_scaling.sh RESULTS_DIR [NPROC]
 #
 # Environment: PYTHON (default python), PRESETS (default "0.6b 1.7b 7b 14b"), EXTRA (more bench
-# flags for every preset).
+# flags for every preset), STEPS_7B (the 7b preset's steps, default 6; 10 needs LIMIT_7B=300).
 set -u
 out=${1:?usage: fsdp_scaling.sh RESULTS_DIR [NPROC]}
 nproc=${2:-4}
@@ -17,8 +17,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 # seconds per preset (model build, anchor, the published steps, the follower's apply); 14b
 # publishes without the follower (its apply is the 7b one's, twice the size), to fit the budget
-declare -A limit=([0.6b]=60 [1.7b]=90 [7b]=240 [14b]=150)
-declare -A steps=([0.6b]=4 [1.7b]=4 [7b]=6 [14b]=3)
+declare -A limit=([0.6b]=60 [1.7b]=90 [7b]=${LIMIT_7B:-240} [14b]=150)
+declare -A steps=([0.6b]=4 [1.7b]=4 [7b]=${STEPS_7B:-6} [14b]=3)
 declare -A follow=([0.6b]=--apply [1.7b]=--apply [7b]=--apply [14b]=)
 port=29611
 for p in $presets; do

@@ -58,7 +58,11 @@ from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.bits import FloatFormat, float_format
 from deltarl.services.weightsync.codec.compact_chunks import ChunkAnalysis, analyse_chunk
-from deltarl.services.weightsync.codec.device_scan import PendingScan, start_changes_and_scans
+from deltarl.services.weightsync.codec.device_scan import (
+    PendingScan,
+    start_changes_and_scans,
+    warm_up,
+)
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
@@ -121,6 +125,13 @@ def delta_from_changes(
             result_digest=digests[k],
         )
     return Delta(base_version=base_version, version=version, patches=patches)
+
+
+def _warm_up() -> None:
+    try:
+        warm_up()
+    except Exception:  # the first delta compiles them instead
+        logger.warning("warming up the encoder's kernels failed", exc_info=True)
 
 
 def _analyse(
@@ -301,6 +312,8 @@ class ShardedPublisher(VersionBook):
         self._failed = False
         self._threads = self.settings.codec_threads or default_codec_threads()
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sharded-digest")
+        if self.settings.format == "compact":  # compile the encoder's kernels meanwhile
+            self._pool.submit(_warm_up)
         self._mirror = _HostMirror()
         self._scan_on_device = scan_on_device
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None

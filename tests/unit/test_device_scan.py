@@ -187,3 +187,9 @@ def test_the_scan_on_a_gpu_equals_the_scan_on_the_cpu() -> None:
             assert other.count == scan.count
             for field in ("hist", "ctx", "rank", "old"):
                 assert np.array_equal(getattr(other, field), getattr(scan, field)), (k, field)
+
+
+def test_warm_up_runs_the_encoder_on_a_tiny_delta() -> None:
+    from deltarl.services.weightsync.codec import device_scan
+
+    device_scan.warm_up()  # raises if the tiny delta does not encode from its scans
