@@ -19,6 +19,11 @@ from ``$TORCH_INDEX_URL`` (PyTorch's CPU index by default). Images build with th
 cache between runs. Skipped only when ``docker info`` fails (no Docker engine), and then a
 failure under ``DELTARL_REQUIRE_DOCKER=1`` (CI).
 
+The builds start in a thread of their own as soon as pytest has collected this test
+(tests/deploy/conftest.py: ``start_early``), and the test runs last in the session, so that they
+overlap the rest of the suite (~190 s in CI, 2 cores); the test waits for
+them, and a failed build fails it with the build's log, as before.
+
 Environment knobs: ``DELTARL_COMPOSE_TEST_TIMEOUT_S`` (the run after ``up``, default 900 s),
 ``DELTARL_COMPOSE_TEST_BUILD_TIMEOUT_S`` (each image build, default 1800 s).
 """
@@ -32,6 +37,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -215,6 +221,58 @@ class Stack:
         return out.stdout + out.stderr
 
 
+class Builds:
+    """The base images, the torch wheel and every image of the profile, built in a thread of
+    their own: their notes and timings, or what went wrong (re-raised by ``wait``)."""
+
+    def __init__(self) -> None:
+        self.notes: dict[str, str] = {}
+        self.timings: dict[str, float] = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._build, name="compose-image-builds", daemon=True)
+        self.thread.start()
+
+    def _build(self) -> None:
+        try:
+            self.notes["base images"] = ", ".join(f"{k} {v}" for k, v in _base_images().items())
+            self.notes["torch"] = _torch_wheels()
+            builder = Stack(_compose_command())  # image names are compose.yaml's, not per project
+            try:
+                for service in IMAGES:
+                    builder.build(service)
+            finally:
+                self.timings = builder.timings
+        except BaseException as exc:  # pytest.fail's Failed too: the test re-raises it
+            self.error = exc
+
+    def wait(self) -> None:
+        """Until every build is done; raises what one raised (a failed build: its log)."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+_builds: Builds | None = None
+
+# conftest.py: these tests run last; start_early() is called once collection is done
+STARTS_EARLY = frozenset({"test_compose_cpu_profile_trains"})
+
+
+def start_early() -> None:
+    """Start the builds now (no Docker engine: nothing; the fixture skips or fails)."""
+    global _builds
+    if _builds is None and _docker_problem() is None:
+        _builds = Builds()
+
+
+def _started_builds() -> Builds:
+    """The builds start_early() started, else (this test alone, say) builds started now."""
+    global _builds
+    if _builds is None:
+        _builds = Builds()
+    return _builds
+
+
 @pytest.fixture
 def stack() -> Iterator[Stack]:
     problem = _docker_problem()
@@ -239,11 +297,16 @@ def _report(stack: Stack, notes: dict[str, str], capsys: pytest.CaptureFixture[s
 
 
 def test_compose_cpu_profile_trains(stack: Stack, capsys: pytest.CaptureFixture[str]) -> None:
-    notes = {"base images": ", ".join(f"{k} {v}" for k, v in _base_images().items())}
-    notes["torch"] = _torch_wheels()
+    builds = _started_builds()
+    notes: dict[str, str] = {}
     try:
-        for service in IMAGES:
-            stack.build(service)
+        t0 = time.monotonic()
+        try:
+            builds.wait()
+        finally:
+            stack.timings["waiting for the builds (this test)"] = time.monotonic() - t0
+            notes |= builds.notes
+            stack.timings |= builds.timings
         _up_and_train(stack, notes)
     finally:
         _report(stack, notes, capsys)

