@@ -46,7 +46,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,13 +56,9 @@ import torch.distributed as tdist
 
 from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.bits import FloatFormat, float_format
-from deltarl.services.weightsync.codec.compact_chunks import ChunkAnalysis, analyse_chunk
-from deltarl.services.weightsync.codec.device_scan import (
-    PendingScan,
-    start_changes_and_scans,
-    warm_up,
-)
+from deltarl.services.weightsync.codec.bits import float_format
+from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
+from deltarl.services.weightsync.codec.device_scan import PendingScan, start_changes_and_scans
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
@@ -125,25 +121,6 @@ def delta_from_changes(
             result_digest=digests[k],
         )
     return Delta(base_version=base_version, version=version, patches=patches)
-
-
-def _warm_up() -> None:
-    try:
-        warm_up()
-    except Exception:  # the first delta compiles them instead
-        logger.warning("warming up the encoder's kernels failed", exc_info=True)
-
-
-def _analyse(
-    scan: PendingScan, name: str, start: int, count: int, fmt: FloatFormat
-) -> ChunkAnalysis:
-    """The compact encoder's first phase for one chunk of ``name``, once its scan has landed
-    (runs in the pool while the device works on the next tensors)."""
-    index, value, scans = scan.result()
-    lo, hi = np.searchsorted(index, [start, start + count])
-    return analyse_chunk(
-        name, start, None, index[lo:hi] - start, value[lo:hi], fmt, scan=scans[start]
-    )
 
 
 def _digest_when_ready(t: torch.Tensor, ready: Any) -> str:
@@ -312,8 +289,6 @@ class ShardedPublisher(VersionBook):
         self._failed = False
         self._threads = self.settings.codec_threads or default_codec_threads()
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sharded-digest")
-        if self.settings.format == "compact":  # compile the encoder's kernels meanwhile
-            self._pool.submit(_warm_up)
         self._mirror = _HostMirror()
         self._scan_on_device = scan_on_device
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
@@ -458,7 +433,7 @@ class ShardedPublisher(VersionBook):
         host_new: dict[str, torch.Tensor] = {}
         digest_of = {}
         changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        analyses: list[Future[ChunkAnalysis]] = []
+        scans: dict[tuple[str, int], ChunkScan] = {}
         t1 = time.perf_counter()
         if on_device:
             # one tensor at a time: cast, changes and their context scan queued on the device,
@@ -478,13 +453,7 @@ class ShardedPublisher(VersionBook):
                 peak = max(peak, n.numel() * n.element_size() * (n is not state[k]))
                 if with_delta:
                     assert base is not None
-                    pending[k] = scan = start_changes_and_scans(base[k], n)
-                    if fmt == "compact":
-                        ffmt = float_format(self.dtype)
-                        analyses += [
-                            self._pool.submit(_analyse, scan, k, start, count, ffmt)
-                            for start, count in scan.chunks
-                        ]
+                    pending[k] = start_changes_and_scans(base[k], n)
                 if reuse:
                     new[k].copy_(n)
                 else:
@@ -494,8 +463,9 @@ class ShardedPublisher(VersionBook):
             rec.memory = sum(t.numel() * t.element_size() for t in new.values()) + peak
             t_loop = time.perf_counter()
             for k, scan in pending.items():
-                index, value, _ = scan.result()
+                index, value, found = scan.result()
                 changes[k] = (index, value)
+                scans.update(((k, start), sc) for start, sc in found.items())
         else:
             new = {k: state[k].detach().to(self.dtype, copy=True).contiguous() for k in keys}
             rec.memory = 2 * sum(t.numel() * t.element_size() for t in new.values())
@@ -517,14 +487,11 @@ class ShardedPublisher(VersionBook):
             )
             rec.base_digests = dict(self._base_digests)
             rec.changed = delta.changed
-        done = [a.result() for a in analyses]
         t2 = time.perf_counter()
         blob = anchor_blob = None
         if delta is not None:
-            if on_device:  # the base is overwritten; the compact encoder's phase A is done
-                blob = encode_delta(
-                    delta, None, fmt, threads=self._threads, analyses=done if done else None
-                )
+            if on_device:  # the base is overwritten: the compact encoder reads the scans
+                blob = encode_delta(delta, None, fmt, threads=self._threads, scans=scans)
             else:
                 blob = encode_delta(delta, base, fmt, threads=self._threads)
         if anchor:

@@ -20,12 +20,13 @@ TOKEN = "teacher-test-token-0123456789"
 VOCAB = 96
 
 
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    """A random two-layer Llama over ``VOCAB`` ids, float32, on CPU."""
+def tiny_model(seed: int = 0, hidden_size: int = 32) -> torch.nn.Module:
+    """A random two-layer Llama over ``VOCAB`` ids, float32, on CPU (4 heads: head dim
+    ``hidden_size / 4``; vLLM's float32 attention needs at least 16)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,

@@ -4,8 +4,6 @@ base. Run here on CPU tensors; the same ops run on a GPU."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -15,11 +13,7 @@ from deltarl.services.weightsync import compute_delta
 from deltarl.services.weightsync.codec import kernels
 from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.services.weightsync.codec.compact import encode_compact
-from deltarl.services.weightsync.codec.compact_chunks import (
-    ChunkScan,
-    analyse_chunk,
-    context_layout,
-)
+from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
 from deltarl.services.weightsync.codec.device_scan import (
     changes_and_scans,
     start_changes_and_scans,
@@ -62,60 +56,6 @@ def test_an_encoder_fed_the_scans_writes_the_same_bytes() -> None:
         scans.update(((k, s), sc) for s, sc in found.items())
     want = encode_compact(delta, old, chunk_elems=CHUNK, threads=2)
     assert encode_compact(delta, None, chunk_elems=CHUNK, threads=2, scans=scans) == want
-
-
-def _analyses(old, new, chunk=CHUNK):
-    """Phase A per chunk from pending scans, as the sharded publisher runs it in its pool."""
-    out = []
-    for k in sorted(old):
-        pending = start_changes_and_scans(old[k], new[k], chunk)
-        index, value, scans = pending.result()
-        assert pending.chunks == [(s, scans[s].count) for s in sorted(scans)]
-        fmt = float_format(old[k].dtype)
-        for start, count in pending.chunks:
-            lo, hi = np.searchsorted(index, [start, start + count])
-            local = index[lo:hi] - start
-            out.append(analyse_chunk(k, start, None, local, value[lo:hi], fmt, scan=scans[start]))
-    return out
-
-
-def test_an_encoder_fed_the_analyses_writes_the_same_bytes() -> None:
-    old, new = _state()
-    delta = compute_delta(old, new, 3, 4)
-    want = encode_compact(delta, old, chunk_elems=CHUNK, threads=2)
-    got = encode_compact(delta, None, chunk_elems=CHUNK, threads=2, analyses=_analyses(old, new))
-    assert got == want
-
-
-def test_the_encoder_refuses_analyses_that_do_not_fit() -> None:
-    old, new = _state()
-    delta = compute_delta(old, new, 3, 4)
-    good = _analyses(old, new)
-    with pytest.raises(ValueError, match="do not match the delta's chunks"):
-        encode_compact(delta, None, chunk_elems=CHUNK, analyses=good[1:])  # one missing
-    with pytest.raises(ValueError, match="do not match the delta's chunks"):
-        encode_compact(delta, None, chunk_elems=2 * CHUNK, analyses=good)  # other chunk size
-    other = compute_delta(old, {**new, "a": old["a"].clone()}, 3, 4)  # "a" unchanged there
-    with pytest.raises(ValueError, match="do not match the delta's chunks"):
-        encode_compact(other, None, chunk_elems=CHUNK, analyses=good)
-    # same chunks, one element fewer in the delta: the analyses would code another delta
-    p = delta.patches["a"]
-    fewer = compute_delta(old, new, 3, 4)
-    fewer.patches["a"] = type(p)(
-        name=p.name,
-        dtype=p.dtype,
-        shape=p.shape,
-        index=p.index[1:],
-        value=p.value[1:],
-        base_digest=p.base_digest,
-        result_digest=p.result_digest,
-    )
-    assert int(p.index[1]) < CHUNK  # the first chunk keeps a change: the same chunk list
-    with pytest.raises(ValueError, match=r"code .* changed elements"):
-        encode_compact(fewer, None, chunk_elems=CHUNK, analyses=good)
-    chained = [dataclasses.replace(good[0], chained=True), *good[1:]]
-    with pytest.raises(ValueError, match="chained analysis"):
-        encode_compact(delta, None, chunk_elems=CHUNK, analyses=chained)
 
 
 def test_a_pending_scan_lists_its_chunks_at_once_and_resolves_once() -> None:
@@ -187,9 +127,3 @@ def test_the_scan_on_a_gpu_equals_the_scan_on_the_cpu() -> None:
             assert other.count == scan.count
             for field in ("hist", "ctx", "rank", "old"):
                 assert np.array_equal(getattr(other, field), getattr(scan, field)), (k, field)
-
-
-def test_warm_up_runs_the_encoder_on_a_tiny_delta() -> None:
-    from deltarl.services.weightsync.codec import device_scan
-
-    device_scan.warm_up()  # raises if the tiny delta does not encode from its scans

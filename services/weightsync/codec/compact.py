@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -113,7 +113,6 @@ def encode_compact(
     context: DeltaContext | None = None,
     rho16: int = RHO16_DEFAULT,
     scans: Mapping[tuple[str, int], ChunkScan] | None = None,
-    analyses: Sequence[ChunkAnalysis] | None = None,
 ) -> bytes:
     """Serialize ``delta`` in the compact format, using ``base`` (the state at the delta's base
     version; GPU tensors are copied to CPU one at a time) as side information.
@@ -127,19 +126,13 @@ def encode_compact(
     GPU holding the weights); then ``base`` is not read and may be None. Standalone only. The
     bytes are the same as with ``base``.
 
-    ``analyses``: phase A already done, one :class:`ChunkAnalysis` per chunk with changes in
-    this function's order (tensors by name, chunks by start), e.g. by
-    :func:`~.compact_chunks.analyse_chunk` with a scan while the device was still finding the
-    next tensor's changes (:class:`~deltarl.trainer.sharded.ShardedPublisher`); standalone
-    only, ``base`` and ``scans`` unused. Same bytes.
-
     Phase A analyses every chunk in parallel (contexts, ranks, symbols); then the value tables are
     chosen for the whole delta (shared per old exponent, or a context's own where that is cheaper
     including the table); phase B codes every chunk in parallel.
     """
     if base is not None:
         check_compatible(base, delta.patches)
-    elif scans is None and analyses is None:
+    elif scans is None:
         raise ValueError("the compact encoder needs the base state or the chunks' scans")
     if chunk_elems < 1:
         raise ValueError("chunk_elems must be positive")
@@ -150,12 +143,6 @@ def encode_compact(
             raise ValueError(f"rho16 must be in [0, 32], got {rho16}")
     chained = context is not None
     jobs = _chunks(delta.patches, chunk_elems)
-    if analyses is not None:
-        if chained:
-            raise ValueError("precomputed analyses are for standalone deltas, not chained ones")
-        _check_analyses(analyses, jobs, delta)
-        with ThreadPoolExecutor(threads) as pool:
-            return _assemble(delta, list(analyses), pool, None, rho16)
     if scans is not None:
         if chained:
             raise ValueError("precomputed scans are for standalone deltas, not chained ones")
@@ -188,52 +175,13 @@ def encode_compact(
         return analyse_chunk(name, start, old, index, value, fmt, prev)
 
     with ThreadPoolExecutor(threads) as pool:
-        return _assemble(delta, list(pool.map(analyse, jobs)), pool, context, rho16)
-
-
-def _check_analyses(
-    analyses: Sequence[ChunkAnalysis], jobs: list[tuple[str, int, int]], delta: Delta
-) -> None:
-    """Precomputed phase A must cover exactly the chunks with changes, in order, and every
-    changed element of each (a missing or stale analysis would code another delta)."""
-    got = [(a.tensor, a.start, a.count) for a in analyses]
-    if got != jobs:
-        diff = next((i for i, (g, j) in enumerate(zip(got, jobs, strict=False)) if g != j), None)
-        at = min(len(got), len(jobs)) if diff is None else diff
-        raise ValueError(
-            f"analyses do not match the delta's chunks: {len(got)} vs {len(jobs)}, first "
-            f"difference at {at}: {got[at] if at < len(got) else None} vs "
-            f"{jobs[at] if at < len(jobs) else None}"
-        )
-    per_tensor: dict[str, int] = {}
-    for a in analyses:
-        if a.chained:
-            raise ValueError(f"{a.tensor}[{a.start}:]: a chained analysis in a standalone delta")
-        per_tensor[a.tensor] = per_tensor.get(a.tensor, 0) + int(a.symbols.size)
-    for name, n in per_tensor.items():
-        if n != delta.patches[name].changed:
-            raise ValueError(
-                f"{name}: the analyses code {n} changed elements, the delta has "
-                f"{delta.patches[name].changed}"
-            )
-
-
-def _assemble(
-    delta: Delta,
-    analyses: list[ChunkAnalysis],
-    pool: ThreadPoolExecutor,
-    context: DeltaContext | None,
-    rho16: int,
-) -> bytes:
-    """The value tables for the whole delta, then phase B (every chunk coded in ``pool``), then
-    the object's bytes: chunk bodies, index, footer, trailer."""
-    chained = context is not None
-    table_of_key, shared = shared_tables(analyses, use_own=False, chained=chained)
-    for a in analyses:
-        choose_own_tables(a, table_of_key, shared)
-    if any(a.own is not None and a.own.any() for a in analyses):
-        table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
-    coded = list(pool.map(lambda a: code_chunk(a, table_of_key, shared), analyses))
+        analyses = list(pool.map(analyse, jobs))
+        table_of_key, shared = shared_tables(analyses, use_own=False, chained=chained)
+        for a in analyses:
+            choose_own_tables(a, table_of_key, shared)
+        if any(a.own is not None and a.own.any() for a in analyses):
+            table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
+        coded = list(pool.map(lambda a: code_chunk(a, table_of_key, shared), analyses))
 
     # the shared tables, then which value context uses which: (key gap, table) pairs
     used = np.flatnonzero(table_of_key >= 0)

@@ -30,7 +30,7 @@ from deltarl.services.weightsync.codec.bits import bits_view, float_format
 from deltarl.services.weightsync.codec.compact import DEFAULT_CHUNK_ELEMS
 from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
 
-__all__ = ["PendingScan", "changes_and_scans", "start_changes_and_scans", "warm_up"]
+__all__ = ["PendingScan", "changes_and_scans", "start_changes_and_scans"]
 
 
 def changes_and_scans(
@@ -184,19 +184,3 @@ def _nonzero(mask: torch.Tensor, k: int) -> torch.Tensor:
         return torch.nonzero_static(mask, size=k).view(-1)
     except (NotImplementedError, RuntimeError):  # pragma: no cover - builds without it
         return torch.nonzero(mask).view(-1)
-
-
-def warm_up() -> None:
-    """Compile the numba kernels that encoding from scans runs (their first call in a process
-    compiles them, seconds), on a tiny delta: the sharded publisher calls this in its pool when
-    it starts, so the first delta after the anchor does not pay for it."""
-    from deltarl.services.weightsync.codec.compact import encode_compact
-    from deltarl.services.weightsync.delta import compute_delta
-
-    g = torch.Generator().manual_seed(0)
-    old = (torch.randn(4096, generator=g) * 0.02).to(torch.bfloat16)
-    new = old.clone()
-    new[::7] = (old[::7].float() * 1.01 + 1e-3).to(torch.bfloat16)
-    delta = compute_delta({"w": old}, {"w": new}, 0, 1)
-    _, _, found = changes_and_scans(old, new)
-    encode_compact(delta, None, threads=1, scans={("w", s): sc for s, sc in found.items()})

@@ -15,13 +15,13 @@ values.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
 
 from deltarl.services.weightsync.codec import compact, trl_format
-from deltarl.services.weightsync.codec.compact_chunks import ChunkAnalysis, ChunkScan
+from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
 from deltarl.services.weightsync.codec.context import DeltaContext
 from deltarl.services.weightsync.delta import Delta
 from deltarl.services.weightsync.errors import CorruptDeltaError
@@ -43,11 +43,9 @@ def encode_delta(
     threads: int | None = None,
     context: DeltaContext | None = None,
     scans: Mapping[tuple[str, int], ChunkScan] | None = None,
-    analyses: Sequence[ChunkAnalysis] | None = None,
 ) -> bytes:
     """Serialize ``delta`` in format ``fmt`` (``compact`` needs ``base``, or ``scans``: the
-    chunks' context scans computed where the weights live, see :mod:`.device_scan`, or
-    ``analyses``: its phase A already done, see :func:`.compact.encode_compact`).
+    chunks' context scans computed where the weights live, see :mod:`.device_scan`).
 
     ``context``: make a *chained* compact delta, coded against the moves of the delta that
     produced ``base`` (:class:`~.context.DeltaContext`); only the compact format has one.
@@ -55,11 +53,9 @@ def encode_delta(
     if context is not None and fmt != "compact":
         raise ValueError(f"only the compact format can be chained on a context, not {fmt!r}")
     if fmt == "compact":
-        if base is None and scans is None and analyses is None:
+        if base is None and scans is None:
             raise ValueError("the compact format needs the base state to encode against")
-        return compact.encode_compact(
-            delta, base, threads=threads, context=context, scans=scans, analyses=analyses
-        )
+        return compact.encode_compact(delta, base, threads=threads, context=context, scans=scans)
     if fmt == "trl-raw":
         return trl_format.encode_trl(delta, "raw")
     if fmt == "trl-gap":

@@ -182,21 +182,30 @@ def rice_bits(values, kparams):  # pragma: no cover - jit
     return total
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _put_bits(out, pos, val, n):  # pragma: no cover - jit
+    """OR the ``n`` (<= 56) low bits of ``val`` into zeroed ``out`` at bit ``pos``, MSB first:
+    a byte at a time from the last byte touched (the bits above ``n`` are zero)."""
+    end = pos + n
+    v = (np.int64(val) & ((np.int64(1) << n) - 1)) << ((8 - (end & 7)) & 7)
+    i = (end - 1) >> 3
+    while v:
+        out[i] |= np.uint8(v & 0xFF)
+        v >>= 8
+        i -= 1
+
+
 @njit(nogil=True, cache=True)
 def rice_encode(values, kparams, out):  # pragma: no cover - jit
     """Rice-code ``values[j]`` with parameter ``kparams[j]`` into ``out`` (zeroed, sized by
-    :func:`rice_bits`)."""
+    :func:`rice_bits`): ``values[j] >> k`` zero bits, a one, then the ``k`` low bits."""
     pos = np.int64(0)
     for j in range(values.size):
         v = np.int64(values[j])
         k = np.int64(kparams[j])
         pos += v >> k  # q zero bits (out is zeroed)
-        out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-        pos += 1
-        for b in range(k - 1, -1, -1):
-            if (v >> b) & 1:
-                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-            pos += 1
+        _put_bits(out, pos, (np.int64(1) << k) | v, k + 1)
+        pos += k + 1
     return pos
 
 
@@ -229,13 +238,11 @@ def rice_decode(buf, kparams, out):  # pragma: no cover - jit
 @njit(nogil=True, cache=True)
 def raw_bits_encode(values, widths, out):  # pragma: no cover - jit
     """Write the low ``widths[j]`` bits of ``values[j]``, MSB first, into zeroed ``out``."""
-    pos = 0
+    pos = np.int64(0)
     for j in range(values.size):
-        v = np.int64(values[j])
-        for b in range(np.int64(widths[j]) - 1, -1, -1):
-            if (v >> b) & 1:
-                out[pos >> 3] |= np.uint8(0x80 >> (pos & 7))
-            pos += 1
+        w = np.int64(widths[j])
+        _put_bits(out, pos, values[j], w)
+        pos += w
     return pos
 
 
