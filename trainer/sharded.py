@@ -10,9 +10,9 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
         the changed elements against its bf16 snapshot of the last version and the encoder's
         context scan of them (on its device, :mod:`~deltarl.services.weightsync.codec.device_scan`)
         -> the new rows overwrite the snapshot and start copying to the host to be hashed;
-        the changes land in pinned host memory and the encoder's first phase (per chunk, in
-        the rank's thread pool) starts on them while the device works on the next tensors;
-        then the rest of the encoding (tables, entropy coding) -> upload its part(s)
+        the changes and scans are queued (one synchronization per tensor) and land in pinned
+        host memory while the device works on the next tensors; then encode (on the host, from
+        O(changed) data, in the rank's thread pool) -> upload its part(s)
       all_gather of the small part records (keys, sizes, xxh3, slice digests, counts)
       rank 0: the manifest (one sharded ObjectRef per kind, listing every rank's part) and
         latest.json, then registration; broadcast of the outcome
@@ -28,11 +28,12 @@ a worker computes it the same way from the row views of its full tensors.
 
 Memory per rank for publication: its snapshot (2 bytes per local element, on the device), one
 tensor's bf16 cast and the scan's temporaries at a time (about 16 bytes per element of one
-16 M-element chunk), the delta and its scans (~30 bytes per changed element on the host,
-pinned when it comes from a GPU) and, for rows on a GPU, one pinned host buffer of 2 bytes per
-local element (the new rows, for the digests and anchors). Nothing of the other ranks' rows. Rows on the CPU (or ``scan_on_device=False``) keep
-the simpler path: a whole bf16 copy of the new rows next to the snapshot, diffed and scanned
-on the host.
+16 M-element chunk), the changes and their scans (~18 bytes per changed element on the host,
+pinned when they come from a GPU; the delta views them; ~16 more while they are encoded) and,
+for rows on a GPU, one pinned host buffer of 2 bytes per local element (the new rows, for the
+digests and anchors). Nothing of the other ranks' rows.
+Rows on the CPU (or ``scan_on_device=False``) keep the simpler path: a whole bf16 copy of the
+new rows next to the snapshot, diffed and scanned on the host.
 
 Not supported here (refused or documented): chained deltas (each version carries standalone
 deltas only), publishing in a background thread (the collectives run in the training thread),
@@ -438,9 +439,9 @@ class ShardedPublisher(VersionBook):
         if on_device:
             # one tensor at a time: cast, changes and their context scan queued on the device,
             # then the new rows overwrite the snapshot in place (same stream: after the scan
-            # has read it); a second copy of the rows is never held, only O(changed) data
-            # crosses to the host, and the encoder's first phase runs on each chunk in the pool
-            # as soon as its scan has landed, while the device works on the next tensors
+            # has read it); a second copy of the rows is never held, and only O(changed) data
+            # crosses to the host. (Running the encoder's first phase in the pool during this
+            # loop was measured slower: its Python work holds the GIL this thread needs.)
             reuse = base is not None and all(
                 k in base and base[k].shape == state[k].shape and base[k].device == state[k].device
                 for k in keys
@@ -506,8 +507,8 @@ class ShardedPublisher(VersionBook):
             fmt_tag = "safetensors+zstd" if self.settings.anchor_compress else "safetensors"
             rec.anchor = self._writer.upload_part(version, fmt_tag, anchor_blob, slices)
         t4 = time.perf_counter()
-        # loop (device queue and snapshot overwrite) + wait (the scans, digests and first
-        # encoder phase still running after it) = diff
+        # loop (device queue and snapshot overwrite) + wait (the scans landing, the digests
+        # and the delta's assembly after it) = diff
         rec.times = {
             "cast": t1 - t0,
             "diff": t2 - t1,
