@@ -20,7 +20,10 @@ reference model's own logits) and the share of positions within it (``within_bf1
 passes on that share (>= 0.99) instead of the mean; run ``--dtype float32`` for the plain
 comparison at ``--tolerance``. That bound is loose at these logits (up to 2 nats), so the float32
 run decides: in session 10 bf16 passed on the bound (mean 0.22) but float32 differed by 0.17 on
-average, which rounding cannot explain (docs/teacher.md).
+average, which rounding cannot explain (docs/teacher.md). To tell a different log-normalizer
+from token-level differences it also reports, per position over the top-k ids both engines list,
+the mean shift (vLLM minus reference; ``topk_shift_abs_mean``) and its spread (max - min;
+``topk_spread_mean``, ~0 when only the normalizer differs).
 
     python bench/teacher_vllm_check.py --json bench/results/teacher_vllm.json
 """
@@ -137,18 +140,35 @@ def main() -> int:
         ScoreJob(np.asarray(s, np.int32), p, 1.0, a.k) for s, p in zip(seqs, prompts, strict=True)
     ]
     sampled, top, top1, within = [], [], [], []
+    shift_mean, shift_spread = [], []
     for i, want in enumerate(ref.score(jobs)):
         s, ids, lps = got.sequence(i)
         diff = np.abs(s - want.sampled)
         sampled += diff.tolist()
         top += np.abs(lps - want.top_logprobs).ravel().tolist()
         top1 += (ids[:, 0] == want.top_ids[:, 0]).tolist()
+        # per position, vLLM minus reference over the ids both list: one common shift (a
+        # different log-normalizer) or differences that vary from token to token
+        for r in range(ids.shape[0]):
+            ref_of = dict(zip(want.top_ids[r].tolist(), want.top_logprobs[r].tolist(), strict=True))
+            d = [
+                lp - ref_of[t]
+                for t, lp in zip(ids[r].tolist(), lps[r].tolist(), strict=True)
+                if t in ref_of
+            ]
+            if d:
+                shift_mean.append(statistics.mean(d))
+                shift_spread.append(max(d) - min(d))
         if a.dtype == "bfloat16":
             bound = _bf16_bounds(model, seqs[i], prompts[i], device)
             within += (diff <= bound + 1e-3).tolist()
     result["sampled_abs_diff"] = {"mean": statistics.mean(sampled), "max": max(sampled)}
     result["topk_abs_diff"] = {"mean": statistics.mean(top), "max": max(top)}
     result["top1_agreement"] = statistics.mean(top1)
+    # shift: mean over positions of |mean(vLLM - reference)| over the shared top-k ids; spread:
+    # mean over positions of max - min of those differences (~0 when only the normalizer differs)
+    result["topk_shift_abs_mean"] = statistics.mean(abs(x) for x in shift_mean)
+    result["topk_spread_mean"] = statistics.mean(shift_spread)
     result["positions"] = len(sampled)
     if within:
         result["within_bf16_bound"] = statistics.mean(within)
