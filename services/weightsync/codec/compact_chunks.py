@@ -114,8 +114,8 @@ class ChunkScan:
 
     count: int  # elements in the chunk
     hist: np.ndarray  # int64 [contexts]: the chunk's elements per position context
-    ctx: np.ndarray  # int64 [k]: each changed element's context, in index order
-    rank: np.ndarray  # int64 [k]: its rank among the chunk's earlier elements of that context
+    ctx: np.ndarray  # integer [k] (int16 from the device): each change's context, index order
+    rank: np.ndarray  # integer [k] (int32): its rank among the chunk's earlier elements of it
     old: np.ndarray  # [k]: the changed elements' bit patterns at the base
 
 
@@ -154,37 +154,37 @@ def analyse_chunk(
     comp = 2 * kc_all > hist
 
     coded = np.where(comp, hist - kc_all, kc_all)
-    gaps = np.empty(int(coded.sum()), np.int64)
-    gc = np.empty(gaps.size, np.int64)
-    kernels.position_gaps(ctx, rank, hist, kc_all, comp, gaps, gc)
-    kparams = rice_parameter(hist, coded)[gc]
+    gaps = np.empty(int(coded.sum()), np.uint32)  # < chunk size
+    kparams = np.empty(gaps.size, np.uint8)
+    kparam_of_ctx = rice_parameter(hist, coded).astype(np.uint8)
+    kernels.position_gaps_rice(ctx, rank, hist, kc_all, comp, kparam_of_ctx, gaps, kparams)
 
     if ref is None:
         assert old is not None
         ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
     else:
         forbidden, vctx = None, ctx
+    # value contexts present, ascending (standalone they are the position contexts: each change
+    # is one symbol of its own context), and each symbol's row among them
+    vkeys = present if vctx is ctx else np.flatnonzero(np.bincount(vctx, minlength=1))
+    pos_of_key = np.zeros(int(vkeys[-1]) + 1 if vkeys.size else 1, np.int32)
+    pos_of_key[vkeys] = np.arange(vkeys.size, dtype=np.int32)
+    sym_ctx = pos_of_key[vctx]
     if forbidden is None:  # standalone: diff, symbols and their counts in one compiled pass
         k = value.size
         symbols = np.empty(k, np.uint16)
         extra = np.empty(k, np.uint32)
         widths = np.empty(k, np.uint8)
-        by_ctx = np.zeros((nctx, ALPHABET), np.int64)
+        counts = np.zeros((vkeys.size, ALPHABET), np.int64)
         kernels.value_symbols(
-            value, ref, fmt.width, vctx, TOP_BITS, SMALL, symbols, extra, widths, by_ctx
+            value, ref, fmt.width, sym_ctx, TOP_BITS, SMALL, symbols, extra, widths, counts
         )
-        vkeys = np.flatnonzero(by_ctx.any(axis=1))  # value contexts present, ascending
-        counts = by_ctx[vkeys]
     else:
         d = skip_forbidden(wrapped_diff(value, ref, fmt.width), forbidden)
         symbols, extra, widths = diff_to_symbols(d)
-        vkeys = np.flatnonzero(np.bincount(vctx, minlength=1))  # value contexts present
-        counts = None
-    pos_of_key = np.zeros(int(vkeys[-1]) + 1 if vkeys.size else 1, np.int64)
-    pos_of_key[vkeys] = np.arange(vkeys.size)
-    sym_ctx = pos_of_key[vctx]
-    if counts is None:
-        counts = np.bincount(sym_ctx * ALPHABET + symbols, minlength=vkeys.size * ALPHABET)
+        counts = np.bincount(
+            sym_ctx.astype(np.int64) * ALPHABET + symbols, minlength=vkeys.size * ALPHABET
+        )
     return ChunkAnalysis(
         tensor=tensor,
         start=start,
@@ -194,10 +194,10 @@ def analyse_chunk(
         key=vkeys,
         counts=counts.reshape(vkeys.size, ALPHABET),
         # compact dtypes: this is held for every changed element until the chunk is coded
-        gaps=gaps.astype(np.uint32),
-        kparams=kparams.astype(np.uint8),
+        gaps=gaps,
+        kparams=kparams,
         symbols=symbols.astype(np.uint16, copy=False),
-        sym_ctx=sym_ctx.astype(np.int32),
+        sym_ctx=sym_ctx,
         extra=extra.astype(np.uint32, copy=False),
         widths=widths.astype(np.uint8, copy=False),
         chained=prediction is not None,
@@ -227,8 +227,9 @@ def _checked_scan(
         raise ValueError(
             "scan does not fit the delta: an index past the chunk or an unchanged value"
         )
-    ctx = np.ascontiguousarray(scan.ctx, dtype=np.int64)
-    rank = np.ascontiguousarray(scan.rank, dtype=np.int64)
+    # the kernels take the scan's narrow dtypes as they are (int16 contexts, int32 ranks)
+    ctx = np.ascontiguousarray(scan.ctx)
+    rank = np.ascontiguousarray(scan.rank)
     return np.ascontiguousarray(scan.hist, np.int64), ctx, rank, scan.old, scan.count
 
 
