@@ -64,20 +64,24 @@ mkdir -p "$WORK" "$RES/logs"
 WORK=$(cd "$WORK" && pwd)
 CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # the GRPO run's game: real rules (dictionary words), one tolerated invalid move; REWARD=shaped
-# (default: win, greens, yellows, format, repetition and invalid terms on every move) or
+# (default: win, greens, yellows, format, repetition and invalid terms on every move),
 # REWARD=win (1 for a win, else 0: the cleaner signal once moves are valid, as TRL's Wordle
-# example found); GRPO_MODEL: the model GRPO starts from (default: the SFT model; e.g. the
+# example found) or REWARD=consistent (the shaped weights plus env.shaping_consistent=0.3: every
+# valid guess after the first that is consistent with all the feedback so far earns 0.3, the
+# skill the shaped run did not learn; docs/wordle.md, "Reward shaping"); GRPO_MODEL: the model GRPO starts from (default: the SFT model; e.g. the
 # previous run's final policy, $WORK_DIR/final-policy, for a second stage); GRPO_NAME: the
 # run's directory under WORK_DIR (default grpo; its final policy goes to final-policy, else
 # final-$GRPO_NAME), so several GRPO arms can start from one prep; WORKER_GPUS: the vLLM
 # workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints)
+SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
+  --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
+  --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1)
 case ${REWARD:-shaped} in
-  shaped) SHAPING=(--set env.allow_non_words=false --set 'env.reward="shaped"'
-    --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
-    --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1) ;;
+  shaped) SHAPING=("${SHAPED[@]}") ;;
+  consistent) SHAPING=("${SHAPED[@]}" --set env.shaping_consistent=0.3) ;;
   win) SHAPING=(--set env.allow_non_words=false --set 'env.reward="final"'
     --set env.partial_credit=0.0 --set env.format_credit=0.0) ;;
-  *) echo "REWARD must be shaped or win, not ${REWARD}" >&2; exit 2 ;;
+  *) echo "REWARD must be shaped, consistent or win, not ${REWARD}" >&2; exit 2 ;;
 esac
 EVAL=(--games "$EVAL_GAMES" --max-guesses "$EVAL_GUESSES" --max-invalid 1
   --max-new-tokens "$MAX_NEW" --temperature 0 --also-temperature "${TEMPERATURE:-1.0}"

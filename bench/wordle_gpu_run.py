@@ -301,6 +301,7 @@ WORDLE_KEYS = {
     "yellows_per_move": "reward/yellows/mean",
     "correct_per_move": "reward/correct/mean",
     "repetition_rate": "reward/repetition/mean",
+    "consistent_rate": "reward/consistent/mean",
     "moves_per_episode": "reward/turns/mean",
     "max_guesses": "reward/max_guesses/mean",
     "return": "reward/mean",
@@ -481,6 +482,7 @@ def plot(summary: dict[str, Any], rd: Path) -> None:
         "reward/yellows/mean": "yellows / 5",
         "reward/valid/mean": "valid moves",
         "reward/correct/mean": "correct guesses per move",
+        "reward/consistent/mean": "guesses consistent with the feedback",
     }
     for k, label in shown.items():
         series = summary["per_step"].get(k)

@@ -119,6 +119,14 @@ class EnvSettings(TLSServerSettings):
         le=MAX_SHAPING_WEIGHT,
         description="Shaped penalty of an invalid move (subtracted).",
     )
+    shaping_consistent: float = Field(
+        default=0.0,
+        ge=0,
+        le=MAX_SHAPING_WEIGHT,
+        description="Shaped reward of a valid guess that could still be the answer given every "
+        "earlier guess's feedback of the episode (the first guess, without feedback, earns "
+        "nothing): rewards using the feedback.",
+    )
     charset_target: str = Field(
         default="abcdefghijklmnopqrstuvwxyz",
         min_length=1,
@@ -157,6 +165,7 @@ class EnvSettings(TLSServerSettings):
             format=self.shaping_format,
             repetition=self.shaping_repetition,
             invalid=self.shaping_invalid,
+            consistent=self.shaping_consistent,
         )
 
     def rules(self) -> WordleRules:

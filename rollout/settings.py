@@ -196,8 +196,9 @@ class RolloutSettings(TLSServerSettings):
         default=None,
         description="Reset options of every episode, as JSON (the env server's ResetOptions, "
         "checked here and by the server): max_guesses, reward ('final' | 'shaped') and shaping "
-        '{win, greens, yellows, format, repetition, invalid}, e.g. {"shaping": {"format": 0.1, '
-        '"greens": 0.5}}. Unset: the server\'s settings (docs/env_server.md).',
+        "{win, greens, yellows, format, repetition, invalid, consistent}, e.g. "
+        '{"shaping": {"format": 0.1, "greens": 0.5}}. Unset: the server\'s settings '
+        "(docs/env_server.md).",
     )
     guesses_start: int | None = Field(
         default=None,

@@ -93,9 +93,10 @@ MAX_GUESSES_LIMIT = 100  # = EnvSettings.max_guesses' bound
 class ShapingOptions(BaseModel):
     """Per-session reward-shaping weights (Wordle). Each weight left out takes the server's
     default (``DELTARL_ENV_SHAPING_*``). The reward of a move is
-    ``win*correct + greens*greens + yellows*yellows + format*valid - repetition*repetition
-    - invalid*invalid`` of its reward signals; the episode's return is the sum over its moves
-    (docs/env_server.md, Rewards)."""
+    ``win*correct + greens*greens + yellows*yellows + format*valid + consistent*consistent
+    - repetition*repetition - invalid*invalid`` of its reward signals (``consistent``: 1 for a
+    valid guess, not the first, that fits the feedback of every earlier guess); the episode's
+    return is the sum over its moves (docs/env_server.md, Rewards)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -119,6 +120,9 @@ class ShapingOptions(BaseModel):
     )
     invalid: float | None = Field(
         default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Penalty of an invalid move."
+    )
+    consistent: float | None = Field(
+        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Reward of a consistent later guess."
     )
 
 

@@ -98,6 +98,7 @@ def _signals(move: Move) -> RewardSignals:
         valid=1.0 if move.valid else 0.0,
         repetition=1.0 if move.repeated else 0.0,
         invalid=0.0 if move.valid else 1.0,
+        consistent=1.0 if move.consistent else 0.0,
     )
 
 

@@ -19,6 +19,7 @@ import random
 import re
 import secrets
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
@@ -60,6 +61,11 @@ def score_guess(guess: str, answer: str) -> str:
             pattern[i] = "Y"
             pool[g] -= 1
     return "".join(pattern)
+
+
+def consistent(word: str, history: Sequence[tuple[str, str]]) -> bool:
+    """Would ``word`` as the answer have produced every ``(guess, pattern)`` of ``history``?"""
+    return all(score_guess(guess, word) == pattern for guess, pattern in history)
 
 
 def extract_guess(message: str) -> str | None:
@@ -141,11 +147,14 @@ class Shaping:
     move's reward signals (``observation.reward_signals``, each in [0, 1])::
 
         r_t = win * correct_t + greens * greens_t + yellows * yellows_t + format * valid_t
-              - repetition * repetition_t - invalid * invalid_t
+              + consistent * consistent_t - repetition * repetition_t - invalid * invalid_t
 
     with ``correct_t`` 1 when the guess is the answer, ``greens_t``/``yellows_t`` the greens /
     yellows of the guess divided by 5 (0 for an invalid move), ``valid_t`` 1 when the move was
-    accepted and scored, ``repetition_t`` 1 when the word had been guessed before in the episode,
+    accepted and scored, ``consistent_t`` 1 when the move was valid and its word could still be
+    the answer given every earlier (guess, pattern) of the episode (:func:`consistent`; 0 for
+    the episode's first valid guess, which has no feedback to use, and for an invalid move),
+    ``repetition_t`` 1 when the word had been guessed before in the episode,
     ``invalid_t = 1 - valid_t``. The episode's return is the sum of its steps' rewards,
     ``R = sum_t r_t``: a forfeit (or a game cut short) keeps what its earlier moves earned, the
     format term included. Every weight is >= 0 (the last two are penalties, subtracted).
@@ -157,17 +166,19 @@ class Shaping:
     format: float = 0.0
     repetition: float = 0.0
     invalid: float = 0.0
+    consistent: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("win", "greens", "yellows", "format", "repetition", "invalid"):
+        for name in ("win", "greens", "yellows", "format", "repetition", "invalid", "consistent"):
             value = getattr(self, name)
             if not 0.0 <= value <= MAX_SHAPING_WEIGHT:
                 raise ValueError(
                     f"shaping weight {name} must be in [0, {MAX_SHAPING_WEIGHT:g}], got {value}"
                 )
 
-    def move_reward(self, pattern: str | None, repeated: bool) -> float:
-        """``r_t`` of a move: ``pattern`` its G/Y/X pattern (None if the move was invalid)."""
+    def move_reward(self, pattern: str | None, repeated: bool, uses_feedback: bool) -> float:
+        """``r_t`` of a move: ``pattern`` its G/Y/X pattern (None if the move was invalid),
+        ``uses_feedback`` its ``consistent_t`` (:attr:`Move.consistent`)."""
         valid = pattern is not None
         pattern = pattern or ""
         reward = (
@@ -175,6 +186,7 @@ class Shaping:
             + self.greens * pattern.count("G") / WORD_LENGTH
             + self.yellows * pattern.count("Y") / WORD_LENGTH
             + self.format * valid
+            + self.consistent * (valid and uses_feedback)
             - self.repetition * repeated
             - self.invalid * (not valid)
         )
@@ -192,6 +204,8 @@ class Move:
     pattern: str | None  # G/Y/X pattern if the move was a valid guess
     invalid_reason: InvalidReason | None
     repeated: bool  # the extracted word had already been guessed this episode
+    # a valid guess after at least one earlier valid guess, consistent with all their patterns
+    consistent: bool
     reward: float  # shaped: this move's r_t; else the final reward if it ended the game, or 0
 
     @property
@@ -241,17 +255,19 @@ class WordleGame:
             self.invalid_moves += 1
             if self.invalid_moves > self.rules.max_invalid_moves:
                 self.forfeited = True
-            return Move(guess, None, reason, repeated, self._reward(None, repeated))
+            return Move(guess, None, reason, repeated, False, self._reward(None, repeated, False))
         assert guess is not None
+        uses_feedback = bool(self.guesses) and consistent(guess, self.guesses)
         pattern = score_guess(guess, self.answer)
         self.guesses.append((guess, pattern))
         self.won = guess == self.answer
-        return Move(guess, pattern, None, repeated, self._reward(pattern, repeated))
+        reward = self._reward(pattern, repeated, uses_feedback)
+        return Move(guess, pattern, None, repeated, uses_feedback, reward)
 
-    def _reward(self, pattern: str | None, repeated: bool) -> float:
+    def _reward(self, pattern: str | None, repeated: bool, uses_feedback: bool) -> float:
         shaping = self.rules.shaping
         if shaping is not None:
-            reward = shaping.move_reward(pattern, repeated)
+            reward = shaping.move_reward(pattern, repeated, uses_feedback)
         else:
             reward = self.final_reward() if self.done else 0.0
         self.total_reward += reward

@@ -37,6 +37,10 @@ class RewardSignals(WireModel):
     valid: float = Field(description="1.0 if the move was accepted as a guess.")
     repetition: float = Field(description="1.0 if the word was guessed before (a penalty cue).")
     invalid: float = Field(description="1.0 if the move was invalid (1 - valid).")
+    consistent: float = Field(
+        description="1.0 if the move was a valid guess consistent with every earlier guess's "
+        "feedback (0 for the first valid guess, which has none, and for an invalid move)."
+    )
 
 
 class WordleObservation(TextArenaObservation):

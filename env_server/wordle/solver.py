@@ -24,12 +24,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deltarl.env_server.wordle.game import WordleGame, WordleRules, WordLists, score_guess
-
-
-def consistent(word: str, history: Sequence[tuple[str, str]]) -> bool:
-    """Would ``word`` as the answer have produced every ``(guess, pattern)`` of ``history``?"""
-    return all(score_guess(guess, word) == pattern for guess, pattern in history)
+from deltarl.env_server.wordle.game import (
+    WordleGame,
+    WordleRules,
+    WordLists,
+    consistent,
+    score_guess,
+)
 
 
 @dataclass

@@ -62,6 +62,7 @@ def test_full_game_win(client: TestClient) -> None:
         "valid": 1.0,
         "repetition": 0.0,
         "invalid": 0.0,
+        "consistent": 0.0,
     }
     assert "Feedback:\nC R A N E\nG Y Y X X" in obs["messages"][-1]["content"]
     assert obs["messages"][-2] == {
@@ -73,6 +74,7 @@ def test_full_game_win(client: TestClient) -> None:
     assert r["done"] is True and r["reward"] == 1.0
     assert r["observation"]["won"] is True and r["observation"]["answer"] == "cobra"
     assert r["observation"]["reward_signals"]["correct"] == 1.0
+    assert r["observation"]["reward_signals"]["consistent"] == 1.0  # fits crane's GYYXX
     state = client.get("/state", params={"session_id": sid}).json()
     assert state["episode_id"] == "ep-1" and state["step_count"] == 2 and state["seed"] == 1
     assert state["done"] and state["won"] and state["answer"] == "cobra"

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from env_helpers import answer, wrong_guesses
+from env_helpers import answer, settings, wrong_guesses
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 
 from deltarl.env_server.core import wire
 from deltarl.env_server.core.models import ResetOptions
@@ -21,8 +22,10 @@ from deltarl.env_server.wordle.game import (
     WordleGame,
     WordleRules,
     WordLists,
+    consistent,
     score_guess,
 )
+from deltarl.env_server.wordle.models import WordleObservation
 
 SEED = 3
 
@@ -141,6 +144,9 @@ def test_http_options_shape_and_set_guesses(client: TestClient) -> None:
         {"shaping": {"win": -1}},
         {"shaping": {"win": 11}},
         {"shaping": {"wins": 1}},
+        {"shaping": {"consistent": -0.1}},
+        {"shaping": {"consistent": 10.5}},
+        {"shaping": {"consistent": "lots"}},
         {"reward": "dense"},
         {"reward": "final", "shaping": {"format": 0.1}},
         {"guesses": 3},
@@ -195,3 +201,137 @@ def test_environment_reset_options_direct() -> None:
     (a,) = wrong_guesses(SEED, 1)
     assert env.step(f"[{a}]").reward == pytest.approx(0.2)
     assert env.state().max_guesses == 4
+
+
+# --- the consistency term: a valid guess that could still be the answer given all earlier
+# feedback. Seed 1's answer is "cobra": crane -> GYYXX (c first, an r and an a elsewhere, no n,
+# no e), error -> XYXYX (exactly one r, not 2nd, 3rd or 5th; an o, not 4th).
+COBRA = 1
+
+
+def test_the_games_behind_the_consistency_cases() -> None:
+    assert answer(COBRA) == "cobra"
+    assert score_guess("crane", "cobra") == "GYYXX"
+    assert score_guess("error", "cobra") == "XYXYX"
+    words = WordLists.load().allowed
+    assert {"coral", "slate", "error", "board", "roars"} <= words and "corab" not in words
+    crane = [("crane", "GYYXX")]
+    assert consistent("coral", crane) and consistent("corab", crane)
+    assert not consistent("slate", crane)
+    # the repeated-letter trap: "roars" has every letter the feedback allows, but two r's where
+    # "error"'s pattern (one r yellow, two grey) says the answer holds exactly one
+    assert consistent("board", [("error", "XYXYX")])
+    assert not consistent("roars", [("error", "XYXYX")])
+
+
+def consistency_env(**rules: Any) -> WordleEnvironment:
+    env = WordleEnvironment(WordleRules(max_invalid_moves=2, **rules), WordLists.load())
+    options = ResetOptions.model_validate({"shaping": {"win": 0.0, "consistent": 0.5}})
+    env.reset(seed=COBRA, options=options)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("messages", "paid", "rules"),
+    [
+        # the first guess has no feedback to use: never paid
+        (["[crane]", "[coral]"], [0, 1], {}),
+        (["[crane]", "[slate]"], [0, 0], {}),
+        # consistent with the first guess's feedback but not with the second's (no l)
+        (["[crane]", "[slate]", "[coral]", "[cobra]"], [0, 0, 0, 1], {}),
+        (["[crane]", "[coral]", "[cobra]"], [0, 1, 1], {}),
+        # repeated letters: one r allowed, "roars" has two
+        (["[error]", "[board]"], [0, 1], {}),
+        (["[error]", "[roars]"], [0, 0], {}),
+        # an invalid move earns nothing, even when its word would fit the feedback
+        (["[crane]", "[corab]", "no guess"], [0, 0, 0], {}),
+        (["[crane]", "[corab]"], [0, 1], {"allow_non_words": True}),
+        # an invalid move before the first valid guess: that guess still has no feedback
+        (["no guess", "[crane]", "[coral]"], [0, 0, 1], {}),
+        # a repeat can never be consistent (its earlier pattern was not all green)
+        (["[crane]", "[crane]"], [0, 0], {"allow_repeats": True}),
+    ],
+)
+def test_consistent_term_is_paid_exactly_for_guesses_fitting_all_feedback(
+    messages: list[str], paid: list[int], rules: dict[str, Any]
+) -> None:
+    env = consistency_env(**rules)
+    rewards, signals = [], []
+    for message in messages:
+        result = env.step(message)
+        obs = result.observation
+        assert isinstance(obs, WordleObservation) and obs.reward_signals is not None
+        signals.append(obs.reward_signals.consistent)
+        rewards.append(result.reward)
+    assert signals == [float(p) for p in paid]
+    assert rewards == [0.5 * p for p in paid]
+    assert env.game is not None and env.game.total_reward == pytest.approx(0.5 * sum(paid))
+
+
+def test_consistent_adds_to_the_other_terms() -> None:
+    weights = Shaping(win=1.0, greens=0.2, format=0.1, repetition=0.3, consistent=0.3)
+    g = WordleGame(WordleRules(shaping=weights), WordLists.load(), seed=COBRA)
+    first, second, third = g.play("[crane]"), g.play("[coral]"), g.play("[cobra]")
+    assert (first.consistent, second.consistent, third.consistent) == (False, True, True)
+    assert first.reward == pytest.approx(0.2 * 1 / 5 + 0.1)
+    assert second.reward == pytest.approx(0.2 * 2 / 5 + 0.1 + 0.3)  # coral: GGYYX
+    assert third.reward == pytest.approx(1.0 + 0.2 + 0.1 + 0.3)
+    assert g.won and g.total_reward == pytest.approx(first.reward + second.reward + third.reward)
+
+
+def test_consistent_weight_0_by_default_changes_nothing() -> None:
+    assert Shaping().consistent == 0.0
+    assert settings().shaping_consistent == 0.0
+    assert settings(shaping_format=0.1).shaping() == Shaping(format=0.1)
+    assert apply_options(
+        WordleRules(), ResetOptions.model_validate({"shaping": {"greens": 0.5}}), Shaping()
+    ).shaping == Shaping(greens=0.5, consistent=0.0)
+    # shaped without the term: the old formula, though the move is consistent
+    weights = Shaping(win=1.0, greens=0.5, yellows=0.25, format=0.1)
+    g = WordleGame(WordleRules(shaping=weights), WordLists.load(), seed=COBRA)
+    g.play("[crane]")
+    move = g.play("[coral]")
+    assert move.consistent and move.reward == pytest.approx(
+        pattern_reward(weights, "coral", "cobra")
+    )
+    # unshaped: 0 until the end; the signal is reported all the same
+    env = WordleEnvironment(WordleRules(max_guesses=2), WordLists.load())
+    env.reset(seed=COBRA)
+    env.step("[crane]")
+    last = env.step("[coral]")
+    obs = last.observation
+    assert isinstance(obs, WordleObservation) and obs.reward_signals is not None
+    assert obs.reward_signals.consistent == 1.0
+    assert last.done and last.reward == pytest.approx((2 + 0.5 * 2) / 5)  # final: GGYYX
+
+
+def test_bad_consistent_weights_are_refused_clearly(client: TestClient) -> None:
+    with pytest.raises(ValueError, match=r"shaping weight consistent must be in \[0, 10\], got 11"):
+        Shaping(consistent=11.0)
+    with pytest.raises(ValidationError, match="shaping_consistent"):
+        settings(shaping_consistent=-0.5)
+    with pytest.raises(ValidationError, match=r"shaping\.consistent"):
+        ResetOptions.model_validate({"shaping": {"consistent": 10.5}})
+    bad = client.post("/reset", json={"options": {"shaping": {"consistent": 10.5}}})
+    assert bad.status_code == 422 and bad.json()["code"] == "VALIDATION_ERROR"
+    detail = bad.json()["detail"]
+    assert "options.shaping.consistent" in detail and "less than or equal to 10" in detail
+
+
+def test_consistent_over_http_per_session_and_server_wide(
+    client: TestClient, make_client: Callable[..., TestClient]
+) -> None:
+    options = {"shaping": {"consistent": 0.5}}  # win stays the server's 1.0, the rest 0
+    sid = client.post("/reset", json={"seed": COBRA, "options": options}).json()["session_id"]
+    got = []
+    for word in ("crane", "coral", "slate", "cobra"):
+        res = client.post("/step", json={"session_id": sid, "action": {"message": f"[{word}]"}})
+        body = res.json()
+        got.append((body["reward"], body["observation"]["reward_signals"]["consistent"]))
+    # slate: inconsistent with crane's feedback; cobra: consistent with all three, and the win
+    assert got == [(0.0, 0.0), (0.5, 1.0), (0.0, 0.0), (1.5, 1.0)]
+    server = make_client(reward="shaped", shaping_win=0.0, shaping_consistent=0.4)
+    sid = server.post("/reset", json={"seed": COBRA}).json()["session_id"]
+    for word, expected in (("crane", 0.0), ("coral", 0.4)):
+        res = server.post("/step", json={"session_id": sid, "action": {"message": f"[{word}]"}})
+        assert res.json()["reward"] == pytest.approx(expected)

@@ -1,9 +1,12 @@
 """examples/wordle-shaped.toml (issue 14): it checks, its shaping, curriculum and short moves
-reach the services' settings, and a run config with truncated sampling is refused."""
+reach the services' settings, and a run config with truncated sampling is refused; the reward
+presets of bench/gpu_wordle_full.sh reach the env server of bench/wordle_gpu_run.py's run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from deltarl.run.derive import Endpoints, RunLayout, Tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "wordle-shaped.toml"
+GPU_RUN = ROOT / "bench" / "wordle_gpu_run.py"
 TOKENS = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40)
 
 
@@ -71,8 +75,45 @@ def test_truncated_sampling_is_refused(override: str) -> None:
         ("rollout.env_options={max_guess=3}", r"env_options\.max_guess"),
         ("rollout.max_turns=5", r"max_turns \(5\) is below the 6 guesses"),
         ("env.shaping_format=-1", r"\[env\] shaping_format"),
+        ("env.shaping_consistent=11", r"\[env\] shaping_consistent"),
+        ("rollout.env_options={shaping={consistent=-1}}", r"env_options\.shaping\.consistent"),
     ],
 )
 def test_bad_wordle_options_are_refused(override: str, message: str) -> None:
     with pytest.raises(RunConfigError, match=message):
         load_run_config(EXAMPLE).with_overrides([override])
+
+
+def gpu_preset(reward: str) -> list[str]:
+    """The ``--set`` overrides bench/gpu_wordle_full.sh passes for ``REWARD=reward``."""
+    script = (ROOT / "bench" / "gpu_wordle_full.sh").read_text()
+    block = script[script.index("SHAPED=(") : script.index("esac") + len("esac")]
+    out = subprocess.run(
+        ["bash", "-c", block + '\nprintf "%s\\n" "${SHAPING[@]}"'],
+        env={"REWARD": reward, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert out[::2] == ["--set"] * (len(out) // 2)
+    return out[1::2]
+
+
+@pytest.mark.parametrize(("reward", "consistent"), [("shaped", 0.0), ("consistent", 0.3)])
+def test_gpu_script_reward_presets_reach_the_env_server(
+    tmp_path: Path, reward: str, consistent: float
+) -> None:
+    # the run bench/wordle_gpu_run.py builds from the script's arguments (its GPU ones)
+    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sets = [arg for value in gpu_preset(reward) for arg in ("--set", value)]
+    args = bench._args(["--run-dir", str(tmp_path), "--engine", "vllm", *sets])
+    config = bench.run_config(args)
+    layout = RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
+    server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
+    shaping = server.rules().shaping
+    assert shaping is not None and not server.allow_non_words
+    assert (shaping.win, shaping.greens, shaping.yellows, shaping.format) == (1.0, 0.2, 0.1, 0.05)
+    assert (shaping.repetition, shaping.invalid, shaping.consistent) == (0.2, 0.1, consistent)
