@@ -98,6 +98,9 @@ def test_the_encoder_refuses_scans_that_do_not_fit() -> None:
     bad = {
         "hist": ChunkScan(first.count, first.hist[:-1], first.ctx, first.rank, first.old),
         "lists": ChunkScan(first.count, first.hist, first.ctx[1:], first.rank, first.old),
+        "contexts": ChunkScan(
+            first.count, first.hist, first.ctx + 1000, first.rank, first.old
+        ),  # out of range: the kernels index with them unchecked
         "unchanged": ChunkScan(
             first.count,
             first.hist,

@@ -149,7 +149,7 @@ def analyse_chunk(
         rank = np.empty(k, np.int64)
         kernels.scan_contexts(keys, index, shift, emask, hist, ctx, rank)
         count, ref = old.size, None
-    kc_all = np.bincount(ctx, minlength=nctx)
+    kc_all = kernels.count_values(ctx, nctx)
     present = np.flatnonzero(kc_all)
     comp = 2 * kc_all > hist
 
@@ -169,17 +169,29 @@ def analyse_chunk(
     vkeys = present if vctx is ctx else np.flatnonzero(np.bincount(vctx, minlength=1))
     pos_of_key = np.zeros(int(vkeys[-1]) + 1 if vkeys.size else 1, np.int32)
     pos_of_key[vkeys] = np.arange(vkeys.size, dtype=np.int32)
-    sym_ctx = pos_of_key[vctx]
-    if forbidden is None:  # standalone: diff, symbols and their counts in one compiled pass
+    if forbidden is None:  # standalone: diff, symbols, rows and counts in one compiled pass
         k = value.size
         symbols = np.empty(k, np.uint16)
         extra = np.empty(k, np.uint32)
         widths = np.empty(k, np.uint8)
+        sym_ctx = np.empty(k, np.int32)
         counts = np.zeros((vkeys.size, ALPHABET), np.int64)
         kernels.value_symbols(
-            value, ref, fmt.width, sym_ctx, TOP_BITS, SMALL, symbols, extra, widths, counts
+            value,
+            ref,
+            fmt.width,
+            vctx,
+            pos_of_key,
+            TOP_BITS,
+            SMALL,
+            symbols,
+            extra,
+            widths,
+            sym_ctx,
+            counts,
         )
     else:
+        sym_ctx = pos_of_key[vctx]
         d = skip_forbidden(wrapped_diff(value, ref, fmt.width), forbidden)
         symbols, extra, widths = diff_to_symbols(d)
         counts = np.bincount(
@@ -227,9 +239,12 @@ def _checked_scan(
         raise ValueError(
             "scan does not fit the delta: an index past the chunk or an unchanged value"
         )
-    # the kernels take the scan's narrow dtypes as they are (int16 contexts, int32 ranks)
+    # the kernels take the scan's narrow dtypes as they are (int16 contexts, int32 ranks) and
+    # index with the contexts unchecked: they must lie in [0, emask]
     ctx = np.ascontiguousarray(scan.ctx)
     rank = np.ascontiguousarray(scan.rank)
+    if k and (int(ctx.min()) < 0 or int(ctx.max()) > emask):
+        raise ValueError(f"scan contexts outside [0, {emask}]")
     return np.ascontiguousarray(scan.hist, np.int64), ctx, rank, scan.old, scan.count
 
 
@@ -359,9 +374,8 @@ def code_chunk(
     freq = np.concatenate([shared, own_freq]).astype(np.int32)
     ctx_table = table_of_key[a.key]
     ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
-    tid = ctx_table[a.sym_ctx]
     rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
-    pos = kernels.rans_encode(a.symbols, tid, freq, cumulative(freq), rans)
+    pos = kernels.rans_encode(a.symbols, a.sym_ctx, ctx_table, freq, cumulative(freq), rans)
     extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
     kernels.raw_bits_encode(a.extra, a.widths, extra)
     parts = [rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]

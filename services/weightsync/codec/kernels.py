@@ -131,11 +131,23 @@ def diff_symbols(d, top_bits, small, sym_out, extra_out, width_out):  # pragma: 
 
 @njit(nogil=True, cache=True)
 def value_symbols(
-    value, ref, width, vctx, top_bits, small, sym_out, extra_out, width_out, counts
+    value,
+    ref,
+    width,
+    ctx,
+    row_of_ctx,
+    top_bits,
+    small,
+    sym_out,
+    extra_out,
+    width_out,
+    row_out,
+    counts,
 ):  # pragma: no cover - jit
     """Standalone values in one pass: the diff ``value - ref`` wrapped to ``width`` bits (as
     :func:`~.entropy.wrapped_diff`), its symbol, extra bits and width (as :func:`diff_symbols`),
-    and ``counts[vctx[i], symbol] += 1`` (``counts`` zeroed by the caller)."""
+    its value context's row ``row_out[i] = row_of_ctx[ctx[i]]`` and ``counts[row, symbol] += 1``
+    (``counts`` zeroed by the caller)."""
     span = np.int64(1) << width
     for i in range(value.size):
         v = (np.int64(value[i]) - np.int64(ref[i])) & (span - 1)
@@ -143,7 +155,18 @@ def value_symbols(
             v -= span
         sym, extra_out[i], width_out[i] = _symbol(v, top_bits, small)
         sym_out[i] = sym
-        counts[vctx[i], sym] += 1
+        row = row_of_ctx[ctx[i]]
+        row_out[i] = row
+        counts[row, sym] += 1
+
+
+@njit(nogil=True, cache=True)
+def count_values(values, n):  # pragma: no cover - jit
+    """``np.bincount(values, minlength=n)`` for values in ``[0, n)``, without holding the GIL."""
+    out = np.zeros(n, np.int64)
+    for i in range(values.size):
+        out[values[i]] += 1
+    return out
 
 
 @njit(nogil=True, cache=True)
@@ -278,14 +301,14 @@ def raw_bits_decode(buf, widths, out):  # pragma: no cover - jit
 
 
 @njit(nogil=True, cache=True)
-def rans_encode(symbols, tables, freq, cum, out):  # pragma: no cover - jit
-    """rANS-encode ``symbols[j]`` under table ``tables[j]``; returns the start of the output in
-    ``out`` (bytes are written at ``out[start:]``)."""
+def rans_encode(symbols, rows, table_of_row, freq, cum, out):  # pragma: no cover - jit
+    """rANS-encode ``symbols[j]`` under table ``table_of_row[rows[j]]``; returns the start of
+    the output in ``out`` (bytes are written at ``out[start:]``)."""
     x = np.int64(RANS_L)
     pos = out.size
     for j in range(symbols.size - 1, -1, -1):
         s = np.int64(symbols[j])
-        t = np.int64(tables[j])
+        t = np.int64(table_of_row[rows[j]])
         f = np.int64(freq[t, s])
         xmax = ((RANS_L >> PROB_BITS) << 8) * f
         while x >= xmax:
