@@ -33,11 +33,15 @@ from deltarl.services.weightsync.codec import device_scan
 
 
 def rank_shapes(scale: float) -> list[tuple[int, ...]]:
-    """One rank's row shards of Qwen2.5-7B under 4-way FSDP, rows scaled by ``scale``."""
-    per_layer = [(896, 3584), (128, 3584), (128, 3584), (896, 3584), (4736, 3584), (4736, 3584)]
-    per_layer += [(896, 18944), (896,), (128,), (128,), (896,), (896,)]
-    shapes = per_layer * 28 + [(38016, 3584), (38016, 3584), (896,)]
-    return [(max(1, int(s[0] * scale)), *s[1:]) for s in shapes]
+    """One rank's row shards of Qwen2.5-7B under 4-way FSDP (``encode_rank_bench.py``'s),
+    rows scaled by ``scale``."""
+    spec = importlib.util.spec_from_file_location(
+        "encode_rank_bench", Path(__file__).with_name("encode_rank_bench.py")
+    )
+    assert spec is not None and spec.loader is not None
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
+    return [(max(1, int(s[0] * scale)), *s[1:]) for s in shapes.rank_shapes("7b").values()]
 
 
 def state(

@@ -137,6 +137,6 @@ def test_position_gap_kernel_matches_the_numpy_stream(density: float, nctx: int)
     coded = np.where(comp, hist - kc, kc)
     gaps = np.empty(int(coded.sum()), np.int64)
     gc = np.empty(gaps.size, np.int64)
-    assert kernels.position_gaps(ctx, rank, hist, kc, comp, gaps, gc) == gaps.size
+    assert kernels.position_gaps(ctx, rank, hist, kc, comp, np.arange(nctx), gaps, gc) == gaps.size
     want_gaps, want_gc = _reference_gaps(ctx, rank, hist, comp)
     assert np.array_equal(gaps, want_gaps) and np.array_equal(gc, want_gc)

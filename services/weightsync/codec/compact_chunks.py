@@ -157,7 +157,7 @@ def analyse_chunk(
     gaps = np.empty(int(coded.sum()), np.uint32)  # < chunk size
     kparams = np.empty(gaps.size, np.uint8)
     kparam_of_ctx = rice_parameter(hist, coded).astype(np.uint8)
-    kernels.position_gaps_rice(ctx, rank, hist, kc_all, comp, kparam_of_ctx, gaps, kparams)
+    kernels.position_gaps(ctx, rank, hist, kc_all, comp, kparam_of_ctx, gaps, kparams)
 
     if ref is None:
         assert old is not None

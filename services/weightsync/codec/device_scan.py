@@ -12,7 +12,7 @@ ranks and old values, and a 256-entry histogram per chunk, cross to the host
 
 :func:`start_changes_and_scans` queues the work of one tensor and returns at once after one
 synchronization (the number of changes per chunk); the results land in pinned host memory while
-the caller queues the next tensor, and :meth:`PendingScan.result` (any thread) waits for them.
+the caller queues the next tensor, and :meth:`PendingScan.result` waits for them.
 :func:`changes_and_scans` is both in one call.
 
 Works on any torch device (the tests run it on CPU against the numba kernel).
@@ -20,7 +20,6 @@ Works on any torch device (the tests run it on CPU against the numba kernel).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -47,10 +46,8 @@ def changes_and_scans(
 
 
 class PendingScan:
-    """The changes and chunk scans of one tensor, on their way to the host.
-
-    ``chunks``: ``(start, count)`` of every chunk with a change, in order (known at once);
-    :meth:`result` waits for the copies (thread-safe, computed once)."""
+    """The changes and chunk scans of one tensor, on their way to the host; :meth:`result`
+    waits for the copies (computed once)."""
 
     def __init__(
         self,
@@ -60,32 +57,28 @@ class PendingScan:
         ready: Any,
     ) -> None:
         self._parts, self._used, self._nctx, self._ready = parts, used, nctx, ready
-        self._lock = threading.Lock()
         self._result: tuple[np.ndarray, np.ndarray, dict[int, ChunkScan]] | None = None
-        self.chunks = [(start, count) for start, count, _, _ in used]
 
     def result(self) -> tuple[np.ndarray, np.ndarray, dict[int, ChunkScan]]:
         """``(index, value, scans)`` as :func:`changes_and_scans` returns them."""
-        with self._lock:
-            if self._result is None:
-                if self._ready is not None:
-                    self._ready.synchronize()
-                p = {k: t.numpy() for k, t in self._parts.items()}
-                index = p["index"].astype(np.int64, copy=False)
-                hist = p["hist"].reshape(-1, self._nctx) if self._used else p["hist"]
-                scans = {
-                    start: ChunkScan(
-                        count=count,
-                        hist=hist[j],
-                        ctx=p["ctx"][lo:hi],
-                        rank=p["rank"][lo:hi],
-                        old=p["old"][lo:hi],
-                    )
-                    for j, (start, count, lo, hi) in enumerate(self._used)
-                }
-                self._result = (index, p["value"], scans)
-                self._parts = {}
-            return self._result
+        if self._result is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            p = {k: t.numpy() for k, t in self._parts.items()}
+            hist = p["hist"].reshape(-1, self._nctx) if self._used else p["hist"]
+            scans = {
+                start: ChunkScan(
+                    count=count,
+                    hist=hist[j],
+                    ctx=p["ctx"][lo:hi],
+                    rank=p["rank"][lo:hi],
+                    old=p["old"][lo:hi],
+                )
+                for j, (start, count, lo, hi) in enumerate(self._used)
+            }
+            self._result = (p["index"].astype(np.int64, copy=False), p["value"], scans)
+            self._parts = {}
+        return self._result
 
 
 def start_changes_and_scans(

@@ -45,8 +45,18 @@ def scan_contexts(old, index, shift, emask, hist, ctx_out, rank_out):  # pragma:
         hist[c] += 1
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _gaps(ctx, rank, hist, kc, comp, tag_of_ctx, gaps_out, tag_out):  # pragma: no cover - jit
+@njit(nogil=True, cache=True)
+def position_gaps(
+    ctx, rank, hist, kc, comp, tag_of_ctx, gaps_out, tag_out
+):  # pragma: no cover - jit
+    """The Rice-coded position stream of a chunk from :func:`scan_contexts`' output: contexts in
+    ascending order; within a context the gaps between the ranks of its changed elements, or,
+    where ``comp[c]``, between the ranks of its unchanged ones (``rank - previous - 1``, the
+    previous of a context's first being -1). ``tag_out`` gets each gap's ``tag_of_ctx`` of its
+    context (the encoder passes the contexts' Rice parameters; ``arange`` gives the contexts).
+
+    ``kc``: changes per context; the outputs hold ``sum(where(comp, hist - kc, kc))``.
+    """
     nctx = hist.size
     k = ctx.size
     first = np.zeros(nctx + 1, np.int64)  # changed elements of each context, counting sort
@@ -80,27 +90,6 @@ def _gaps(ctx, rank, hist, kc, comp, tag_of_ctx, gaps_out, tag_out):  # pragma: 
                 prev = np.int64(r)
                 m += 1
     return m
-
-
-@njit(nogil=True, cache=True)
-def position_gaps(ctx, rank, hist, kc, comp, gaps_out, gctx_out):  # pragma: no cover - jit
-    """The Rice-coded position stream of a chunk from :func:`scan_contexts`' output: contexts in
-    ascending order; within a context the gaps between the ranks of its changed elements, or,
-    where ``comp[c]``, between the ranks of its unchanged ones (``rank - previous - 1``, the
-    previous of a context's first being -1). ``gctx_out`` gets each gap's context.
-
-    ``kc``: changes per context; the outputs hold ``sum(where(comp, hist - kc, kc))``.
-    """
-    return _gaps(ctx, rank, hist, kc, comp, np.arange(hist.size), gaps_out, gctx_out)
-
-
-@njit(nogil=True, cache=True)
-def position_gaps_rice(
-    ctx, rank, hist, kc, comp, kparam_of_ctx, gaps_out, kparams_out
-):  # pragma: no cover - jit
-    """:func:`position_gaps` writing each gap's Rice parameter (``kparam_of_ctx`` of its
-    context) instead of its context, into arrays of the coder's dtypes (no gather, no casts)."""
-    return _gaps(ctx, rank, hist, kc, comp, kparam_of_ctx, gaps_out, kparams_out)
 
 
 @njit(nogil=True, cache=True, inline="always")
