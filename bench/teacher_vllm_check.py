@@ -23,7 +23,11 @@ run decides: in session 10 bf16 passed on the bound (mean 0.22) but float32 diff
 average, which rounding cannot explain (docs/teacher.md). To tell a different log-normalizer
 from token-level differences it also reports, per position over the top-k ids both engines list,
 the mean shift (vLLM minus reference; ``topk_shift_abs_mean``) and its spread (max - min;
-``topk_spread_mean``, ~0 when only the normalizer differs).
+``topk_spread_mean``, ~0 when only the normalizer differs). And, to tell whether vLLM computed
+in lower precision than asked, the distance of its answers to the same weights run in bfloat16
+by transformers (``vs_bf16_reference``) next to the lines of the service log that name a dtype
+(``vllm_log_dtype``); ``--eager`` starts vLLM without torch.compile and CUDA graphs
+(``DELTARL_TEACHER_ENFORCE_EAGER``), to tell its compiled path from its kernels.
 
     python bench/teacher_vllm_check.py --json bench/results/teacher_vllm.json
 """
@@ -73,6 +77,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--tolerance", type=float, default=0.05, help="mean |logprob diff|")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile/graphs")
     a = ap.parse_args()
     from deltarl.teacher.client import SyncTeacherClient, TeacherRequestError
     from deltarl.teacher.engines.base import ScoreJob
@@ -100,6 +105,7 @@ def main() -> int:
         "DELTARL_TEACHER_TOKEN": TOKEN,
         "DELTARL_TEACHER_PORT": str(a.port),
         "DELTARL_TEACHER_GPU_MEMORY_UTILIZATION": "0.3",
+        "DELTARL_TEACHER_ENFORCE_EAGER": "true" if a.eager else "false",
         # the caller's first GPU (the reference model runs on its second when there is one)
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
     }
@@ -108,7 +114,11 @@ def main() -> int:
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltarl.teacher"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
-    result: dict[str, Any] = {"model": "random Llama, SmolLM2-135M shape", "dtype": a.dtype}
+    result: dict[str, Any] = {
+        "model": "random Llama, SmolLM2-135M shape",
+        "dtype": a.dtype,
+        "eager": a.eager,
+    }
     failures: list[str] = []
     try:
         url = f"http://127.0.0.1:{a.port}"
@@ -134,6 +144,8 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
         log.close()
+    lines = (tmp / "teacher.log").read_text(errors="replace").splitlines()
+    result["vllm_log_dtype"] = [ln[-300:] for ln in lines if "dtype" in ln.lower()][:8]
     device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
     ref = TransformersTeacher(model.to(device))
     jobs = [
@@ -170,6 +182,16 @@ def main() -> int:
     result["topk_shift_abs_mean"] = statistics.mean(abs(x) for x in shift_mean)
     result["topk_spread_mean"] = statistics.mean(shift_spread)
     result["positions"] = len(sampled)
+    if a.dtype == "float32":  # is vLLM nearer to the same weights run in bfloat16?
+        ref16 = TransformersTeacher(bench.smollm2_shaped(torch.bfloat16, device))
+        low = ref16.score(jobs)
+        high = ref.score(jobs)
+        d16 = [np.abs(got.sequence(i)[0] - w.sampled) for i, w in enumerate(low)]
+        d_ref = [np.abs(w.sampled - h.sampled) for w, h in zip(low, high, strict=True)]
+        result["vs_bf16_reference"] = {
+            "vllm_mean": float(np.concatenate(d16).mean()),
+            "fp32_reference_mean": float(np.concatenate(d_ref).mean()),
+        }
     if within:
         result["within_bf16_bound"] = statistics.mean(within)
         close = result["within_bf16_bound"] >= 0.99

@@ -118,6 +118,7 @@ def load_engine(settings: TeacherSettings) -> TeacherEngine:
             max_top_k=settings.max_top_k,
             max_seq_len=settings.max_seq_len,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
             name=name,
         )
     from deltarl.teacher.engines.transformers_engine import TransformersTeacher

@@ -111,6 +111,11 @@ class TeacherSettings(TLSServerSettings):
         le=1.0,
         description="vllm engine: share of the GPU's memory vLLM may take.",
     )
+    enforce_eager: bool = Field(
+        default=False,
+        description="vllm engine: no torch.compile and no CUDA graphs (starts faster, scores "
+        "slower; for comparing numerics).",
+    )
 
     @field_validator("token")
     @classmethod

@@ -59,7 +59,13 @@ from deltarl.services.buckets import Bucket
 from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.bits import float_format
 from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
-from deltarl.services.weightsync.codec.device_scan import PendingScan, start_changes_and_scans
+from deltarl.services.weightsync.codec.device_scan import (
+    SCAN_BYTES_PER_CHANGE,
+    PendingScan,
+    PinnedStaging,
+    start_changes_and_scans,
+    warm_up,
+)
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
@@ -122,6 +128,13 @@ def delta_from_changes(
             result_digest=digests[k],
         )
     return Delta(base_version=base_version, version=version, patches=patches)
+
+
+def _warm_up() -> None:
+    try:
+        warm_up()
+    except Exception:  # the first delta compiles them instead
+        logger.warning("warming up the encoder's kernels failed", exc_info=True)
 
 
 def _digest_when_ready(t: torch.Tensor, ready: Any) -> str:
@@ -241,7 +254,7 @@ class _Record:
     numel: int = 0
     times: dict[str, float] = field(default_factory=dict)  # cast, diff, encode, upload (s)
     memory: int = 0  # device bytes held for publication (snapshot + new rows or largest cast)
-    host_memory: int = 0  # pinned host bytes of the mirror (base + new rows; 0 on CPU)
+    host_memory: int = 0  # pinned host bytes: the mirror of the new rows and the scans staging
 
 
 class ShardedPublisher(VersionBook):
@@ -291,7 +304,10 @@ class ShardedPublisher(VersionBook):
         self._threads = self.settings.codec_threads or default_codec_threads()
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="sharded-digest")
         self._mirror = _HostMirror()
+        self._staging = PinnedStaging()  # the scans' results (rows on a GPU)
         self._scan_on_device = scan_on_device
+        if self.settings.format == "compact":  # compile the encoder's kernels meanwhile
+            self._pool.submit(_warm_up)
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
         self.waited_s = 0.0
 
@@ -430,7 +446,21 @@ class ShardedPublisher(VersionBook):
         # the new rows reach the host (pinned buffer, side stream; CPU rows: themselves) and
         # are hashed in the pool as each copy lands, while this thread works on the next tensor
         self._mirror.start(state, self.dtype)
-        rec.host_memory = self._mirror.host_bytes
+        if on_device:
+            # pinned memory for the scans' results, reserved with the first version (an anchor)
+            # and grown when a version needed more: allocating it in a delta's hot loop costs
+            # about a second per few GB
+            on_gpu = sum(t.numel() for t in state.values() if t.device.type == "cuda")
+            fraction = self.settings.pinned_change_fraction
+            if fraction > 0:
+                self._staging.reserve(
+                    max(
+                        int(on_gpu * fraction * SCAN_BYTES_PER_CHANGE),
+                        self._staging.wanted * 5 // 4 if self._staging.wanted else 0,
+                    )
+                )
+            self._staging.reset()
+        rec.host_memory = self._mirror.host_bytes + self._staging.nbytes
         host_new: dict[str, torch.Tensor] = {}
         digest_of = {}
         changes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -454,7 +484,7 @@ class ShardedPublisher(VersionBook):
                 peak = max(peak, n.numel() * n.element_size() * (n is not state[k]))
                 if with_delta:
                     assert base is not None
-                    pending[k] = start_changes_and_scans(base[k], n)
+                    pending[k] = start_changes_and_scans(base[k], n, staging=self._staging)
                 if reuse:
                     new[k].copy_(n)
                 else:

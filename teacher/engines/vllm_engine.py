@@ -55,6 +55,7 @@ class VllmTeacher:
         max_seq_len: int,
         gpu_memory_utilization: float,
         name: str,
+        enforce_eager: bool = False,
     ) -> VllmTeacher:
         from vllm import LLM
 
@@ -64,6 +65,7 @@ class VllmTeacher:
             max_model_len=max_seq_len,
             max_logprobs=max_top_k,
             gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
             enable_prefix_caching=False,  # prompt logprobs need every position computed
             # requests are token ids and answers logprobs of ids: no tokenizer is needed (a
             # model directory without one, e.g. a converted checkpoint, must still serve)

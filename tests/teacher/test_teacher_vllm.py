@@ -81,8 +81,10 @@ def test_the_engine_needs_no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
         max_seq_len=64,
         gpu_memory_utilization=0.3,
         name="m",
+        enforce_eager=True,
     )
     assert built["skip_tokenizer_init"] is True and engine.vocab_size == 32
+    assert built["enforce_eager"] is True
     out = engine.score([ScoreJob(np.asarray([5, 7], np.int32), 1, 1.0, 1)])
     assert out[0].sampled.tolist() == [-0.5]
     assert requests and all(r["detokenize"] is False for r in requests)

@@ -15,8 +15,10 @@ from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.services.weightsync.codec.compact import encode_compact
 from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
 from deltarl.services.weightsync.codec.device_scan import (
+    PinnedStaging,
     changes_and_scans,
     start_changes_and_scans,
+    warm_up,
 )
 from deltarl.services.weightsync.delta import changed_elements
 
@@ -121,13 +123,48 @@ def test_the_encoder_refuses_scans_that_do_not_fit() -> None:
         print(what, "refused")
 
 
+def test_the_staging_hands_out_aligned_slices_until_full_and_counts_what_was_wanted() -> None:
+    staging = PinnedStaging(pin=False)  # pinned memory needs a CUDA build; the bookkeeping not
+    assert staging.take(10, torch.int64) is None and staging.wanted == 80  # nothing reserved
+    staging.reserve(100)
+    assert staging.nbytes == 64 << 20  # rounded up to 64 MiB
+    staging.reserve(10)  # smaller: kept
+    assert staging.nbytes == 64 << 20
+    staging.reset()
+    a = staging.take(3, torch.int16)
+    b = staging.take(5, torch.int64)
+    assert a is not None and b is not None and a.numel() == 3 and b.numel() == 5
+    assert a.dtype == torch.int16 and b.dtype == torch.int64
+    assert b.data_ptr() - a.data_ptr() == 64  # aligned, and after a
+    a.fill_(7)
+    b.fill_(-1)
+    assert a.tolist() == [7, 7, 7]  # no overlap
+    assert staging.take((64 << 20) // 4, torch.int32) is None  # does not fit any more
+    assert staging.take(1, torch.uint8) is None  # full stays full for this version
+    assert staging.wanted == 128 + (64 << 20) + 1  # everything asked for, aligned
+    staging.reset()
+    assert staging.wanted == 0 and staging.take(1, torch.uint8) is not None
+    staging.reserve(200 << 20)
+    assert staging.nbytes == 256 << 20
+
+
+def test_warm_up_encodes_tiny_deltas_from_their_scans() -> None:
+    warm_up()  # raises if a tiny delta does not encode from its scans
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_scan_on_a_gpu_equals_the_scan_on_the_cpu() -> None:
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_scan_on_a_gpu_equals_the_scan_on_the_cpu(staged: bool) -> None:
     old, new = _state()
+    staging = PinnedStaging() if staged else None
+    if staging is not None:
+        staging.reserve(1)  # 64 MiB, all but 4 KiB taken: some results land there, some not
+        staging.reset()
+        assert staging.take((64 << 20) - 4096, torch.uint8) is not None
     for k in old:
         want = changes_and_scans(old[k], new[k], CHUNK)
-        got = changes_and_scans(old[k].cuda(), new[k].cuda(), CHUNK)
+        got = start_changes_and_scans(old[k].cuda(), new[k].cuda(), CHUNK, staging=staging).result()
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
         assert sorted(got[2]) == sorted(want[2])
         for start, scan in want[2].items():

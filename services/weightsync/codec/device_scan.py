@@ -13,13 +13,17 @@ ranks and old values, and a 256-entry histogram per chunk, cross to the host
 :func:`start_changes_and_scans` queues the work of one tensor and returns at once after one
 synchronization (the number of changes per chunk); the results land in pinned host memory while
 the caller queues the next tensor, and :meth:`PendingScan.result` waits for them.
-:func:`changes_and_scans` is both in one call.
+:func:`changes_and_scans` is both in one call. Pinned memory is slow to allocate (the pages are
+locked, about a second per few GB), so a caller that scans every version reserves it once in a
+:class:`PinnedStaging` and the results land there; without one (or past its end) they land in
+torch's caching host allocator.
 
 Works on any torch device (the tests run it on CPU against the numba kernel).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -29,7 +33,73 @@ from deltarl.services.weightsync.codec.bits import bits_view, float_format
 from deltarl.services.weightsync.codec.compact import DEFAULT_CHUNK_ELEMS
 from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
 
-__all__ = ["PendingScan", "changes_and_scans", "start_changes_and_scans"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SCAN_BYTES_PER_CHANGE",
+    "PendingScan",
+    "PinnedStaging",
+    "changes_and_scans",
+    "start_changes_and_scans",
+    "warm_up",
+]
+
+# host bytes of one change's results: index (int64), new and old bits (int16), context (int16),
+# rank (int32); plus a 256-entry int64 histogram per chunk with changes
+SCAN_BYTES_PER_CHANGE = 18
+_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class PinnedStaging:
+    """Pinned host memory reserved ahead for the scans' results of one version at a time.
+
+    :meth:`reserve` allocates (once, or larger); :meth:`reset` starts a version (every array
+    handed out before is then reused: the caller must be done with the previous version's
+    results); :meth:`take` hands out the next aligned slice, or None past the end (the caller
+    then uses torch's caching host allocator), and :attr:`wanted` says how many bytes the
+    version needed in all, so the next reservation can cover it. Where pinned memory cannot be
+    had, nothing is reserved and every :meth:`take` answers None (correct, slower).
+    """
+
+    def __init__(self, pin: bool = True) -> None:
+        self._pin = pin
+        self._buf: torch.Tensor | None = None
+        self._at = 0
+        self.wanted = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else self._buf.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold at least ``nbytes`` (rounded up to 64 MiB); a smaller or equal size keeps the
+        buffer."""
+        if nbytes <= self.nbytes:
+            return
+        nbytes = -(-nbytes // (64 << 20)) * (64 << 20)
+        self._buf = None  # free the old buffer first
+        try:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        except RuntimeError as err:  # no pinned memory to be had
+            logger.warning("pinned staging unavailable (%s)", err)
+
+    def reset(self) -> None:
+        self._at = 0
+        self.wanted = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        size = numel * dtype.itemsize
+        self.wanted = _aligned(self.wanted) + size
+        start = _aligned(self._at)
+        if self._buf is None or start + size > self._buf.numel():
+            self._at = self.nbytes  # full: the rest of this version goes elsewhere
+            return None
+        self._at = start + size
+        return self._buf[start : start + size].view(dtype)
 
 
 def changes_and_scans(
@@ -82,13 +152,16 @@ class PendingScan:
 
 
 def start_changes_and_scans(
-    old: torch.Tensor, new: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    old: torch.Tensor,
+    new: torch.Tensor,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    staging: PinnedStaging | None = None,
 ) -> PendingScan:
     """Queue :func:`changes_and_scans` for one tensor on the current stream and return.
 
     One synchronization (the changes per chunk, a few bytes); on a GPU, the results are copied
-    into pinned host memory behind the work, so the caller may queue the next tensor (or
-    overwrite ``old`` in place on the same stream) at once."""
+    into pinned host memory behind the work (``staging``'s where it has room), so the caller
+    may queue the next tensor (or overwrite ``old`` in place on the same stream) at once."""
     if old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
         raise ValueError(
             f"old and new differ: {old.dtype}{list(old.shape)} on {old.device} vs "
@@ -139,8 +212,16 @@ def start_changes_and_scans(
     }
     if ob.device.type != "cuda":
         return PendingScan(device_parts, used, nctx, None)
-    # non-blocking copies to the host land in pinned memory (torch's caching host allocator)
-    host = {name: t.to("cpu", non_blocking=True) for name, t in device_parts.items()}
+    # non-blocking copies to the host land in pinned memory: the staging buffer's, else torch's
+    # caching host allocator's
+    host = {}
+    for name, t in device_parts.items():
+        dst = staging.take(t.numel(), t.dtype) if staging is not None else None
+        if dst is None:
+            host[name] = t.to("cpu", non_blocking=True)
+        else:
+            host[name] = dst.view(t.shape)
+            host[name].copy_(t, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(ob.device))
     return PendingScan(host, used, nctx, ready)
@@ -177,3 +258,25 @@ def _nonzero(mask: torch.Tensor, k: int) -> torch.Tensor:
         return torch.nonzero_static(mask, size=k).view(-1)
     except (NotImplementedError, RuntimeError):  # pragma: no cover - builds without it
         return torch.nonzero(mask).view(-1)
+
+
+def warm_up() -> None:
+    """Compile the numba kernels that encoding from scans runs (their first call in a process
+    compiles them: seconds, more than a whole 7B delta's encode) on two tiny deltas, one sparse
+    and one dense: the sharded publisher calls this in its pool when it starts, so the first
+    delta after the anchor does not pay for it."""
+    from deltarl.services.weightsync.codec.compact import encode_compact
+    from deltarl.services.weightsync.delta import compute_delta
+
+    g = torch.Generator().manual_seed(0)
+    old = {k: (torch.randn(8192, generator=g) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
+    new = {k: t.clone() for k, t in old.items()}
+    new["a"][::97] = (old["a"][::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
+    new["b"][::2] = (old["b"][::2].float() * 1.05 + 1e-3).to(torch.bfloat16)
+    delta = compute_delta(old, new, 0, 1)
+    scans: dict[tuple[str, int], ChunkScan] = {}
+    for k in old:
+        _, _, found = changes_and_scans(old[k], new[k])
+        scans.update(((k, s), sc) for s, sc in found.items())
+    for threads in (1, 2):
+        encode_compact(delta, None, threads=threads, scans=scans)
