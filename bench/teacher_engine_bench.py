@@ -29,7 +29,7 @@ from deltarl.teacher.engines.base import ScoreJob
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 
 
-def smollm2_shaped(dtype: torch.dtype, device: str) -> torch.nn.Module:
+def smollm2_shaped(dtype: torch.dtype, device: str, scale: float = 20.0) -> torch.nn.Module:
     import transformers
 
     config = transformers.LlamaConfig(
@@ -46,7 +46,7 @@ def smollm2_shaped(dtype: torch.dtype, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # peaked distributions, like a trained model's
-        model.model.embed_tokens.weight.mul_(20.0)
+        model.model.embed_tokens.weight.mul_(scale)
     return model.to(device=device, dtype=dtype).eval()
 
 

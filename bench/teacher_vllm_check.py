@@ -38,6 +38,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,13 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.05, help="mean |logprob diff|")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--eager", action="store_true", help="vLLM without torch.compile/graphs")
+    ap.add_argument(
+        "--embed-scale",
+        type=float,
+        default=20.0,
+        help="the random model's (tied) embeddings are multiplied by this: 20 gives logits up "
+        "to ~130, 5 up to ~30 (a trained model's range)",
+    )
     a = ap.parse_args()
     from deltarl.teacher.client import SyncTeacherClient, TeacherRequestError
     from deltarl.teacher.engines.base import ScoreJob
@@ -91,7 +99,7 @@ def main() -> int:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     dtype = getattr(torch, a.dtype)
-    model = bench.smollm2_shaped(dtype, "cpu")  # 8192 positions, peaked distributions
+    model = bench.smollm2_shaped(dtype, "cpu", a.embed_scale)  # peaked distributions
     model.save_pretrained(tmp / "model")
     rng = np.random.default_rng(1)
     lens = rng.integers(40, 400, a.sequences)
@@ -112,14 +120,19 @@ def main() -> int:
     log = open(tmp / "teacher.log", "w")  # noqa: SIM115 - open while the service runs
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltarl.teacher"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "deltarl.teacher"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: what it leaves behind can be found
     )
+    failures: list[str] = []
     result: dict[str, Any] = {
         "model": "random Llama, SmolLM2-135M shape",
         "dtype": a.dtype,
         "eager": a.eager,
+        "embed_scale": a.embed_scale,
     }
-    failures: list[str] = []
     try:
         url = f"http://127.0.0.1:{a.port}"
         with SyncTeacherClient(url, TOKEN, deadline_s=600.0, retries=1000) as client:
@@ -144,6 +157,11 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
         log.close()
+        # a stopped service must not leave vLLM's engine core running (it holds the GPU memory)
+        result["left_running"] = _left_running(proc.pid)
+        if result["left_running"]:
+            failures.append(f"the stopped service left {result['left_running']} running")
+            os.killpg(proc.pid, signal.SIGKILL)
     lines = (tmp / "teacher.log").read_text(errors="replace").splitlines()
     result["vllm_log_dtype"] = [ln[-300:] for ln in lines if "dtype" in ln.lower()][:8]
     device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
@@ -183,7 +201,7 @@ def main() -> int:
     result["topk_spread_mean"] = statistics.mean(shift_spread)
     result["positions"] = len(sampled)
     if a.dtype == "float32":  # is vLLM nearer to the same weights run in bfloat16?
-        ref16 = TransformersTeacher(bench.smollm2_shaped(torch.bfloat16, device))
+        ref16 = TransformersTeacher(bench.smollm2_shaped(torch.bfloat16, device, a.embed_scale))
         low = ref16.score(jobs)
         high = ref.score(jobs)
         d16 = [np.abs(got.sequence(i)[0] - w.sampled) for i, w in enumerate(low)]
@@ -206,6 +224,21 @@ def main() -> int:
     if a.json:
         a.json.write_text(text + "\n")
     return 1 if failures else 0
+
+
+def _left_running(pgid: int) -> list[str]:
+    """Command lines of the processes still in process group ``pgid`` (Linux ``/proc``)."""
+    time.sleep(5.0)  # the engine core's own shutdown after its parent's
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                left.append(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+        except (OSError, ProcessLookupError):
+            continue
+    return left
 
 
 def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:

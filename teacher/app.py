@@ -17,6 +17,7 @@ input is always a 4xx naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -177,6 +178,7 @@ def create_app(settings: TeacherSettings, engine: TeacherEngine | None = None) -
             yield
         finally:
             await batcher.stop()
+            await asyncio.to_thread(engine.close)
 
     app = FastAPI(
         title="deltarl teacher",

@@ -80,7 +80,7 @@ from deltarl.rollout.engines.base import (
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, specs_of
 from deltarl.rollout.engines.vllm_shards import Box, ShardedWeights, connect, new_key
 from deltarl.rollout.engines.vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
-from deltarl.teacher.engines.vllm_engine import ranked_entries
+from deltarl.teacher.engines.vllm_engine import ranked_entries, shutdown_llm
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class VllmEngine(Engine):
             else:
                 views, shards = {}, _connect_shards(llm, specs)
         except BaseException:
-            _shutdown(llm)  # release the GPU memory vLLM took
+            shutdown_llm(llm)  # release the GPU memory vLLM took
             raise
         logger.info(
             "vllm engine: %s (%s, model_impl=%s, load_format=%s, tp=%d), %d tensors mapped",
@@ -432,7 +432,7 @@ class VllmEngine(Engine):
         """Shut vLLM's engine core down (frees the GPU memory it holds)."""
         if self._shards is not None:
             self._shards.close()
-        _shutdown(self._llm)
+        shutdown_llm(self._llm)
 
 
 class _Launches:
@@ -479,9 +479,3 @@ def _connect_shards(llm: Any, specs: Sequence[TensorSpec]) -> ShardedWeights:
         return list(llm.collective_rpc(method, args=args))
 
     return ShardedWeights({s.name: (s.dtype, s.shape) for s in specs}, boxes, conns, rpc)
-
-
-def _shutdown(llm: Any) -> None:
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None:
-        core.shutdown()

@@ -50,3 +50,8 @@ class TeacherEngine(Protocol):
     def check_temperature(self, temperature: float) -> str | None:
         """None when the engine can score at ``temperature``; else why not."""
         ...
+
+    def close(self) -> None:
+        """Free what the engine holds beyond this process's memory (the service calls it when
+        it stops)."""
+        ...

@@ -81,6 +81,9 @@ class TransformersTeacher:
     def check_temperature(self, temperature: float) -> str | None:
         return None
 
+    def close(self) -> None:
+        """Nothing beyond this process's memory to free."""
+
     def score(self, jobs: list[ScoreJob]) -> list[Scores]:
         if not jobs:
             return []

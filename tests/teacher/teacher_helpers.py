@@ -20,12 +20,13 @@ TOKEN = "teacher-test-token-0123456789"
 VOCAB = 96
 
 
-def tiny_model(seed: int = 0, hidden_size: int = 32) -> torch.nn.Module:
-    """A random two-layer Llama over ``VOCAB`` ids, float32, on CPU (4 heads: head dim
-    ``hidden_size / 4``; vLLM's float32 attention needs at least 16)."""
+def tiny_model(seed: int = 0, hidden_size: int = 32, vocab: int = VOCAB) -> torch.nn.Module:
+    """A random two-layer Llama over ``vocab`` ids, float32, on CPU (4 heads: head dim
+    ``hidden_size / 4``; vLLM's float32 attention needs at least 16, and its sampler's warm-up
+    fails with an illegal memory access on a vocabulary as small as ``VOCAB``)."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden_size,
         intermediate_size=64,
         num_hidden_layers=2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import numpy as np
@@ -162,6 +163,24 @@ def test_an_oversized_body_is_413_before_it_is_read(make_client: Callable[..., T
     client = make_client(max_body_bytes=2048)
     r = client.post("/v1/logprobs", content=b"\0" * 4096, headers=BIN)
     assert r.status_code == 413 and r.json()["code"] == "PAYLOAD_TOO_LARGE"
+
+
+def test_stopping_the_service_closes_its_engine(engine: TransformersTeacher) -> None:
+    """The vllm engine frees its engine core process (and the GPU memory it holds) in close():
+    a stopped service must call it, once, when it stops and not before."""
+    closed: list[bool] = []
+
+    class Closing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(engine, name)
+
+        def close(self) -> None:
+            closed.append(True)
+
+    with TestClient(create_app(settings(), engine=Closing())) as c:  # type: ignore[arg-type]
+        assert c.get("/health").status_code == 200
+        assert closed == []
+    assert closed == [True]
 
 
 def test_a_full_queue_is_503(engine: TransformersTeacher) -> None:
