@@ -40,7 +40,7 @@ class TeacherSettings(TLSServerSettings):
     engine: Literal["transformers", "vllm"] = Field(
         default="transformers",
         description="'transformers' (embedded, CPU or GPU) or 'vllm' (vLLM 0.33.0, one CUDA GPU, "
-        "the 'vllm' extra; temperature 1.0 only; serves, its scores not yet shown to match, docs/teacher.md).",
+        "the 'vllm' extra; temperature 1.0 only; GPU-measured in docs/teacher.md).",
     )
     model: str | None = Field(
         default=None,
