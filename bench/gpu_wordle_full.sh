@@ -52,7 +52,7 @@ else
   read -ra WGPUS <<<"${WORKER_GPUS:-1 2}"
   RUN_ARGS=(--engine vllm --worker-gpus "${WGPUS[@]}" --workers "${#WGPUS[@]}"
     --gpu-memory-utilization 0.5
-    --group-size 8 --groups-per-step "${GROUPS_PER_STEP:-8}" --in-flight-groups 8
+    --group-size "${GROUP_SIZE:-8}" --groups-per-step "${GROUPS_PER_STEP:-8}" --in-flight-groups 8
     --max-guesses 6 --max-invalid 1 --window 10 --env-window-s 60)
   EVAL_GUESSES=6
   EVAL_GPU_UNTRAINED=cuda:1
@@ -72,7 +72,9 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # previous run's final policy, $WORK_DIR/final-policy, for a second stage); GRPO_NAME: the
 # run's directory under WORK_DIR (default grpo; its final policy goes to final-policy, else
 # final-$GRPO_NAME), so several GRPO arms can start from one prep; WORKER_GPUS: the vLLM
-# workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints)
+# workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints, or
+# "--set trainer.loss.kl_coef=0.05" for a KL term to the model GRPO starts from); GROUP_SIZE and
+# GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8)
 SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
   --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1)
