@@ -82,6 +82,8 @@ def rollout(
     except (CoordinatorError, StateMismatchError, BindError) as exc:  # retrying would not help
         logger.error("rollout worker stopped: %s", exc)
         raise typer.Exit(1) from exc
+    finally:
+        worker.close()  # the engine (vLLM's engine core process holds the GPU memory)
 
 
 rollout.__doc__ = (

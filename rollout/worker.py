@@ -148,6 +148,7 @@ class RolloutWorker:
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()
         self._verify = client_verify(settings.ca_bundle)
+        self._owns_engine = False  # from_settings built the engine: close() releases it
         # The worker's own loops retry registration, heartbeats and reads with a backoff that a
         # stop request interrupts, so the client need not ride out a restart itself: a short
         # refused wait keeps SIGTERM prompt while the coordinator is down (30 s otherwise).
@@ -208,9 +209,24 @@ class RolloutWorker:
             model, **({} if gguf is None else {"gguf_file": gguf})
         )
         engine = make_engine(settings.engine_settings())
-        reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
-        sync = WeightSync(engine, reader, apply_kernel=settings.apply_kernel)
-        return cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
+        try:
+            reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
+            sync = WeightSync(engine, reader, apply_kernel=settings.apply_kernel)
+            worker = cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
+        except BaseException:
+            engine.close()
+            raise
+        worker._owns_engine = True
+        return worker
+
+    def close(self) -> None:
+        """Release the engine if this worker built it (:meth:`from_settings`): the vllm engine's
+        core is a separate process holding the GPU memory, which would outlive this one (seen
+        with the teacher service on an H200). The service calls it once :meth:`run` returns;
+        an engine given to the constructor stays its owner's."""
+        if self._owns_engine:
+            self._owns_engine = False
+            self.engine.close()
 
     # ------------------------------------------------------------------ public surface
 

@@ -390,6 +390,48 @@ def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:
     assert settings.worker_id.endswith(f"-{os.getpid()}") and settings.worker_token is None
 
 
+def test_the_service_closes_the_engine_it_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`deltarl rollout` releases its engine when the worker stops, normally or not (the vllm
+    engine's core is a separate process holding the GPU memory: a stopped teacher service once
+    left two of them running on an H200); an engine given to the constructor is not closed."""
+    from deltarl.rollout.worker import RolloutWorker
+
+    closed: list[str] = []
+
+    class Engine:
+        type = "fake"
+
+        def close(self) -> None:
+            closed.append("engine")
+
+    def built(outcome: BaseException | None) -> Any:
+        def from_settings(settings: RolloutSettings) -> RolloutWorker:
+            worker = object.__new__(RolloutWorker)
+            worker.engine = Engine()  # type: ignore[assignment]
+            worker._owns_engine = True
+
+            def run(**_: Any) -> None:
+                if outcome is not None:
+                    raise outcome
+
+            worker.run = run  # type: ignore[method-assign]
+            return worker
+
+        return from_settings
+
+    for outcome in (None, CoordinatorError(403, "FORBIDDEN", "refused")):
+        closed.clear()
+        monkeypatch.setattr(RolloutWorker, "from_settings", built(outcome))
+        result = CliRunner().invoke(app, ["rollout"], env={"COLUMNS": "300"})
+        assert result.exit_code == (0 if outcome is None else 1), result.output
+        assert closed == ["engine"], outcome
+    worker = object.__new__(RolloutWorker)
+    worker.engine, worker._owns_engine = Engine(), False  # type: ignore[assignment]
+    closed.clear()
+    worker.close()
+    assert closed == []
+
+
 def test_sigterm_is_prompt_while_the_coordinator_is_down(
     bucket: LocalBucket, tok: Any, tmp_path: Path
 ) -> None:
