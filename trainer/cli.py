@@ -9,6 +9,10 @@ then imports torch and transformers.
 weights are published as a fresh anchor. SIGINT/SIGTERM finish the current step, checkpoint and
 exit with 128 + the signal number; a second signal stops at once.
 
+With ``loss.kl_coef > 0`` every rank also loads the frozen reference policy: the starting model
+``settings.model`` again (on ``--resume`` too: the KL stays to the model the run started from),
+sharded like the policy under FSDP (:func:`_reference`).
+
 Under ``torchrun --nproc_per_node N -m deltarl train ...`` every rank parses the same settings;
 rank 0 writes them, talks to the coordinator, publishes and reports, the other ranks train their
 share of each step as DDP replicas (:mod:`.distributed`). Without torchrun: one process, as
@@ -100,7 +104,6 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     """Load the model and train (rank 0: the loop; other torchrun ranks: a replica); return
     the exit code (128 + signal after a stop request, else 0)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
     from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
@@ -121,16 +124,16 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
             checkpoint = checkpointer.load() if resume else None
         except CheckpointError as exc:
             raise typer.BadParameter(str(exc), param_hint="--resume") from exc
+        ref_model = _reference(settings, ctx, device, fsdp)
         torch.manual_seed(settings.seed)
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-            settings.model, dtype=torch.float32
-        )
-        model.to(device)  # fp32 master weights; bf16 compute comes from autocast
+        model = _load_model(settings.model, device)  # fp32 master weights
         if fsdp:
             shard_fsdp(model, ctx, device)
         with GracefulStop() as stopper:
             if ctx.is_main:
-                _run_main(model, settings, deploy, stopper, checkpointer, checkpoint, ctx)
+                _run_main(
+                    model, settings, deploy, stopper, checkpointer, checkpoint, ctx, ref_model
+                )
             else:  # rank 0 decides when to stop; a signal here only sets the exit code
                 publisher = None
                 if fsdp:
@@ -142,6 +145,7 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
                     model,
                     settings,
                     ctx,
+                    ref_model=ref_model,
                     resume=checkpoint,
                     publisher=publisher,
                     checkpointer=checkpointer
@@ -154,6 +158,41 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     return 0 if stopper.signum is None else 128 + stopper.signum
 
 
+def _load_model(source: str, device: str) -> torch.nn.Module:
+    """The causal LM of ``source`` in fp32 on ``device`` (bf16 compute comes from autocast)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    return model.to(device)
+
+
+def _reference(
+    settings: ExperimentSettings, ctx: DistContext, device: str, fsdp: bool
+) -> torch.nn.Module | None:
+    """The frozen reference policy of ``loss.kl_coef > 0`` (None when it is 0): the starting
+    model ``settings.model`` loaded like the policy (same seed, fp32, same device), in eval mode
+    without gradients; on ``--resume`` still that starting model, not the resumed weights. A
+    second copy of the weights: 4 bytes per parameter on every rank under DDP, 4/N under FSDP,
+    where it is sharded like the policy. Built before the policy, so that at most one whole
+    model is on a device at a time under FSDP."""
+    if settings.loss.kl_coef <= 0:
+        return None
+    import torch
+
+    from deltarl.trainer.distributed import shard_fsdp
+    from deltarl.trainer.step import frozen_reference
+
+    torch.manual_seed(settings.seed)  # as the policy's: the same weights a checkpoint lacks
+    ref = frozen_reference(_load_model(settings.model, device))
+    if fsdp:
+        shard_fsdp(ref, ctx, device)
+    logger.info(
+        "reference policy for loss.kl_coef = %s: %s (frozen)", settings.loss.kl_coef, settings.model
+    )
+    return ref
+
+
 def _run_main(
     model: torch.nn.Module,
     settings: ExperimentSettings,
@@ -162,6 +201,7 @@ def _run_main(
     checkpointer: Checkpointer,
     checkpoint: Checkpoint | ShardedCheckpoint | None,
     ctx: DistContext,
+    ref_model: torch.nn.Module | None,
 ) -> None:
     """Rank 0 (or the only process): coordinator client, publisher, reporter, the loop."""
     from deltarl.services.buckets import open_bucket
@@ -198,6 +238,7 @@ def _run_main(
                 client,
                 publisher,
                 sink=reporter,
+                ref_model=ref_model,
                 data_timeout_s=deploy.data_timeout_s,
                 stop=stopper.event,
                 checkpointer=checkpointer,

@@ -56,7 +56,7 @@ from deltarl.trainer.metrics import MetricsSink
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
-from deltarl.trainer.step import train_step
+from deltarl.trainer.step import check_reference, train_step
 from deltarl.trainer.weights import PublishFailedError, WeightPublisher, publishable_state
 
 logger = logging.getLogger(__name__)
@@ -311,10 +311,16 @@ def train(
     ``dist``: under ``torchrun`` this is rank 0's side (see :mod:`.distributed`): it alone
     pulls, publishes, acks, reports and checkpoints, sends each step's batch to the other ranks
     (which run :func:`~.replica.train_replica`) and trains on its share with DDP.
+
+    ``ref_model``: the frozen reference policy of ``loss.kl_coef > 0`` (see
+    :func:`~.step.frozen_reference`; under FSDP sharded like ``model``); checked before the
+    first version is published (:func:`~.step.check_reference`), so a run that cannot train
+    never publishes.
     """
     ctx = dist if dist is not None else DistContext()
     if not ctx.is_main:
         raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
+    check_reference(settings, model, ref_model)
     sharded = isinstance(publisher, ShardedPublisher)
 
     def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
-from deltarl.trainer.step import train_step
+from deltarl.trainer.step import check_reference, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,12 @@ def train_replica(
     ``model``: this rank's replica (fp32, on this rank's device), built like rank 0's.
     ``resume``: the checkpoint rank 0 resumes from (every rank loads it: the optimizer state
     is per rank). ``publisher``, ``checkpointer``: this rank's sharded publisher and checkpointer
-    (FSDP2; None under DDP, where rank 0 alone publishes and checkpoints).
+    (FSDP2; None under DDP, where rank 0 alone publishes and checkpoints). ``ref_model``: this
+    rank's frozen reference policy (``loss.kl_coef > 0``), built like rank 0's.
     """
     if dist.is_main or not dist.enabled:
         raise ValueError("train_replica is for ranks 1..N-1 of a distributed job")
+    check_reference(settings, model, ref_model)
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     if resume is not None:
         resume.restore(model, opt, sched)

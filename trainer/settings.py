@@ -122,8 +122,10 @@ class LossSettings(_Settings):
     kl_coef: float = Field(
         default=0.0,
         ge=0,
-        description="Weight of the k3 KL estimate to a reference policy; 0: no reference "
-        "model is needed.",
+        description="Weight of the k3 KL estimate to a reference policy: the starting model "
+        "(`model`, also after --resume), which `deltarl train` loads a second time, frozen, on "
+        "every rank (sharded like the policy under FSDP): 4 more bytes per parameter (4/N "
+        "under FSDP) and one more forward per micro-batch. 0: no reference model is loaded.",
     )
     distill: DistillMode = Field(
         default="none",

@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SamplingMismatchError",
     "check_onpolicy_mismatch",
+    "check_reference",
     "forward_logits",
+    "frozen_reference",
     "step_normalizer",
     "train_step",
 ]
@@ -56,6 +58,40 @@ def forward_logits(model: torch.nn.Module, tokens: Tensor, attention_mask: Tenso
             f"input_ids; got {type(logits).__name__} {getattr(logits, 'shape', '')}"
         )
     return logits
+
+
+def frozen_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` made the frozen reference policy of ``loss.kl_coef`` (in place): eval mode (no
+    dropout) and no gradients. Returns ``model``."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def check_reference(
+    settings: ExperimentSettings, model: torch.nn.Module, ref_model: torch.nn.Module | None
+) -> None:
+    """Refuse at start (before the first version is published, not at the first step) a
+    reference policy that :func:`train_step` cannot use: none while ``loss.kl_coef > 0``, one
+    with trainable parameters (e.g. the policy itself: its KL would always be 0), or one on
+    another device than the policy."""
+    if ref_model is None:
+        if settings.loss.kl_coef > 0:
+            raise ValueError(
+                f"loss.kl_coef = {settings.loss.kl_coef} needs ref_model (the frozen reference "
+                "policy; `deltarl train` builds it from the starting model): pass one, or set "
+                "loss.kl_coef = 0"
+            )
+        return
+    if any(p.requires_grad for p in ref_model.parameters()):
+        raise ValueError(
+            "ref_model has trainable parameters: the reference policy must be a frozen copy of "
+            "the starting model (frozen_reference), not the policy being trained"
+        )
+    ref_dev = next((p.device for p in ref_model.parameters()), None)
+    dev = next((p.device for p in model.parameters()), None)
+    if ref_dev is not None and dev is not None and ref_dev != dev:
+        raise ValueError(f"ref_model is on {ref_dev}, the policy on {dev}: put both on one device")
 
 
 def step_normalizer(batch: TrainBatch, settings: ExperimentSettings) -> float:
@@ -142,6 +178,8 @@ def _micro_step(
             with torch.no_grad():
                 ref_logits = forward_logits(ref_model, tokens, attn)
                 ref_lp = token_logprobs(ref_logits, tokens, temperature=temp_arg)
+            if isinstance(ref_model, FSDPModule):  # no backward follows to free its root's
+                ref_model.reshard()  # gathered weights (embeddings, head): free them now
     logprobs = token_logprobs(logits, tokens, temperature=temp_arg)
     advantages = _on(device, part.advantages)
     mode = settings.loss.distill
@@ -213,7 +251,8 @@ def train_step(
 ) -> dict[str, float]:
     """Train on ``batch`` for one optimizer step; return the step's metrics (floats).
 
-    ``ref_model``: the frozen reference policy, required when ``settings.loss.kl_coef > 0``.
+    ``ref_model``: the frozen reference policy (:func:`frozen_reference`), required when
+    ``settings.loss.kl_coef > 0``; its logprobs give the ``kl_ref`` metric whenever it is given.
     ``entropy``: also compute the policy entropy metric (one extra pass over the logits).
     ``dist``: with several ranks (:mod:`.distributed`), ``model`` is wrapped in DDP, every rank
     gets the whole ``batch`` and trains on its share of the rows; the metrics are those of the

@@ -83,6 +83,20 @@ def follow(bucket: LocalBucket, model_dir: Path, version: int) -> None:
     assert sync.sync_to(version).version == version
 
 
+def trainer_env(url: str, bucket: Path) -> dict[str, str]:
+    """The environment of a CPU ``deltarl train`` against the coordinator at ``url``."""
+    return {
+        **os.environ,
+        "DELTARL_TRAINER_COORDINATOR_URL": url,
+        "DELTARL_TRAINER_TOKEN": TRAINER_TOKEN,
+        "DELTARL_TRAINER_DEVICE": "cpu",
+        "DELTARL_TRAINER_DATA_TIMEOUT_S": "60",
+        "DELTARL_TRAINER_DIST_TIMEOUT_S": "120",
+        "DELTARL_BUCKET_URI": str(bucket),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.network
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -97,16 +111,7 @@ def test_deltarl_train_under_torchrun(tmp_path: Path, parallel: str) -> None:
     feeder = threading.Thread(target=feed, args=(worker, groups, stop), daemon=True)
     feeder.start()
     run_dir = tmp_path / "run"
-    env = {
-        **os.environ,
-        "DELTARL_TRAINER_COORDINATOR_URL": server.url,
-        "DELTARL_TRAINER_TOKEN": TRAINER_TOKEN,
-        "DELTARL_TRAINER_DEVICE": "cpu",
-        "DELTARL_TRAINER_DATA_TIMEOUT_S": "60",
-        "DELTARL_TRAINER_DIST_TIMEOUT_S": "120",
-        "DELTARL_BUCKET_URI": str(tmp_path / "bucket"),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = trainer_env(server.url, tmp_path / "bucket")
     args = [
         f"model={tmp_path / 'model'}",
         f"run_dir={run_dir}",
@@ -120,6 +125,8 @@ def test_deltarl_train_under_torchrun(tmp_path: Path, parallel: str) -> None:
         f"parallel={parallel}",
         "checkpoint.every=1",
     ]
+    if parallel == "fsdp":  # the KL reference policy, sharded like the policy on every rank
+        args.append("loss.kl_coef=0.05")
     cmd = [
         *launcher,
         "--nproc_per_node",
@@ -154,6 +161,7 @@ def test_deltarl_train_under_torchrun(tmp_path: Path, parallel: str) -> None:
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows][:2] == [1, 2]  # one writer: rank 0
     assert rows[-1]["batch/trajectories"] == 4  # metrics of the whole batch, both shares
+    assert ("kl_ref" in rows[-1]) == (parallel == "fsdp")
     max_steps = 2 if parallel == "ddp" else 3  # the resumed run wrote its own settings
     assert json.loads((run_dir / "settings.json").read_text())["max_steps"] == max_steps
     assert "rank 1 of 2" in proc.stderr and "rank 0 stopped" in proc.stderr
