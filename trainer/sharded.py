@@ -453,12 +453,8 @@ class ShardedPublisher(VersionBook):
             on_gpu = sum(t.numel() for t in state.values() if t.device.type == "cuda")
             fraction = self.settings.pinned_change_fraction
             if fraction > 0:
-                self._staging.reserve(
-                    max(
-                        int(on_gpu * fraction * SCAN_BYTES_PER_CHANGE),
-                        self._staging.wanted * 5 // 4 if self._staging.wanted else 0,
-                    )
-                )
+                first = int(on_gpu * fraction * SCAN_BYTES_PER_CHANGE)
+                self._staging.reserve(max(first, self._staging.wanted * 5 // 4))
             self._staging.reset()
         rec.host_memory = self._mirror.host_bytes + self._staging.nbytes
         host_new: dict[str, torch.Tensor] = {}
