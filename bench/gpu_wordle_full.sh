@@ -51,7 +51,7 @@ else
   DURATION=${DURATION:-420}
   read -ra WGPUS <<<"${WORKER_GPUS:-1 2}"
   RUN_ARGS=(--engine vllm --worker-gpus "${WGPUS[@]}" --workers "${#WGPUS[@]}"
-    --gpu-memory-utilization 0.5
+    --gpu-memory-utilization "${GPU_MEM_UTIL:-0.5}"
     --group-size "${GROUP_SIZE:-8}" --groups-per-step "${GROUPS_PER_STEP:-8}" --in-flight-groups 8
     --max-guesses 6 --max-invalid 1 --window 10 --env-window-s 60)
   EVAL_GUESSES=6
@@ -74,7 +74,8 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # final-$GRPO_NAME), so several GRPO arms can start from one prep; WORKER_GPUS: the vLLM
 # workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints, or
 # "--set trainer.loss.kl_coef=0.05" for a KL term to the model GRPO starts from); GROUP_SIZE and
-# GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8)
+# GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8); GPU_MEM_UTIL: each vLLM
+# worker's share of its GPU (default 0.5; 0.25 lets two arms share a GPU)
 SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
   --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1)

@@ -87,6 +87,10 @@ def to_trajectory(
     the hinted turn's scores and the hint's text, :mod:`deltarl.rollout.hints`; ``teacher``: the
     teacher's scores at the trained positions, :mod:`deltarl.rollout.teaching`).
 
+    Each turn's end and reward travel with it (``turn_ends``/``turn_rewards``, the trainer's
+    per-turn credit) unless ``reward`` overrides the episode's: the turns' rewards would then
+    not add up to it.
+
     Raises ``ValueError`` if the episode has no versions (an unmanaged engine without
     ``policy_version``) or no sampled token.
     """
@@ -108,6 +112,8 @@ def to_trajectory(
         version_min=lo,
         version_max=hi,
         temperature=ep.temperature,
+        turn_ends=[t.end for t in ep.turns] if reward is None else None,
+        turn_rewards=[t.reward for t in ep.turns] if reward is None else None,
         hint=None if hint is None else hint[0],
         hint_text=None if hint is None else hint[1],
         teacher=teacher,

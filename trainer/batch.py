@@ -21,9 +21,17 @@ from torch import Tensor
 from deltarl.services.coordinator.schemas import TeacherLogprobs, Trajectory, TrajectoryGroup
 from deltarl.trainer.distill import TeacherBatch
 from deltarl.trainer.loss import group_advantages
-from deltarl.trainer.settings import AdvantageScale
+from deltarl.trainer.settings import AdvantageScale, CreditMode
 
-__all__ = ["StaleFilter", "TrainBatch", "batch_metrics", "collate", "filter_stale", "micro_batches"]
+__all__ = [
+    "StaleFilter",
+    "TrainBatch",
+    "batch_metrics",
+    "collate",
+    "filter_stale",
+    "micro_batches",
+    "turn_advantages",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +69,7 @@ class TrainBatch:
     attention_mask: Tensor  # [B, T] bool: real tokens
     loss_mask: Tensor  # [B, T] bool: tokens sampled from the policy (trained on)
     behaviour_logprobs: Tensor  # [B, T] float32 nats, 0 outside loss_mask
-    advantages: Tensor  # [B] float32, group-normalised
+    advantages: Tensor  # [B] float32, group-normalised; [B, T] per token with per-turn credit
     rewards: Tensor  # [B] float32
     signals: dict[str, Tensor]  # name -> [B] float32, NaN where a trajectory lacks the signal
     group_index: Tensor  # [B] int64: index of the trajectory's group in this batch
@@ -69,6 +77,7 @@ class TrainBatch:
     temperature: Tensor | None = None  # [B] float32 sampling temperature, NaN: not reported
     teacher: TeacherBatch | None = None  # a teacher's top-k at trained positions, if any
     hint: TeacherBatch | None = None  # hinted self-distillation targets (one turn), if any
+    turn_credit: Tensor | None = None  # [B] bool: credited per turn (None: episode credit)
 
     def temperatures(self, default: float) -> Tensor:
         """[B] float32: each trajectory's reported sampling temperature, ``default`` where
@@ -93,7 +102,9 @@ class TrainBatch:
             attention_mask=self.attention_mask[rows, :width],
             loss_mask=self.loss_mask[rows, :width],
             behaviour_logprobs=self.behaviour_logprobs[rows, :width],
-            advantages=self.advantages[rows],
+            advantages=self.advantages[rows]
+            if self.advantages.dim() == 1
+            else self.advantages[rows, :width],
             rewards=self.rewards[rows],
             signals={k: v[rows] for k, v in self.signals.items()},
             group_index=self.group_index[rows],
@@ -101,6 +112,7 @@ class TrainBatch:
             temperature=None if self.temperature is None else self.temperature[rows],
             teacher=None if self.teacher is None else self.teacher.select(rows, width),
             hint=None if self.hint is None else self.hint.select(rows, width),
+            turn_credit=None if self.turn_credit is None else self.turn_credit[rows],
         )
 
 
@@ -111,11 +123,13 @@ def collate(
     scale: AdvantageScale = "group",
     eps: float = 1e-4,
     pad_id: int = 0,
+    credit: CreditMode = "episode",
 ) -> TrainBatch:
     """Pad the trajectories of ``groups`` into one :class:`TrainBatch` (CPU tensors).
 
-    Advantages are normalised within each group (:func:`~.loss.group_advantages`). Trajectories
-    keep their group order. ``ValueError`` if there is nothing to train on.
+    Advantages are normalised within each group (:func:`~.loss.group_advantages`): one per
+    trajectory, or with ``credit="turn"`` one per turn (:func:`turn_advantages`, [B, T]).
+    Trajectories keep their group order. ``ValueError`` if there is nothing to train on.
     """
     trajs = [(gi, t) for gi, g in enumerate(groups) for t in g.trajectories]
     if not trajs:
@@ -148,6 +162,14 @@ def collate(
         if any(v is not None for v in reported)
         else None
     )
+    advantages = group_advantages(rewards, group_index, scale=scale, eps=eps)
+    turn_credit = None
+    if credit == "turn":
+        advantages, turn_credit = turn_advantages(
+            [t for _, t in trajs], group_index, width, advantages, scale=scale, eps=eps
+        )
+    elif credit != "episode":
+        raise ValueError(f"credit must be 'episode' or 'turn', got {credit!r}")
     return TrainBatch(
         teacher=_collate_teacher([t.teacher for _, t in trajs], [t for _, t in trajs], width),
         hint=_collate_teacher([t.hint for _, t in trajs], [t for _, t in trajs], width),
@@ -155,13 +177,74 @@ def collate(
         attention_mask=attention,
         loss_mask=loss_mask,
         behaviour_logprobs=logprobs,
-        advantages=group_advantages(rewards, group_index, scale=scale, eps=eps),
+        advantages=advantages,
+        turn_credit=turn_credit,
         rewards=rewards,
         signals=signals,
         group_index=group_index,
         staleness=staleness,
         temperature=temperature,
     )
+
+
+def turn_advantages(
+    trajs: Sequence[Trajectory],
+    group_index: Tensor,
+    width: int,
+    episode: Tensor,
+    *,
+    scale: AdvantageScale = "group",
+    eps: float = 1e-4,
+) -> tuple[Tensor, Tensor]:
+    """Per-turn credit: ([B, width] per-token advantages, [B] bool credited per turn).
+
+    Turn ``k`` of an episode (its tokens up to ``turn_ends[k]``) is worth its return to go,
+    ``G_k = r_k + r_{k+1} + ...`` (the rewards of that turn and every later one), and its
+    advantage is ``G_k`` normalised among the episodes of the same group that reached turn
+    ``k`` (:func:`~.loss.group_advantages` with ``(group, k)`` as the group): a move is judged
+    against the other episodes' moves at the same point of the game, on what followed it.
+    A turn that only one episode of its group reached gets 0, like a group of one.
+
+    A group in which some trajectory has no per-turn rewards keeps ``episode`` (its [B]
+    episode advantages, broadcast over the tokens): it is not credited per turn.
+    """
+    b = len(trajs)
+    adv = episode.to(torch.float32)[:, None].expand(b, width).clone()
+    groups = group_index.tolist()
+    missing = {g for g, t in zip(groups, trajs, strict=True) if t.turn_rewards is None}
+    credited = torch.tensor([g not in missing for g in groups], dtype=torch.bool)
+    values: list[float] = []
+    keys: list[int] = []
+    slots: dict[tuple[int, int], int] = {}
+    spans: list[tuple[int, int, int]] = []  # (row, start, end) of each value
+    for i, (g, t) in enumerate(zip(groups, trajs, strict=True)):
+        if g in missing or t.turn_ends is None or t.turn_rewards is None:
+            continue
+        adv[i].zero_()
+        to_go = 0.0
+        returns = []
+        for r in reversed(t.turn_rewards):
+            to_go += r
+            returns.append(to_go)
+        start = t.prompt_len
+        for k, (end, g_k) in enumerate(zip(t.turn_ends, reversed(returns), strict=True)):
+            keys.append(slots.setdefault((g, k), len(slots)))
+            values.append(g_k)
+            spans.append((i, start, end))
+            start = end
+    if values:
+        per_turn = group_advantages(
+            torch.tensor(values, dtype=torch.float32),
+            torch.tensor(keys, dtype=torch.int64),
+            scale=scale,
+            eps=eps,
+        )
+        for (i, start, end), a in zip(spans, per_turn.tolist(), strict=True):
+            adv[i, start:end] = a
+        for i, t in enumerate(trajs):  # 0 on the environment's tokens between the turns
+            if credited[i]:
+                adv[i, : len(t.mask)] *= torch.tensor(t.mask, dtype=torch.float32)
+    return adv, credited
 
 
 def _collate_teacher(
@@ -211,6 +294,8 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
         "batch/trained_tokens": float(batch.num_tokens),
         "batch/tokens": float(batch.attention_mask.sum()),
     }
+    if batch.turn_credit is not None and len(batch):
+        out["batch/turn_credit_frac"] = float(batch.turn_credit.double().mean())
     for name, values in batch.signals.items():
         present = values[~values.isnan()]
         if present.numel():

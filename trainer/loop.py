@@ -399,6 +399,7 @@ def train(
                 version,
                 scale=settings.loss.advantage_scale,
                 eps=settings.loss.advantage_eps,
+                credit=settings.loss.credit,
             )
             broadcast(("step", (batch, version)), ctx)
             metrics = train_step(

@@ -108,15 +108,24 @@ def group_advantages(
     return centered / (std + eps)
 
 
-def advantage_metrics(rewards: Tensor, group_ids: Tensor, advantages: Tensor) -> dict[str, float]:
+def advantage_metrics(
+    rewards: Tensor, group_ids: Tensor, advantages: Tensor, loss_mask: Tensor | None = None
+) -> dict[str, float]:
     """Per-step reward and advantage statistics (floats, for logging).
 
     ``reward/mean``, ``reward/std`` (unbiased), ``advantage/{mean,std,min,max}`` and
     ``reward/zero_std_group_frac``: fraction of groups whose rewards are all equal (they carry
-    no learning signal under GRPO).
+    no learning signal under GRPO). ``advantages``: [N] per sequence, or [N, T] per token
+    (per-turn credit), whose statistics are then over the trained tokens (``loss_mask``).
     """
     r = rewards.detach().double()
     a = advantages.detach().double()
+    if a.dim() == 2:
+        if loss_mask is None or loss_mask.shape != a.shape:
+            raise ValueError("per-token advantages need the [N, T] loss_mask of their tokens")
+        a = a[loss_mask.bool()]
+        if a.numel() == 0:
+            a = a.new_zeros(1)
     if r.numel() == 0:
         return {}
     _, inv = torch.unique(group_ids, return_inverse=True)
@@ -133,7 +142,7 @@ def advantage_metrics(rewards: Tensor, group_ids: Tensor, advantages: Tensor) ->
         "reward/std": float(r.std()) if many else 0.0,
         "reward/zero_std_group_frac": float((hi == lo).double().mean()),
         "advantage/mean": float(a.mean()),
-        "advantage/std": float(a.std()) if many else 0.0,
+        "advantage/std": float(a.std()) if a.numel() > 1 else 0.0,
         "advantage/min": float(a.min()),
         "advantage/max": float(a.max()),
     }

@@ -36,6 +36,7 @@ from deltarl.services.common.settings import ServiceSettings
 
 DistillMode = Literal["none", "jsd", "teacher_advantage"]
 AdvantageScale = Literal["group", "batch", "none"]
+CreditMode = Literal["episode", "turn"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sum"]
 ImportanceSampling = Literal[
     "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
@@ -88,6 +89,15 @@ class LossSettings(_Settings):
     )
     advantage_eps: float = Field(
         default=1e-4, gt=0, description="Added to the std before dividing (reward units)."
+    )
+    credit: CreditMode = Field(
+        default="episode",
+        description="'episode': every token of an episode gets its episode's advantage. "
+        "'turn': the tokens of turn k get the advantage of the reward still to come from turn "
+        "k on, against the other episodes of the group at turn k (scaled as advantage_scale), "
+        "so a move is credited with what followed it, not with the moves before it; needs the "
+        "per-turn rewards workers send with each trajectory (a group without them falls back "
+        "to 'episode').",
     )
     clip_low: float = Field(
         default=0.2, ge=0, lt=1, description="PPO clip: the ratio is kept >= 1 - clip_low."

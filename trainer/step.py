@@ -292,7 +292,9 @@ def train_step(
         scheduler.step()
     elapsed = time.perf_counter() - t0
     metrics = stats.summary()
-    metrics.update(advantage_metrics(batch.rewards, batch.group_index, batch.advantages))
+    metrics.update(
+        advantage_metrics(batch.rewards, batch.group_index, batch.advantages, batch.loss_mask)
+    )
     metrics.update(batch_metrics(batch))
     metrics.update(
         {

@@ -257,3 +257,80 @@ def test_hints_travel_with_their_positions() -> None:
             logprobs=[-1.0, -1.0],
             positions=[4, 2],
         )
+
+
+def _with_turns() -> TrajectoryGroup:
+    t = Trajectory(
+        tokens=[5, 6, 7, 8, 9, 10],
+        logprobs=[0.0, 0.0, -1.0, 0.0, -0.25, -0.5],
+        mask=[0, 0, 1, 0, 1, 1],
+        prompt_len=2,
+        reward=0.75,
+        version_min=3,
+        version_max=3,
+        turn_ends=[3, 6],
+        turn_rewards=[0.25, 0.5],
+    )
+    return TrajectoryGroup(
+        idempotency_key="k-turns", worker_id="w1", group_id="g", trajectories=[t]
+    )
+
+
+def test_per_turn_rewards_travel_in_v1_and_v2() -> None:
+    g = _with_turns()
+    data = encode_group(g)
+    body = msgpack.unpackb(data)
+    assert body["format"] == TRAJECTORY_FORMAT
+    assert body["trajectories"][0]["turn_rewards"] == bytes(
+        __import__("array").array("d", [0.25, 0.5])
+    )  # float64, exact
+    back = decode_group(data)
+    assert back == g and back.trajectories[0].turn_ends == [3, 6]
+    plain = decode_group(encode_group(group("k1")))
+    assert plain.trajectories[0].turn_ends is None  # absent: not reported
+    view = TeacherLogprobs(
+        k=1,
+        temperature=1.0,
+        sampled=[-1.0, -0.25, -0.5],
+        ids=[0, 1, 2],
+        logprobs=[-1.0, -0.25, -0.5],
+    )
+    taught = g.model_copy(
+        update={"trajectories": [g.trajectories[0].model_copy(update={"teacher": view})]}
+    )
+    data = encode_group(taught)
+    assert msgpack.unpackb(data)["format"] == TRAJECTORY_FORMAT_TEACHER
+    assert decode_group(data).trajectories[0].turn_rewards == [0.25, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"turn_ends": None}, "give both or neither"),
+        ({"turn_ends": [], "turn_rewards": []}, "non-empty"),
+        ({"turn_ends": [3], "turn_rewards": [0.25, 0.5]}, "one length"),
+        ({"turn_ends": [1, 6]}, r"turn_ends\[0\] = 1 must be at least 2"),
+        ({"turn_ends": [4, 3]}, r"turn_ends\[1\] = 3 must be at least 4"),
+        ({"turn_ends": [3, 7]}, "at most the 6 tokens"),
+        ({"turn_ends": [3, 5]}, "after the last turn's end 5"),
+        ({"turn_rewards": [0.25, float("nan")]}, "finite"),
+        ({"turn_rewards": [0.25, 0.25]}, "add up to 0.5, not to the episode's reward 0.75"),
+    ],
+)
+def test_bad_per_turn_rewards_are_refused(changes: dict[str, object], message: str) -> None:
+    good = _with_turns().trajectories[0].model_dump()
+    with pytest.raises(ValidationError, match=message):
+        Trajectory.model_validate(good | changes)
+    # and on the wire: the same message
+    body = msgpack.unpackb(encode_group(_with_turns()))
+    raw = body["trajectories"][0]
+    for k, v in changes.items():
+        if v is None:
+            raw.pop(k)
+        else:
+            raw[k] = bytes(__import__("array").array("i" if k == "turn_ends" else "d", v))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        decode_group(msgpack.packb(body, use_bin_type=True))
+    # a turn that sampled nothing ends where the previous one did
+    empty_turn = good | {"turn_ends": [3, 3, 6], "turn_rewards": [0.25, 0.0, 0.5]}
+    assert Trajectory.model_validate(empty_turn).turn_ends == [3, 3, 6]

@@ -305,6 +305,20 @@ def test_submission_round_trips_to_the_trainer(server: WordleServer, tok: Any) -
     assert batch.rewards.tolist() == [t.reward for t in decoded.trajectories]
     assert batch.staleness.tolist() == [2, 2, 2]
     assert batch.advantages[win] > 0 > batch.advantages[lose]
+    # each turn's end and reward travel too: per-turn credit gives the winner's two moves the
+    # credit of the win, and the losers' third moves (nothing followed: all 0) none
+    for t, ep in zip(decoded.trajectories, group.episodes, strict=True):
+        assert t.turn_ends == [turn.end for turn in ep.turns]
+        assert t.turn_rewards == [turn.reward for turn in ep.turns]
+    assert decoded.trajectories[win].turn_rewards == [0.0, 1.0]
+    per_turn = collate([decoded], policy_version=4, credit="turn")
+    adv, mask = per_turn.advantages, per_turn.loss_mask
+    assert (adv[win][mask[win]] > 0).all()
+    first, second, last = group.episodes[lose].turns
+    assert (adv[lose, first.start : second.end][mask[lose, first.start : second.end]] < 0).all()
+    assert (adv[lose, last.start : last.end] == 0).all()
+    overridden = to_submission(group, "worker-1", reward=lambda ep: 0.5)
+    assert all(t.turn_ends is None and t.turn_rewards is None for t in overridden.trajectories)
 
     sizes = payload_sizes(sub)
     assert sizes.binary == len(encode_group(sub))

@@ -95,3 +95,90 @@ def test_micro_batches_trim_and_accumulate_to_the_full_step() -> None:
     assert total.item() == pytest.approx(full.loss.item(), rel=1e-6)
     with pytest.raises(ValueError, match="micro-batch"):
         micro_batches(batch, 0)
+
+
+def turns_traj(prompt: int, turns: list[tuple[int, int, float]], version: int = 10) -> Trajectory:
+    """A multi-turn trajectory: per turn (sampled tokens, env tokens after it, reward)."""
+    mask = [0] * prompt
+    ends = []
+    for sampled, env, _ in turns:
+        mask += [1] * sampled
+        ends.append(len(mask))
+        mask += [0] * env
+    rewards = [r for _, _, r in turns]
+    return Trajectory(
+        tokens=list(range(1, len(mask) + 1)),
+        logprobs=[-0.5 if m else 0.0 for m in mask],
+        mask=mask,
+        prompt_len=prompt,
+        reward=math.fsum(rewards),
+        version_min=version,
+        version_max=version,
+        turn_ends=ends,
+        turn_rewards=rewards,
+    )
+
+
+def test_per_turn_credit_judges_each_move_on_what_followed_it() -> None:
+    # Three episodes of one group; turn 0 returns-to-go 1.5, 0.5, 1.0; turn 1 (two reached it)
+    # 1.0, 0.0 (the third ended after one turn); turn 2 only the first: advantage 0.
+    a = turns_traj(2, [(2, 1, 0.5), (1, 1, 0.0), (2, 0, 1.0)])
+    b = turns_traj(1, [(1, 2, 0.5), (3, 0, 0.0)])
+    c = turns_traj(3, [(2, 0, 1.0)])
+    batch = collate([group("g", a, b, c)], 10, credit="turn")
+    eps = 1e-4
+    s0 = 0.5  # unbiased std of [1.5, 0.5, 1.0]
+    s1 = math.sqrt(0.5)  # of [1.0, 0.0]
+    adv = batch.advantages
+    assert adv.shape == batch.tokens.shape
+    row_a = adv[0][batch.loss_mask[0]].tolist()
+    assert row_a == pytest.approx([0.5 / (s0 + eps)] * 2 + [0.5 / (s1 + eps)] + [0.0] * 2, rel=1e-5)
+    row_b = adv[1][batch.loss_mask[1]].tolist()
+    assert row_b == pytest.approx([-0.5 / (s0 + eps)] + [-0.5 / (s1 + eps)] * 3, rel=1e-5)
+    assert adv[2][batch.loss_mask[2]].tolist() == pytest.approx([0.0, 0.0], abs=1e-6)
+    assert (adv[~batch.loss_mask] == 0).all()  # prompts, env tokens, padding
+    assert batch.turn_credit is not None and batch.turn_credit.tolist() == [True] * 3
+    # the episode credit of the same batch: one advantage per trajectory, every token alike
+    flat = collate([group("g", a, b, c)], 10)
+    assert flat.advantages.shape == (3,) and flat.turn_credit is None
+    # per-token statistics in the step's metrics
+    from deltarl.trainer.loss import advantage_metrics
+
+    m = advantage_metrics(batch.rewards, batch.group_index, adv, batch.loss_mask)
+    assert m["advantage/max"] == pytest.approx(0.5 / (s0 + eps), rel=1e-5)
+    assert batch_metrics(batch)["batch/turn_credit_frac"] == 1.0
+    with pytest.raises(ValueError, match="loss_mask"):
+        advantage_metrics(batch.rewards, batch.group_index, adv)
+
+
+def test_per_turn_credit_falls_back_per_group_and_slices_with_micro_batches() -> None:
+    with_turns = group("a", turns_traj(1, [(1, 1, 1.0), (1, 0, 0.0)]), turns_traj(1, [(2, 0, 0.0)]))
+    # group b: one trajectory without per-turn rewards -> the whole group keeps episode credit
+    plain = traj(2, [-0.1, -0.2], 1.0, 10)
+    mixed = group("b", turns_traj(2, [(1, 0, 0.0)]), plain)
+    batch = collate([with_turns, mixed], 10, credit="turn")
+    assert batch.turn_credit is not None and batch.turn_credit.tolist() == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    episode = collate([with_turns, mixed], 10).advantages
+    for row in (2, 3):
+        trained = batch.advantages[row][batch.loss_mask[row]]
+        assert torch.allclose(trained, episode[row].expand_as(trained))
+    parts = micro_batches(batch, 3)
+    assert [p.advantages.shape for p in parts] == [(3, 4), (1, 4)]
+    assert torch.equal(parts[0].advantages, batch.advantages[:3, :4])
+    assert parts[1].turn_credit is not None and parts[1].turn_credit.tolist() == [False]
+    settings = LossSettings()
+    out = grpo_loss(
+        parts[0].behaviour_logprobs.clone().requires_grad_(True),
+        parts[0].behaviour_logprobs,
+        parts[0].advantages,
+        parts[0].loss_mask,
+        settings,
+    )
+    assert math.isfinite(out.loss.item())
+    with pytest.raises(ValueError, match="credit"):
+        collate([with_turns], 10, credit="move")  # type: ignore[arg-type]

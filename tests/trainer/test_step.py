@@ -44,9 +44,12 @@ def rollout(
     version: int,
     temperature: float = 1.0,
     report_temperature: bool = False,
+    turns: bool = False,
 ) -> list[TrajectoryGroup]:
     """Sample completions at ``temperature``; reward = share of completion tokens equal to
-    TARGET. ``report_temperature``: the trajectories carry it, as deltarl workers send it."""
+    TARGET. ``report_temperature``: the trajectories carry it, as deltarl workers send it.
+    ``turns``: each completion token is a turn of its own, rewarded 1 / COMPLETION for a hit
+    (the per-turn rewards travel as workers send them)."""
     out = []
     for g in range(groups):
         trajs = []
@@ -70,6 +73,10 @@ def rollout(
                     version_min=version,
                     version_max=version,
                     temperature=temperature if report_temperature else None,
+                    turn_ends=list(range(2, COMPLETION + 2)) if turns else None,
+                    turn_rewards=[(t == TARGET) / COMPLETION for t in tokens[1:]]
+                    if turns
+                    else None,
                 )
             )
         out.append(
@@ -83,8 +90,12 @@ def rollout(
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_reward_goes_up_and_published_weights_match(tmp_path: Path, precision: str) -> None:
+@pytest.mark.parametrize(
+    ("precision", "credit"), [("fp32", "episode"), ("bf16", "episode"), ("fp32", "turn")]
+)
+def test_reward_goes_up_and_published_weights_match(
+    tmp_path: Path, precision: str, credit: str
+) -> None:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     settings = ExperimentSettings.load(
@@ -96,24 +107,28 @@ def test_reward_goes_up_and_published_weights_match(tmp_path: Path, precision: s
             "batch.micro_batch_size=12",
             "batch.max_staleness=1",
             "loss.importance_sampling=token_truncate",
+            f"loss.credit={credit}",
         ],
     )
+    turns = credit == "turn"
     model = Bigram()
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     bucket = LocalBucket(tmp_path / "bucket")
     pub = WeightPublisher(bucket, settings.publish)
     pub.publish(model.state_dict(), step=0)
     rewards, stale_dropped = [], 0
-    pending = rollout(model, gen, 4, 8, 0)
+    pending = rollout(model, gen, 4, 8, 0, turns=turns)
     for step in range(settings.max_steps):
         version = pub.last_version if pub.last_version is not None else 0
         # one step of lag, like an asynchronous worker: train on what the previous weights made
-        fresh = rollout(model, gen, 4, 8, version)
+        fresh = rollout(model, gen, 4, 8, version, turns=turns)
         if step % 5 == 4:  # now and then a group arrives far too late: it must be dropped
-            fresh[0] = rollout(model, gen, 1, 8, version - 3)[0]
+            fresh[0] = rollout(model, gen, 1, 8, version - 3, turns=turns)[0]
         f = filter_stale(pending, version, settings.batch.max_staleness)
         stale_dropped += f.dropped_groups
-        metrics = train_step(model, opt, sched, collate(f.kept, version), settings)
+        batch = collate(f.kept, version, credit=settings.loss.credit)
+        assert batch.advantages.dim() == (2 if turns else 1)
+        metrics = train_step(model, opt, sched, batch, settings)
         rewards.append(metrics["reward/mean"])
         assert metrics["step/skipped"] == 0.0 and metrics["tokens"] > 0
         assert "mismatch/kl" in metrics and "entropy" in metrics

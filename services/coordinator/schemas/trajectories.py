@@ -15,7 +15,15 @@ Wire format ``deltarl-traj-v1`` (``Content-Type: application/msgpack``), one msg
          "reward": float64, "signals": {str: float64},
          "version_min": int, "version_max": int,
          "temperature": float64,   # optional: the sampling temperature (absent: unknown)
+         "turn_ends": bin,         # optional int32 [k]: where each model turn's tokens end
+         "turn_rewards": bin,      # optional float64 [k]: the environment's reward per turn
          "teacher": {...}}, ...]}  # optional, only in deltarl-traj-v2 (below)
+
+``turn_ends``/``turn_rewards`` (both or neither) split a multi-turn episode into its model turns:
+turn ``j`` owns the trained tokens (mask 1) at positions ``turn_ends[j-1] <= t < turn_ends[j]``
+(``turn_ends[-1]`` = ``prompt_len``; the ends never decrease), none lies at or after the last end,
+and the rewards add up to ``reward``. The trainer's per-turn credit (``loss.credit = "turn"``)
+uses them; readers older than these fields refuse them by name.
 
 ``deltarl-traj-v2`` is the same map with ``"format": "deltarl-traj-v2"``, written when some
 trajectory carries a teacher's logprobs (on-policy distillation): its ``teacher`` map holds, for
@@ -58,6 +66,7 @@ TRAJECTORY_FORMAT = "deltarl-traj-v1"
 TRAJECTORY_FORMAT_TEACHER = "deltarl-traj-v2"
 MAX_TRAJECTORIES_PER_GROUP = 4096
 MAX_TEACHER_TOP_K = 128
+MAX_TURNS_PER_TRAJECTORY = 4096
 MAX_TOKENS_PER_TRAJECTORY = 1 << 20
 _LITTLE = sys.byteorder == "little"
 
@@ -147,6 +156,21 @@ class Trajectory(WireModel):
     hint_text: str | None = Field(
         default=None, max_length=4000, description="The hint that was inserted (for the logs)."
     )
+    turn_ends: list[int] | None = Field(
+        default=None,
+        max_length=MAX_TURNS_PER_TRAJECTORY,
+        description="Multi-turn episodes: the token position where each model turn ends "
+        "(exclusive, non-decreasing, from prompt_len to n; a turn that sampled nothing ends where "
+        "the previous one did); turn j trains the mask-1 "
+        "tokens between the previous end (prompt_len for the first) and its own. None: not "
+        "reported (the trainer can then only credit the whole episode).",
+    )
+    turn_rewards: list[float] | None = Field(
+        default=None,
+        max_length=MAX_TURNS_PER_TRAJECTORY,
+        description="The environment's reward for each turn (same length as turn_ends, finite, "
+        "summing to reward).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
@@ -164,6 +188,7 @@ class Trajectory(WireModel):
             raise ValueError("reward and signals must be finite numbers")
         if self.temperature is not None and not math.isfinite(self.temperature):
             raise ValueError("temperature must be a finite number > 0")
+        self._check_turns()
         if self.hint is not None and self.hint.positions is None:
             raise ValueError("hint.positions is required (the hinted turn's tokens)")
         for name, view in (("teacher", self.teacher), ("hint", self.hint)):
@@ -178,6 +203,35 @@ class Trajectory(WireModel):
             elif any(p >= n or not self.mask[p] for p in view.positions):
                 raise ValueError(f"{name}.positions must be trained positions (mask 1) below {n}")
         return self
+
+    def _check_turns(self) -> None:
+        ends, rewards = self.turn_ends, self.turn_rewards
+        if ends is None and rewards is None:
+            return
+        if ends is None or rewards is None:
+            raise ValueError("turn_ends and turn_rewards go together: give both or neither")
+        if not ends or len(ends) != len(rewards):
+            raise ValueError(
+                f"turn_ends and turn_rewards must be non-empty and of one length "
+                f"(got {len(ends)} and {len(rewards)})"
+            )
+        n, last = len(self.tokens), self.prompt_len
+        for j, end in enumerate(ends):
+            if not last <= end <= n:
+                raise ValueError(
+                    f"turn_ends[{j}] = {end} must be at least {last} (the previous end, or "
+                    f"prompt_len) and at most the {n} tokens"
+                )
+            last = end
+        if any(self.mask[last:]):
+            raise ValueError(f"trained tokens (mask 1) after the last turn's end {last}")
+        if not all(map(math.isfinite, rewards)):
+            raise ValueError("turn_rewards must be finite numbers")
+        total = math.fsum(rewards)
+        if abs(total - self.reward) > 1e-6 * max(1.0, abs(self.reward)):
+            raise ValueError(
+                f"turn_rewards add up to {total!r}, not to the episode's reward {self.reward!r}"
+            )
 
 
 class TrajectoryGroup(WireModel):
@@ -305,6 +359,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                 "version_min": t.version_min,
                 "version_max": t.version_max,
                 **({} if t.temperature is None else {"temperature": float(t.temperature)}),
+                **_encode_turns(t, f"trajectories[{i}]"),
                 **teacher,
             }
         )
@@ -316,6 +371,27 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         "trajectories": trajs,
     }
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _encode_turns(t: Trajectory, what: str) -> dict[str, bytes]:
+    if t.turn_ends is None or t.turn_rewards is None:
+        return {}
+    return {
+        "turn_ends": _pack_array("i", t.turn_ends, f"{what}.turn_ends"),
+        "turn_rewards": _pack_array("d", t.turn_rewards, f"{what}.turn_rewards"),
+    }
+
+
+def _decode_turns(raw: dict[str, Any], what: str) -> dict[str, list[Any] | None]:
+    ends, rewards = raw.get("turn_ends"), raw.get("turn_rewards")
+    return {
+        "turn_ends": None
+        if ends is None
+        else _unpack_array("i", ends, f"{what}.turn_ends").tolist(),
+        "turn_rewards": None
+        if rewards is None
+        else _unpack_array("d", rewards, f"{what}.turn_rewards").tolist(),
+    }
 
 
 def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory:
@@ -344,6 +420,8 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
         "version_min",
         "version_max",
         "temperature",
+        "turn_ends",
+        "turn_rewards",
         *(("teacher", "hint", "hint_text") if teacher_ok else ()),
     }
     if extra:
@@ -367,6 +445,7 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
             else _decode_teacher(teacher, f"trajectories[{i}].teacher"),
             "hint": None if hint is None else _decode_teacher(hint, f"trajectories[{i}].hint"),
             "hint_text": raw.get("hint_text"),
+            **_decode_turns(raw, f"trajectories[{i}]"),
         },
         strict=False,
     )
