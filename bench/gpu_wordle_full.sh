@@ -75,10 +75,12 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints, or
 # "--set trainer.loss.kl_coef=0.05" for a KL term to the model GRPO starts from); GROUP_SIZE and
 # GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8); GPU_MEM_UTIL: each vLLM
-# worker's share of its GPU (default 0.5; 0.25 lets two arms share a GPU)
+# worker's share of its GPU (default 0.5; 0.25 lets two arms share a GPU); FILL_UNPLAYED=false: a
+# win earns nothing for its unplayed guesses (the shaped reward of every run before session 12)
 SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
-  --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1)
+  --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1
+  --set "env.shaping_fill_unplayed=${FILL_UNPLAYED:-true}")
 case ${REWARD:-shaped} in
   shaped) SHAPING=("${SHAPED[@]}") ;;
   consistent) SHAPING=("${SHAPED[@]}" --set env.shaping_consistent=0.3) ;;

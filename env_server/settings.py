@@ -127,6 +127,13 @@ class EnvSettings(TLSServerSettings):
         "earlier guess's feedback of the episode (the first guess, without feedback, earns "
         "nothing): rewards using the feedback.",
     )
+    shaping_fill_unplayed: bool = Field(
+        default=True,
+        description="Shaped reward: a win also earns, for each guess it left unplayed, what a "
+        "perfect move earns besides the win (shaping_greens + shaping_format + "
+        "shaping_consistent), so that no game pays more for lasting longer; false: unplayed "
+        "guesses earn nothing (a game that plays on can outscore a win).",
+    )
     charset_target: str = Field(
         default="abcdefghijklmnopqrstuvwxyz",
         min_length=1,
@@ -166,6 +173,7 @@ class EnvSettings(TLSServerSettings):
             repetition=self.shaping_repetition,
             invalid=self.shaping_invalid,
             consistent=self.shaping_consistent,
+            fill_unplayed=self.shaping_fill_unplayed,
         )
 
     def rules(self) -> WordleRules:

@@ -96,7 +96,8 @@ class ShapingOptions(BaseModel):
     ``win*correct + greens*greens + yellows*yellows + format*valid + consistent*consistent
     - repetition*repetition - invalid*invalid`` of its reward signals (``consistent``: 1 for a
     valid guess, not the first, that fits the feedback of every earlier guess); the episode's
-    return is the sum over its moves (docs/env_server.md, Rewards)."""
+    return is the sum over its moves, a win also earning what its unplayed guesses would have at
+    best (``fill_unplayed``; docs/env_server.md, Rewards)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -123,6 +124,11 @@ class ShapingOptions(BaseModel):
     )
     consistent: float | None = Field(
         default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Reward of a consistent later guess."
+    )
+    fill_unplayed: bool | None = Field(
+        default=None,
+        description="A win also earns greens + format + consistent for each guess it left "
+        "unplayed (no game pays more for lasting longer).",
     )
 
 

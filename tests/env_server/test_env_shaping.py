@@ -57,11 +57,52 @@ def test_shaped_rewards_per_turn_and_their_sum() -> None:
     m = g.play(f"[{a}]")  # repeated (allowed, scored): the penalty applies
     assert m.reward == pytest.approx(pattern_reward(weights, a, secret, repeated=True))
     rewards.append(m.reward)
-    m = g.play(f"[{secret}]")  # the win: win + greens + format
-    assert m.reward == pytest.approx(1.0 + 0.5 + 0.1)
+    m = g.play(f"[{secret}]")  # the win: win + greens + format, and the one unplayed guess
+    assert m.reward == pytest.approx(1.0 + 0.5 + 0.1 + (0.5 + 0.1))
     rewards.append(m.reward)
     assert g.won and g.done
     assert g.total_reward == pytest.approx(sum(rewards))
+    # without fill_unplayed the unplayed guess earns nothing
+    g = WordleGame(
+        WordleRules(max_guesses=4, shaping=Shaping(greens=0.5, format=0.1, fill_unplayed=False)),
+        WordLists.load(),
+        seed=SEED,
+    )
+    assert g.play(f"[{secret}]").reward == pytest.approx(1.0 + 0.5 + 0.1)
+
+
+# the weights of session 11's GPU arms (bench/gpu_wordle_full.sh, REWARD=consistent)
+CONSISTENT = {"greens": 0.2, "yellows": 0.1, "format": 0.05, "repetition": 0.2, "invalid": 0.1}
+
+
+@pytest.mark.parametrize("fill", [True, False])
+def test_a_win_outscores_playing_on_only_with_fill_unplayed(fill: bool) -> None:
+    """Six valid losing guesses, each consistent with the feedback before it, against the same
+    first two guesses and then the answer: without fill_unplayed the per-move terms pay for
+    lasting and the loss scores more than the win."""
+    words = WordLists.load()
+    shaping = Shaping(**CONSISTENT, consistent=0.3, fill_unplayed=fill)
+    rules = WordleRules(max_guesses=6, shaping=shaping)
+    seed = 8  # "filly": six words from the end of the list fit the feedback without winning
+    secret = answer(seed)
+    loser = WordleGame(rules, words, seed=seed)
+    played: list[tuple[str, str]] = []
+    for word in sorted(words.allowed, reverse=True):  # each next guess fits all earlier feedback
+        if loser.done:
+            break
+        if word != secret and word not in dict(played) and consistent(word, played):
+            move = loser.play(f"[{word}]")
+            assert move.valid and (move.consistent or not played)
+            played.append((word, move.pattern or ""))
+    assert len(played) == 6 and not loser.won
+    winner = WordleGame(rules, words, seed=seed)
+    for word, _ in played[:2]:
+        winner.play(f"[{word}]")
+    assert winner.play(f"[{secret}]").valid and winner.won
+    if fill:  # at least the win weight more, whatever the losing moves earned
+        assert winner.total_reward >= loser.total_reward + shaping.win
+    else:
+        assert winner.total_reward < loser.total_reward
 
 
 def test_forfeit_keeps_what_the_format_earned() -> None:
@@ -226,7 +267,9 @@ def test_the_games_behind_the_consistency_cases() -> None:
 
 def consistency_env(**rules: Any) -> WordleEnvironment:
     env = WordleEnvironment(WordleRules(max_invalid_moves=2, **rules), WordLists.load())
-    options = ResetOptions.model_validate({"shaping": {"win": 0.0, "consistent": 0.5}})
+    options = ResetOptions.model_validate(
+        {"shaping": {"win": 0.0, "consistent": 0.5, "fill_unplayed": False}}
+    )
     env.reset(seed=COBRA, options=options)
     return env
 
@@ -275,7 +318,8 @@ def test_consistent_adds_to_the_other_terms() -> None:
     assert (first.consistent, second.consistent, third.consistent) == (False, True, True)
     assert first.reward == pytest.approx(0.2 * 1 / 5 + 0.1)
     assert second.reward == pytest.approx(0.2 * 2 / 5 + 0.1 + 0.3)  # coral: GGYYX
-    assert third.reward == pytest.approx(1.0 + 0.2 + 0.1 + 0.3)
+    # the win, and for each of the three guesses it left unplayed greens + format + consistent
+    assert third.reward == pytest.approx(1.0 + 0.2 + 0.1 + 0.3 + 3 * (0.2 + 0.1 + 0.3))
     assert g.won and g.total_reward == pytest.approx(first.reward + second.reward + third.reward)
 
 
@@ -328,8 +372,14 @@ def test_consistent_over_http_per_session_and_server_wide(
         res = client.post("/step", json={"session_id": sid, "action": {"message": f"[{word}]"}})
         body = res.json()
         got.append((body["reward"], body["observation"]["reward_signals"]["consistent"]))
-    # slate: inconsistent with crane's feedback; cobra: consistent with all three, and the win
-    assert got == [(0.0, 0.0), (0.5, 1.0), (0.0, 0.0), (1.5, 1.0)]
+    # slate: inconsistent with crane's feedback; cobra: consistent with all three, the win and
+    # its two unplayed guesses (0.5 each: only consistent is weighted)
+    assert got == [(0.0, 0.0), (0.5, 1.0), (0.0, 0.0), (2.5, 1.0)]
+    options["shaping"]["fill_unplayed"] = False  # type: ignore[index]
+    sid = client.post("/reset", json={"seed": COBRA, "options": options}).json()["session_id"]
+    for word in ("crane", "coral", "slate", "cobra"):
+        res = client.post("/step", json={"session_id": sid, "action": {"message": f"[{word}]"}})
+    assert res.json()["reward"] == 1.5
     server = make_client(reward="shaped", shaping_win=0.0, shaping_consistent=0.4)
     sid = server.post("/reset", json={"seed": COBRA}).json()["session_id"]
     for word, expected in (("crane", 0.0), ("coral", 0.4)):
