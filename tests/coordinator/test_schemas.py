@@ -259,6 +259,13 @@ def test_hints_travel_with_their_positions() -> None:
         )
 
 
+def test_a_hint_text_needs_its_hint() -> None:
+    # it would travel as v1, whose reader refuses hint fields: refused where it is built
+    plain = group("k1").trajectories[0].model_dump()
+    with pytest.raises(ValidationError, match="hint_text without hint"):
+        Trajectory.model_validate(plain | {"hint_text": "the answer has an r"})
+
+
 def _with_turns() -> TrajectoryGroup:
     t = Trajectory(
         tokens=[5, 6, 7, 8, 9, 10],

@@ -189,6 +189,8 @@ class Trajectory(WireModel):
         if self.temperature is not None and not math.isfinite(self.temperature):
             raise ValueError("temperature must be a finite number > 0")
         self._check_turns()
+        if self.hint_text is not None and self.hint is None:
+            raise ValueError("hint_text without hint: the hinted turn's scores must come with it")
         if self.hint is not None and self.hint.positions is None:
             raise ValueError("hint.positions is required (the hinted turn's tokens)")
         for name, view in (("teacher", self.teacher), ("hint", self.hint)):
