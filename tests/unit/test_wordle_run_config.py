@@ -84,13 +84,15 @@ def test_bad_wordle_options_are_refused(override: str, message: str) -> None:
         load_run_config(EXAMPLE).with_overrides([override])
 
 
-def gpu_preset(reward: str) -> list[str]:
-    """The ``--set`` overrides bench/gpu_wordle_full.sh passes for ``REWARD=reward``."""
+def gpu_preset(reward: str, fill: str | None = None) -> list[str]:
+    """The ``--set`` overrides bench/gpu_wordle_full.sh passes for ``REWARD=reward`` (and
+    ``FILL_UNPLAYED=fill`` when given)."""
     script = (ROOT / "bench" / "gpu_wordle_full.sh").read_text()
     block = script[script.index("SHAPED=(") : script.index("esac") + len("esac")]
     out = subprocess.run(
         ["bash", "-c", block + '\nprintf "%s\\n" "${SHAPING[@]}"'],
-        env={"REWARD": reward, "PATH": "/usr/bin:/bin"},
+        env={"REWARD": reward, "PATH": "/usr/bin:/bin"}
+        | ({} if fill is None else {"FILL_UNPLAYED": fill}),
         capture_output=True,
         text=True,
         check=True,
@@ -99,16 +101,19 @@ def gpu_preset(reward: str) -> list[str]:
     return out[1::2]
 
 
-@pytest.mark.parametrize(("reward", "consistent"), [("shaped", 0.0), ("consistent", 0.3)])
+@pytest.mark.parametrize(
+    ("reward", "consistent", "fill"),
+    [("shaped", 0.0, None), ("consistent", 0.3, None), ("consistent", 0.3, "false")],
+)
 def test_gpu_script_reward_presets_reach_the_env_server(
-    tmp_path: Path, reward: str, consistent: float
+    tmp_path: Path, reward: str, consistent: float, fill: str | None
 ) -> None:
     # the run bench/wordle_gpu_run.py builds from the script's arguments (its GPU ones)
     spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    sets = [arg for value in gpu_preset(reward) for arg in ("--set", value)]
+    sets = [arg for value in gpu_preset(reward, fill) for arg in ("--set", value)]
     args = bench._args(["--run-dir", str(tmp_path), "--engine", "vllm", *sets])
     config = bench.run_config(args)
     layout = RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
@@ -117,3 +122,4 @@ def test_gpu_script_reward_presets_reach_the_env_server(
     assert shaping is not None and not server.allow_non_words
     assert (shaping.win, shaping.greens, shaping.yellows, shaping.format) == (1.0, 0.2, 0.1, 0.05)
     assert (shaping.repetition, shaping.invalid, shaping.consistent) == (0.2, 0.1, consistent)
+    assert shaping.fill_unplayed is (fill != "false")  # a win earns its unplayed guesses
