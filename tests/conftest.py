@@ -4,6 +4,7 @@ model cache of every test that prepares the demo's models."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,17 @@ import torch
 from states import make_state
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Train with one intra-op thread here too, like the subprocesses and spawned ranks."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -166,7 +166,7 @@ def collate(
     turn_credit = None
     if credit == "turn":
         advantages, turn_credit = turn_advantages(
-            [t for _, t in trajs], group_index, width, advantages, scale=scale, eps=eps
+            [t for _, t in trajs], group_index, loss_mask, advantages, scale=scale, eps=eps
         )
     elif credit != "episode":
         raise ValueError(f"credit must be 'episode' or 'turn', got {credit!r}")
@@ -190,13 +190,14 @@ def collate(
 def turn_advantages(
     trajs: Sequence[Trajectory],
     group_index: Tensor,
-    width: int,
+    loss_mask: Tensor,
     episode: Tensor,
     *,
     scale: AdvantageScale = "group",
     eps: float = 1e-4,
 ) -> tuple[Tensor, Tensor]:
-    """Per-turn credit: ([B, width] per-token advantages, [B] bool credited per turn).
+    """Per-turn credit: ([B, T] per-token advantages, [B] bool credited per turn), ``loss_mask``
+    the batch's [B, T] trained tokens.
 
     Turn ``k`` of an episode (its tokens up to ``turn_ends[k]``) is worth its return to go,
     ``G_k = r_k + r_{k+1} + ...`` (the rewards of that turn and every later one), and its
@@ -208,8 +209,7 @@ def turn_advantages(
     A group in which some trajectory has no per-turn rewards keeps ``episode`` (its [B]
     episode advantages, broadcast over the tokens): it is not credited per turn.
     """
-    b = len(trajs)
-    adv = episode.to(torch.float32)[:, None].expand(b, width).clone()
+    adv = episode.to(torch.float32)[:, None].expand(loss_mask.shape).clone()
     groups = group_index.tolist()
     missing = {g for g, t in zip(groups, trajs, strict=True) if t.turn_rewards is None}
     credited = torch.tensor([g not in missing for g in groups], dtype=torch.bool)
@@ -241,9 +241,8 @@ def turn_advantages(
         )
         for (i, start, end), a in zip(spans, per_turn.tolist(), strict=True):
             adv[i, start:end] = a
-        for i, t in enumerate(trajs):  # 0 on the environment's tokens between the turns
-            if credited[i]:
-                adv[i, : len(t.mask)] *= torch.tensor(t.mask, dtype=torch.float32)
+    # 0 on the environment's tokens between the turns
+    adv = torch.where(credited[:, None] & ~loss_mask, torch.zeros(()), adv)
     return adv, credited
 
 

@@ -75,15 +75,10 @@ def rank_main(rank: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_publish_bit_identical_weights_to_one(tmp_path: Path) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        single = Bigram()
-        last, registered = run_rank0(single, tmp_path / "single", None)
-    finally:
-        torch.set_num_threads(threads)
+def test_two_ranks_publish_bit_identical_weights_to_one(tmp_path: Path, one_thread: None) -> None:
+    torch.manual_seed(0)
+    single = Bigram()
+    last, registered = run_rank0(single, tmp_path / "single", None)
     assert last == STEPS and registered == STEPS + 1
 
     mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)

@@ -136,16 +136,11 @@ def rank_main(rank: int, root: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp_trains_like_one_process_and_a_worker_follows_its_sharded_versions(
-    tmp_path: Path,
+    tmp_path: Path, one_thread: None
 ) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        single = Bigram()
-        assert run_rank0(single, tmp_path / "single", None) == (STEPS, STEPS + 1)
-    finally:
-        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    single = Bigram()
+    assert run_rank0(single, tmp_path / "single", None) == (STEPS, STEPS + 1)
 
     mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}" / "result.json").read_text()) for r in (0, 1)]

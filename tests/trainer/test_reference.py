@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,11 @@ import torch
 import torch.multiprocessing as mp
 from coordinator.conftest import (
     TRAINER_TOKEN,
-    WORKER_TOKEN,
-    LiveServer,
-    coordinator_settings,
 )
 from test_fsdp import ShardedQueue, join
 from test_loop import FakeQueue
 from test_step import Bigram
-from test_torchrun import feed, tiny_llama, trainer_env
+from test_torchrun import fed_coordinator, tiny_llama, trainer_env
 from test_weight_publisher import FakeCoordinator
 from torch.distributed.tensor import DTensor
 
@@ -166,14 +162,11 @@ def fsdp_rank(rank: int, root: str) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_shards_the_reference_and_trains_like_one_process(tmp_path: Path) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        single, rows = run_single(tmp_path / "single", 0.5, frozen_reference(Bigram()))
-    finally:
-        torch.set_num_threads(threads)
+def test_fsdp_shards_the_reference_and_trains_like_one_process(
+    tmp_path: Path, one_thread: None
+) -> None:
+    torch.manual_seed(0)
+    single, rows = run_single(tmp_path / "single", 0.5, frozen_reference(Bigram()))
     mp.spawn(fsdp_rank, args=(str(tmp_path),), nprocs=2, join=True)
     for r in (0, 1):
         got = torch.load(tmp_path / f"rank{r}" / "final.pt")
@@ -193,11 +186,7 @@ def test_deltarl_train_builds_its_reference_and_keeps_it_on_resume(tmp_path: Pat
     logs ``kl_ref`` (0 at the first step), and after ``--resume`` the KL is still to the
     starting model (not ~0, as it would be to the resumed weights)."""
     tiny_llama(tmp_path / "model")
-    server = LiveServer(coordinator_settings(tmp_path))
-    stop = threading.Event()
-    worker = CoordinatorClient(server.url, WORKER_TOKEN, retries=0)
-    feeder = threading.Thread(target=feed, args=(worker, 3, stop), daemon=True)
-    feeder.start()
+    server, stop = fed_coordinator(tmp_path, 3)
     run_dir = tmp_path / "run"
     env = trainer_env(server.url, tmp_path / "bucket")
     args = [

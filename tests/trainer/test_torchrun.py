@@ -38,6 +38,16 @@ def tiny_llama(path: Path) -> None:
     transformers.AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB)).save_pretrained(path)
 
 
+def fed_coordinator(tmp_path: Path, groups: int) -> tuple[LiveServer, threading.Event]:
+    """A live coordinator, and a worker thread feeding it ``groups`` scripted groups once
+    version 0 exists (:func:`feed`); set the event and stop the server when done."""
+    server = LiveServer(coordinator_settings(tmp_path))
+    stop = threading.Event()
+    worker = CoordinatorClient(server.url, WORKER_TOKEN, retries=0)
+    threading.Thread(target=feed, args=(worker, groups, stop), daemon=True).start()
+    return server, stop
+
+
 def feed(worker: CoordinatorClient, groups: int, stop: threading.Event) -> None:
     """A worker: once version 0 exists, submit ``groups`` groups of 2 (scripted tokens)."""
     worker.register(WorkerRegistration(worker_id="w1", engine="hf", model="tiny", capacity=1))
@@ -104,12 +114,8 @@ def test_deltarl_train_under_torchrun(tmp_path: Path, parallel: str) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     tiny_llama(tmp_path / "model")
-    server = LiveServer(coordinator_settings(tmp_path))
-    stop = threading.Event()
-    worker = CoordinatorClient(server.url, WORKER_TOKEN, retries=0)
     groups = 6 if parallel == "fsdp" else 4  # fsdp: 2 more for a resumed third step
-    feeder = threading.Thread(target=feed, args=(worker, groups, stop), daemon=True)
-    feeder.start()
+    server, stop = fed_coordinator(tmp_path, groups)
     run_dir = tmp_path / "run"
     env = trainer_env(server.url, tmp_path / "bucket")
     args = [
