@@ -16,8 +16,9 @@
 # Environment: everything bench/gpu_wordle_full.sh reads (REWARD, DURATION, GRPO_LR, SFT_STEPS,
 # ...) applies to the prep and to every arm unless the arm sets it; PREP=0 skips the prep
 # (WORK_DIR already holds one); STAGGER (default 60 s): how long an arm waits for the one started
-# before it on the same GPU (vLLM measures its GPU's memory while it starts); two arms on one GPU
-# run with GPU_MEM_UTIL=0.25 unless that is set. SMOKE=1: the same on a CPU in a few minutes.
+# before it on the same GPU (vLLM measures its GPU's memory while it starts); an arm's worker
+# gets GPU_MEM_UTIL=0.25 of its GPU (0.15 with two arms on it) unless that is set.
+# SMOKE=1: the same on a CPU in a few minutes.
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -52,7 +53,11 @@ if [ "${PREP:-1}" = 1 ]; then
   g0=${gpus[0]}
   g1=$g0
   for g in "${gpus[@]}"; do [ "$g" != "$g0" ] && g1=$g && break; done
-  env CUDA_VISIBLE_DEVICES="$g0,$g1" STAGES=prep bash "$HERE/gpu_wordle_full.sh" "$RES/prep" ||
+  # every arm on one GPU: that GPU alone, the two evals one after the other (session 13's prep
+  # on one H100, with CUDA_VISIBLE_DEVICES=0,0 and the untrained model's eval on cuda:1, failed)
+  visible=("CUDA_VISIBLE_DEVICES=$g0,$g1")
+  [ "$g1" = "$g0" ] && visible=("CUDA_VISIBLE_DEVICES=$g0" EVAL_GPU_UNTRAINED=)
+  env "${visible[@]}" STAGES=prep bash "$HERE/gpu_wordle_full.sh" "$RES/prep" ||
     { echo "the prep failed: $RES/prep/status.txt" >&2; exit 1; }
 fi
 
@@ -64,8 +69,13 @@ for i in "${!names[@]}"; do
   started[$gpu]=1
   vars=()
   if [ -n "${settings[$i]}" ]; then IFS=';' read -ra vars <<<"${settings[$i]}"; fi
+  # each arm's trainer shares its GPU with its vLLM worker: a quarter of an 80 GB card for the
+  # worker (0.5 ran the trainer out of memory on H100s, session 13), less with two arms on it
   share=()
-  [ "${per_gpu[$gpu]}" -gt 1 ] && [ -z "${GPU_MEM_UTIL:-}" ] && share=(GPU_MEM_UTIL=0.25)
+  if [ -z "${GPU_MEM_UTIL:-}" ]; then
+    share=(GPU_MEM_UTIL=0.25)
+    [ "${per_gpu[$gpu]}" -gt 1 ] && share=(GPU_MEM_UTIL=0.15)
+  fi
   mkdir -p "$RES/$name"
   cp "$RES/prep/eval_untrained.json" "$RES/prep/eval_sft.json" "$RES/$name/" 2>/dev/null
   env CUDA_VISIBLE_DEVICES="$gpu" WORKER_GPUS=0 STAGES=grpo GRPO_NAME="$name" "${share[@]}" \

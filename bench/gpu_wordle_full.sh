@@ -46,16 +46,21 @@ if [ "${SMOKE:-0}" = 1 ]; then
   EVAL_GPU_UNTRAINED=""
 else
   MODEL_KIND=${MODEL_KIND:-smollm2} GAMES=${GAMES:-4000} PAR=${PAR:-16}
-  SFT_STEPS=${SFT_STEPS:-400} SFT_BATCH=${SFT_BATCH:-32} SFT_LR=${SFT_LR:-5e-5}
+  SFT_STEPS=${SFT_STEPS:-600} SFT_BATCH=${SFT_BATCH:-32} SFT_LR=${SFT_LR:-5e-5}
   SFT_DEVICE=cuda:0 SFT_PRECISION=bf16 EVAL_GAMES=${EVAL_GAMES:-200} EVAL_DEVICE=cuda:0
   DURATION=${DURATION:-420}
   read -ra WGPUS <<<"${WORKER_GPUS:-1 2}"
   RUN_ARGS=(--engine vllm --worker-gpus "${WGPUS[@]}" --workers "${#WGPUS[@]}"
     --gpu-memory-utilization "${GPU_MEM_UTIL:-0.5}"
     --group-size "${GROUP_SIZE:-8}" --groups-per-step "${GROUPS_PER_STEP:-8}" --in-flight-groups 8
-    --max-guesses 6 --max-invalid 1 --window 10 --env-window-s 60)
+    --max-guesses 6 --max-invalid 1 --window 10 --env-window-s 60
+    --micro-batch-size "${MICRO_BATCH:-16}" ${MICRO_TOKENS:+--micro-batch-tokens "$MICRO_TOKENS"})
+  # the trainer's memory comes back to the GPU between micro-batches of different lengths
+  # (without it session 13's arms, each trainer beside its vLLM worker, ran out of memory)
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   EVAL_GUESSES=6
-  EVAL_GPU_UNTRAINED=cuda:1
+  # the untrained model's eval beside the SFT; empty: after it, on EVAL_DEVICE (one GPU)
+  EVAL_GPU_UNTRAINED=${EVAL_GPU_UNTRAINED-cuda:1}
 fi
 GRPO_LR=${GRPO_LR:-1e-5}
 MAX_NEW=${MAX_NEW_TOKENS:-12}
@@ -76,7 +81,9 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # "--set trainer.loss.kl_coef=0.05" for a KL term to the model GRPO starts from); GROUP_SIZE and
 # GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8); GPU_MEM_UTIL: each vLLM
 # worker's share of its GPU (default 0.5; 0.25 lets two arms share a GPU); FILL_UNPLAYED=false: a
-# win earns nothing for its unplayed guesses (the shaped reward of every run before session 12)
+# win earns nothing for its unplayed guesses (the shaped reward of every run before session 12);
+# MICRO_BATCH: the trainer's sequences per forward/backward pass (default 16), MICRO_TOKENS: also
+# at most this many padded tokens per pass (default: no bound)
 SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
   --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1

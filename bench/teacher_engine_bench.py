@@ -29,19 +29,25 @@ from deltarl.teacher.engines.base import ScoreJob
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 
 
-def smollm2_shaped(dtype: torch.dtype, device: str, scale: float = 20.0) -> torch.nn.Module:
+def smollm2_shaped(
+    dtype: torch.dtype, device: str, scale: float = 20.0, **shape: int
+) -> torch.nn.Module:
+    """A random Llama shaped like SmolLM2-135M (``shape`` overrides its config's sizes)."""
     import transformers
 
+    sizes = {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    }
     config = transformers.LlamaConfig(
         vocab_size=49_152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         attn_implementation="sdpa",
+        **(sizes | shape),
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)

@@ -80,6 +80,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups-per-step", type=int, default=4)
+    ap.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=16,
+        help="sequences per forward/backward pass (was the whole step before session 13: 64 "
+        "Wordle games of ~460 tokens needed ~57 GB beside vLLM on an H100 and ran out)",
+    )
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="also at most this many padded tokens per pass (trainer.batch.micro_batch_tokens)",
+    )
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--max-guesses", type=int, default=3)
     ap.add_argument("--max-invalid", type=int, default=2)
@@ -167,7 +180,12 @@ def run_config(a: argparse.Namespace) -> RunConfig:
                 "optimizer": {"lr": a.lr, "warmup_steps": a.warmup},
                 "batch": {
                     "groups_per_step": a.groups_per_step,
-                    "micro_batch_size": a.group_size * a.groups_per_step,
+                    "micro_batch_size": a.micro_batch_size,
+                    **(
+                        {}
+                        if a.micro_batch_tokens is None
+                        else {"micro_batch_tokens": a.micro_batch_tokens}
+                    ),
                 },
                 "publish": {"anchor_every": a.anchor_every},
                 "checkpoint": {"every": 0, "keep": 1},

@@ -2,10 +2,11 @@
 
 Order per optimizer step: :func:`filter_stale` (drop groups whose oldest token is too many
 versions behind the weights being trained, and count them), :func:`collate` (pad, align, compute
-group-normalised advantages over whole groups), then :func:`micro_batches` (split by sequences,
-independent of how workers grouped their generation). The number of trained tokens of the whole
-step (:attr:`TrainBatch.num_tokens`) is the ``normalizer`` to give :func:`~.loss.grpo_loss` for
-each micro-batch, so that accumulated gradients equal those of the whole step.
+group-normalised advantages over whole groups), then :func:`micro_batches` (split by sequences
+and optionally by padded tokens, independent of how workers grouped their generation). The
+number of trained tokens of the whole step (:attr:`TrainBatch.num_tokens`) is the
+``normalizer`` to give :func:`~.loss.grpo_loss` for each micro-batch, so that accumulated
+gradients equal those of the whole step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -28,8 +29,12 @@ __all__ = [
     "TrainBatch",
     "batch_metrics",
     "collate",
+    "filler",
     "filter_stale",
+    "micro_batch_spans",
     "micro_batches",
+    "sequence_lengths",
+    "split_spans",
     "turn_advantages",
 ]
 
@@ -276,11 +281,75 @@ def _collate_teacher(
     return TeacherBatch(ids=ids, logprobs=logprobs, valid=valid, sampled=sampled, present=present)
 
 
-def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
-    """Consecutive slices of at most ``size`` trajectories, each trimmed to its own length."""
+def _fits(rows: int, longest: int, size: int, max_tokens: int | None) -> bool:
+    return rows <= size and (max_tokens is None or rows * longest <= max_tokens)
+
+
+def micro_batch_spans(
+    lengths: Sequence[int], size: int, max_tokens: int | None = None
+) -> list[tuple[int, int]]:
+    """Row spans ``(start, stop)`` of the greedy micro-batches of sequences of ``lengths`` real
+    tokens: consecutive, each grown while it holds at most ``size`` sequences and at most
+    ``max_tokens`` padded tokens (its sequences x its longest length); one sequence always fits.
+    ``max_tokens=None``: ``size`` alone decides."""
     if size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {size}")
-    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {max_tokens}")
+    spans: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, n in enumerate(lengths):
+        longest = max(longest, n)
+        if i > start and not _fits(i + 1 - start, longest, size, max_tokens):
+            spans.append((start, i))
+            start, longest = i, n
+    if lengths:
+        spans.append((start, len(lengths)))
+    return spans
+
+
+def split_spans(
+    spans: Sequence[tuple[int, int]], lengths: Sequence[int], count: int
+) -> list[tuple[int, int]]:
+    """``spans`` (of :func:`micro_batch_spans`) split until there are ``count`` of them or each
+    holds one sequence: the span with the most padded tokens is halved, again and again. Halves
+    keep every limit their span kept."""
+    out = list(spans)
+    while len(out) < count:
+        wide = [j for j, (lo, hi) in enumerate(out) if hi - lo > 1]
+        if not wide:
+            break
+        j = max(wide, key=lambda j: (out[j][1] - out[j][0]) * max(lengths[slice(*out[j])]))
+        lo, hi = out[j]
+        out[j : j + 1] = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
+    return out
+
+
+def sequence_lengths(batch: TrainBatch) -> list[int]:
+    """Real tokens of each sequence of ``batch``."""
+    return batch.attention_mask.sum(-1).tolist()
+
+
+def micro_batches(batch: TrainBatch, size: int, max_tokens: int | None = None) -> list[TrainBatch]:
+    """Consecutive slices of at most ``size`` trajectories and ``max_tokens`` padded tokens
+    (:func:`micro_batch_spans`), each trimmed to its own length."""
+    spans = micro_batch_spans(sequence_lengths(batch), size, max_tokens)
+    return [batch.select(slice(lo, hi)) for lo, hi in spans]
+
+
+def filler(batch: TrainBatch) -> TrainBatch:
+    """A micro-batch that trains nothing: the shortest sequence of ``batch`` with an all-False
+    loss mask and zero behaviour logprobs. Its forward and backward run only to match other
+    ranks' collectives; its gradient is exactly zero (every loss term is masked), and its
+    statistics are to be dropped."""
+    lengths = sequence_lengths(batch)
+    i = lengths.index(min(lengths))
+    row = batch.select(slice(i, i + 1))
+    return replace(
+        row,
+        loss_mask=torch.zeros_like(row.loss_mask),
+        behaviour_logprobs=torch.zeros_like(row.behaviour_logprobs),
+    )
 
 
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:

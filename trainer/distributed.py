@@ -9,8 +9,9 @@ and the AdamW state. Per step, in this order:
 2. :func:`broadcast` sends it to every rank (a control message: ``("step", batch)``, or
    ``("stop", None)`` / ``("timeout", message)``, so every rank leaves the loop together);
 3. each rank trains on its contiguous share of the rows (:func:`shard_rows`), micro-batch by
-   micro-batch; DDP all-reduces the gradients during the last backward (the earlier ones run
-   under ``no_sync``). DDP averages over ranks; the loss is multiplied by the world size so the
+   micro-batch, as many micro-batches on every rank (:func:`rank_micro_batches`); DDP
+   all-reduces the gradients during the last backward (the earlier ones run under
+   ``no_sync``). DDP averages over ranks; the loss is multiplied by the world size so the
    gradient is the *sum* over the whole batch, as in one process (exact for power-of-two world
    sizes: scaling by 2^k never rounds);
 4. the loss statistics are gathered (:func:`gather_stats`) so every rank sees the same metrics
@@ -41,16 +42,24 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from deltarl.trainer.batch import TrainBatch
+from deltarl.trainer.batch import (
+    TrainBatch,
+    filler,
+    micro_batch_spans,
+    sequence_lengths,
+    split_spans,
+)
 from deltarl.trainer.loss import LossStats
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DistContext",
+    "MicroBatch",
     "broadcast",
     "gather_stats",
     "init_distributed",
+    "rank_micro_batches",
     "shard_fsdp",
     "shard_rows",
     "shutdown_distributed",
@@ -141,6 +150,11 @@ def broadcast(obj: Any, ctx: DistContext) -> Any:
     return box[0]
 
 
+def _shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``rank``'s contiguous share of ``n`` (sizes differ by at most one)."""
+    return n * rank // world_size, n * (rank + 1) // world_size
+
+
 def shard_rows(batch: TrainBatch, ctx: DistContext) -> TrainBatch:
     """This rank's contiguous share of the rows (sizes differ by at most one)."""
     if not ctx.enabled:
@@ -151,8 +165,39 @@ def shard_rows(batch: TrainBatch, ctx: DistContext) -> TrainBatch:
             f"a step of {n} trajectories cannot feed {ctx.world_size} ranks: raise "
             "batch.groups_per_step or batch.group_size"
         )
-    lo, hi = n * ctx.rank // ctx.world_size, n * (ctx.rank + 1) // ctx.world_size
-    return batch.select(slice(lo, hi))
+    return batch.select(slice(*_shard_bounds(n, ctx.rank, ctx.world_size)))
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One forward/backward pass of a rank; a ``filler`` (:func:`~.batch.filler`) trains
+    nothing and its statistics are dropped."""
+
+    batch: TrainBatch
+    filler: bool = False
+
+
+def rank_micro_batches(
+    batch: TrainBatch, ctx: DistContext, size: int, max_tokens: int | None = None
+) -> list[MicroBatch]:
+    """This rank's micro-batches of its share of ``batch`` (:func:`shard_rows`), as many on
+    every rank: FSDP2 runs collectives in every forward and backward, so a rank with fewer
+    passes would leave the others waiting.
+
+    Every rank holds the whole batch, so each computes the greedy count
+    (:func:`~.batch.micro_batch_spans`) of every rank's share and takes the largest, ``K``; its
+    own spans are split (:func:`~.batch.split_spans`) up to ``K``, and a share of fewer than
+    ``K`` rows is completed with fillers. One process: :func:`~.batch.micro_batches`.
+    """
+    shard = shard_rows(batch, ctx)
+    lengths = sequence_lengths(batch)
+    n, world = len(batch), ctx.world_size
+    shares = [lengths[slice(*_shard_bounds(n, r, world))] for r in range(world)]
+    greedy = [micro_batch_spans(share, size, max_tokens) for share in shares]
+    count = max(len(spans) for spans in greedy)
+    spans = split_spans(greedy[ctx.rank], shares[ctx.rank], count)
+    parts = [MicroBatch(shard.select(slice(lo, hi))) for lo, hi in spans]
+    return parts + [MicroBatch(filler(shard), filler=True)] * (count - len(parts))
 
 
 def gather_stats(stats: LossStats, ctx: DistContext) -> LossStats:

@@ -213,6 +213,15 @@ class BatchSettings(_Settings):
         description="Sequences per forward/backward pass; gradients are accumulated over "
         "micro-batches until the step's groups are consumed.",
     )
+    micro_batch_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most padded tokens (sequences x the longest one's length) in one "
+        "forward/backward pass: a micro-batch then holds at most micro_batch_size sequences and "
+        "at most this many tokens (a sequence longer than this goes alone). Bounds the "
+        "trainer's activation and logits memory whatever the episodes' lengths. None: "
+        "micro_batch_size alone decides.",
+    )
     max_staleness: int | None = Field(
         default=4,
         ge=0,

@@ -6,13 +6,14 @@ predicts token ``t + 1``), either as a tensor or as an object with ``.logits`` (
 models). Its parameters are the fp32 master weights; with ``precision="bf16"`` the forward and
 backward run under ``torch.autocast`` in bf16.
 
-Order inside :func:`train_step`: zero the gradients; for each micro-batch: forward, per-token
-logprobs, :func:`~.loss.grpo_loss` with the *whole step's* normaliser, backward; clip the global
-gradient norm; if it is finite, ``optimizer.step()`` then ``scheduler.step()``, else skip the
-update (counted in ``step/skipped``). Before the update, the on-policy tokens' mismatch KL is
-checked (:func:`check_onpolicy_mismatch`): a sampling temperature that differs from the
-workers' stops training instead of biasing every ratio. The weights change only in ``optimizer.step()``, so the
-caller publishes right after this function returns.
+Order inside :func:`train_step`: zero the gradients; for each micro-batch (at most
+``batch.micro_batch_size`` sequences and ``batch.micro_batch_tokens`` padded tokens): forward,
+per-token logprobs, :func:`~.loss.grpo_loss` with the *whole step's* normaliser, backward; clip
+the global gradient norm; if it is finite, ``optimizer.step()`` then ``scheduler.step()``, else
+skip the update (counted in ``step/skipped``). Before the update, the on-policy tokens' mismatch
+KL is checked (:func:`check_onpolicy_mismatch`): a sampling temperature that differs from the
+workers' stops training instead of biasing every ratio. The weights change only in
+``optimizer.step()``, so the caller publishes right after this function returns.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from deltarl.trainer.batch import TrainBatch, batch_metrics, micro_batches
+from deltarl.trainer.batch import TrainBatch, batch_metrics
 from deltarl.trainer.distill import jsd_loss, teacher_advantages, teacher_stats
-from deltarl.trainer.distributed import DistContext, gather_stats, shard_rows
+from deltarl.trainer.distributed import DistContext, gather_stats, rank_micro_batches
 from deltarl.trainer.loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from deltarl.trainer.optim import clip_gradients
 from deltarl.trainer.settings import ExperimentSettings
@@ -157,11 +158,10 @@ def _micro_step(
     settings: ExperimentSettings,
     normalizer: float,
     scale: float,
-    stats: LossStats,
     ref_model: torch.nn.Module | None,
     entropy: bool,
 ) -> LossStats:
-    """Forward and backward of one micro-batch; returns ``stats`` with its statistics merged."""
+    """Forward and backward of one micro-batch; returns its statistics."""
     device = next(model.parameters()).device
     # each trajectory's own sampling temperature where its worker reported one
     temp_arg: float | torch.Tensor = (
@@ -230,7 +230,7 @@ def _micro_step(
             )
         loss = loss + settings.loss.hint_coef * hinted
     (loss * scale if scale != 1.0 else loss).backward()
-    stats = stats.merge(out.stats).merge(distill_stats)
+    stats = out.stats.merge(distill_stats)
     with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ
         onpolicy = mask.bool() & (_on(device, part.staleness) == 0)[:, None]
         d = (logprobs.detach() - behaviour.float())[onpolicy]
@@ -255,7 +255,8 @@ def train_step(
     ``settings.loss.kl_coef > 0``; its logprobs give the ``kl_ref`` metric whenever it is given.
     ``entropy``: also compute the policy entropy metric (one extra pass over the logits).
     ``dist``: with several ranks (:mod:`.distributed`), ``model`` is wrapped in DDP, every rank
-    gets the whole ``batch`` and trains on its share of the rows; the metrics are those of the
+    gets the whole ``batch`` and trains on its share of the rows in as many micro-batches as
+    every other rank (:func:`~.distributed.rank_micro_batches`); the metrics are those of the
     whole batch on every rank.
     Metrics: every :class:`~.loss.LossStats` entry, ``advantage_metrics``, ``batch_metrics``,
     ``step/grad_norm``, ``step/lr`` (the lr this step used), ``step/skipped`` (1 when the
@@ -271,7 +272,8 @@ def train_step(
     # DDP and FSDP2 average gradients over ranks: scale by the world size to keep the whole
     # step's sum
     scale = float(ctx.world_size)
-    parts = micro_batches(shard_rows(batch, ctx), settings.batch.micro_batch_size)
+    size, max_tokens = settings.batch.micro_batch_size, settings.batch.micro_batch_tokens
+    parts = rank_micro_batches(batch, ctx, size, max_tokens)  # as many on every rank
     stats = LossStats()
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -279,7 +281,11 @@ def train_step(
         if isinstance(model, FSDPModule):  # reduce-scatter the gradients once, at the end
             model.set_requires_gradient_sync(last)
         with sync:
-            stats = _micro_step(model, part, settings, normalizer, scale, stats, ref_model, entropy)
+            part_stats = _micro_step(
+                model, part.batch, settings, normalizer, scale, ref_model, entropy
+            )
+        if not part.filler:
+            stats = stats.merge(part_stats)
     stats = gather_stats(stats, ctx)
     check_onpolicy_mismatch(stats, settings)
     lr = optimizer.param_groups[0]["lr"]

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
-from deltarl.trainer.batch import batch_metrics, collate, filter_stale, micro_batches
+from deltarl.trainer.batch import (
+    batch_metrics,
+    collate,
+    filler,
+    filter_stale,
+    micro_batch_spans,
+    micro_batches,
+    split_spans,
+)
 from deltarl.trainer.loss import grpo_loss
 from deltarl.trainer.settings import LossSettings
 
@@ -95,6 +103,47 @@ def test_micro_batches_trim_and_accumulate_to_the_full_step() -> None:
     assert total.item() == pytest.approx(full.loss.item(), rel=1e-6)
     with pytest.raises(ValueError, match="micro-batch"):
         micro_batches(batch, 0)
+
+
+def test_micro_batch_spans_hold_a_token_budget_in_order() -> None:
+    lengths = [3, 5, 2, 12, 4, 4, 1, 1, 1, 1]
+    spans = micro_batch_spans(lengths, 3, 10)
+    # 3+5 fit (2 x 5), 2 does not join them (3 x 5); 12 exceeds the budget and goes alone
+    assert spans == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 9), (9, 10)]
+    assert [i for lo, hi in spans for i in range(lo, hi)] == list(range(len(lengths)))
+    for lo, hi in spans:
+        assert hi - lo <= 3 and (hi - lo == 1 or (hi - lo) * max(lengths[lo:hi]) <= 10)
+    assert micro_batch_spans(lengths, 3) == [(0, 3), (3, 6), (6, 9), (9, 10)]  # size alone
+    assert micro_batch_spans([], 3, 10) == []
+    with pytest.raises(ValueError, match="token budget must be >= 1, got 0"):
+        micro_batch_spans(lengths, 3, 0)
+
+
+def test_micro_batches_by_tokens_are_trimmed_slices_of_every_row_once() -> None:
+    lengths = [2, 4, 1, 3, 1, 2]
+    groups = [group("a", *(traj(1, [-0.5] * (n - 1), float(n), 10) for n in lengths))]
+    batch = collate(groups, 10)
+    parts = micro_batches(batch, 4, max_tokens=6)
+    assert [len(p) for p in parts] == [1, 1, 2, 2]
+    for p in parts:
+        assert p.tokens.numel() <= 6 and p.tokens.shape[1] == int(p.attention_mask.sum(-1).max())
+    assert torch.equal(torch.cat([p.rewards for p in parts]), batch.rewards)
+    assert len(micro_batches(batch, 4, max_tokens=100)) == 2  # the size still bounds
+    with pytest.raises(ValueError, match="token budget"):
+        micro_batches(batch, 4, max_tokens=-1)
+
+
+def test_spans_split_the_widest_first_and_a_filler_trains_nothing() -> None:
+    lengths = [2, 2, 6, 2]
+    assert split_spans([(0, 2), (2, 4)], lengths, 3) == [(0, 2), (2, 3), (3, 4)]
+    assert split_spans([(0, 4)], [1] * 4, 3) == [(0, 1), (1, 2), (2, 4)]
+    assert split_spans([(0, 2)], lengths, 5) == [(0, 1), (1, 2)]  # single rows at most
+    groups = [group("a", traj(2, [-0.5, -0.25], 1.0, 9), traj(1, [-1.0], 0.0, 10))]
+    batch = collate(groups, 10)
+    pad = filler(batch)
+    assert len(pad) == 1 and pad.tokens.tolist() == batch.tokens[1:, :2].tolist()  # shortest
+    assert pad.num_tokens == 0 and not pad.behaviour_logprobs.any()
+    assert batch.num_tokens == 3  # the batch itself is untouched
 
 
 def turns_traj(prompt: int, turns: list[tuple[int, int, float]], version: int = 10) -> Trajectory:

@@ -3,6 +3,7 @@ staleness filter -> collate -> micro-batched GRPO step -> published versions, re
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,13 @@ from test_weight_publisher import assert_bit_identical, rebuild
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
 from deltarl.services.weightsync.reader import BucketReader
-from deltarl.trainer.batch import collate, filter_stale
+from deltarl.trainer import step as step_module
+from deltarl.trainer.batch import TrainBatch, collate, filler, filter_stale, micro_batches
+from deltarl.trainer.distributed import DistContext, MicroBatch, rank_micro_batches
 from deltarl.trainer.loss import token_entropy, token_logprobs
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.step import forward_logits, train_step
+from deltarl.trainer.step import forward_logits, frozen_reference, train_step
 from deltarl.trainer.weights import WeightPublisher
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3
@@ -88,6 +91,32 @@ def rollout(
             )
         )
     return out
+
+
+def varied_groups(lengths: list[list[int]], seed: int = 0) -> list[TrajectoryGroup]:
+    """One group per list of ``lengths``: trajectories of that many tokens (one prompt token,
+    random ids and rewards), with the logprobs of an untrained :class:`Bigram` (uniform)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g, sizes in enumerate(lengths):
+        trajs = [
+            Trajectory(
+                tokens=torch.randint(0, VOCAB, (n,), generator=gen).tolist(),
+                logprobs=[0.0] + [-math.log(VOCAB)] * (n - 1),
+                mask=[0] + [1] * (n - 1),
+                prompt_len=1,
+                reward=float(torch.rand((), generator=gen)),
+                version_min=0,
+                version_max=0,
+            )
+            for n in sizes
+        ]
+        groups.append(
+            TrajectoryGroup(
+                idempotency_key=f"k{g}", worker_id="w1", group_id=f"g{g}", trajectories=trajs
+            )
+        )
+    return groups
 
 
 @pytest.mark.parametrize(
@@ -271,3 +300,64 @@ def test_token_logprobs_divide_by_the_temperature() -> None:
     assert torch.allclose(ent, -(p * p.log()).sum(-1), atol=1e-5)
     with pytest.raises(ValueError, match="greedy"):
         token_logprobs(logits, tokens, temperature=0.0)
+
+
+def steps_of(
+    batches: list[TrainBatch], overrides: list[str], ref: bool = False
+) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """The weights of a fresh :class:`Bigram` after one step per batch, and each step's metrics
+    (timings left out)."""
+    base = ["precision=fp32", "optimizer.lr=0.2", "sampling.max_onpolicy_mismatch_kl=null"]
+    settings = ExperimentSettings.load(None, [*base, *overrides])
+    model = Bigram()
+    torch.nn.init.normal_(model.table.weight, generator=torch.Generator().manual_seed(0))
+    reference = frozen_reference(Bigram()) if ref else None
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, 10)
+    metrics = []
+    for batch in batches:
+        m = train_step(model, opt, sched, batch, settings, ref_model=reference)
+        metrics.append({k: v for k, v in m.items() if not k.startswith(("time/", "step/tok"))})
+    return model.table.weight.detach().clone(), metrics
+
+
+def test_a_token_budget_changes_the_passes_not_the_step() -> None:
+    batches = [
+        collate(varied_groups([[2, 9, 3, 7], [5, 5, 2, 8], [4, 6, 3, 2]], seed)) for seed in (0, 1)
+    ]
+    assert len(micro_batches(batches[0], 8)) == 2
+    assert len(micro_batches(batches[0], 8, 12)) == 9  # the 9-token row alone, and others
+    weights, metrics = steps_of(batches, ["batch.micro_batch_size=8"])
+    budget, budget_metrics = steps_of(
+        batches, ["batch.micro_batch_size=8", "batch.micro_batch_tokens=12"]
+    )
+    torch.testing.assert_close(budget, weights, rtol=1e-6, atol=1e-7)
+    for m, b in zip(metrics, budget_metrics, strict=True):
+        assert b.keys() == m.keys()
+        assert b == pytest.approx(m, rel=1e-5, abs=1e-7)
+
+
+def test_a_filler_trains_nothing_and_counts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    batches = [collate(varied_groups([[2, 9, 3], [5, 4, 6]], seed)) for seed in (0, 1)]
+    args = ["batch.micro_batch_size=2", "loss.kl_coef=0.1"]
+    weights, metrics = steps_of(batches, args, ref=True)
+
+    def padded(
+        batch: TrainBatch, ctx: DistContext, size: int, max_tokens: int | None
+    ) -> list[MicroBatch]:
+        pad = MicroBatch(filler(batch), filler=True)
+        return [pad, *rank_micro_batches(batch, ctx, size, max_tokens), pad]
+
+    monkeypatch.setattr(step_module, "rank_micro_batches", padded)
+    padded_weights, padded_metrics = steps_of(batches, args, ref=True)
+    assert torch.equal(padded_weights, weights)
+    assert padded_metrics == metrics
+    # fillers alone: not a single nonzero gradient, no loss statistics
+    monkeypatch.setattr(
+        step_module, "rank_micro_batches", lambda batch, *_: [MicroBatch(filler(batch), True)]
+    )
+    model = Bigram()
+    torch.nn.init.normal_(model.table.weight, generator=torch.Generator().manual_seed(0))
+    settings = ExperimentSettings.load(None, ["precision=fp32"])
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, 10)
+    m = train_step(model, opt, sched, batches[0], settings)
+    assert m["step/grad_norm"] == 0.0 and "loss" not in m and "sequences" not in m

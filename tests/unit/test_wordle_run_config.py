@@ -18,6 +18,7 @@ from deltarl.rollout.episodes import GuessCurriculum
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.run.config import RunConfigError, load_run_config
 from deltarl.run.derive import Endpoints, RunLayout, Tokens
+from deltarl.trainer.settings import ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "wordle-shaped.toml"
@@ -108,18 +109,37 @@ def gpu_preset(reward: str, fill: str | None = None) -> list[str]:
 def test_gpu_script_reward_presets_reach_the_env_server(
     tmp_path: Path, reward: str, consistent: float, fill: str | None
 ) -> None:
-    # the run bench/wordle_gpu_run.py builds from the script's arguments (its GPU ones)
-    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     sets = [arg for value in gpu_preset(reward, fill) for arg in ("--set", value)]
-    args = bench._args(["--run-dir", str(tmp_path), "--engine", "vllm", *sets])
-    config = bench.run_config(args)
-    layout = RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
+    layout = bench_run_layout(tmp_path, *sets)
     server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
     shaping = server.rules().shaping
     assert shaping is not None and not server.allow_non_words
     assert (shaping.win, shaping.greens, shaping.yellows, shaping.format) == (1.0, 0.2, 0.1, 0.05)
     assert (shaping.repetition, shaping.invalid, shaping.consistent) == (0.2, 0.1, consistent)
     assert shaping.fill_unplayed is (fill != "false")  # a win earns its unplayed guesses
+
+
+def bench_run_layout(tmp_path: Path, *argv: str) -> RunLayout:
+    """The run bench/wordle_gpu_run.py builds from ``argv`` (its GPU arguments)."""
+    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench._args(["--run-dir", str(tmp_path), "--engine", "vllm", *argv])
+    return RunLayout(bench.run_config(args), tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
+
+
+@pytest.mark.parametrize(
+    ("argv", "size", "tokens"),
+    [((), 16, None), (("--micro-batch-size", "8", "--micro-batch-tokens", "4096"), 8, 4096)],
+)
+def test_gpu_run_trainer_micro_batches(
+    tmp_path: Path, argv: tuple[str, ...], size: int, tokens: int | None
+) -> None:
+    # session 13: one micro-batch of the whole step (64 games) ran the trainer out of memory
+    # beside its vLLM worker; the trainer reads what the layout writes to trainer.json
+    launch = bench_run_layout(tmp_path, "--groups-per-step", "8", *argv).trainer()
+    written = json.loads(Path(launch.args[launch.args.index("--config") + 1]).read_text())
+    batch = ExperimentSettings.model_validate(written).batch
+    assert (batch.groups_per_step, batch.micro_batch_size) == (8, size)
+    assert batch.micro_batch_tokens == tokens
