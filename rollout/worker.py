@@ -171,6 +171,7 @@ class RolloutWorker:
         self._heartbeat_thread: threading.Thread | None = None
         self._last_error: str | None = None
         self._in_flight = 0
+        self._failures_in_a_row = 0  # groups that failed since the last one that finished
         self._heartbeat_s = settings.heartbeat_interval_s or 1.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -392,6 +393,12 @@ class RolloutWorker:
     def _stopping(self) -> bool:
         return self._stop is not None and self._stop.is_set()
 
+    def _failure_backoff_s(self) -> float:
+        """The wait before the next group after ``_failures_in_a_row`` failed groups."""
+        doublings = min(self._failures_in_a_row, 32) - 1
+        wait = self.settings.admission_wait_s * 2.0**doublings
+        return min(wait, self.settings.failure_backoff_max_s)
+
     async def _sleep(self, seconds: float) -> None:
         """Sleep, waking early when a stop is requested."""
         assert self._stop is not None
@@ -505,6 +512,10 @@ class RolloutWorker:
         credit = 0
         wait = self.settings.admission_wait_s
         while not self._stopping:
+            if self._failures_in_a_row:
+                await self._sleep(self._failure_backoff_s())
+                if self._stopping:
+                    break
             if credit == 0:
                 status = self.sync.status()
                 if not status.healthy:
@@ -560,8 +571,13 @@ class RolloutWorker:
                         self._in_flight -= 1
                         if isinstance(item, Exception):
                             self.stats.group_errors += 1
-                            self._error(f"group failed: {item!r}")
+                            self._failures_in_a_row += 1
+                            self._error(
+                                f"group failed: {item!r} ({self._failures_in_a_row} in a row; "
+                                f"next group in {self._failure_backoff_s():.1f} s)"
+                            )
                             continue
+                        self._failures_in_a_row = 0
                         task = asyncio.create_task(self._submit(item))
                         submits.add(task)
                         task.add_done_callback(submits.discard)

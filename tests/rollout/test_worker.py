@@ -34,9 +34,11 @@ from worker_helpers import (
 
 from deltarl.cli import app
 from deltarl.rollout.engines.base import Completion, WeightsStamp
+from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.sync_records import Verdict
+from deltarl.rollout.worker import RolloutWorker
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
@@ -475,3 +477,45 @@ def test_sigterm_is_prompt_while_the_coordinator_is_down(
             proc.wait()
     assert code == 0, log.read_text()[-2000:]
     assert took < 10, f"SIGTERM took {took:.1f} s with the coordinator down"
+
+
+def test_failing_groups_back_off_and_the_next_good_group_resets_it(
+    coordinator: CoordinatorServer,
+    env: WordleServer,
+    trainer: Trainer,
+    bucket: LocalBucket,
+    tok: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # session 13: a worker whose GPU ran out of memory failed ~3,900 groups in minutes, each a
+    # log warning and a game opened for nothing; now each failure in a row doubles the wait
+    failing = {"left": 5}
+    real_generate = TransformersEngine.generate
+
+    def generate(self: TransformersEngine, *args: Any, **kwargs: Any) -> Any:
+        if failing["left"] > 0:
+            failing["left"] -= 1
+            raise RuntimeError("CUDA out of memory (test)")
+        return real_generate(self, *args, **kwargs)
+
+    waits: list[tuple[int, float]] = []  # (failures in a row, backoff) at each wait
+    real_backoff = RolloutWorker._failure_backoff_s
+
+    def backoff(self: RolloutWorker) -> float:
+        seconds = real_backoff(self)
+        waits.append((self._failures_in_a_row, seconds))
+        return seconds
+
+    monkeypatch.setattr(TransformersEngine, "generate", generate)
+    monkeypatch.setattr(RolloutWorker, "_failure_backoff_s", backoff)
+    settings = worker_settings(
+        coordinator, env.url, admission_wait_s=0.05, failure_backoff_max_s=0.2, in_flight_groups=1
+    )
+    with WorkerThread(settings, bucket, tok, len(tok)) as worker:
+        wait_for(lambda: worker.stats.submitted >= 2, 30, "no group after the failures")
+        errors = worker.stats.group_errors
+        assert errors >= 1 and worker._failures_in_a_row == 0  # reset by the good groups
+    # one group at a time: the k-th failure in a row waits 0.05 * 2^(k-1) s, at most 0.2
+    expected = {k: min(0.05 * 2 ** (k - 1), 0.2) for k in range(1, errors + 1)}
+    assert waits and all(seconds == expected[k] for k, seconds in waits)
+    assert {k for k, _ in waits} == set(range(1, errors + 1))
