@@ -275,18 +275,26 @@ def resolve_model(a: argparse.Namespace) -> Path:
 
 
 def scrape_games(url: str, token: str | None) -> dict[str, float] | None:
-    """The env server's ended games by outcome (``deltarl_env_games_total``), None if down."""
+    """The env server's ended games by outcome (``deltarl_env_games_total``) and its games
+    given up mid-way (``unfinished``: ``deltarl_env_games_unfinished``), None if down."""
     try:
         text = httpx.get(url, timeout=5, headers=client_headers(url, token)).text
     except httpx.HTTPError:
         return None
     found = re.findall(r'^deltarl_env_games_total\{outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
-    return {k: float(v) for k, v in found} if found else None
+    given_up = re.search(r"^deltarl_env_games_unfinished ([0-9.e+]+)$", text, re.M)
+    games = {k: float(v) for k, v in found}
+    if given_up:
+        games["unfinished"] = float(given_up.group(1))
+    return games or None
 
 
 def game_windows(scrapes: list[dict[str, Any]], window_s: float) -> list[dict[str, Any]]:
     """Games that ended per window of ``window_s`` seconds (from cumulative scrapes
-    ``{"t": s, "version": v, "games": {outcome: n}}``): won, lost, forfeit, win rate."""
+    ``{"t": s, "version": v, "games": {outcome: n}}``): won, lost, forfeit, win rate; and the
+    games given up mid-way (``unfinished``, not in ``games``: e.g. a worker's failed groups,
+    whose short games, the wins, end before the failure more often than the long ones, so a
+    window with many of them overstates the win rate)."""
     out: list[dict[str, Any]] = []
     if len(scrapes) < 2:
         return out
@@ -299,12 +307,14 @@ def game_windows(scrapes: list[dict[str, Any]], window_s: float) -> list[dict[st
             for o in ("won", "lost", "forfeit")
         }
         n = sum(counts.values())
+        unfinished = s["games"].get("unfinished", 0.0) - start["games"].get("unfinished", 0.0)
         out.append(
             {
                 "t_s": [round(start["t"], 1), round(s["t"], 1)],
                 "versions": [start.get("version"), s.get("version")],
                 "games": n,
                 **counts,
+                "unfinished": unfinished,
                 "win_rate": counts["won"] / n if n else None,
                 "forfeit_rate": counts["forfeit"] / n if n else None,
             }

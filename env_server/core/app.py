@@ -245,6 +245,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
             outcome = session.env.outcome
             assert outcome is not None
             metrics.game_over(outcome)
+            session.playing = False
         metrics.step[transport].inc()
 
     # --- OpenEnv info routes ------------------------------------------------------------------
@@ -302,6 +303,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
                     store.close(session.id, "http")
                 raise
             session.last_request_id = session.last_response = None
+        store.started(session)
         store.touch(session)
         result.session_id = session.id
         metrics.reset["http"].inc()
@@ -407,6 +409,7 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
             if kind == "reset":
                 req = ResetRequest.model_validate(data if data is not None else {})
                 result = env.reset(seed=req.seed, episode_id=req.episode_id, options=req.options)
+                store.started(session)
                 metrics.reset["ws"].inc()
                 return (
                     '{"type":"observation","data":'

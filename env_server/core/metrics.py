@@ -37,6 +37,13 @@ class EnvMetrics:
         sessions.labels("ws").set_function(lambda: store.count("ws"))
         expired = Gauge("deltarl_env_sessions_expired", "Sessions freed by time-out", registry=r)
         expired.set_function(lambda: store.expired_total)
+        unfinished = Gauge(
+            "deltarl_env_games_unfinished",
+            "Episodes reset but never ended: their session closed, timed out or was reset "
+            "mid-game (a client that gave up on them); not in deltarl_env_games",
+            registry=r,
+        )
+        unfinished.set_function(lambda: store.unfinished_total)
         capacity = Gauge("deltarl_env_sessions_max", "max_sessions setting", registry=r)
         capacity.set(store.max_sessions)
 

@@ -45,6 +45,7 @@ class Session:
     last_active: float
     on_expire: Callable[[], None] | None = None
     busy: bool = False
+    playing: bool = False  # an episode was reset and has not ended
     last_request_id: str | None = None
     last_response: str | None = field(default=None, repr=False)
 
@@ -77,6 +78,8 @@ class SessionStore:
         self.timeout_s = timeout_s
         self._clock = clock
         self.expired_total = 0
+        # episodes that never ended: their session closed, timed out or was reset mid-game
+        self.unfinished_total = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -122,12 +125,23 @@ class SessionStore:
     def touch(self, session: Session) -> None:
         session.last_active = self._clock()
 
+    def started(self, session: Session) -> None:
+        """``session``'s environment was reset: a new episode (an unfinished one is counted)."""
+        self._leave(session)
+        session.playing = True
+
+    def _leave(self, session: Session) -> None:
+        if session.playing:
+            self.unfinished_total += 1
+            session.playing = False
+
     def close(self, session_id: str, transport: Transport = "http") -> bool:
         """Free a session of this transport now; False if there was none."""
         session = self._sessions.get(session_id)
         if session is None or session.transport != transport:
             return False
         del self._sessions[session_id]
+        self._leave(session)
         return True
 
     def _expired(self, session: Session, now: float) -> bool:
@@ -137,6 +151,7 @@ class SessionStore:
         if self._sessions.pop(session.id, None) is None:
             return
         self.expired_total += 1
+        self._leave(session)
         if session.on_expire is not None:
             session.on_expire()
 

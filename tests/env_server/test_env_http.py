@@ -287,6 +287,39 @@ def test_session_timeout(make_client: Callable[..., TestClient]) -> None:
     assert client.post("/reset").status_code == 200
 
 
+def test_games_given_up_are_counted_apart(make_client: Callable[..., TestClient]) -> None:
+    # a client that gives up on a game (closes its session, lets it time out, resets it
+    # mid-game, drops its socket) leaves a game that is neither won, lost nor forfeited:
+    # counted as unfinished, so a win rate over ended games can be read with it (session 13)
+    client = make_client(session_timeout_s=0.3)
+    store = client.app.state.store  # type: ignore[attr-defined]
+
+    def unfinished() -> float:
+        text = client.get("/metrics").text
+        return float(text.split("\ndeltarl_env_games_unfinished ")[1].split()[0])
+
+    assert unfinished() == 0
+    won = reset(client, seed=1)["session_id"]
+    step(client, won, f"[{answer(1)}]")
+    client.post("/close", json={"session_id": won})
+    assert unfinished() == 0  # ended, then closed
+    closed = reset(client, seed=2)["session_id"]
+    step(client, closed, f"[{wrong_guesses(2, 1)[0]}]")
+    client.post("/close", json={"session_id": closed})
+    assert unfinished() == 1
+    again = reset(client, seed=3)["session_id"]
+    reset(client, session_id=again, seed=4)  # the first game given up
+    assert unfinished() == 2
+    time.sleep(0.35)
+    store.reap()  # the second game of that session timed out
+    assert unfinished() == 3
+    with client.websocket_connect("/ws") as ws:
+        ws.send_text(json.dumps({"type": "reset", "data": {"seed": 5}}))
+        assert json.loads(ws.receive_text())["type"] == "observation"
+    assert unfinished() == 4  # the socket closed mid-game
+    assert 'deltarl_env_games_total{outcome="won"} 1.0' in client.get("/metrics").text
+
+
 def test_info_routes(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "healthy"}
     meta = client.get("/metadata").json()

@@ -104,8 +104,10 @@ def test_run_summary_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
         {"t": 61.0, "version": 6, "games": {"won": 2.0, "lost": 6.0, "forfeit": 2.0}},
         {"t": 90.0, "version": 9, "games": {"won": 6.0, "lost": 8.0, "forfeit": 2.0}},
     ]
+    scrapes[-1]["games"]["unfinished"] = 7.0  # given up, apart from the games that ended
     windows = run.game_windows(scrapes, 60.0)
     assert [w["games"] for w in windows] == [10.0, 6.0]
+    assert [w["unfinished"] for w in windows] == [0.0, 7.0]
     assert windows[0]["win_rate"] == 0.2 and windows[1]["win_rate"] == pytest.approx(4 / 6)
     assert windows[1]["versions"] == [6, 9]
     summary = {"window_means": {"reward/valid/mean": [0.5, 0.9]}}
@@ -119,3 +121,24 @@ def test_run_summary_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     a = run._args(["--run-dir", "x", "--set", f'run.model="{BENCH}"'])
     assert run.resolve_model(a) == BENCH
     assert isinstance(a, argparse.Namespace)
+
+
+def test_scrape_games_reads_the_env_servers_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from deltarl.env_server.core.app import create_app
+    from deltarl.env_server.settings import EnvSettings
+
+    run = load("wordle_gpu_run")
+    with TestClient(create_app(EnvSettings.model_validate({}))) as client:
+        won = client.post("/reset", json={"seed": 1}).json()["session_id"]
+        move = {
+            "session_id": won,
+            "action": {"message": f"[{answer_for_seed(WordLists.load(), 1)}]"},
+        }
+        assert client.post("/step", json=move).json()["done"]
+        given_up = client.post("/reset", json={"seed": 2}).json()["session_id"]
+        client.post("/close", json={"session_id": given_up})
+        monkeypatch.setattr(run.httpx, "get", lambda url, **kw: client.get("/metrics"))
+        games = {"won": 1.0, "lost": 0.0, "forfeit": 0.0, "unfinished": 1.0}
+        assert run.scrape_games("http://env/metrics", None) == games
