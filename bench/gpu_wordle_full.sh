@@ -80,7 +80,8 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # workers' GPUs (default "1 2"); EXTRA_SETS: more --set overrides for the run (e.g. hints, or
 # "--set trainer.loss.kl_coef=0.05" for a KL term to the model GRPO starts from); GROUP_SIZE and
 # GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8); GPU_MEM_UTIL: each vLLM
-# worker's share of its GPU (default 0.5; 0.25 lets two arms share a GPU); FILL_UNPLAYED=false: a
+# worker's share of its GPU (default 0.5 on GPUs of its own; bench/gpu_wordle_arms.sh, whose
+# workers share a GPU with their trainer, passes 0.25, 0.15 with two arms); FILL_UNPLAYED=false: a
 # win earns nothing for its unplayed guesses (the shaped reward of every run before session 12);
 # MICRO_BATCH: the trainer's sequences per forward/backward pass (default 16), MICRO_TOKENS: also
 # at most this many padded tokens per pass (default: no bound)
