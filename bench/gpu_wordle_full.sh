@@ -84,7 +84,9 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # workers share a GPU with their trainer, passes 0.25, 0.15 with two arms); FILL_UNPLAYED=false: a
 # win earns nothing for its unplayed guesses (the shaped reward of every run before session 12);
 # MICRO_BATCH: the trainer's sequences per forward/backward pass (default 16), MICRO_TOKENS: also
-# at most this many padded tokens per pass (default: no bound)
+# at most this many padded tokens per pass (default: no bound); SUMMARY=1: every feedback also
+# states what all the feedback so far shows (env.feedback_summary) in the solver games, the
+# evaluations and the run alike (one prep serves one rendering)
 SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
   --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1
@@ -96,7 +98,12 @@ case ${REWARD:-shaped} in
     --set env.partial_credit=0.0 --set env.format_credit=0.0) ;;
   *) echo "REWARD must be shaped, consistent or win, not ${REWARD}" >&2; exit 2 ;;
 esac
-EVAL=(--games "$EVAL_GAMES" --max-guesses "$EVAL_GUESSES" --max-invalid 1
+SUMMARY_ARG=()
+if [ "${SUMMARY:-0}" = 1 ]; then
+  SUMMARY_ARG=(--feedback-summary)
+  SHAPING+=(--set env.feedback_summary=true)
+fi
+EVAL=("${SUMMARY_ARG[@]}" --games "$EVAL_GAMES" --max-guesses "$EVAL_GUESSES" --max-invalid 1
   --max-new-tokens "$MAX_NEW" --temperature 0 --also-temperature "${TEMPERATURE:-1.0}"
   --cache-dir "$CACHE")
 
@@ -118,7 +125,7 @@ solver_games() {  # PAR processes of GAMES/PAR games each, seeds 0..GAMES-1, the
   local per=$(((GAMES + PAR - 1) / PAR)) pids=() i
   for ((i = 0; i < PAR; i++)); do
     "$PY" -m deltarl.trainer.sft_data --games "$per" --seed $((i * per)) --max-guesses 6 \
-      --out "$WORK/solver.$i.jsonl" &
+      "${SUMMARY_ARG[@]}" --out "$WORK/solver.$i.jsonl" &
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || return 1; done
@@ -155,11 +162,12 @@ for name in ("untrained", "sft", "grpo"):
     if p.exists():
         e = json.loads(p.read_text())
         out[f"eval_{name}"] = {k: e.get(k) for k in (
-            "valid_move_rate", "win_rate", "greens_per_guess", "yellows_per_guess",
+            "valid_move_rate", "win_rate", "greens_per_guess", "yellows_per_guess", "consistent_rate",
             "mean_guesses", "forfeit_rate", "version")}
         if "sampled" in e:
             out[f"eval_{name}"]["sampled"] = {k: e["sampled"].get(k) for k in (
-                "temperature", "valid_move_rate", "win_rate", "greens_per_guess", "mean_guesses")}
+                "temperature", "valid_move_rate", "win_rate", "greens_per_guess", "consistent_rate",
+                "mean_guesses")}
 p = res / "grpo_summary.json"
 if p.exists():
     s = json.loads(p.read_text())

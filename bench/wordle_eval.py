@@ -13,6 +13,8 @@ Reported (JSON, ``--out``): games; moves; ``valid_move_rate`` (moves the env sco
 5-letter word, in the dictionary unless ``--allow-non-words``, not repeated); ``format_rate``
 (a bracketed 5-letter word at all); ``win_rate``; ``forfeit_rate``; per valid guess the mean
 greens and yellows (0-5) and their /5 values (the env's ``greens``/``yellows`` signals);
+``consistent_rate`` (valid guesses after a game's first that could still be the answer given all
+the feedback before them, the solver's skill);
 ``mean_guesses`` (valid guesses per game) and ``mean_guesses_won``; the mean return under the
 rules' reward; ``dictionary_rate`` (valid guesses that are dictionary words, useful with
 ``--allow-non-words``); and the first ``--show`` games' replies and patterns.
@@ -29,6 +31,7 @@ Usage::
 
     python bench/wordle_eval.py --model smollm2 --label untrained --out untrained.json
     python bench/wordle_eval.py --model runs/warm --label sft --games 200 --out sft.json
+    python bench/wordle_eval.py --model runs/warm-summary --feedback-summary --out s.json
     python bench/wordle_eval.py --model runs/warm --export-from runs/grpo --label grpo --out g.json
 """
 
@@ -62,6 +65,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-guesses", type=int, default=6)
     ap.add_argument("--max-invalid", type=int, default=1)
     ap.add_argument("--allow-non-words", action="store_true")
+    ap.add_argument(
+        "--feedback-summary",
+        action="store_true",
+        help="each feedback also states what all the feedback so far shows (the env setting "
+        "feedback_summary: play as a run with it was trained)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument(
@@ -147,6 +156,10 @@ class Game:
                 "repeated": bool(last.repeated),
                 "word": guess in dictionary if guess else False,
                 "pattern": self.env.game.guesses[-1][1] if last.valid else None,
+                # a valid guess after the game's first: could it still be the answer given all
+                # the feedback before it (the env's `consistent` signal)?
+                "later": bool(last.valid) and len(self.env.game.guesses) > 1,
+                "consistent": bool(sig.consistent),
                 "reward": self.result.reward,
             }
         )
@@ -229,6 +242,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "forfeit_rate": mean([float(r["forfeit"]) for r in records]),
         "greens_per_guess": mean([m["greens"] for m in valid]),
         "yellows_per_guess": mean([m["yellows"] for m in valid]),
+        "consistent_rate": mean([float(m["consistent"]) for m in moves if m.get("later")]),
         "greens_per_move_over_5": mean([m["greens"] / 5 for m in moves]),
         "yellows_per_move_over_5": mean([m["yellows"] / 5 for m in moves]),
         "mean_guesses": mean([r["guesses"] for r in records]),
@@ -253,6 +267,7 @@ def evaluate(
         max_guesses=a.max_guesses,
         max_invalid_moves=a.max_invalid,
         allow_non_words=a.allow_non_words,
+        feedback_summary=a.feedback_summary,
     )
     fmt = ChatFormat(tokenizer)
     stops = fmt.stop_token_ids()

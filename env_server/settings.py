@@ -64,6 +64,11 @@ class EnvSettings(TLSServerSettings):
     allow_repeats: bool = Field(
         default=False, description="Score repeated guesses instead of treating them as invalid."
     )
+    feedback_summary: bool = Field(
+        default=False,
+        description="Each feedback also states what all the feedback so far shows: letters in "
+        "place, letters in the word but not in place, letters not in the word.",
+    )
     partial_credit: float = Field(
         default=1.0,
         ge=0.0,
@@ -187,4 +192,5 @@ class EnvSettings(TLSServerSettings):
             partial_credit=self.partial_credit,
             format_credit=self.format_credit,
             shaping=self.shaping() if self.reward == "shaped" else None,
+            feedback_summary=self.feedback_summary,
         )

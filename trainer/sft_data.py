@@ -18,6 +18,7 @@ One JSON object per line (JSONL)::
 ``reward`` is the game's return under the rules it was played with. Command line::
 
     python -m deltarl.trainer.sft_data --games 2000 --out wordle-solver.jsonl [--max-guesses 6]
+        [--feedback-summary]
 """
 
 from __future__ import annotations
@@ -115,13 +116,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-won", action="store_true", help="Leave out lost games.")
     ap.add_argument(
+        "--feedback-summary",
+        action="store_true",
+        help="Each feedback also states what all the feedback so far shows (the env server's "
+        "feedback_summary; train with the rendering the run will play).",
+    )
+    ap.add_argument(
         "--no-system-prompt", action="store_true", help="No system turn (the env's text only)."
     )
     a = ap.parse_args(argv)
     records = solver_transcripts(
         a.games,
         seed=a.seed,
-        rules=WordleRules(max_guesses=a.max_guesses),
+        rules=WordleRules(max_guesses=a.max_guesses, feedback_summary=a.feedback_summary),
         system_prompt=None if a.no_system_prompt else WORDLE_SYSTEM_PROMPT,
         only_won=a.only_won,
     )

@@ -154,6 +154,11 @@ class ResetOptions(BaseModel):
     shaping: ShapingOptions | None = Field(
         default=None, description="Shaping weights (implies reward='shaped')."
     )
+    feedback_summary: bool | None = Field(
+        default=None,
+        description="Each feedback also states what all the feedback so far shows (letters in "
+        "place, in the word elsewhere, not in the word); None: the server's feedback_summary.",
+    )
 
     @model_validator(mode="after")
     def _shaping_needs_shaped(self) -> ResetOptions:

@@ -26,6 +26,7 @@ from deltarl.env_server.wordle.game import (
     WordleGame,
     WordleRules,
     WordLists,
+    known_summary,
 )
 from deltarl.env_server.wordle.models import (
     GuessFeedback,
@@ -58,7 +59,12 @@ def make_prompt(rules: WordleRules) -> str:
         "  - Y (yellow): letter exists in the word but in the wrong position\n"
         "  - X (wrong): letter is not in the word\n"
         f"Invalid guesses tolerated: {rules.max_invalid_moves}; one more ends the game.\n"
-        "Enter your guess to begin."
+        + (
+            "After each guess you are also told what all the feedback so far shows.\n"
+            if rules.feedback_summary
+            else ""
+        )
+        + "Enter your guess to begin."
     )
 
 
@@ -71,11 +77,14 @@ def apply_options(
     'shaped', or ``options.shaping`` is given, or (no ``options.reward``) the server shapes;
     the weights are ``options.shaping``'s where given, else the server's shaping (``rules
     .shaping``, else ``shaping``: the server's default weights, ``DELTARL_ENV_SHAPING_*``).
-    ``options.reward == 'final'`` turns shaping off.
+    ``options.reward == 'final'`` turns shaping off; ``feedback_summary`` replaces the server's.
     """
     if options is None:
         return rules
     guesses = options.max_guesses if options.max_guesses is not None else rules.max_guesses
+    summary = (
+        options.feedback_summary if options.feedback_summary is not None else rules.feedback_summary
+    )
     mode = options.reward or (
         "shaped" if options.shaping is not None or rules.shaping is not None else "final"
     )
@@ -84,7 +93,9 @@ def apply_options(
         base = rules.shaping or shaping or Shaping()
         given = options.shaping.model_dump(exclude_none=True) if options.shaping else {}
         weights = dataclasses.replace(base, **given)
-    return dataclasses.replace(rules, max_guesses=guesses, shaping=weights)
+    return dataclasses.replace(
+        rules, max_guesses=guesses, shaping=weights, feedback_summary=summary
+    )
 
 
 def _signals(move: Move) -> RewardSignals:
@@ -196,6 +207,8 @@ class WordleEnvironment:
             return f"{text}\nCongratulations! You guessed the word in {len(game.guesses)} guesses."
         if game.done:
             return f"{text}\nOut of guesses. The word was [{game.answer}]."
+        if self.rules.feedback_summary and game.guesses:
+            text = f"{text}\n{known_summary(game.guesses)}\n"
         return f"{text}\nYou have {game.guesses_left} guesses left."
 
     def _history(self) -> list[GuessFeedback]:

@@ -68,6 +68,52 @@ def consistent(word: str, history: Sequence[tuple[str, str]]) -> bool:
     return all(score_guess(guess, word) == pattern for guess, pattern in history)
 
 
+def known_summary(history: Sequence[tuple[str, str]]) -> str:
+    """What every ``(guess, pattern)`` of ``history`` says together, as text for the player.
+
+    Three lines, letters uppercase, positions 1-5::
+
+        Known so far:
+        Letters in place: C _ A _ _
+        In the word, not in place: R (not at 2), E (not at 4, 5)
+        Not in the word: N, S, T
+
+    Only statements the feedback proves: a green fixes its position; a yellow letter is in the
+    word and not where it was yellow (listed only while it is not green somewhere: a later
+    green is the same letter found); a letter is absent only when no guess marked it green or
+    yellow (an X beside a G or Y of the same letter only bounds how often it occurs, and is
+    left out). Empty history: an empty string.
+    """
+    if not history:
+        return ""
+    placed = ["_"] * WORD_LENGTH
+    yellow_at: dict[str, set[int]] = {}
+    present: set[str] = set()
+    marked_x: set[str] = set()
+    for guess, pattern in history:
+        for i, (letter, mark) in enumerate(zip(guess.upper(), pattern, strict=True)):
+            if mark == "G":
+                placed[i] = letter
+                present.add(letter)
+            elif mark == "Y":
+                yellow_at.setdefault(letter, set()).add(i + 1)
+                present.add(letter)
+            else:
+                marked_x.add(letter)
+    elsewhere = [
+        f"{letter} (not at {', '.join(map(str, sorted(at)))})"
+        for letter, at in sorted(yellow_at.items())
+        if letter not in placed
+    ]
+    absent = sorted(marked_x - present)
+    return (
+        "Known so far:\n"
+        f"Letters in place: {' '.join(placed)}\n"
+        f"In the word, not in place: {', '.join(elsewhere) or 'none'}\n"
+        f"Not in the word: {', '.join(absent) or 'none'}"
+    )
+
+
 def extract_guess(message: str) -> str | None:
     """The first bracketed run of ASCII letters in ``message``, lowercased, or ``None``.
 
@@ -121,6 +167,8 @@ class WordleRules:
     * ``shaping``: ``None`` (the default) scores the game by :meth:`WordleGame.final_reward`
       alone, on its last step; a :class:`Shaping` scores every move instead (per-turn rewards,
       see :class:`Shaping`), and ``partial_credit``/``format_credit`` are then unused.
+    * ``feedback_summary``: each feedback message also states what all the feedback so far
+      says (:func:`known_summary`), so the player need not combine the patterns itself.
     """
 
     max_guesses: int = 6
@@ -131,6 +179,7 @@ class WordleRules:
     partial_credit: float = 1.0
     format_credit: float = 0.0
     shaping: Shaping | None = None
+    feedback_summary: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_credit < 1.0:

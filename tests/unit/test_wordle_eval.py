@@ -16,7 +16,12 @@ from smollm2_helpers import smollm2_tokenizer
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from deltarl.env_server.wordle.game import WordLists, answer_for_seed, score_guess  # noqa: E402
+from deltarl.env_server.wordle.game import (  # noqa: E402
+    WordLists,
+    answer_for_seed,
+    consistent,
+    score_guess,
+)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -76,6 +81,40 @@ def test_scripted_games_are_counted_as_the_env_scores_them() -> None:
     greens = [p.count("G") for pair in patterns for p in pair]
     assert summary["greens_per_guess"] == pytest.approx(sum(greens) / 10)
     assert summary["dictionary_rate"] == 1.0 and summary["mean_guesses"] == 2
+    # [slate] is each game's one later guess: consistent when "crane"'s pattern fits slate
+    fits = [score_guess("crane", "slate") == p1 for p1, _ in patterns]
+    assert [r["moves"][1]["consistent"] for r in records] == fits
+    assert summary["consistent_rate"] == pytest.approx(sum(fits) / 5)
+
+
+def test_consistent_rate_counts_later_guesses_that_fit_the_feedback() -> None:
+    ev = load("wordle_eval")
+    REPLIES[1] = "[posit]"  # no c, r, a, n, e: fits "soppy"'s XXXXX after crane, not the others
+    try:
+        a = ev._args(["--model", "x", "--games", "5", "--max-invalid", "0", "--seed-start", "10"])
+        summary, records = ev.evaluate(Scripted(smollm2_tokenizer()), smollm2_tokenizer(), a)
+    finally:
+        REPLIES[1] = "[slate]"
+    fits = [consistent("posit", [("crane", score_guess("crane", r["answer"]))]) for r in records]
+    assert [r["moves"][1]["consistent"] for r in records] == fits and 0 < sum(fits) < 5
+    assert not any(r["moves"][0]["consistent"] or r["moves"][0]["later"] for r in records)
+    assert summary["consistent_rate"] == pytest.approx(sum(fits) / 5)
+
+
+def test_feedback_summary_is_rendered_to_the_model() -> None:
+    ev = load("wordle_eval")
+    seen: list[str] = []
+
+    class Reading(Scripted):
+        def generate(self, input_ids: Any, attention_mask: Any, **kw: Any) -> Any:
+            seen.extend(self.tok.decode(row) for row in input_ids.tolist())
+            return super().generate(input_ids, attention_mask, **kw)
+
+    for flag in ([], ["--feedback-summary"]):
+        seen.clear()
+        a = ev._args(["--model", "x", "--games", "2", "--max-invalid", "0", *flag])
+        ev.evaluate(Reading(smollm2_tokenizer()), smollm2_tokenizer(), a)
+        assert any("Known so far:" in text for text in seen) == bool(flag)
 
 
 def test_the_winning_reply_wins() -> None:

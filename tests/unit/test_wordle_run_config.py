@@ -85,15 +85,16 @@ def test_bad_wordle_options_are_refused(override: str, message: str) -> None:
         load_run_config(EXAMPLE).with_overrides([override])
 
 
-def gpu_preset(reward: str, fill: str | None = None) -> list[str]:
+def gpu_preset(reward: str, fill: str | None = None, summary: str | None = None) -> list[str]:
     """The ``--set`` overrides bench/gpu_wordle_full.sh passes for ``REWARD=reward`` (and
-    ``FILL_UNPLAYED=fill`` when given)."""
+    ``FILL_UNPLAYED=fill``, ``SUMMARY=summary`` when given)."""
     script = (ROOT / "bench" / "gpu_wordle_full.sh").read_text()
-    block = script[script.index("SHAPED=(") : script.index("esac") + len("esac")]
+    block = script[script.index("SHAPED=(") : script.index("EVAL=(")]
     out = subprocess.run(
         ["bash", "-c", block + '\nprintf "%s\\n" "${SHAPING[@]}"'],
         env={"REWARD": reward, "PATH": "/usr/bin:/bin"}
-        | ({} if fill is None else {"FILL_UNPLAYED": fill}),
+        | ({} if fill is None else {"FILL_UNPLAYED": fill})
+        | ({} if summary is None else {"SUMMARY": summary}),
         capture_output=True,
         text=True,
         check=True,
@@ -117,6 +118,15 @@ def test_gpu_script_reward_presets_reach_the_env_server(
     assert (shaping.win, shaping.greens, shaping.yellows, shaping.format) == (1.0, 0.2, 0.1, 0.05)
     assert (shaping.repetition, shaping.invalid, shaping.consistent) == (0.2, 0.1, consistent)
     assert shaping.fill_unplayed is (fill != "false")  # a win earns its unplayed guesses
+    assert not server.feedback_summary
+
+
+@pytest.mark.parametrize("reward", ["consistent", "win"])
+def test_gpu_script_summary_reaches_the_env_server(tmp_path: Path, reward: str) -> None:
+    sets = [arg for value in gpu_preset(reward, summary="1") for arg in ("--set", value)]
+    layout = bench_run_layout(tmp_path, *sets)
+    server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
+    assert server.feedback_summary and server.rules().feedback_summary
 
 
 def bench_run_layout(tmp_path: Path, *argv: str) -> RunLayout:
