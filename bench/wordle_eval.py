@@ -19,6 +19,9 @@ the feedback before them, the solver's skill);
 rules' reward; ``dictionary_rate`` (valid guesses that are dictionary words, useful with
 ``--allow-non-words``); and the first ``--show`` games' replies and patterns.
 
+``won_seeds`` lists the seeds of the games won, so two reports over the same seeds compare game by
+game (a paired test, tighter than comparing two win rates).
+
 ``--also-temperature T`` plays the same games again sampling at ``T`` (the run's temperature):
 the report's ``sampled`` block, the baseline of a run's own (sampled) win rate.
 
@@ -249,6 +252,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_guesses_won": mean([r["guesses"] for r in won]),
         "mean_return": mean([r["return"] for r in records]),
         "distinct_first_guesses": len({r["moves"][0]["guess"] for r in records if r["moves"]}),
+        # the games won, by seed: two models' reports over the same seeds compare pairwise
+        "won_seeds": [r["seed"] for r in won],
     }
 
 
@@ -336,7 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k not in ("examples", "settings")}))
+
+    def brief(block: dict[str, Any]) -> dict[str, Any]:
+        quiet = ("examples", "settings", "won_seeds")
+        return {k: brief(v) if k == "sampled" else v for k, v in block.items() if k not in quiet}
+
+    print(json.dumps(brief(report)))
     return report
 
 

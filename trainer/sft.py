@@ -73,6 +73,11 @@ class SftSettings(BaseSettings):
     max_guesses: int = Field(
         default=6, ge=1, le=100, description="Guesses of the generated games (without data)."
     )
+    feedback_summary: bool = Field(
+        default=False,
+        description="The generated games' feedback also states what all the feedback so far "
+        "shows (without data; the env server's feedback_summary, which the run must play too).",
+    )
     out: Path = Field(
         default=Path("runs/sft"),
         description="Output directory: the model (save_pretrained, fp32) with its tokenizer.",
@@ -184,7 +189,11 @@ def _transcripts(settings: SftSettings) -> list[list[dict[str, str]]]:
     from deltarl.trainer.sft_data import solver_transcripts
 
     records = solver_transcripts(
-        settings.games, seed=settings.seed, rules=WordleRules(max_guesses=settings.max_guesses)
+        settings.games,
+        seed=settings.seed,
+        rules=WordleRules(
+            max_guesses=settings.max_guesses, feedback_summary=settings.feedback_summary
+        ),
     )
     return [r["messages"] for r in records]
 

@@ -16,7 +16,13 @@ from deltarl.cli import app
 from deltarl.env_server.wordle.game import WordleRules
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT
-from deltarl.trainer.sft import SftSettings, encode_transcript, load_transcripts, run_sft
+from deltarl.trainer.sft import (
+    SftSettings,
+    _transcripts,
+    encode_transcript,
+    load_transcripts,
+    run_sft,
+)
 from deltarl.trainer.sft_data import solver_transcripts, write_transcripts
 
 IM_END = "<|im_end|>"
@@ -100,6 +106,13 @@ def test_loss_falls_and_the_model_loads(tmp_path: Path) -> None:
     reloaded = transformers.AutoTokenizer.from_pretrained(str(out))
     assert ChatFormat(reloaded).prompt_ids(chats[0][:2]) == ChatFormat(tok).prompt_ids(chats[0][:2])
     assert json.loads((out / "sft.json").read_text())["losses"] == result.losses
+
+
+@pytest.mark.parametrize("summary", [False, True])
+def test_generated_games_follow_feedback_summary(summary: bool) -> None:
+    chats = _transcripts(SftSettings(games=2, feedback_summary=summary))
+    later = [m["content"] for chat in chats for m in chat[3::2]]
+    assert later and all(("Known so far:" in text) is summary for text in later)
 
 
 def test_help_lists_the_settings() -> None:

@@ -78,6 +78,7 @@ def test_scripted_games_are_counted_as_the_env_scores_them() -> None:
     assert summary["games"] == 5 and summary["moves"] == 15
     assert summary["valid_move_rate"] == pytest.approx(2 / 3)
     assert summary["win_rate"] == 0.0 and summary["forfeit_rate"] == 1.0
+    assert summary["won_seeds"] == []
     greens = [p.count("G") for pair in patterns for p in pair]
     assert summary["greens_per_guess"] == pytest.approx(sum(greens) / 10)
     assert summary["dictionary_rate"] == 1.0 and summary["mean_guesses"] == 2
@@ -128,6 +129,7 @@ def test_the_winning_reply_wins() -> None:
     finally:
         REPLIES.pop(0)
     assert summary["win_rate"] == 1.0 and records[0]["guesses"] == 1
+    assert summary["won_seeds"] == [7]
     assert summary["greens_per_guess"] == 5 and summary["mean_guesses_won"] == 1
 
 

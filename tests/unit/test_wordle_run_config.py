@@ -110,7 +110,7 @@ def gpu_preset(reward: str, fill: str | None = None, summary: str | None = None)
 def test_gpu_script_reward_presets_reach_the_env_server(
     tmp_path: Path, reward: str, consistent: float, fill: str | None
 ) -> None:
-    sets = [arg for value in gpu_preset(reward, fill) for arg in ("--set", value)]
+    sets = [arg for value in gpu_preset(reward, fill, "0") for arg in ("--set", value)]
     layout = bench_run_layout(tmp_path, *sets)
     server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
     shaping = server.rules().shaping
@@ -121,9 +121,12 @@ def test_gpu_script_reward_presets_reach_the_env_server(
     assert not server.feedback_summary
 
 
-@pytest.mark.parametrize("reward", ["consistent", "win"])
-def test_gpu_script_summary_reaches_the_env_server(tmp_path: Path, reward: str) -> None:
-    sets = [arg for value in gpu_preset(reward, summary="1") for arg in ("--set", value)]
+@pytest.mark.parametrize(("reward", "summary"), [("consistent", None), ("win", "1")])
+def test_gpu_script_summary_reaches_the_env_server(
+    tmp_path: Path, reward: str, summary: str | None
+) -> None:
+    # SUMMARY=1 is the script's default since session 14
+    sets = [arg for value in gpu_preset(reward, summary=summary) for arg in ("--set", value)]
     layout = bench_run_layout(tmp_path, *sets)
     server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
     assert server.feedback_summary and server.rules().feedback_summary
