@@ -85,8 +85,10 @@ def make_task(settings: EnvSettings, words: WordLists | None = None) -> TaskSpec
     shaping = settings.shaping()
     return TaskSpec(
         name="wordle",
-        description=f"Wordle: {wordle.max_guesses} guesses, feedback G/Y/X; answer list of "
-        f"{len(words.answers)} words, {len(words.allowed)} allowed guesses (SCOWL).",
+        description=f"Wordle: {wordle.max_guesses} guesses, feedback G/Y/X"
+        + (" and a summary of all the feedback so far" if wordle.feedback_summary else "")
+        + f"; answer list of {len(words.answers)} words, {len(words.allowed)} allowed guesses "
+        "(SCOWL).",
         factory=lambda: WordleEnvironment(wordle, words, reveal_answer=reveal, shaping=shaping),
         observation=WordleObservation,
         state=WordleState,

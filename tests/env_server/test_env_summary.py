@@ -153,6 +153,8 @@ def test_http_and_ws(client: TestClient, make_client: Callable[..., TestClient])
     assert bad.status_code == 422 and "feedback_summary" in bad.text
 
     server = make_client(feedback_summary=True)
+    assert "summary" in server.get("/metadata").json()["description"]
+    assert "summary" not in client.get("/metadata").json()["description"]
     sid = server.post("/reset", json={"seed": SEED}).json()["session_id"]
     step = server.post("/step", json={"session_id": sid, "action": {"message": f"[{word}]"}})
     assert HEAD in step.json()["observation"]["messages"][-1]["content"]
