@@ -58,8 +58,11 @@ def test_demo_with_a_teacher(tmp_path: Path, model_cache: Path) -> None:
     assert all(s["distill/coverage"] == 1.0 for s in steps), steps
     assert all(s["distill/loss"] >= 0.0 for s in steps)
     assert (run_dir / "logs" / "teacher.log").is_file()
-    for w in ("worker-1", "worker-2"):  # each checked the teacher's vocabulary at start
-        assert "(vocabulary " in (run_dir / "logs" / f"{w}.log").read_text()
+    # a worker checks the teacher's vocabulary as its episode loop starts; on a busy machine the
+    # trainer may finish its steps on one worker's groups before the other's loop began
+    worker_logs = [(run_dir / "logs" / f"{w}.log").read_text() for w in ("worker-1", "worker-2")]
+    assert any("(vocabulary 259)" in text for text in worker_logs), worker_logs
+    assert not any("teacher and student must share a tokenizer" in t for t in worker_logs)
     processes = json.loads((run_dir / "processes.json").read_text())
     assert "teacher" in processes
     for info in processes.values():  # every child, the teacher too, was stopped

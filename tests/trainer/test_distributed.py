@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from test_loop import FakeQueue
 from test_step import Bigram, steps_of, varied_groups
 from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
@@ -87,7 +87,7 @@ def test_two_ranks_publish_bit_identical_weights_to_one(tmp_path: Path, one_thre
     last, registered = run_rank0(single, tmp_path / "single", None)
     assert last == STEPS and registered == STEPS + 1
 
-    mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn_ranks(rank_main, tmp_path, 2)
     results = [json.loads((tmp_path / f"rank{r}" / "result.json").read_text()) for r in (0, 1)]
     assert results == [{"last": STEPS, "registered": STEPS + 1}, {"last": STEPS, "registered": 0}]
     # only rank 0 published: rank 1 has no bucket at all
@@ -190,7 +190,7 @@ def test_uneven_shards_and_a_token_budget_train_like_one_process(
     tmp_path: Path, one_thread: None
 ) -> None:
     weights, metrics = steps_of(budget_batches(), BUDGET_ARGS)
-    mp.spawn(budget_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn_ranks(budget_rank, tmp_path, 2)
     result = torch.load(tmp_path / "result.pt")
     for name in ("ddp", "fsdp"):
         got, got_metrics = result[name]

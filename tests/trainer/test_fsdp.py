@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from safetensors.torch import load_file, save_file
 from test_distributed import make_settings, run_rank0
 from test_loop import FakeQueue
@@ -142,7 +142,7 @@ def test_fsdp_trains_like_one_process_and_a_worker_follows_its_sharded_versions(
     single = Bigram()
     assert run_rank0(single, tmp_path / "single", None) == (STEPS, STEPS + 1)
 
-    mp.spawn(rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn_ranks(rank_main, tmp_path, 2)
     results = [json.loads((tmp_path / f"rank{r}" / "result.json").read_text()) for r in (0, 1)]
     assert results == [{"last": STEPS, "registered": STEPS + 1}, {"last": STEPS, "registered": 0}]
     # checkpoints at step 2 (every=2) and at the end, each rank's shards in one directory
@@ -327,7 +327,7 @@ def reshard_rank(rank: int, root: str, world: int) -> None:
 
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_bit_exactly_and_on_other_world_sizes(tmp_path: Path) -> None:
-    mp.spawn(checkpoint_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn_ranks(checkpoint_rank, tmp_path, 2)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
     meta = read_meta(tmp_path / "ckpt" / "step_000002")
     assert meta.world_size == 2 and meta.shard_rows == {"table.weight": [4, 4]}
@@ -349,7 +349,7 @@ def test_sharded_checkpoint_resumes_bit_exactly_and_on_other_world_sizes(tmp_pat
     Checkpointer(tmp_path / "whole").save(2, model, opt, sched, version=2)
 
     # 3 ranks from the 2-rank checkpoint (rows 4+4 -> 3+3+2) and from the whole-model one
-    mp.spawn(reshard_rank, args=(str(tmp_path), 3), nprocs=3, join=True)
+    spawn_ranks(reshard_rank, tmp_path, 3, 3)
     assert all((tmp_path / f"reshard3-{r}").exists() for r in range(3))
 
     files = sorted(p.name for p in (tmp_path / "ckpt" / "step_000002").iterdir())

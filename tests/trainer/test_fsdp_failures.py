@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from test_fsdp import follower, join, sharded_bigram
 
 from deltarl.services.buckets.local import LocalBucket
@@ -84,7 +84,7 @@ def rank_main(rank: int, root: str, on_device: bool) -> None:
 def test_a_failed_rank_upload_leaves_the_bucket_intact_and_forces_an_anchor(
     tmp_path: Path, on_device: bool
 ) -> None:
-    mp.spawn(rank_main, args=(str(tmp_path), on_device), nprocs=2, join=True)
+    spawn_ranks(rank_main, tmp_path, 2, on_device)
     events = json.loads((tmp_path / "events.json").read_text())
     assert events == ["latest 1", "v2 anchor", "v3 delta"]
     reader = BucketReader(LocalBucket(tmp_path / "bucket"))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from coordinator.conftest import (
     TRAINER_TOKEN,
 )
+from ranks import spawn_ranks
 from test_fsdp import ShardedQueue, join
 from test_loop import FakeQueue
 from test_step import Bigram
@@ -167,7 +167,7 @@ def test_fsdp_shards_the_reference_and_trains_like_one_process(
 ) -> None:
     torch.manual_seed(0)
     single, rows = run_single(tmp_path / "single", 0.5, frozen_reference(Bigram()))
-    mp.spawn(fsdp_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn_ranks(fsdp_rank, tmp_path, 2)
     for r in (0, 1):
         got = torch.load(tmp_path / f"rank{r}" / "final.pt")
         assert got["last"] == STEPS
