@@ -13,6 +13,7 @@ message naming it (:func:`main`), not a traceback.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 
@@ -66,13 +67,22 @@ def _root(
     )
 
 
+def command_help(doc: str | None) -> str | None:
+    """``doc`` with its first paragraph on one line: typer's rich help keeps a docstring's single
+    line breaks, so a summary wrapped in the source came out ragged in ``deltarl --help``."""
+    if doc is None:
+        return None
+    first, sep, rest = inspect.cleandoc(doc).partition("\n\n")
+    return " ".join(first.split()) + sep + rest
+
+
 def _register() -> None:
     for name, module, attr in SUBCOMMANDS:
         obj = getattr(importlib.import_module(module), attr)
         if isinstance(obj, typer.Typer):
             app.add_typer(obj, name=name)
         else:
-            app.command(name=name)(obj)
+            app.command(name=name, help=command_help(obj.__doc__))(obj)
 
 
 _register()
