@@ -17,8 +17,10 @@ __all__ = ["spawn_ranks"]
 def _rank(rank: int, fn: Callable[..., None], root: str, args: tuple[Any, ...]) -> None:
     with open(Path(root) / f"fault-rank{rank}.txt", "w") as dump:
         faulthandler.enable(file=dump, all_threads=True)
-        fn(rank, root, *args)
-        faulthandler.disable()
+        try:
+            fn(rank, root, *args)
+        finally:  # the file closes next: no dump may go to its descriptor after that
+            faulthandler.disable()
 
 
 def spawn_ranks(fn: Callable[..., None], root: str | Path, nprocs: int, *args: Any) -> None:
