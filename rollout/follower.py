@@ -17,7 +17,11 @@ Order of calls::
 Guarantees: one sync at a time; versions published while a sync runs are coalesced into the
 next one (only the newest target matters, the planner picks the cheapest path to it); a failed
 sync is retried with exponential backoff (0.5 s doubling to 30 s), from nothing when it left
-the weights unhealthy (``WeightSync`` plans from an anchor then).
+the weights unhealthy (``WeightSync`` plans from an anchor then). An older ``latest.json`` put
+back in the bucket (``RollbackError``: older than one the reader accepted) fails a sync like
+any other failure: the engine keeps the newest version it holds, ``on_error`` reports it (the
+worker's heartbeat carries it as ``last_error``), and the retry succeeds once the trainer's next
+publication has replaced the pointer.
 """
 
 from __future__ import annotations

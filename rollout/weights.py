@@ -46,6 +46,12 @@ Guarantees:
   says ``"verified"`` once the verification passed, ``"failed"`` if it did not (drop the sample),
   so nothing generated with bad weights need ever be submitted. ``verify_before_resume=True``
   verifies inside the pause instead (longer pause, no pending window).
+* Versions never go back: a sync whose target is older than the newest version the engine
+  has held (verified) aims at that version instead (a healthy engine does nothing; an
+  unhealthy one reloads at least it), and a plan from verified weights uses no object of
+  their version or older (no anchor of an older version). The reader under it refuses an
+  older ``latest.json`` than one it accepted (``RollbackError``, services/weightsync/reader.py):
+  the sync fails, the weights stay, the caller reports it and retries.
 * The paused window is one store kernel launch per value bit width on CUDA (``apply_kernel``,
   addresses built at staging; see services/weightsync/apply_kernel.py), else one
   ``index_copy_`` per changed tensor, plus a device synchronize on CUDA; download, decode,
@@ -216,6 +222,7 @@ class WeightSync:
         # sync state (only touched under _sync_lock)
         self._sync_lock = threading.Lock()
         self._version: int | None = None  # verified version held by the engine
+        self._highest: int | None = None  # newest version ever verified here (never goes back)
         self._digests: dict[str, str] = {}  # tensor digests of the engine's weights at _version
         self._verified_state: tuple[int, str] | None = None  # (_version, its state digest)
         self._mirror: dict[str, torch.Tensor] | None = None  # CPU copy at _version, if host_mirror
@@ -392,7 +399,8 @@ class WeightSync:
 
         Blocking (call it from a sync thread, or use :meth:`sync_in_background`); generation in
         other threads is paused only while each object is applied. A target at or below the
-        verified version is a no-op (versions only move forward). Raises :class:`SyncError`
+        verified version is a no-op (versions only move forward); one older than the newest
+        version ever verified here becomes that version. Raises :class:`SyncError`
         when no plan reaches the target within ``max_attempts`` tries (the weights stay at the
         last verified version if :attr:`healthy`), ``StateMismatchError`` when the bucket's
         tensors are not the engine's (wrong model). Bucket errors (network, permissions)
@@ -405,7 +413,20 @@ class WeightSync:
                 raise SyncError(f"nothing is published in {self.reader.bucket.uri} yet")
             target = latest if target is None else target
             if target > latest:
-                raise SyncError(f"version {target} is not published yet (latest: {latest})")
+                raise SyncError(
+                    f"version {target} is not published yet (latest: {latest}; if this persists "
+                    "while the coordinator announces it, an older latest.json may have been put "
+                    "back in the bucket)"
+                )
+            if self._highest is not None and target < self._highest:
+                if not self.healthy:
+                    logger.warning(
+                        "sync to v%d: not going back from v%d; reloading v%d",
+                        target,
+                        self._highest,
+                        self._highest,
+                    )
+                target = self._highest
             report = SyncReport(start_version=self._version, target=target)
             if self.healthy and self._version is not None and target <= self._version:
                 report.version = self._version
@@ -463,6 +484,8 @@ class WeightSync:
     def _plan(self, target: int, report: SyncReport) -> CatchUpPlan:
         current = self._version if self.healthy else None
         manifests: dict[int, VersionManifest] = self.reader.manifests()
+        if current is not None:  # never back: nothing of the version held or older
+            manifests = {v: m for v, m in manifests.items() if v > current}
         if self._bad_keys:
             manifests = {
                 v: m.model_copy(
@@ -627,6 +650,7 @@ class WeightSync:
             verify_s = time.perf_counter() - tv
         verified = time.time()
         self._version, self._digests = ref.version, digests
+        self._highest = max(ref.version, self._highest or 0)
         self._verified_state = (ref.version, combine_digests(digests))
         self._context = new_context if ref.parts is None else None
         with self._cond:
@@ -836,6 +860,7 @@ class WeightSync:
             pause_s = time.perf_counter() - tp
         done = time.time()
         self._version, self._digests = ref.version, digests
+        self._highest = max(ref.version, self._highest or 0)
         self._verified_state = (ref.version, combine_digests(digests))
         self._layout = ref.layout
         self._drop_shared()

@@ -36,6 +36,7 @@ from deltarl import __version__
 from deltarl.env_server.core.guard import GuardMiddleware
 from deltarl.teacher.batcher import Batcher, QueueFull
 from deltarl.teacher.engines.base import ScoreJob, Scores, TeacherEngine
+from deltarl.teacher.limits import MAX_JSON_ANSWER_BYTES, json_answer_bytes
 from deltarl.teacher.metrics import TeacherMetrics
 from deltarl.teacher.settings import TeacherSettings
 from deltarl.teacher.wire import (
@@ -63,6 +64,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"  # body, sequence count, tokens or length over a limit
     UNSUPPORTED_MEDIA_TYPE = "UNSUPPORTED_MEDIA_TYPE"  # Content-Type neither binary nor JSON
     CAPACITY_REACHED = "CAPACITY_REACHED"  # too many tokens queued: retry with back-off
+    ANSWER_TOO_LARGE = "ANSWER_TOO_LARGE"  # a JSON answer over MAX_JSON_ANSWER_BYTES: ask binary
     NOT_FOUND = "NOT_FOUND"
     METHOD_NOT_ALLOWED = "METHOD_NOT_ALLOWED"
     INTERNAL_ERROR = "INTERNAL_ERROR"  # a bug or an engine failure (logged with a traceback)
@@ -74,6 +76,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.CAPACITY_REACHED: 503,
+    ErrorCode.ANSWER_TOO_LARGE: 406,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.INTERNAL_ERROR: 500,
@@ -282,11 +285,26 @@ def create_app(settings: TeacherSettings, engine: TeacherEngine | None = None) -
             ks.append(k)
         return jobs, ks
 
+    def check_json_answer(jobs: list[ScoreJob]) -> None:
+        """Refuse, before scoring, a request whose JSON answer would exceed
+        MAX_JSON_ANSWER_BYTES (a 128 KiB binary request of 8 x 4096 tokens at top-k 128 would
+        get ~70 MB of JSON and cost the service several hundred MB to build it)."""
+        estimate = json_answer_bytes([(job.scored, job.top_k) for job in jobs])
+        if estimate > MAX_JSON_ANSWER_BYTES:
+            positions = sum(job.scored for job in jobs)
+            raise TeacherError(
+                ErrorCode.ANSWER_TOO_LARGE,
+                f"the JSON answer would take about {estimate / 2**20:.0f} MiB ({positions:,} scored "
+                f"positions, each with its top-k), over the {MAX_JSON_ANSWER_BYTES >> 20} MiB "
+                f"limit of a JSON answer: ask for the binary format (Accept: "
+                f"{BINARY_MEDIA_TYPE}), or send fewer tokens or a smaller top_k",
+            )
+
     @app.post(
         "/v1/logprobs",
         tags=["teacher"],
         response_class=Response,
-        responses={s: {"model": ErrorResponse} for s in (401, 413, 415, 422, 503)},
+        responses={s: {"model": ErrorResponse} for s in (401, 406, 413, 415, 422, 503)},
         openapi_extra={
             "requestBody": {
                 "content": {
@@ -308,12 +326,14 @@ def create_app(settings: TeacherSettings, engine: TeacherEngine | None = None) -
             ) from None
         req, fmt = parse(request, body)
         jobs, ks = jobs_of(req)
+        out = answer_format(request, fmt)
+        if out == "json":
+            check_json_answer(jobs)
         try:
             scores = await batcher.submit(jobs)
         except QueueFull as exc:
             raise TeacherError(ErrorCode.CAPACITY_REACHED, str(exc)) from None
         resp = assemble(scores, ks)
-        out = answer_format(request, fmt)
         if out == "binary":
             payload, media = encode_response(resp), BINARY_MEDIA_TYPE
         else:

@@ -339,9 +339,10 @@ def validate_request(req: LogprobRequest, limits: Limits) -> None:
 
 
 class JsonSequence(BaseModel):
-    """One sequence of a JSON request."""
+    """One sequence of a JSON request. Strict types: a token id, ``prompt_len`` or ``top_k`` is
+    a JSON integer (not ``true``, ``1.0`` or ``"1"``) and a temperature a JSON number."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     tokens: list[int] = Field(description="Token ids: the prompt, then the sampled completion.")
     prompt_len: int = Field(
@@ -358,9 +359,17 @@ class JsonSequence(BaseModel):
 class JsonRequest(BaseModel):
     """``POST /v1/logprobs`` body as JSON (``Content-Type: application/json``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     sequences: list[JsonSequence] = Field(description="The sequences to score.")
+
+
+def _json_field(loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as the other errors name fields: ``sequences[0].tokens[3]``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
 
 
 def decode_json_request(data: bytes, limits: Limits | None = None) -> LogprobRequest:
@@ -373,8 +382,7 @@ def decode_json_request(data: bytes, limits: Limits | None = None) -> LogprobReq
         if any(e["type"] == "json_invalid" for e in errors):
             raise WireError("body", "not valid JSON (UTF-8)") from None
         e = errors[0]
-        loc = ".".join(str(p) for p in e.get("loc", ())) or "body"
-        raise WireError(loc, str(e.get("msg", "invalid"))) from None
+        raise WireError(_json_field(e.get("loc", ())), str(e.get("msg", "invalid"))) from None
     seqs = body.sequences
     _bound("sequences", len(seqs), limits.max_sequences)
     _bound("tokens", sum(len(s.tokens) for s in seqs), limits.max_tokens)

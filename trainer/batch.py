@@ -36,6 +36,7 @@ __all__ = [
     "sequence_lengths",
     "split_spans",
     "turn_advantages",
+    "without_groups",
 ]
 
 
@@ -99,9 +100,11 @@ class TrainBatch:
         """Trained tokens (loss-mask ones) in the batch."""
         return int(self.loss_mask.sum())
 
-    def select(self, rows: slice) -> TrainBatch:
-        """The trajectories in ``rows``, with padding trimmed to their longest sequence."""
-        width = int(self.attention_mask[rows].sum(-1).max()) if len(self) else 0
+    def select(self, rows: slice | Tensor) -> TrainBatch:
+        """The trajectories in ``rows`` (a slice, or a [B] bool tensor), with padding trimmed
+        to their longest sequence."""
+        picked = self.attention_mask[rows]
+        width = int(picked.sum(-1).max()) if picked.shape[0] else 0
         return TrainBatch(
             tokens=self.tokens[rows, :width],
             attention_mask=self.attention_mask[rows, :width],
@@ -119,6 +122,17 @@ class TrainBatch:
             hint=None if self.hint is None else self.hint.select(rows, width),
             turn_credit=None if self.turn_credit is None else self.turn_credit[rows],
         )
+
+
+def without_groups(batch: TrainBatch, groups: Sequence[int]) -> TrainBatch:
+    """``batch`` without the trajectories of the batch groups ``groups`` (indices into
+    ``group_index``), the rest renumbered ``0..`` in order. Advantages are not recomputed: they
+    were normalised within each group, and every group left is whole."""
+    drop = torch.isin(batch.group_index, torch.tensor(list(groups), dtype=torch.int64))
+    kept = batch.select(~drop)
+    if not len(kept):
+        return kept
+    return replace(kept, group_index=torch.unique(kept.group_index, return_inverse=True)[1])
 
 
 def collate(

@@ -41,6 +41,7 @@ from deltarl.trainer.settings import (
 if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
 
+    from deltarl.services.weightsync.manifest import VersionManifest
     from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
     from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
     from deltarl.trainer.distributed import DistContext
@@ -208,27 +209,39 @@ def _run_main(
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
     from deltarl.trainer.reporting import build_reporter
+    from deltarl.trainer.screen import model_limits
     from deltarl.trainer.sharded import ShardedPublisher
-    from deltarl.trainer.weights import WeightPublisher, coordinator_challenges
+    from deltarl.trainer.weights import (
+        WeightPublisher,
+        coordinator_challenge_need,
+        coordinator_challenges,
+    )
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None
+    limits = model_limits(model)  # every version tells the coordinator what the model takes
+
     with CoordinatorClient(deploy.coordinator_url, token) as client:
+
+        def register(manifest: VersionManifest) -> None:
+            client.publish_version(manifest, limits)
+
         publisher: WeightPublisher | ShardedPublisher
         if ctx.enabled and settings.parallel == "fsdp":
             publisher = ShardedPublisher(
                 bucket,
                 settings.publish,
                 ctx,
-                register=client.publish_version,
+                register=register,
                 challenges=coordinator_challenges(client),
             )
         else:
             publisher = WeightPublisher(
                 bucket,
                 settings.publish,
-                register=client.publish_version,
+                register=register,
                 challenges=coordinator_challenges(client),
+                challenge_need=coordinator_challenge_need(client),
                 tmp_dir=Path(settings.run_dir),
             )
         with build_reporter(settings) as reporter:

@@ -56,7 +56,7 @@ class TeacherBatch:
     sampled: Tensor  # [B, T] float32 teacher logprob of the sampled token (0 where none)
     present: Tensor  # [B, T] bool: this position has teacher data
 
-    def select(self, rows: slice, width: int) -> TeacherBatch:
+    def select(self, rows: slice | Tensor, width: int) -> TeacherBatch:
         return TeacherBatch(
             ids=self.ids[rows, :width],
             logprobs=self.logprobs[rows, :width],

@@ -7,15 +7,16 @@ and the AdamW state. Per step, in this order:
 1. rank 0 pulls the step's groups and collates them into one :class:`~.batch.TrainBatch`
    (advantages over whole groups, the whole step's loss normaliser);
 2. :func:`broadcast` sends it to every rank (a control message: ``("step", batch)``, or
-   ``("stop", None)`` / ``("timeout", message)``, so every rank leaves the loop together);
+   ``("stop", None)`` / ``("timeout", message)`` / ``("error", message)``, so every rank leaves
+   the loop together);
 3. each rank trains on its contiguous share of the rows (:func:`shard_rows`), micro-batch by
    micro-batch, as many micro-batches on every rank (:func:`rank_micro_batches`); DDP
    all-reduces the gradients during the last backward (the earlier ones run under
    ``no_sync``). DDP averages over ranks; the loss is multiplied by the world size so the
    gradient is the *sum* over the whole batch, as in one process (exact for power-of-two world
    sizes: scaling by 2^k never rounds);
-4. the loss statistics are gathered (:func:`gather_stats`) so every rank sees the same metrics
-   and the same on-policy check; every rank clips the same global norm and takes the same AdamW
+4. the loss statistics and the per-group on-policy mismatch are gathered (:func:`gather_stats`,
+   :func:`sum_over_ranks`) so every rank sees the same metrics and drops the same groups; every rank clips the same global norm and takes the same AdamW
    step, so replicas stay identical;
 5. rank 0 publishes from its own replica (its bf16 cast is what every rank holds) and acks.
 
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
+from torch import Tensor
 
 from deltarl.trainer.batch import (
     TrainBatch,
@@ -216,6 +218,16 @@ def gather_stats(stats: LossStats, ctx: DistContext) -> LossStats:
     for part in parts:
         merged = merged.merge(part)
     return merged
+
+
+def sum_over_ranks(t: Tensor, ctx: DistContext) -> Tensor:
+    """The element-wise sum of every rank's CPU tensor ``t`` (same shape on every rank), on
+    every rank; ``t`` itself with one process."""
+    if not ctx.enabled:
+        return t
+    parts: list[Any] = [None] * ctx.world_size
+    tdist.all_gather_object(parts, t.cpu())
+    return torch.stack(parts).sum(0)
 
 
 def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:

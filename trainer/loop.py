@@ -7,14 +7,18 @@ Order per optimizer step (``v`` is the version of the weights being trained):
    coordinator drops at lease time too, but ``v`` moves on meanwhile); from the moment a lease
    is taken until its ack, a :class:`~.leases.LeaseKeeper` extends it every ``lease_s / 3``, so
    a step slower than the lease never loses its groups to the queue;
-2. **train**: :func:`~.step.train_step` on the collated groups (under ``torchrun``: the batch
-   goes to every rank first, each trains its share with DDP; see :mod:`.distributed`);
+2. **train**: the groups the trainer can use (:mod:`.screen`: within the model's limits,
+   collatable) are collated and :func:`~.step.train_step` trains on them (under ``torchrun``:
+   the batch goes to every rank first, each trains its share with DDP; see
+   :mod:`.distributed`), dropping any group whose on-policy logprobs do not match these weights;
 3. **publish**: :meth:`WeightPublisher.publish` snapshots the weights as version ``v + 1``
    (after waiting for version ``v`` to be committed and registered) and uploads in the
    background while the next step pulls and computes;
-4. **ack** every lease of the step: its groups are gone for good. A crash before the ack
-   returns them to the queue when the lease expires, so no rollout is lost (a group may then be
-   trained on twice, never zero times).
+4. **ack** every lease of the step, naming the groups refused at step 2 (they become the
+   coordinator's dead letters and count against their workers): its groups are gone for good.
+   A crash before the ack returns them to the queue when the lease expires, so no rollout is
+   lost (a group may then be trained on twice, never zero times); a group delivered twice
+   without an ack is set aside by the coordinator, so no group can stop the trainer in a loop.
 
 The first version (the starting weights, with an anchor) is published and waited for before
 the first pull, so workers have weights to generate with.
@@ -37,6 +41,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
@@ -45,23 +50,37 @@ import httpx
 import torch
 
 from deltarl.services.coordinator.client import CoordinatorError
-from deltarl.services.coordinator.schemas import LeasedBatch, TrajectoryGroup
+from deltarl.services.coordinator.schemas import LeasedBatch, ModelLimits, TrajectoryGroup
 from deltarl.services.weightsync.reader import BucketReader
-from deltarl.trainer.batch import collate, filter_stale
+from deltarl.trainer.batch import TrainBatch, collate
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
 from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.metrics import MetricsSink
 from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.screen import LeasedGroup, Refusals, collate_checked, model_limits, screen
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
-from deltarl.trainer.step import check_reference, train_step
+from deltarl.trainer.step import (
+    MISMATCH_HINT,
+    SamplingMismatchError,
+    check_reference,
+    train_step,
+)
 from deltarl.trainer.weights import PublishFailedError, WeightPublisher, publishable_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchSource", "GracefulStop", "Pulled", "pull_groups", "train", "transient_error"]
+__all__ = [
+    "BatchSource",
+    "GracefulStop",
+    "Pulled",
+    "prepare_batch",
+    "pull_groups",
+    "train",
+    "transient_error",
+]
 
 
 class BatchSource(Protocol):
@@ -76,6 +95,9 @@ class BatchSource(Protocol):
 
     def nack(self, batch_id: str) -> Any: ...
 
+    # also ``ack(batch_id, rejected)`` when the trainer refused some of a batch's groups (see
+    # :mod:`.screen`); a source without it fails that ack and the lease expires instead
+
     # optional: ``extend(batch_id, lease_s)`` keeps a lease alive (see :mod:`.leases`)
 
 
@@ -83,12 +105,17 @@ class BatchSource(Protocol):
 class Pulled:
     """The groups of one step and the leases that hold them."""
 
-    groups: list[TrajectoryGroup] = field(default_factory=list)
+    entries: list[LeasedGroup] = field(default_factory=list)
     batch_ids: list[str] = field(default_factory=list)
+    refusals: Refusals = field(default_factory=Refusals)  # payloads that did not decode
     dropped_by_coordinator: int = 0  # groups beyond the staleness bound at lease time
     dropped_by_trainer: int = 0  # groups that became too stale after the lease
     lease_errors: int = 0  # lease requests that failed transiently (retried)
     wait_s: float = 0.0
+
+    @property
+    def groups(self) -> list[TrajectoryGroup]:
+        return [e.group for e in self.entries]
 
 
 def pull_groups(
@@ -107,6 +134,11 @@ def pull_groups(
     ``keeper``: each lease taken is handed to it (:meth:`LeaseKeeper.hold`), so it stays alive
     while the rest of the step's groups arrive and while the step runs.
 
+    A lease holding a group that is back after an expiry (``BatchItem.deliveries > 1``: the
+    coordinator leases such a group alone) ends the pull: it is the step's only group, or, if
+    groups are already held, it is given back for the next step. So a group a trainer died on is
+    retried alone, and dying on it again implicates no other group (see :mod:`.screen`).
+
     Waits ``poll_s`` per lease request (long polling). With ``timeout_s``, or when ``stop`` is
     set, gives up: the leases taken so far are nacked (their groups return to the queue at once)
     and ``TimeoutError`` is raised. Logs a warning every 30 s of waiting (a silent hang is the
@@ -122,7 +154,7 @@ def pull_groups(
     out = Pulled()
     t0 = last_warn = time.perf_counter()
     failing = 0  # consecutive failed lease requests
-    while len(out.groups) < want:
+    while len(out.entries) < want:
         now = time.perf_counter()
         if (stop is not None and stop.is_set()) or (timeout_s is not None and now - t0 > timeout_s):
             for bid in out.batch_ids:
@@ -131,20 +163,20 @@ def pull_groups(
                 _nack(source, bid)
             why = "stop requested" if stop is not None and stop.is_set() else "timed out"
             raise TimeoutError(
-                f"{why} after {now - t0:.1f} s with {len(out.groups)}/{want} groups for version "
+                f"{why} after {now - t0:.1f} s with {len(out.entries)}/{want} groups for version "
                 f"{policy_version}; the leases were returned to the queue"
             )
         if now - last_warn > 30:
             logger.warning(
                 "waiting %.0f s for data: %d/%d groups for version %d (are workers running?)",
                 now - t0,
-                len(out.groups),
+                len(out.entries),
                 want,
                 policy_version,
             )
             last_warn = now
         try:
-            leased = source.lease(want - len(out.groups), settings.lease_s, poll_s)
+            leased = source.lease(want - len(out.entries), settings.lease_s, poll_s)
         except Exception as err:
             if not transient_error(err):
                 raise
@@ -165,12 +197,32 @@ def pull_groups(
         out.dropped_by_coordinator += leased.lease.dropped_stale
         if not leased.lease.items:
             continue
-        out.batch_ids.append(leased.lease.batch_id)
+        batch_id = leased.lease.batch_id
+        if any(i.deliveries > 1 for i in leased.lease.items) and out.batch_ids:
+            # a group back after an expiry (an earlier trainer may have died on it) is trained
+            # in a step of its own, so that dying on it again implicates no other group: give
+            # it back (a nack is not a delivery) for the next step to start with
+            _nack(source, batch_id)
+            break
+        out.batch_ids.append(batch_id)
         if keeper is not None:
-            keeper.hold(leased.lease.batch_id)
-        kept = filter_stale(leased.groups, policy_version, settings.max_staleness)
-        out.groups.extend(kept.kept)
-        out.dropped_by_trainer += kept.dropped_groups
+            keeper.hold(batch_id)
+        workers = {i.submission_id: i.worker_id for i in leased.lease.items}
+        for r in leased.refused:
+            out.refusals.add(batch_id, r.submission_id, r.reason, r.detail)
+        for sid, group in zip(leased.submission_ids, leased.groups, strict=True):
+            if settings.max_staleness is not None and (
+                policy_version - group.version_min > settings.max_staleness
+            ):
+                out.dropped_by_trainer += 1  # acked with the rest: too stale to train on
+                continue
+            out.entries.append(LeasedGroup(batch_id, sid, workers.get(sid, group.worker_id), group))
+        if any(i.deliveries > 1 for i in leased.lease.items):
+            logger.warning(
+                "group %s is back after its lease expired: training it alone",
+                ", ".join(i.group_id for i in leased.lease.items),
+            )
+            break
     out.wait_s = time.perf_counter() - t0
     return out
 
@@ -194,6 +246,76 @@ def _nack(source: BatchSource, batch_id: str) -> None:
         logger.warning(
             "returning batch %s failed (%s): it returns when its lease expires", batch_id, err
         )
+
+
+def prepare_batch(
+    pulled: Pulled, version: int, settings: ExperimentSettings, limits: ModelLimits | None
+) -> tuple[TrainBatch | None, list[LeasedGroup]]:
+    """The step's batch from the pulled groups the trainer can use (:mod:`.screen`): within
+    ``limits``, collatable; the others are added to ``pulled.refusals``. Returns the batch
+    (None: no group left) and its groups in batch order."""
+
+    def collate_groups(groups: Sequence[TrajectoryGroup]) -> TrainBatch:
+        return collate(
+            groups,
+            version,
+            scale=settings.loss.advantage_scale,
+            eps=settings.loss.advantage_eps,
+            credit=settings.loss.credit,
+        )
+
+    kept = screen(pulled.entries, limits, pulled.refusals)
+    return collate_checked(kept, collate_groups, pulled.refusals)
+
+
+def _ack_all(source: BatchSource, keeper: LeaseKeeper, pulled: Pulled, refusals: Refusals) -> int:
+    """Ack every lease of a step, naming its refused groups; returns the failed acks (an
+    expired lease: its groups went back to the queue, to be pulled again)."""
+    failures = 0
+    for bid in pulled.batch_ids:
+        keeper.release(bid)
+        rejected = refusals.by_batch.get(bid, [])
+        try:
+            if rejected:
+                source.ack(bid, rejected)  # type: ignore[call-arg]
+            else:
+                source.ack(bid)
+        except Exception as err:
+            failures += 1
+            logger.warning("ack of batch %s failed: %s", bid, err)
+    return failures
+
+
+def _check_trainer_mismatch(
+    kept: list[LeasedGroup],
+    dropped: dict[int, float],
+    version: int,
+    source: BatchSource,
+    keeper: LeaseKeeper,
+    pulled: Pulled,
+    ctx: DistContext,
+) -> None:
+    """Raise :class:`SamplingMismatchError` when every on-policy group of the step was refused
+    for its mismatch and they came from at least two workers: then the trainer computes another
+    distribution than the fleet samples (its temperature, model or tokenizer), not one worker
+    misbehaving (which cannot speak for two with per-worker credentials). The leases are
+    returned first (a nack: no group counts as delivered), so nothing is set aside."""
+    onpolicy = {
+        i for i, e in enumerate(kept) if any(t.version_min == version for t in e.group.trajectories)
+    }
+    workers = {kept[i].worker_id for i in dropped}
+    if not dropped or set(dropped) != onpolicy or len(workers) < 2:
+        return
+    for bid in pulled.batch_ids:
+        keeper.release(bid)
+        _nack(source, bid)
+    message = (
+        f"every on-policy group of version {version} ({len(dropped)}, from {len(workers)} "
+        f"workers) has logprobs that differ from the trainer's beyond "
+        f"sampling.max_onpolicy_mismatch_kl: {MISMATCH_HINT}"
+    )
+    broadcast(("error", message), ctx)
+    raise SamplingMismatchError(message)
 
 
 class GracefulStop:
@@ -369,6 +491,7 @@ def train(
 
     every = settings.checkpoint.every
     keeper = LeaseKeeper(source, settings.batch.lease_s)
+    limits = model_limits(model)
     try:
         while step < settings.max_steps:
             if stop is not None and stop.is_set():
@@ -393,18 +516,38 @@ def train(
                 save()  # between steps: the state is consistent (FSDP: every rank saves)
                 broadcast(("timeout", str(err)), ctx)
                 raise
+            refusals = pulled.refusals
+            batch, kept = prepare_batch(pulled, version, settings, limits)
+            if batch is None:  # nothing usable: no step, the leases are done with
+                logger.warning(
+                    "none of the %d groups pulled for version %d can be trained on; pulling again",
+                    len(pulled.entries) + len(refusals),
+                    version,
+                )
+                _ack_all(source, keeper, pulled, refusals)
+                continue
             step += 1
-            batch = collate(
-                pulled.groups,
-                version,
-                scale=settings.loss.advantage_scale,
-                eps=settings.loss.advantage_eps,
-                credit=settings.loss.credit,
-            )
             broadcast(("step", (batch, version)), ctx)
+            dropped: dict[int, float] = {}
             metrics = train_step(
-                step_model, opt, sched, batch, settings, ref_model=ref_model, dist=ctx
+                step_model,
+                opt,
+                sched,
+                batch,
+                settings,
+                ref_model=ref_model,
+                dist=ctx,
+                dropped=dropped,
             )
+            for index, kl in dropped.items():
+                refusals.refuse(
+                    kept[index],
+                    "sampling_mismatch",
+                    f"its on-policy tokens' mean mismatch KL is {kl:.4g} nats/token (limit "
+                    f"{settings.sampling.max_onpolicy_mismatch_kl}): not sampled by version "
+                    f"{version}'s weights as it claims",
+                )
+            _check_trainer_mismatch(kept, dropped, version, source, keeper, pulled, ctx)
             waited = publisher.waited_s
             failed = False
             try:
@@ -417,15 +560,8 @@ def train(
                 logger.exception("publication failed; re-anchoring with the current weights")
                 failed = True
                 version = publisher.publish(published(model), step=step, anchor=True)
-            ack_failures = 0
-            for bid in pulled.batch_ids:
-                keeper.release(bid)
-                try:
-                    source.ack(bid)
-                except Exception as err:  # an expired lease: its groups went back to the queue
-                    ack_failures += 1
-                    logger.warning("ack of batch %s failed: %s", bid, err)
-            groups_trained += len(pulled.groups)
+            ack_failures = _ack_all(source, keeper, pulled, refusals)
+            groups_trained += len(kept) - len(dropped)
             report = publisher.last_report  # the previous version's, committed by now
             if report is not None:
                 metrics.update(report.metrics())
@@ -442,6 +578,7 @@ def train(
                     "lease/extend_failures": float(keeper.failures),
                     "publish/failed": float(failed),
                     "time/step_s": time.perf_counter() - t_step,
+                    **refusals.metrics(),
                 }
             )
             if sink is not None:

@@ -313,6 +313,9 @@ class LossOutput:
 # the objective
 
 
+MAX_LOG_RATIO = 20.0  # cap of log(pi_theta / pi_prox) in the PPO ratio (exp(20) ~ 4.9e8)
+
+
 def _check(name: str, t: Tensor | None, shape: torch.Size) -> None:
     if t is not None and t.shape != shape:
         raise ValueError(
@@ -424,8 +427,10 @@ def grpo_loss(
     else:
         prox = lp_det
 
-    # PPO clip
-    ratio = torch.exp(lp - prox)
+    # PPO clip; the log-ratio is capped so that no value a worker sent (logprobs as low as
+    # -1e4 are accepted) can make it inf: past e^20 the clip has long decided, and the capped
+    # tokens get no gradient (as dual-clip PPO bounds them)
+    ratio = torch.exp((lp - prox).clamp(max=MAX_LOG_RATIO))
     clipped = ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     if s.importance_sampling != "none":

@@ -5,7 +5,8 @@ step's batch from rank 0, trains on its share of the rows inside DDP (gradients 
 every other rank) and takes the same optimizer step, so its weights stay identical to rank 0's,
 which publishes them. Under FSDP2 (:mod:`.sharded`) it also publishes its own rows of each
 version when rank 0 says ``"publish"`` (``publisher`` given). It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
-``"timeout"`` (rank 0 gave up waiting for data: :class:`TimeoutError` here too).
+``"timeout"`` (rank 0 gave up waiting for data: :class:`TimeoutError` here too), ``"error"``
+(rank 0 stops with an error: :class:`RuntimeError` here).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def train_replica(
             return int(payload)
         if kind == "timeout":
             raise TimeoutError(f"rank 0: {payload}")
+        if kind == "error":  # rank 0 stops training with an error (it raises it too)
+            raise RuntimeError(f"rank 0: {payload}")
         if kind == "checkpoint":
             if checkpointer is None:
                 raise RuntimeError("rank 0 saves a sharded checkpoint but this rank has none")

@@ -192,11 +192,13 @@ class SamplingSettings(_Settings):
     max_onpolicy_mismatch_kl: float | None = Field(
         default=0.03,
         gt=0,
-        description="Refuse a step (ValueError, before its update) when the mismatch KL "
+        description="Drop a group (and refuse it to the coordinator) when the mismatch KL "
         "(k3, nats per token) of its on-policy tokens (sampled by the very weights being trained, "
-        "staleness 0) exceeds this, and warn above a fifth of it: a temperature, model or "
-        "tokenizer differing from the workers' (engine numerics alone give ~1e-6..1e-3; "
-        "SmolLM2-135M sampled at T=0.8 and scored at T=1 gives ~0.045). None: no check.",
+        "staleness 0) exceeds this, and warn above a fifth of it for the whole step: a "
+        "temperature, model or tokenizer differing from the workers', or made-up logprobs "
+        "(engine numerics alone give ~1e-6..1e-3; SmolLM2-135M sampled at T=0.8 and scored at "
+        "T=1 gives ~0.045). Every on-policy group of a step over it, from two workers or more: "
+        "SamplingMismatchError. None: no check.",
     )
 
 
@@ -281,9 +283,28 @@ class PublishSettings(_Settings):
         default=8,
         ge=0,
         le=4096,
-        description="Weight challenges handed to the coordinator per version (fresh nonces with "
-        "the answers computed on the published state): each proves one worker's weights once "
-        "(docs/security.md). 0: none (workers then stay unproven, weights_verified None).",
+        description="Weight challenges handed to the coordinator first for each version (fresh "
+        "nonces with the answers computed on the published state; each is issued to one worker "
+        "once; docs/security.md); the coordinator's answer then asks for as many more as its "
+        "fleet needs (about 1.25 per active worker + 8), and the next version starts from that "
+        "number. 0: none (workers then stay unproven, weights_verified None).",
+    )
+    proof_challenges_max: int = Field(
+        default=4096,
+        ge=0,
+        le=65_536,
+        description="Most weight challenges computed per version, the first ones, the "
+        "coordinator's requests and the top-ups together (a bound on the trainer's work when "
+        "many worker ids ask; each costs hashing proof_chunks x proof_chunk_bytes, 1 MiB by "
+        "default).",
+    )
+    proof_topup_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="One process: how often a background thread asks the coordinator whether "
+        "the newest version's challenge pool runs low (workers that join or retry) and tops it "
+        "up from the state the publisher still holds. Under FSDP the pool is sized at publish "
+        "time only. 0: no top-ups.",
     )
     proof_chunks: int = Field(
         default=256,

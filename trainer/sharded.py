@@ -76,11 +76,13 @@ from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from deltarl.trainer.distributed import DistContext, broadcast
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import (
+    PROOF_ROUNDS,
     Challenges,
     PublishFailedError,
     PublishReport,
     Register,
     VersionBook,
+    pool_answer,
 )
 
 logger = logging.getLogger(__name__)
@@ -295,7 +297,19 @@ class ShardedPublisher(VersionBook):
         self.bucket, self.ctx, self.register, self.dtype = bucket, ctx, register, dtype
         self.challenges = challenges
         self.on_report, self.on_rank_report = on_report, on_rank_report
-        self._writer = BucketWriter(bucket, anchor_every=self.settings.anchor_every)
+        # signed versions: rank 0 signs; every rank records the SHA-256 of the part it uploads
+        key_file = self.settings.signing_key_file
+        signer = None
+        if key_file is not None and ctx.is_main:
+            from deltarl.services.weightsync.signing import Signer
+
+            signer = Signer.from_file(key_file)
+        self._writer = BucketWriter(
+            bucket,
+            anchor_every=self.settings.anchor_every,
+            signer=signer,
+            sha256=key_file is not None,
+        )
         self._base: dict[str, torch.Tensor] | None = None  # bf16 rows of the last version
         self._base_digests: dict[str, str] | None = None
         self._last_version = None
@@ -546,52 +560,72 @@ class ShardedPublisher(VersionBook):
         return new, rec
 
     def _prove(self, version: int, new: Mapping[str, torch.Tensor], records: list[_Record]) -> None:
-        """Weight challenges of ``version`` (a collective, after the commit): rank 0 draws the
-        nonces and the chunks they sample, every rank sends the bytes of those chunks that lie
-        in its rows (``proof_challenges * proof_chunks * proof_chunk_bytes`` bytes in all, 8 MiB
-        by default), rank 0 computes the answers and hands them over. A failure costs only the
-        proofs (logged), as with one process."""
-        count = self.settings.proof_challenges
-        plan = None
-        if self.ctx.is_main and self.challenges is not None and count:
-            spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
-            rows: dict[str, int] = {}
-            trailing: dict[str, tuple[int, ...]] = {}
-            for r in records:
-                for key, shape in r.shapes.items():
-                    name, _, hi = parse_slice_key(key)
-                    rows[name] = max(rows.get(name, 0), hi)
-                    trailing[name] = tuple(shape[1:])
-            meta = {n: (self.dtype, (rows[n], *trailing[n])) for n in rows}
-            nonces = [new_nonce() for _ in range(count)]
-            samples = [sampled_pieces(meta, n, spec) for n in nonces]
-            wanted = sorted({p for sample in samples for _, ps in sample for p in ps})
-            plan = (wanted, meta, spec, nonces, samples)
-        sent = broadcast(None if plan is None else plan[0], self.ctx)
-        if sent is None:
-            return
-        mine = _local_bytes(sent, new)
-        every: list[Any] = [None] * self.ctx.world_size
-        tdist.all_gather_object(every, mine)
-        if plan is None or self.challenges is None:
-            return
-        wanted, meta, spec, nonces, samples = plan
-        found: dict[tuple[str, int, int], list[tuple[int, bytes]]] = {}
-        for part in every:
-            for piece, at, data in part:
-                found.setdefault(tuple(piece), []).append((at, data))
-        try:
-            data = {p: b"".join(d for _, d in sorted(found.get(p, []))) for p in wanted}
-            short = [p for p in wanted if len(data[p]) != p[2] - p[1]]
-            if short:
-                raise RuntimeError(f"no rank sent the bytes of {short[:3]}")
-            pairs = []
-            for nonce, sample in zip(nonces, samples, strict=True):
-                chunks = [b"".join(data[p] for p in ps) for _, ps in sample]
-                pairs.append((nonce.hex(), answer_from(meta, nonce, version, spec, chunks)))
-            self.challenges(version, spec, pairs)
-        except Exception as exc:
-            logger.warning("version %d: weight challenges not handed over: %s", version, exc)
+        """Weight challenges of ``version`` (a collective, after the commit), in rounds: rank 0
+        draws the nonces and the chunks they sample, every rank sends rank 0 the bytes of those
+        chunks that lie in its rows (``chunks * proof_chunk_bytes`` per nonce, 1 MiB by
+        default), rank 0 computes the answers and hands them over. The first round draws
+        ``proof_challenges`` nonces (or the pool size the coordinator aimed at for the version
+        before, when larger); the next ones as many as the coordinator's answer asks for (its
+        fleet), up to :data:`~deltarl.trainer.weights.PROOF_ROUNDS` rounds and
+        ``proof_challenges_max`` nonces. No top-ups later (they would need every rank). A
+        failure costs only the proofs (logged), as with one process."""
+        main = self.ctx.is_main and self.challenges is not None
+        count = max(self.settings.proof_challenges, self._proof_target) if main else 0
+        if not self.settings.proof_challenges:
+            count = 0
+        done = 0
+        for round_ in range(PROOF_ROUNDS):
+            count = min(count, self.settings.proof_challenges_max - done)
+            plan = self._proof_plan(records, count) if main and count > 0 else None
+            sent = broadcast(None if plan is None else plan[0], self.ctx)
+            if sent is None:  # rank 0 is done
+                return
+            mine = _local_bytes(sent, new)
+            every: list[Any] | None = [None] * self.ctx.world_size if self.ctx.is_main else None
+            tdist.gather_object(mine, every, dst=0)
+            if plan is None or every is None or self.challenges is None:
+                continue
+            wanted, meta, spec, nonces, samples = plan
+            found: dict[tuple[str, int, int], list[tuple[int, bytes]]] = {}
+            for part in every:
+                for piece, at, data in part:
+                    found.setdefault(tuple(piece), []).append((at, data))
+            try:
+                data = {p: b"".join(d for _, d in sorted(found.get(p, []))) for p in wanted}
+                short = [p for p in wanted if len(data[p]) != p[2] - p[1]]
+                if short:
+                    raise RuntimeError(f"no rank sent the bytes of {short[:3]}")
+                pairs = []
+                for nonce, sample in zip(nonces, samples, strict=True):
+                    chunks = [b"".join(data[p] for p in ps) for _, ps in sample]
+                    pairs.append((nonce.hex(), answer_from(meta, nonce, version, spec, chunks)))
+                result = self.challenges(version, spec, pairs)
+                done += len(pairs)
+                count, target = pool_answer(result)
+                if round_ == 0 and target:
+                    self._proof_target = target
+            except Exception as exc:
+                logger.warning("version %d: weight challenges not handed over: %s", version, exc)
+                count = 0
+
+    def _proof_plan(
+        self, records: list[_Record], count: int
+    ) -> tuple[list[tuple[str, int, int]], dict[str, Any], ProofSpec, list[bytes], list[Any]]:
+        """Rank 0: ``count`` nonces, the chunks they sample (over the whole state's layout) and
+        the byte ranges every rank is asked for."""
+        spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        rows: dict[str, int] = {}
+        trailing: dict[str, tuple[int, ...]] = {}
+        for r in records:
+            for key, shape in r.shapes.items():
+                name, _, hi = parse_slice_key(key)
+                rows[name] = max(rows.get(name, 0), hi)
+                trailing[name] = tuple(shape[1:])
+        meta = {n: (self.dtype, (rows[n], *trailing[n])) for n in rows}
+        nonces = [new_nonce() for _ in range(count)]
+        samples = [sampled_pieces(meta, n, spec) for n in nonces]
+        wanted = sorted({p for sample in samples for _, ps in sample for p in ps})
+        return wanted, meta, spec, nonces, samples
 
     def _commit(
         self, records: list[_Record], version: int, step: int | None, anchor: bool, t0: float

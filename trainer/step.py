@@ -10,10 +10,16 @@ Order inside :func:`train_step`: zero the gradients; for each micro-batch (at mo
 ``batch.micro_batch_size`` sequences and ``batch.micro_batch_tokens`` padded tokens): forward,
 per-token logprobs, :func:`~.loss.grpo_loss` with the *whole step's* normaliser, backward; clip
 the global gradient norm; if it is finite, ``optimizer.step()`` then ``scheduler.step()``, else
-skip the update (counted in ``step/skipped``). Before the update, the on-policy tokens' mismatch
-KL is checked (:func:`check_onpolicy_mismatch`): a sampling temperature that differs from the
-workers' stops training instead of biasing every ratio. The weights change only in
-``optimizer.step()``, so the caller publishes right after this function returns.
+skip the update (counted in ``step/skipped``). The weights change only in ``optimizer.step()``, so
+the caller publishes right after this function returns.
+
+Before the update, each group's on-policy tokens (sampled by the very weights being trained) are
+checked against the trainer's logprobs (:func:`mismatched_groups`): a group whose mismatch KL
+exceeds ``sampling.max_onpolicy_mismatch_kl`` was not sampled by these weights as it claims (a
+worker serving other weights, another temperature or tokenizer, or made-up logprobs). Such
+groups are dropped: the gradients are zeroed and the step is computed again without them (only
+when some group fails, so an honest step costs nothing more), and the caller learns which they
+were, to refuse them to the coordinator. One bad group never stops training.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +36,14 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from deltarl.trainer.batch import TrainBatch, batch_metrics
+from deltarl.trainer.batch import TrainBatch, batch_metrics, without_groups
 from deltarl.trainer.distill import jsd_loss, teacher_advantages, teacher_stats
-from deltarl.trainer.distributed import DistContext, gather_stats, rank_micro_batches
+from deltarl.trainer.distributed import (
+    DistContext,
+    gather_stats,
+    rank_micro_batches,
+    sum_over_ranks,
+)
 from deltarl.trainer.loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
 from deltarl.trainer.optim import clip_gradients
 from deltarl.trainer.settings import ExperimentSettings
@@ -39,11 +51,12 @@ from deltarl.trainer.settings import ExperimentSettings
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "GroupMismatch",
     "SamplingMismatchError",
-    "check_onpolicy_mismatch",
     "check_reference",
     "forward_logits",
     "frozen_reference",
+    "mismatched_groups",
     "step_normalizer",
     "train_step",
 ]
@@ -106,40 +119,63 @@ def step_normalizer(batch: TrainBatch, settings: ExperimentSettings) -> float:
 
 
 class SamplingMismatchError(ValueError):
-    """The on-policy tokens' logprobs disagree with the workers' beyond engine numerics."""
+    """On-policy logprobs disagree with the trainer's beyond engine numerics for every worker
+    of a step: the trainer, not one worker, is likely misconfigured (raised by the loop)."""
 
 
-def check_onpolicy_mismatch(stats: LossStats, settings: ExperimentSettings) -> None:
-    """Raise :class:`SamplingMismatchError` when the mismatch KL of the step's on-policy tokens
-    (``mismatch/kl_onpolicy``) exceeds ``sampling.max_onpolicy_mismatch_kl``.
+MISMATCH_HINT = (
+    "set sampling.temperature to the workers' temperature, keep their top_p = 1 and top_k = 0, "
+    "and check that they serve this model and tokenizer"
+)
+
+
+@dataclass(slots=True)
+class GroupMismatch:
+    """Per batch group: the summed mismatch KL (k3) of its on-policy tokens and their count."""
+
+    kl_sum: Tensor  # [G] float64
+    tokens: Tensor  # [G] float64
+
+    @classmethod
+    def zeros(cls, groups: int) -> GroupMismatch:
+        return cls(
+            torch.zeros(groups, dtype=torch.float64), torch.zeros(groups, dtype=torch.float64)
+        )
+
+    def add(self, group_index: Tensor, kl_sum: Tensor, tokens: Tensor) -> None:
+        self.kl_sum.index_add_(0, group_index.cpu(), kl_sum.detach().double().cpu())
+        self.tokens.index_add_(0, group_index.cpu(), tokens.detach().double().cpu())
+
+    def mean(self) -> Tensor:
+        """[G] mean KL per on-policy token (0 for a group without on-policy tokens)."""
+        return self.kl_sum / self.tokens.clamp(min=1.0)
+
+
+def mismatched_groups(mismatch: GroupMismatch, settings: ExperimentSettings) -> list[int]:
+    """Batch groups whose on-policy tokens' mean mismatch KL exceeds
+    ``sampling.max_onpolicy_mismatch_kl`` (none when it is None); warns when the step's
+    on-policy tokens as a whole come within a fifth of the limit.
 
     Tokens sampled by the very weights being trained differ from the trainer's logprobs only by
-    engine numerics (~1e-3 nats); far more means the trainer computes another distribution than
-    the workers sampled from: most often another temperature. Training on would use wrong
-    importance ratios silently, so the step is refused before its update.
+    engine numerics (~1e-3 nats); far more means the group was sampled from another
+    distribution than it claims. Training on it would use wrong importance ratios silently.
     """
     limit = settings.sampling.max_onpolicy_mismatch_kl
-    if limit is None or "mismatch/kl_onpolicy" not in stats.means:
-        return
-    total, count = stats.means["mismatch/kl_onpolicy"]
-    kl = float(total / count) if float(count) else 0.0
+    tokens = float(mismatch.tokens.sum())
+    if limit is None or not tokens:
+        return []
+    kl = float(mismatch.kl_sum.sum()) / tokens
     if kl > limit / 5:
         logger.warning(
-            "on-policy mismatch KL %.4f nats/token over %d tokens (refused above %s): is "
-            "sampling.temperature (%s) the workers' temperature?",
+            "on-policy mismatch KL %.4f nats/token over %d tokens (groups refused above %s): "
+            "is sampling.temperature (%s) the workers' temperature?",
             kl,
-            int(count),
+            int(tokens),
             limit,
             settings.sampling.temperature,
         )
-    if kl > limit:
-        raise SamplingMismatchError(
-            f"the trainer's logprobs of {int(count)} on-policy tokens (sampled by the weights "
-            f"being trained) differ from the workers' by a mismatch KL of {kl:.4f} nats/token "
-            f"(> sampling.max_onpolicy_mismatch_kl = {limit}): set sampling.temperature "
-            f"(now {settings.sampling.temperature}) to the workers' temperature, keep their "
-            "top_p = 1 and top_k = 0, and check that they serve this model and tokenizer"
-        )
+    bad = (mismatch.tokens > 0) & (mismatch.mean() > limit)
+    return [int(g) for g in torch.nonzero(bad).flatten()]
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
@@ -160,8 +196,10 @@ def _micro_step(
     scale: float,
     ref_model: torch.nn.Module | None,
     entropy: bool,
+    mismatch: GroupMismatch,
 ) -> LossStats:
-    """Forward and backward of one micro-batch; returns its statistics."""
+    """Forward and backward of one micro-batch; returns its statistics and adds its groups'
+    on-policy mismatch to ``mismatch``."""
     device = next(model.parameters()).device
     # each trajectory's own sampling temperature where its worker reported one
     temp_arg: float | torch.Tensor = (
@@ -233,9 +271,49 @@ def _micro_step(
     stats = out.stats.merge(distill_stats)
     with torch.no_grad():  # tokens sampled by exactly these weights: only numerics differ
         onpolicy = mask.bool() & (_on(device, part.staleness) == 0)[:, None]
-        d = (logprobs.detach() - behaviour.float())[onpolicy]
-        stats.add_values("mismatch/kl_onpolicy", torch.exp(d) - d - 1.0)
+        d = torch.where(onpolicy, logprobs.detach() - behaviour.float(), 0.0)
+        k3 = torch.exp(d) - d - 1.0  # 0 where d = 0: off-policy tokens add nothing
+        stats.add_values("mismatch/kl_onpolicy", k3[onpolicy])
+        mismatch.add(part.group_index, k3.sum(-1), onpolicy.sum(-1))
     return stats
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    settings: ExperimentSettings,
+    ref_model: torch.nn.Module | None,
+    entropy: bool,
+    ctx: DistContext,
+) -> tuple[LossStats, GroupMismatch]:
+    """Zero the gradients, then forward and backward every micro-batch of this rank's share
+    of ``batch``; returns the whole batch's statistics and per-group mismatch (every rank's)."""
+    optimizer.zero_grad(set_to_none=True)
+    normalizer = step_normalizer(batch, settings)
+    # DDP and FSDP2 average gradients over ranks: scale by the world size to keep the whole
+    # step's sum
+    scale = float(ctx.world_size)
+    size, max_tokens = settings.batch.micro_batch_size, settings.batch.micro_batch_tokens
+    parts = rank_micro_batches(batch, ctx, size, max_tokens)  # as many on every rank
+    stats = LossStats()
+    mismatch = GroupMismatch.zeros(int(batch.group_index.max()) + 1 if len(batch) else 0)
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        if isinstance(model, FSDPModule):  # reduce-scatter the gradients once, at the end
+            model.set_requires_gradient_sync(last)
+        with sync:
+            part_stats = _micro_step(
+                model, part.batch, settings, normalizer, scale, ref_model, entropy, mismatch
+            )
+        if not part.filler:
+            stats = stats.merge(part_stats)
+    stats = gather_stats(stats, ctx)
+    mismatch = GroupMismatch(
+        sum_over_ranks(mismatch.kl_sum, ctx), sum_over_ranks(mismatch.tokens, ctx)
+    )
+    return stats, mismatch
 
 
 def train_step(
@@ -248,6 +326,7 @@ def train_step(
     ref_model: torch.nn.Module | None = None,
     entropy: bool = True,
     dist: DistContext | None = None,
+    dropped: dict[int, float] | None = None,
 ) -> dict[str, float]:
     """Train on ``batch`` for one optimizer step; return the step's metrics (floats).
 
@@ -258,6 +337,9 @@ def train_step(
     gets the whole ``batch`` and trains on its share of the rows in as many micro-batches as
     every other rank (:func:`~.distributed.rank_micro_batches`); the metrics are those of the
     whole batch on every rank.
+    ``dropped``: the batch groups refused for their on-policy mismatch (see the module
+    docstring) are added to it, each with its mean mismatch KL; the step trains on the others (``batch/rejected_mismatch``
+    counts them; with none left, no update: ``step/skipped`` is 1).
     Metrics: every :class:`~.loss.LossStats` entry, ``advantage_metrics``, ``batch_metrics``,
     ``step/grad_norm``, ``step/lr`` (the lr this step used), ``step/skipped`` (1 when the
     gradient was not finite), ``time/compute_s`` and ``step/tokens_per_s``.
@@ -266,31 +348,30 @@ def train_step(
         raise ValueError("loss.kl_coef > 0 needs ref_model (the frozen reference policy)")
     t0 = time.perf_counter()
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    normalizer = step_normalizer(batch, settings)
     ctx = dist if dist is not None else DistContext()
-    # DDP and FSDP2 average gradients over ranks: scale by the world size to keep the whole
-    # step's sum
-    scale = float(ctx.world_size)
-    size, max_tokens = settings.batch.micro_batch_size, settings.batch.micro_batch_tokens
-    parts = rank_micro_batches(batch, ctx, size, max_tokens)  # as many on every rank
-    stats = LossStats()
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
-        if isinstance(model, FSDPModule):  # reduce-scatter the gradients once, at the end
-            model.set_requires_gradient_sync(last)
-        with sync:
-            part_stats = _micro_step(
-                model, part.batch, settings, normalizer, scale, ref_model, entropy
-            )
-        if not part.filler:
-            stats = stats.merge(part_stats)
-    stats = gather_stats(stats, ctx)
-    check_onpolicy_mismatch(stats, settings)
+    stats, mismatch = _accumulate(model, optimizer, batch, settings, ref_model, entropy, ctx)
+    bad = mismatched_groups(mismatch, settings)
+    if bad:
+        logger.warning(
+            "dropping %d of %d groups whose on-policy logprobs do not match these weights "
+            "(mean mismatch KL %s > sampling.max_onpolicy_mismatch_kl = %s); computing the "
+            "step again without them",
+            len(bad),
+            len(mismatch.tokens),
+            ", ".join(f"{float(mismatch.mean()[g]):.3g}" for g in bad[:8]),
+            settings.sampling.max_onpolicy_mismatch_kl,
+        )
+        if dropped is not None:
+            dropped.update({g: float(mismatch.mean()[g]) for g in bad})
+        batch = without_groups(batch, bad)
+        if len(batch):
+            stats, _ = _accumulate(model, optimizer, batch, settings, ref_model, entropy, ctx)
+        else:  # nothing left: no update
+            optimizer.zero_grad(set_to_none=True)
+            stats = LossStats()
     lr = optimizer.param_groups[0]["lr"]
-    grad_norm = clip_gradients(model.parameters(), settings.optimizer)
-    skipped = not math.isfinite(grad_norm)
+    grad_norm = clip_gradients(model.parameters(), settings.optimizer) if len(batch) else 0.0
+    skipped = not len(batch) or not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:
@@ -298,10 +379,12 @@ def train_step(
         scheduler.step()
     elapsed = time.perf_counter() - t0
     metrics = stats.summary()
-    metrics.update(
-        advantage_metrics(batch.rewards, batch.group_index, batch.advantages, batch.loss_mask)
-    )
+    if len(batch):
+        metrics.update(
+            advantage_metrics(batch.rewards, batch.group_index, batch.advantages, batch.loss_mask)
+        )
     metrics.update(batch_metrics(batch))
+    metrics["batch/rejected_mismatch"] = float(len(bad))
     metrics.update(
         {
             "step/grad_norm": grad_norm,

@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -74,8 +76,24 @@ from deltarl.trainer.settings import PublishSettings
 logger = logging.getLogger(__name__)
 
 Register = Callable[[VersionManifest], Any]
-# (version, spec, [(nonce hex, answer hex)]): hands a version's weight challenges over
+# (version, spec, [(nonce hex, answer hex)]): hands a version's weight challenges over; the
+# answer may say how many more the coordinator wants (``wanted``) and the pool size it aims at
+# (``target``), as ChallengePoolResult does
 Challenges = Callable[[int, ProofSpec, list[tuple[str, str]]], Any]
+# version -> how many more challenges the coordinator wants for it now (top-ups)
+ChallengeNeed = Callable[[int], int]
+# hand-overs per version at publish time: the first, then what the coordinator asks for
+PROOF_ROUNDS = 3
+
+
+def pool_answer(result: Any) -> tuple[int, int]:
+    """``(wanted, target)`` of a challenge hand-over's answer (0, 0 when it says nothing)."""
+    return int(getattr(result, "wanted", 0) or 0), int(getattr(result, "target", 0) or 0)
+
+
+def proof_threads(settings: PublishSettings) -> int:
+    """Threads computing weight challenges: the codec's, else up to 8 cores."""
+    return settings.codec_threads or max(1, min(8, os.cpu_count() or 1))
 
 
 def coordinator_challenges(client: Any) -> Challenges:
@@ -91,6 +109,15 @@ def coordinator_challenges(client: Any) -> Challenges:
         return client.add_challenges(version, pool)
 
     return upload
+
+
+def coordinator_challenge_need(client: Any) -> ChallengeNeed:
+    """:data:`ChallengeNeed` from a coordinator (``CoordinatorClient.challenge_pool``)."""
+
+    def need(version: int) -> int:
+        return int(client.challenge_pool(version).wanted)
+
+    return need
 
 
 def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -190,6 +217,7 @@ class VersionBook:
     _last_report: PublishReport | None = None
     _failed: bool = False
     _bucket_latest: int | None = None
+    _proof_target: int = 0  # the challenge pool size the coordinator aimed at for the last version
 
     @property
     def last_version(self) -> int | None:
@@ -217,10 +245,16 @@ class WeightPublisher(VersionBook):
     ``bucket``: where versions go (one publisher per bucket). ``settings``: format, anchor
     policy, background thread. ``register``: called with each committed manifest, e.g.
     ``CoordinatorClient.publish_version``; None: no coordinator. ``challenges``: called after
-    ``register`` with ``publish.proof_challenges`` fresh weight challenges of the version (nonces
-    and the answers computed on the published state, :mod:`deltarl.services.weightsync.proof`),
-    e.g. :func:`coordinator_challenges`; None: none. ``dtype``: what is published
-    (the bf16 cast of fp32 master weights). ``tmp_dir``: where large anchors are staged (None:
+    ``register`` with fresh weight challenges of the version (nonces and the answers computed on
+    the published state, :mod:`deltarl.services.weightsync.proof`), e.g.
+    :func:`coordinator_challenges`: ``publish.proof_challenges`` of them (or the pool size the
+    coordinator aimed at for the version before, when larger), then as many more as its answer
+    asks for (``wanted``), up to ``publish.proof_challenges_max`` per version; None: none.
+    ``challenge_need``: how many more the coordinator wants for a version now (e.g.
+    :func:`coordinator_challenge_need`): a background thread asks every
+    ``publish.proof_topup_s`` and tops the newest version's pool up from the state this
+    publisher still holds (workers that join or retry); None: no top-ups. ``dtype``: what is
+    published (the bf16 cast of fp32 master weights). ``tmp_dir``: where large anchors are staged (None:
     the system temp dir). ``on_report``: called (in the publishing thread) with each version's
     :class:`PublishReport`.
     """
@@ -232,6 +266,7 @@ class WeightPublisher(VersionBook):
         *,
         register: Register | None = None,
         challenges: Challenges | None = None,
+        challenge_need: ChallengeNeed | None = None,
         dtype: torch.dtype = torch.bfloat16,
         tmp_dir: str | Path | None = None,
         on_report: Callable[[PublishReport], None] | None = None,
@@ -240,6 +275,7 @@ class WeightPublisher(VersionBook):
         self.bucket = bucket
         self.register = register
         self.challenges = challenges
+        self.challenge_need = challenge_need
         self.dtype = dtype
         self.tmp_dir = None if tmp_dir is None else Path(tmp_dir)
         self.on_report = on_report
@@ -270,6 +306,23 @@ class WeightPublisher(VersionBook):
         self._failed = False
         self._bucket_latest = self._publisher.reader.latest_version()
         self.waited_s = 0.0
+        # weight challenges: the newest version's state is read by top-ups under this lock,
+        # which the publishing thread holds to make a new version the base
+        self._proof_lock = threading.Lock()
+        self._proof_target = 0  # the pool size the coordinator aimed at for the last version
+        self._proofs: tuple[int, int] | None = None  # (version, challenges computed for it)
+        self._top_up_stop = threading.Event()
+        self._top_up_thread: threading.Thread | None = None
+        if (
+            challenges is not None
+            and challenge_need is not None
+            and self.settings.proof_challenges
+            and self.settings.proof_topup_s > 0
+        ):
+            self._top_up_thread = threading.Thread(
+                target=self._top_up_loop, name="deltarl-proof-top-up", daemon=True
+            )
+            self._top_up_thread.start()
 
     # -- public surface ------------------------------------------------------------------------
     def request_anchor(self) -> None:
@@ -331,6 +384,9 @@ class WeightPublisher(VersionBook):
         try:
             self._collect()
         finally:
+            self._top_up_stop.set()
+            if self._top_up_thread is not None:
+                self._top_up_thread.join()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._chain_pool.shutdown(wait=True)
@@ -500,9 +556,11 @@ class WeightPublisher(VersionBook):
         self._prove(new, version)
         t6 = time.perf_counter()
 
-        # Success: the new state becomes the base; the old base's buffers are reused.
-        self._spare, self._base, self._base_digests = base, new, digests
-        self._last_version, self._failed = version, False
+        # Success: the new state becomes the base; the old base's buffers are reused (after
+        # any top-up reading the old one finished: it holds the lock while it reads).
+        with self._proof_lock:
+            self._spare, self._base, self._base_digests = base, new, digests
+            self._last_version, self._failed = version, False
         self._context = context
         report = PublishReport(
             version=version,
@@ -545,17 +603,69 @@ class WeightPublisher(VersionBook):
         return report
 
     def _prove(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Hand the version's weight challenges over. The version is already published and
-        registered: a failure here costs only its proofs (workers stay unproven), so it is
-        logged, not raised."""
-        count = self.settings.proof_challenges
-        if self.challenges is None or count == 0:
+        """Hand the version's weight challenges over: ``proof_challenges`` (or the pool size the
+        coordinator aimed at for the previous version, when larger), then as many more as the
+        coordinator's answer asks for (its fleet), in at most :data:`PROOF_ROUNDS` hand-overs
+        and ``proof_challenges_max`` challenges. The version is already published and
+        registered: a failure here costs only its proofs (workers stay unproven, later top-ups
+        may still come), so it is logged, not raised."""
+        first = self.settings.proof_challenges
+        if self.challenges is None or first == 0:
             return
         spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        count, done = max(first, self._proof_target), 0
         try:
-            self.challenges(version, spec, make_challenges(state, version, spec, count))
+            for round_ in range(PROOF_ROUNDS):
+                count = min(count, self.settings.proof_challenges_max - done)
+                if count <= 0:
+                    break
+                pairs = make_challenges(
+                    state, version, spec, count, threads=proof_threads(self.settings)
+                )
+                result = self.challenges(version, spec, pairs)
+                done += count
+                count, target = pool_answer(result)
+                if round_ == 0 and target:
+                    self._proof_target = target
         except Exception as exc:
             logger.warning("version %d: weight challenges not handed over: %s", version, exc)
+        finally:
+            self._proofs = (version, done)
+
+    def top_up(self) -> int:
+        """Top the newest version's challenge pool up: ask ``challenge_need`` how many more
+        the coordinator wants and hand them over, computed on the state this publisher holds
+        (within ``proof_challenges_max`` per version). Returns how many were handed over. Runs
+        every ``proof_topup_s`` in a background thread; safe to call from any thread."""
+        need, hand_over = self.challenge_need, self.challenges
+        if need is None or hand_over is None or not self.settings.proof_challenges:
+            return 0
+        with self._proof_lock:
+            version, proofs = self._last_version, self._proofs
+        if version is None or self._base is None:
+            return 0
+        done = proofs[1] if proofs is not None and proofs[0] == version else 0
+        count = min(need(version), self.settings.proof_challenges_max - done)
+        if count <= 0:
+            return 0
+        spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        with self._proof_lock:  # the base cannot change (or be reused) while it is read
+            if self._last_version != version or self._base is None:
+                return 0  # a newer version was published meanwhile
+            pairs = make_challenges(
+                self._base, version, spec, count, threads=proof_threads(self.settings)
+            )
+            self._proofs = (version, done + count)
+        hand_over(version, spec, pairs)
+        logger.info("version %d: %d more weight challenges handed over", version, count)
+        return count
+
+    def _top_up_loop(self) -> None:
+        while not self._top_up_stop.wait(self.settings.proof_topup_s):
+            try:
+                self.top_up()
+            except Exception as exc:  # the coordinator may be restarting: try again later
+                logger.warning("weight challenge top-up failed: %s", exc)
 
     def _encode_anchor(
         self, state: dict[str, torch.Tensor], version: int, digests: dict[str, str], size: int

@@ -9,10 +9,13 @@ here; the settings classes are imported inside :func:`check_services`.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, create_model
 
 from deltarl.run.config import LAUNCHER_FIELDS, SHARED_FIELDS, RunConfig, _flatten
 
@@ -128,6 +131,8 @@ def experiment(config: RunConfig, *, model: str, run_dir: Path) -> dict[str, Any
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):  # e.g. "optimizer" = 1 and "optimizer.lr" = 2
+                raise ValueError(f"[trainer] {key}: {p} is a value, not a table")
         node[leaf] = value
     return data
 
@@ -277,7 +282,7 @@ def derive(
 def check_services(config: RunConfig) -> None:
     """Validate every section with its service's settings class (ValueError naming the
     section and key): unknown keys, wrong types, out-of-range values."""
-    from pydantic import BaseModel, ValidationError
+    from pydantic import ValidationError
 
     from deltarl.env_server.settings import EnvSettings
     from deltarl.rollout.settings import RolloutSettings
@@ -311,18 +316,48 @@ def check_services(config: RunConfig) -> None:
                 "service that scores the hinted turns)"
             )
         try:
-            cls.model_validate(values)
+            _validate_strictly(cls, values)
         except ValidationError as err:
             raise ValueError(_first_error(section, err)) from None
     check_sampling(config)
     data = experiment(config, model=config.run.model, run_dir=Path("run"))
     try:
-        ExperimentSettings.model_validate(data)
+        _validate_strictly(ExperimentSettings, data)
     except ValidationError as err:
         raise ValueError(_first_error("trainer", err)) from None
     device = config.trainer.get("device", "cpu")
     if not isinstance(device, str):
         raise ValueError(f"[trainer] device: a string such as 'cpu' or 'cuda', got {device!r}")
+
+
+def _validate_strictly(cls: Any, values: dict[str, Any]) -> None:
+    """Validate TOML values with a service's settings class, types first and strictly: the
+    settings classes read strings from the environment and convert (``"8"``, ``8.0``, even
+    ``1e15`` or ``true`` become an integer), but a run config has typed values, so an integer
+    setting takes a TOML integer only, a boolean ``true``/``false`` only, a number a number.
+    pydantic-settings ignores ``strict=True`` (its ``__init__`` validates again), so the types
+    are checked by :func:`_strict_twin` of the class (same annotations and bounds, strict JSON
+    mode: the values were checked by ``check_values``, so they are JSON), then the class itself
+    runs its validators."""
+    _strict_twin(cls).model_validate_json(json.dumps(values))
+    cls.model_validate(values)
+
+
+@functools.cache
+def _strict_twin(cls: type[BaseModel]) -> type[BaseModel]:
+    """A plain model with ``cls``'s fields (annotations and constraints, nested settings
+    classes replaced by their twins), every field optional, strict, unknown keys ignored (the
+    class itself refuses those)."""
+    fields: dict[str, Any] = {}
+    for name, info in cls.model_fields.items():
+        annotation: Any = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            annotation = _strict_twin(annotation)
+        if info.metadata:  # bounds: Ge, Le, MaxLen...
+            annotation = Annotated[annotation, *info.metadata]
+        fields[name] = (annotation | None, None)
+    config = ConfigDict(strict=True, extra="ignore", arbitrary_types_allowed=True)
+    return create_model(f"{cls.__name__}Types", __config__=config, **fields)
 
 
 def check_sampling(config: RunConfig) -> None:

@@ -23,12 +23,14 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltarl import __version__
+from deltarl.services.coordinator.auth import unauthenticated_roles
 from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.events import VersionEvents
 from deltarl.services.coordinator.metrics import CoordinatorMetrics
 from deltarl.services.coordinator.middleware import BodyLimitMiddleware, MetricsMiddleware
 from deltarl.services.coordinator.routers import (
     batches,
+    dead_letters,
     health,
     plans,
     status,
@@ -143,8 +145,8 @@ def create_app(
 
         coordinator.on_version = on_version
         task = asyncio.create_task(_background(coordinator, events))
-        if not (settings.trainer_token and settings.worker_token):
-            logger.warning("coordinator running without trainer/worker tokens (insecure mode)")
+        for line in unauthenticated_roles(settings):
+            logger.warning("insecure mode: %s", line)
         try:
             yield
         finally:
@@ -173,7 +175,10 @@ def create_app(
         message, errors = _validation_message(exc)
         return _error(422, "validation_error", message, errors)
 
-    routers = [m.router for m in (health, versions, workers, trajectories, batches, status, plans)]
+    routers = [
+        m.router
+        for m in (health, versions, workers, trajectories, batches, dead_letters, status, plans)
+    ]
     api_routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
 
     @app.exception_handler(StarletteHTTPException)

@@ -42,6 +42,12 @@ def presented_token(request: Request) -> str | None:
 
 
 WORKER_TOKEN_PREFIX = "dw1/"
+MSGPACK_MEDIA_TYPE = "application/msgpack"  # trajectory groups (routers.common.MSGPACK)
+
+
+def media_type(content_type: str) -> str:
+    """``Content-Type`` without its parameters, lower case (``application/json``)."""
+    return content_type.split(";", 1)[0].strip().lower()
 
 
 def worker_token_for(worker_key: str, worker_id: str) -> str:
@@ -62,6 +68,21 @@ def token_worker(worker_key: str, token: str) -> str | None:
         return None
     expected = worker_token_for(worker_key, worker_id)
     return worker_id if hmac.compare_digest(token.encode(), expected.encode()) else None
+
+
+def unauthenticated_roles(settings: CoordinatorSettings) -> list[str]:
+    """One line per write role that anyone may take (insecure mode left it without a token),
+    saying what that allows; empty when every write role is protected. Reads are left out:
+    ``public_reads`` makes them public on purpose."""
+    lines = []
+    if not settings.trainer_token:
+        lines.append("no trainer token: anyone can publish versions and lease batches")
+    if not (settings.worker_token or settings.worker_key):
+        lines.append(
+            "no worker token or worker key: anyone can register, heartbeat and submit "
+            "trajectories as any worker"
+        )
+    return lines
 
 
 def _matches(token: str, expected: str | None) -> bool:
@@ -140,20 +161,28 @@ def check_acting_worker(request: Request, worker_id: object) -> None:
 
 async def check_worker(settings: CoordinatorSettings, request: Request) -> None:
     """The worker role, and with per-worker credentials the worker the request acts for: the
-    path's ``worker_id``, else a JSON body's ``worker_id`` (register, admission). A binary
+    path's ``worker_id``, else the body's ``worker_id`` (register, admission). A binary
     trajectory group names its worker inside the payload: the route checks it after decoding
-    (:func:`check_acting_worker`)."""
+    (:func:`check_acting_worker`).
+
+    The body is read as JSON whatever its ``Content-Type`` says: FastAPI parses more than
+    ``application/json`` as JSON (any ``application/*+json``, parameters, other spellings), so a
+    check keyed on the media type could be walked around; ``json.loads`` of the same bytes gives
+    the same object FastAPI validates. Only a msgpack body (which FastAPI never parses as JSON,
+    and which the submit route decodes and checks itself) is left to its route."""
     check_role(settings, "worker", request)
     if getattr(request.state, "worker_id", None) is None:
         return
     worker_id = request.path_params.get("worker_id")
     if worker_id is None:
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            return  # msgpack submission: checked once decoded
+        if media_type(request.headers.get("content-type", "")) == MSGPACK_MEDIA_TYPE:
+            return  # trajectory submission: checked once decoded
+        body = await request.body()
+        if not body:
+            return  # no body: the route's validation answers 422
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return  # not JSON: the route's validation answers 422
-        worker_id = body.get("worker_id") if isinstance(body, dict) else None
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            return  # not JSON: FastAPI cannot parse it either, the route answers 422
+        worker_id = parsed.get("worker_id") if isinstance(parsed, dict) else None
     check_acting_worker(request, worker_id)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -36,16 +36,21 @@ from pydantic import BaseModel, TypeAdapter
 from deltarl.services.common.client_headers import client_headers
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.schemas import (
+    AckRequest,
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
     CatchUpPlan,
     ChallengePool,
     ChallengePoolResult,
+    ChallengePoolStatus,
+    DeadLetterList,
+    GroupRejection,
     Health,
     HeartbeatAck,
     LeasedBatch,
     LeaseExtension,
+    ModelLimits,
     ProofAnswer,
     ProofResult,
     StatusSummary,
@@ -162,8 +167,12 @@ class _Calls:
         return _Call("GET", "/v1/status", _model(StatusSummary), params=params)
 
     @staticmethod
-    def publish_version(manifest: VersionManifest) -> _Call[VersionRecord]:
-        body = VersionPublish(manifest=manifest).model_dump(mode="json")
+    def publish_version(
+        manifest: VersionManifest, limits: ModelLimits | None
+    ) -> _Call[VersionRecord]:
+        body = VersionPublish(manifest=manifest, limits=limits).model_dump(mode="json")
+        if limits is None:
+            del body["limits"]  # as before limits existed: older coordinators forbid the key
         return _Call("POST", "/v1/versions", _model(VersionRecord), ok=(200, 201), json=body)
 
     @staticmethod
@@ -204,6 +213,11 @@ class _Calls:
         return _Call("POST", path, _model(ChallengePoolResult), json=pool.model_dump(mode="json"))
 
     @staticmethod
+    def challenge_pool(version: int) -> _Call[ChallengePoolStatus]:
+        path = f"/v1/versions/{int(version)}/challenges"
+        return _Call("GET", path, _model(ChallengePoolStatus))
+
+    @staticmethod
     def workers() -> _Call[list[WorkerInfo]]:
         return _Call("GET", "/v1/workers", _list(WorkerInfo))
 
@@ -238,9 +252,24 @@ class _Calls:
         )
 
     @staticmethod
-    def ack(batch_id: str, nack: bool) -> _Call[AckResult]:
+    def ack(batch_id: str, nack: bool, rejected: Sequence[GroupRejection] = ()) -> _Call[AckResult]:
         verb = "nack" if nack else "ack"
-        return _Call("POST", f"/v1/batches/{batch_id}/{verb}", _model(AckResult))
+        if not rejected:
+            return _Call("POST", f"/v1/batches/{batch_id}/{verb}", _model(AckResult))
+        body = AckRequest(rejected=list(rejected)).model_dump(mode="json")
+        return _Call("POST", f"/v1/batches/{batch_id}/{verb}", _model(AckResult), json=body)
+
+    @staticmethod
+    def dead_letters(limit: int) -> _Call[DeadLetterList]:
+        return _Call("GET", "/v1/dead-letters", _model(DeadLetterList), params={"limit": limit})
+
+    @staticmethod
+    def requeue_dead_letter(submission_id: int) -> _Call[None]:
+        return _Call("POST", f"/v1/dead-letters/{submission_id}/requeue", lambda r: None, ok=(204,))
+
+    @staticmethod
+    def clear_rejections(worker_id: str) -> _Call[None]:
+        return _Call("DELETE", f"/v1/workers/{worker_id}/rejections", lambda r: None, ok=(204,))
 
     @staticmethod
     def extend(batch_id: str, lease_s: float | None) -> _Call[LeaseExtension]:
@@ -402,19 +431,36 @@ class CoordinatorClient:
                 time.sleep(0.5)
 
     # trainer
-    def publish_version(self, manifest: VersionManifest) -> VersionRecord:
-        return self._run(_Calls.publish_version(manifest))
+    def publish_version(
+        self, manifest: VersionManifest, limits: ModelLimits | None = None
+    ) -> VersionRecord:
+        """Record a published version, with the model's limits (checked at submissions)."""
+        return self._run(_Calls.publish_version(manifest, limits))
 
     def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
         return self._run(_Calls.add_challenges(version, pool))
+
+    def challenge_pool(self, version: int) -> ChallengePoolStatus:
+        """Where ``version``'s weight challenges stand (``wanted``: pairs to post now)."""
+        return self._run(_Calls.challenge_pool(version))
 
     def lease(
         self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
     ) -> LeasedBatch:
         return self._run(_Calls.lease(max_groups, lease_s, wait_s))
 
-    def ack(self, batch_id: str) -> AckResult:
-        return self._run(_Calls.ack(batch_id, nack=False))
+    def ack(self, batch_id: str, rejected: Sequence[GroupRejection] = ()) -> AckResult:
+        """Acknowledge a lease; ``rejected``: its groups the trainer refused (dead letters)."""
+        return self._run(_Calls.ack(batch_id, nack=False, rejected=rejected))
+
+    def dead_letters(self, limit: int = 100) -> DeadLetterList:
+        return self._run(_Calls.dead_letters(limit))
+
+    def requeue_dead_letter(self, submission_id: int) -> None:
+        self._run(_Calls.requeue_dead_letter(submission_id))
+
+    def clear_rejections(self, worker_id: str) -> None:
+        self._run(_Calls.clear_rejections(worker_id))
 
     def nack(self, batch_id: str) -> AckResult:
         return self._run(_Calls.ack(batch_id, nack=True))
@@ -570,19 +616,24 @@ class AsyncCoordinatorClient:
             except httpx.TransportError:
                 await asyncio.sleep(0.5)
 
-    async def publish_version(self, manifest: VersionManifest) -> VersionRecord:
-        return await self._run(_Calls.publish_version(manifest))
+    async def publish_version(
+        self, manifest: VersionManifest, limits: ModelLimits | None = None
+    ) -> VersionRecord:
+        return await self._run(_Calls.publish_version(manifest, limits))
 
     async def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
         return await self._run(_Calls.add_challenges(version, pool))
+
+    async def challenge_pool(self, version: int) -> ChallengePoolStatus:
+        return await self._run(_Calls.challenge_pool(version))
 
     async def lease(
         self, max_groups: int, lease_s: float | None = None, wait_s: float = 0.0
     ) -> LeasedBatch:
         return await self._run(_Calls.lease(max_groups, lease_s, wait_s))
 
-    async def ack(self, batch_id: str) -> AckResult:
-        return await self._run(_Calls.ack(batch_id, nack=False))
+    async def ack(self, batch_id: str, rejected: Sequence[GroupRejection] = ()) -> AckResult:
+        return await self._run(_Calls.ack(batch_id, nack=False, rejected=rejected))
 
     async def nack(self, batch_id: str) -> AckResult:
         return await self._run(_Calls.ack(batch_id, nack=True))

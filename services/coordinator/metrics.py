@@ -66,10 +66,37 @@ class _StateCollector(Collector):
         for reason, n in sorted(s.queue.dropped.items()):
             drops.add_metric([reason], n)
         yield drops
+        rejected = CounterMetricFamily(
+            P + "rejected_groups",
+            "Groups the trainer refused (dead letters), by reason",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.queue.rejected.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+        yield g(
+            P + "dead_letters",
+            "Groups set aside: refused by the trainer, or leased twice without an ack",
+            value=s.queue.dead_letters,
+        )
         workers = g(P + "workers", "Workers by state", labels=["state"])
         workers.add_metric(["active"], s.workers_active)
         workers.add_metric(["lost"], s.workers_lost)
         yield workers
+        yield g(
+            P + "workers_suspect",
+            "Workers flagged suspect (the trainer refused suspect_after of their groups)",
+            value=s.workers_suspect,
+        )
+        suspect = g(
+            P + "worker_rejected_groups",
+            "Groups of a worker the trainer refused (listed workers that have any)",
+            labels=["worker"],
+        )
+        for w in s.workers:
+            if w.rejected_groups:
+                suspect.add_metric([w.worker_id], w.rejected_groups)
+        yield suspect
         lag_v = g(P + "worker_lag_versions", "Versions a worker is behind", labels=["worker"])
         lag_s = g(P + "worker_lag_seconds", "Seconds a worker has been behind", labels=["worker"])
         for w in s.workers:
@@ -79,6 +106,22 @@ class _StateCollector(Collector):
                 lag_s.add_metric([w.worker_id], w.lag_seconds)
         yield lag_v
         yield lag_s
+        pool = s.challenges
+        yield g(
+            P + "weight_challenges_left",
+            "Weight challenges not issued yet for the newest version (-1: none posted)",
+            value=-1 if pool is None or not pool.posted else pool.pool_size,
+        )
+        yield g(
+            P + "weight_challenges_wanted",
+            "More weight challenges the newest version's pool wants from the trainer",
+            value=0 if pool is None else pool.wanted,
+        )
+        yield g(
+            P + "workers_waiting_for_challenge",
+            "Active unproven workers the challenge pool of their version could not serve",
+            value=s.workers_waiting_for_challenge,
+        )
         if s.versions:
             last = s.versions[-1]
             vb = g(

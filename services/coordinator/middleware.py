@@ -27,6 +27,22 @@ async def _send_error(send: Send, status: int, code: str, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+BINARY_MEDIA_TYPES = frozenset({"application/msgpack"})  # trajectory groups (routers.common)
+
+
+def _binary(scope: Scope) -> bool:
+    """Whether the body is a binary payload (the larger limit): every ``Content-Type`` header
+    names a binary media type. Anything else may be parsed as JSON (FastAPI reads any
+    ``application/*+json`` as JSON, and a repeated header is read as its first copy), so it gets
+    the JSON limit."""
+    types = [
+        value.decode("latin-1").split(";", 1)[0].strip().lower()
+        for name, value in scope["headers"]
+        if name.lower() == b"content-type"
+    ]
+    return bool(types) and all(t in BINARY_MEDIA_TYPES for t in types)
+
+
 class BodyTooLarge(HTTPException):
     """Raised while a route reads a streamed body past the limit: an HTTPException, so that
     FastAPI's body parsing passes it on (it turns other errors into 400) and the app's handler
@@ -37,9 +53,9 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` (``max_json_bytes`` for JSON) with 413, before any route
-    reads them: checked against ``Content-Length`` and again while streaming (chunked bodies,
-    :class:`BodyTooLarge`)."""
+    """Refuse bodies over ``max_bytes`` (trajectory groups, msgpack) or ``max_json_bytes``
+    (everything else) with 413, before any route reads them: checked against
+    ``Content-Length`` and again while streaming (chunked bodies, :class:`BodyTooLarge`)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_json_bytes: int) -> None:
         self.app = app
@@ -51,8 +67,7 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        ctype = headers.get(b"content-type", b"").decode("latin-1").lower()
-        limit = self.max_json_bytes if "json" in ctype else self.max_bytes
+        limit = self.max_bytes if _binary(scope) else self.max_json_bytes
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _send_error(

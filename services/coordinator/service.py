@@ -8,6 +8,15 @@ Staleness: with ``V`` the newest recorded version and ``S = max_staleness``, a g
 policy version ``version_min < V - S`` is refused at submit (409 ``stale_version``, counted as
 ``stale_at_submit``) and dropped at lease time if ``V`` moved on meanwhile (``stale_at_pull``).
 A group citing a version newer than ``V`` is refused (409 ``future_version``).
+
+What a group may contain is checked where it enters (:meth:`Coordinator.decode`): the wire's
+own bounds (finite rewards, logprobs and temperatures in ranges the trainer's float32 arithmetic
+takes; :mod:`.schemas.trajectories`), at most ``max_group_bytes``, and the model's limits the
+trainer registered with the latest version (token ids inside its vocabulary, trajectories within
+its context). What only the trainer can judge (do the on-policy logprobs match the weights the
+group claims?) comes back with the ack: refused groups become dead letters and count against
+their worker, which is flagged ``suspect`` after ``suspect_after`` of them (and, with
+``refuse_suspect_workers``, gets no admission and no submission until cleared).
 """
 
 from __future__ import annotations
@@ -15,9 +24,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -33,13 +43,19 @@ from deltarl.services.coordinator.schemas import (
     CatchUpPlan,
     ChallengePool,
     ChallengePoolResult,
+    ChallengePoolStatus,
+    DeadLetterInfo,
+    DeadLetterList,
+    GroupRejection,
     HeartbeatAck,
     LeaseExtension,
+    ModelLimits,
     ProofAnswer,
     ProofResult,
     QueueStats,
     RewardPoint,
     StatusSummary,
+    TrajectoryGroup,
     VersionManifest,
     VersionPoint,
     VersionRecord,
@@ -47,17 +63,23 @@ from deltarl.services.coordinator.schemas import (
     WorkerHeartbeat,
     WorkerInfo,
     WorkerRegistration,
+    check_model_limits,
     decode_group,
 )
+from deltarl.services.coordinator.schemas.versions import MAX_CHALLENGES
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.coordinator.store import (
+    ChallengeStats,
     CoordinatorStore,
     IdempotencyConflict,
     LeaseExpired,
     NewSubmission,
+    Rejection,
+    StoreError,
     UnknownLease,
     VersionConflict,
     WorkerRecord,
+    WorkerRejections,
 )
 from deltarl.services.coordinator.versions import VersionIndex, summarize
 from deltarl.services.weightsync.planner import UnreachableVersionError, plan_catch_up
@@ -105,13 +127,16 @@ class Coordinator:
         return await run_in_threadpool(fn, *args)
 
     # -- versions ---------------------------------------------------------------------------
-    def publish(self, manifest: VersionManifest) -> tuple[VersionRecord, bool]:
-        """Record a version (trainer). Returns ``(record, created)``; a retry of an identical
-        publish returns the stored record with ``created=False``."""
+    def publish(
+        self, manifest: VersionManifest, limits: ModelLimits | None = None
+    ) -> tuple[VersionRecord, bool]:
+        """Record a version (trainer) with the model's limits (checked at every later
+        submission). Returns ``(record, created)``; a retry of an identical publish returns the
+        stored record with ``created=False``."""
         self.versions.refresh()  # publishes are rare: see versions other processes recorded
         known = self.versions.get(manifest.version)
         if known is not None:
-            if known.manifest == manifest:
+            if known.manifest == manifest and known.limits == limits:
                 return known, False
             raise conflict(
                 "version_conflict",
@@ -144,7 +169,7 @@ class Coordinator:
                     f"delta {o.key}: base_digest differs from version {o.base_version}'s "
                     "state_digest; it would not apply",
                 )
-        record = summarize(manifest, previous, self.clock())
+        record = summarize(manifest, previous, self.clock(), limits)
         try:
             stored, created = self.store.add_version(record)
         except VersionConflict as exc:  # another coordinator process raced us
@@ -214,7 +239,13 @@ class Coordinator:
             raise conflict("unreachable_version", str(exc)) from exc
 
     # -- workers ----------------------------------------------------------------------------
-    def _info(self, w: WorkerRecord, now: float, latest: int | None) -> WorkerInfo:
+    def _info(
+        self,
+        w: WorkerRecord,
+        now: float,
+        latest: int | None,
+        rejections: Mapping[str, WorkerRejections] | None = None,
+    ) -> WorkerInfo:
         lag_v = lag_s = None
         if w.applied_version is not None and latest is not None:
             lag_v = max(0, latest - w.applied_version)
@@ -253,7 +284,22 @@ class Coordinator:
             weights_proven_version=w.proven_version,
             weights_proven_at=w.proven_at,
             proof_failures=w.proof_failures,
+            **self._rejection_fields(w.worker_id, rejections),
         )
+
+    def _rejection_fields(
+        self, worker_id: str, rejections: Mapping[str, WorkerRejections] | None
+    ) -> dict[str, Any]:
+        got = (rejections if rejections is not None else self.store.worker_rejections()).get(
+            worker_id
+        )
+        if got is None:
+            return {}
+        return {
+            "rejected_groups": got.rejected,
+            "last_rejection": f"{got.last_reason}: {got.last_detail}"[:500],
+            "suspect": got.rejected >= self.settings.suspect_after,
+        }
 
     def _ack(
         self, w: WorkerRecord, now: float, challenge: WeightChallenge | None = None
@@ -296,7 +342,12 @@ class Coordinator:
         challenge = None
         if w.applied_version is not None and w.proven_version != w.applied_version:
             issued = self.store.issue_challenge(
-                worker_id, w.applied_version, now, now + self.settings.proof_ttl_s
+                worker_id,
+                w.applied_version,
+                now,
+                now + self.settings.proof_ttl_s,
+                self.settings.proof_attempts,
+                now - self.settings.lost_after_s,
             )
             if issued is not None:
                 challenge = WeightChallenge(
@@ -309,12 +360,43 @@ class Coordinator:
         return self._ack(w, now, challenge)
 
     # -- weight proofs ----------------------------------------------------------------------
-    def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
-        """Store the trainer's (nonce, answer) pairs for a recorded version (trainer)."""
+    def _known_version(self, version: int) -> None:
         if self.versions.get(version) is None:
             self.versions.refresh()
             if self.versions.get(version) is None:
                 raise not_found("unknown_version", f"version {version} was never recorded")
+
+    def _challenge_stats(self, version: int, now: float) -> ChallengeStats:
+        return self.store.challenge_stats(version, now - self.settings.lost_after_s)
+
+    def _pool_status(self, st: ChallengeStats) -> ChallengePoolStatus:
+        """Where a version's challenges stand, and how many more pairs the pool wants: one per
+        active worker not yet challenged at it, plus a spare (``proof_pool_margin`` and a
+        quarter of the active workers) for retries and workers that join. None is wanted of a
+        version the trainer posted no challenges for (it may publish none)."""
+        target = st.unchallenged + self.settings.proof_pool_margin + -(-st.active // 4)
+        wanted = max(0, min(target, MAX_CHALLENGES) - st.pool_size) if st.posted else 0
+        return ChallengePoolStatus(
+            version=st.version,
+            posted=st.posted,
+            pool_size=st.pool_size,
+            target=target,
+            wanted=wanted,
+            workers_active=st.active,
+            workers_challenged=st.challenged,
+            workers_unchallenged=st.unchallenged,
+            workers_waiting=st.waiting,
+        )
+
+    def challenge_pool(self, version: int) -> ChallengePoolStatus:
+        """``GET /v1/versions/{v}/challenges`` (read): the pool's state, never an answer."""
+        self._known_version(version)
+        return self._pool_status(self._challenge_stats(version, self.clock()))
+
+    def add_challenges(self, version: int, pool: ChallengePool) -> ChallengePoolResult:
+        """Store the trainer's (nonce, answer) pairs for a recorded version (trainer); the
+        answer says how many more the fleet needs now (``wanted``)."""
+        self._known_version(version)
         latest = self.latest_number()
         keep_from = (version if latest is None else latest) - self.settings.proof_pool_versions + 1
         added, size = self.store.add_challenges(
@@ -324,7 +406,10 @@ class Coordinator:
             [(p.nonce, p.answer) for p in pool.items],
             keep_from,
         )
-        return ChallengePoolResult(version=version, added=added, pool_size=size)
+        st = self._pool_status(self._challenge_stats(version, self.clock()))
+        return ChallengePoolResult(
+            version=version, added=added, pool_size=size, target=st.target, wanted=st.wanted
+        )
 
     def prove(self, worker_id: str, body: ProofAnswer) -> ProofResult:
         """Check a worker's answer to its outstanding challenge (used once, right or wrong)."""
@@ -362,26 +447,66 @@ class Coordinator:
 
     def workers(self) -> list[WorkerInfo]:
         now, latest = self.clock(), self.latest_number()
-        return [self._info(w, now, latest) for w in self.store.list_workers()]
+        rejections = self.store.worker_rejections()
+        return [self._info(w, now, latest, rejections) for w in self.store.list_workers()]
 
     def remove_worker(self, worker_id: str) -> None:
         if not self.store.remove_worker(worker_id):
             raise unknown_worker(worker_id)
 
     # -- trajectories -----------------------------------------------------------------------
-    def submit(
-        self, payload: bytes, token_worker: str | None = None
-    ) -> tuple[int, bool, int, int | None]:
-        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``.
-        ``token_worker``: the worker a per-worker token authenticated (the group must be its)."""
+    def decode(self, payload: bytes) -> TrajectoryGroup:
+        """Parse and check one submitted group (see the module docstring): 413
+        ``group_too_large``, 422 ``bad_payload`` naming what is wrong. CPU- and memory-heavy
+        for large groups: the route runs it off the event loop."""
+        if len(payload) > self.settings.max_group_bytes:
+            raise ApiError(
+                413,
+                "group_too_large",
+                f"a trajectory group of {len(payload)} bytes is over max_group_bytes="
+                f"{self.settings.max_group_bytes}: submit smaller groups (or raise "
+                "DELTARL_COORDINATOR_MAX_GROUP_BYTES)",
+            )
         try:
             group = decode_group(payload)
         except ValueError as exc:
             raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
+        limits = self.model_limits()
+        if limits is not None:
+            try:
+                check_model_limits(group, limits)
+            except ValueError as exc:
+                raise invalid("bad_payload", f"trajectory payload refused: {exc}") from exc
+        return group
+
+    def model_limits(self) -> ModelLimits | None:
+        """The limits the trainer registered with the latest version; None: none registered."""
+        latest = self.versions.latest()
+        return None if latest is None else latest.limits
+
+    def submit(
+        self,
+        payload: bytes,
+        token_worker: str | None = None,
+        group: TrajectoryGroup | None = None,
+    ) -> tuple[int, bool, int, int | None]:
+        """Validate and queue one group. Returns ``(submission_id, duplicate, depth, V)``.
+        ``token_worker``: the worker a per-worker token authenticated (the group must be its).
+        ``group``: ``payload`` already :meth:`decode`d (None: decoded here)."""
+        if group is None:
+            group = self.decode(payload)
         if token_worker is not None and group.worker_id != token_worker:
             raise acting_worker_error(token_worker, group.worker_id)
         if self.store.get_worker(group.worker_id) is None:
             raise unknown_worker(group.worker_id)
+        if self.settings.refuse_suspect_workers and self.is_suspect(group.worker_id):
+            raise ApiError(
+                403,
+                "suspect_worker",
+                f"worker {group.worker_id!r} is suspect: the trainer refused too many of its "
+                "groups (see GET /v1/workers/{id}); an operator clears it with DELETE "
+                "/v1/workers/{id}/rejections",
+            )
         latest = self.latest_at_least(group.version_max)
         if latest is None or group.version_max > latest:
             raise conflict(
@@ -427,7 +552,13 @@ class Coordinator:
         lease_s = self.settings.default_lease_s if lease_s is None else lease_s
         if not 0 < lease_s <= self.settings.max_lease_s:
             raise invalid("bad_lease", f"lease_s must be within (0, {self.settings.max_lease_s}]")
-        out = self.store.lease(max_groups, lease_s, self.clock(), self.min_version())
+        out = self.store.lease(
+            max_groups,
+            lease_s,
+            self.clock(),
+            self.min_version(),
+            max_bytes=self.settings.max_lease_bytes,
+        )
         items = [
             BatchItem(
                 submission_id=m.submission_id,
@@ -438,6 +569,7 @@ class Coordinator:
                 submitted_at=m.submitted_at,
                 num_trajectories=m.num_trajectories,
                 num_tokens=m.num_tokens,
+                deliveries=m.deliveries,
             )
             for m, _ in out.items
         ]
@@ -463,14 +595,68 @@ class Coordinator:
             raise conflict("lease_expired", str(exc)) from exc
         return LeaseExtension(batch_id=batch_id, expires_at=expires_at)
 
-    def ack(self, batch_id: str, nack: bool = False) -> AckResult:
+    def ack(
+        self, batch_id: str, nack: bool = False, rejected: Sequence[GroupRejection] = ()
+    ) -> AckResult:
+        """Acknowledge (or, ``nack``, return) a lease; ``rejected``: its groups the trainer
+        refused (dead letters from now on; a nack takes none)."""
+        now = self.clock()
         try:
-            n = (self.store.nack if nack else self.store.ack)(batch_id, self.clock())
+            if nack:
+                n = self.store.nack(batch_id, now)
+            else:
+                refused = [Rejection(r.submission_id, r.reason, r.detail) for r in rejected]
+                n = self.store.ack(batch_id, now, refused)
         except UnknownLease as exc:
             raise not_found("unknown_batch", str(exc)) from exc
         except LeaseExpired as exc:
             raise conflict("lease_expired", str(exc)) from exc
-        return AckResult(batch_id=batch_id, acked=n)
+        except StoreError as exc:
+            raise invalid("bad_rejection", str(exc)) from exc
+        if rejected:
+            logger.warning(
+                "batch %s: the trainer refused %d group(s): %s",
+                batch_id,
+                len(rejected),
+                ", ".join(sorted({r.reason for r in rejected})),
+            )
+        return AckResult(batch_id=batch_id, acked=n, rejected=0 if nack else len(rejected))
+
+    # -- dead letters and suspect workers ---------------------------------------------------
+    def dead_letters(self, limit: int) -> DeadLetterList:
+        count, items = self.store.dead_letters(limit)
+        return DeadLetterList(
+            count=count,
+            items=[
+                DeadLetterInfo(
+                    submission_id=d.submission_id,
+                    worker_id=d.worker_id,
+                    group_id=d.group_id,
+                    version_min=d.version_min,
+                    version_max=d.version_max,
+                    submitted_at=d.submitted_at,
+                    dead_at=d.dead_at,
+                    deliveries=d.deliveries,
+                    reason=d.reason,
+                    detail=d.detail,
+                )
+                for d in items
+            ],
+        )
+
+    def requeue_dead_letter(self, submission_id: int) -> None:
+        if not self.store.requeue_dead_letter(submission_id):
+            raise not_found("unknown_dead_letter", f"no dead letter {submission_id}")
+
+    def clear_rejections(self, worker_id: str) -> None:
+        """An operator vouches for a worker: its rejections are forgotten (not suspect)."""
+        if not self.store.clear_rejections(worker_id):
+            raise not_found("no_rejections", f"worker {worker_id!r} has no rejected groups")
+        logger.warning("worker %s: rejections cleared by the trainer's token", worker_id)
+
+    def is_suspect(self, worker_id: str) -> bool:
+        got = self.store.worker_rejections().get(worker_id)
+        return got is not None and got.rejected >= self.settings.suspect_after
 
     def admission(self, req: AdmissionRequest) -> AdmissionResponse:
         """See :class:`AdmissionResponse`; refused like a heartbeat (404 ``unknown_worker``,
@@ -485,6 +671,8 @@ class Coordinator:
         grant, reason = min(req.want, max(0, budget - in_flight, share)), "ok"
         if latest is None:
             grant, reason = 0, "no_version"
+        elif self.settings.refuse_suspect_workers and worker.suspect:
+            grant, reason = 0, "suspect"
         elif (
             req.applied_version is not None
             and latest - req.applied_version >= self.settings.max_staleness
@@ -531,9 +719,13 @@ class Coordinator:
         latest = self.versions.latest()
         latest_v = None if latest is None else latest.version
         c = self.store.counters()
-        workers = [self._info(w, now, latest_v) for w in self.store.list_workers()]
-        workers.sort(key=lambda w: (w.state != "lost", -(w.lag_versions or 0), w.worker_id))
+        rejections = self.store.worker_rejections()
+        workers = [self._info(w, now, latest_v, rejections) for w in self.store.list_workers()]
+        workers.sort(
+            key=lambda w: (not w.suspect, w.state != "lost", -(w.lag_versions or 0), w.worker_id)
+        )
         hist = self.store.staleness_hist()
+        proofs = None if latest_v is None else self._challenge_stats(latest_v, now)
         return StatusSummary(
             now=now,
             store=self.store.name,
@@ -549,6 +741,11 @@ class Coordinator:
                 duplicates_total=c.duplicates_total,
                 dropped=c.dropped,
                 oldest_age_s=None if c.oldest_submitted_at is None else now - c.oldest_submitted_at,
+                dead_letters=c.dead_letters,
+                rejected=c.rejected,
+            ),
+            workers_suspect=sum(
+                r.rejected >= self.settings.suspect_after for r in rejections.values()
             ),
             workers_active=sum(w.state == "active" for w in workers),
             workers_lost=sum(w.state == "lost" for w in workers),
@@ -568,9 +765,12 @@ class Coordinator:
             rewards=[
                 RewardPoint(version=v, groups=n, mean_reward=total / n)
                 for v, n, total in self.store.reward_curve(self.settings.status_history)
-                if n
+                # rewards are bounded at submission; a store written before that is skipped
+                if n and math.isfinite(total / n)
             ],
             staleness_hist={str(k): n for k, n in hist.items()},
+            challenges=None if proofs is None else self._pool_status(proofs),
+            workers_waiting_for_challenge=0 if proofs is None else proofs.waiting_total,
         )
 
 

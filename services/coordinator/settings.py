@@ -102,6 +102,22 @@ class CoordinatorSettings(TLSServerSettings):
         ge=1,
         description="Weight-challenge pools are kept for this many newest versions.",
     )
+    proof_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=100,
+        description="Weight challenges one worker id is issued per version, however often it "
+        "heartbeats, fails or re-registers (a second or later one only from the pool's surplus "
+        "over the first challenges other active workers still need; docs/security.md).",
+    )
+    proof_pool_margin: int = Field(
+        default=8,
+        ge=0,
+        le=4096,
+        description="Spare weight challenges asked of the trainer per version, besides one per "
+        "active worker not yet challenged at it and a quarter of the active workers (retries, "
+        "workers that join).",
+    )
     default_lease_s: float = Field(default=120.0, gt=0, description="Default batch lease (s).")
     max_lease_s: float = Field(default=3600.0, gt=0, description="Longest lease allowed (s).")
     max_batch_groups: int = Field(default=1024, ge=1, description="Most groups in one lease.")
@@ -114,6 +130,29 @@ class CoordinatorSettings(TLSServerSettings):
         default=64 << 20, ge=1024, description="Largest request body (trajectory payloads)."
     )
     max_json_bytes: int = Field(default=1 << 20, ge=1024, description="Largest JSON request body.")
+    max_group_bytes: int = Field(
+        default=32 << 20,
+        ge=1024,
+        description="Largest trajectory group payload (413 above it). A group is decoded and "
+        "checked in memory (about 15x its bytes at once), off the event loop.",
+    )
+    max_lease_bytes: int = Field(
+        default=256 << 20,
+        ge=1024,
+        description="Most payload bytes in one lease answer (a larger first group still comes "
+        "alone): bounds the trainer's and the coordinator's memory per lease.",
+    )
+    suspect_after: int = Field(
+        default=3,
+        ge=1,
+        description="Groups the trainer refuses from one worker before it is flagged suspect "
+        "(status page, deltarl status, /metrics).",
+    )
+    refuse_suspect_workers: bool = Field(
+        default=False,
+        description="Give suspect workers no admission and refuse their submissions (403 "
+        "suspect_worker) until an operator clears them (DELETE /v1/workers/{id}/rejections).",
+    )
     status_cache_s: float = Field(
         default=0.5, ge=0, description="Seconds a computed /v1/status answer is reused."
     )

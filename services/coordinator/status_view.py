@@ -38,9 +38,25 @@ def render_status(s: StatusSummary, url: str) -> Group:
     )
     drops = ", ".join(f"{k} {v}" for k, v in sorted(q.dropped.items())) or "none"
     head.add_row("dropped", drops)
+    if q.dead_letters or q.rejected:
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(q.rejected.items())) or "none"
+        head.add_row(
+            "refused by the trainer",
+            f"{refused}; {q.dead_letters} dead letters (GET /v1/dead-letters)",
+        )
+    suspect = f", [bold red]{s.workers_suspect} SUSPECT[/]" if s.workers_suspect else ""
     head.add_row(
-        "workers", f"{s.workers_active} active, {s.workers_lost} lost, {s.in_flight} in flight"
+        "workers",
+        f"{s.workers_active} active, {s.workers_lost} lost, {s.in_flight} in flight{suspect}",
     )
+    pool = s.challenges
+    if pool is not None and pool.posted:
+        head.add_row(
+            "weight challenges",
+            f"{pool.pool_size} left at v{pool.version} ({pool.workers_challenged} workers "
+            f"challenged, {pool.wanted} wanted), workers waiting for one: "
+            f"{s.workers_waiting_for_challenge}",
+        )
     if s.staleness_hist:
         hist = "  ".join(
             f"{k}:{v}" for k, v in sorted(s.staleness_hist.items(), key=lambda kv: int(kv[0]))
@@ -68,7 +84,7 @@ def render_status(s: StatusSummary, url: str) -> Group:
             )
         parts.append(vt)
     if s.workers:
-        wt = Table(title="workers (laggiest first)", expand=False)
+        wt = Table(title="workers (suspect first, then laggiest)", expand=False)
         for col in (
             "worker",
             "state",
@@ -79,14 +95,15 @@ def render_status(s: StatusSummary, url: str) -> Group:
             "lag s",
             "in flight",
             "seen",
+            "refused",
             "error",
         ):
             wt.add_column(col)
         for w in s.workers:
-            style = "red" if w.state == "lost" else None
+            style = "red" if w.state == "lost" or w.suspect else None
             wt.add_row(
                 w.worker_id,
-                w.state,
+                "SUSPECT" if w.suspect else w.state,
                 w.engine,
                 str(w.applied_version),
                 (
@@ -102,6 +119,7 @@ def render_status(s: StatusSummary, url: str) -> Group:
                 "-" if w.lag_seconds is None else f"{w.lag_seconds:.1f}",
                 str(w.in_flight),
                 _ago(w.last_seen, s.now) + " ago",
+                str(w.rejected_groups) if w.rejected_groups else "",
                 (w.last_error or "")[:40],
                 style=style,
             )

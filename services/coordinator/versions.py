@@ -14,14 +14,18 @@ import bisect
 import threading
 from collections.abc import Mapping
 
-from deltarl.services.coordinator.schemas import VersionManifest, VersionRecord
+from deltarl.services.coordinator.schemas import ModelLimits, VersionManifest, VersionRecord
 from deltarl.services.coordinator.store import CoordinatorStore
 
 
 def summarize(
-    manifest: VersionManifest, previous: VersionRecord | None, now: float
+    manifest: VersionManifest,
+    previous: VersionRecord | None,
+    now: float,
+    limits: ModelLimits | None = None,
 ) -> VersionRecord:
-    """The record of a new version, given the version recorded before it (None: first)."""
+    """The record of a new version, given the version recorded before it (None: first) and the
+    model's limits the trainer registered with it."""
     prev_v = None if previous is None else previous.version
     deltas = [o.size for o in manifest.deltas if prev_v is not None and o.base_version == prev_v]
     anchors = [o.size for o in manifest.anchors]
@@ -51,6 +55,7 @@ def summarize(
         published_at=manifest.created_at.timestamp(),
         recorded_at=now,
         manifest=manifest,
+        limits=limits,
     )
 
 

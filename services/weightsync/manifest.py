@@ -12,14 +12,20 @@ A version's *state* is the full set of model weights after trainer step ``step``
 hex). An object either rebuilds the state from nothing (``anchor``) or turns the state of
 ``base_version`` into it (``delta``); a delta whose base is older than the previous version is a
 "squashed" one that lets lagging replicas skip versions.
+
+Integrity: every :class:`ObjectRef` records its object's size and xxh3-128 (damage); a signing
+writer also records its SHA-256 (``sha256``, and each part's), which is what ties the bytes to
+the signed manifest (xxh3 is not a cryptographic hash). :func:`manifest_json` leaves unrecorded
+``sha256`` members out, so an unsigned manifest reads and writes as before the field existed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 import xxhash
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -40,6 +46,7 @@ INT64_MAX = (1 << 63) - 1
 ObjectKind = Literal["anchor", "delta"]
 
 _HEX_DIGEST = r"^[0-9a-f]{16,128}$"
+_SHA256 = r"^[0-9a-f]{64}$"
 _FORMAT = r"^[a-z0-9][a-z0-9.+_-]{0,63}$"
 _MANIFEST_KEY = re.compile(rf"^manifests/v(\d{{{VERSION_DIGITS}}})\.json$")
 
@@ -57,6 +64,11 @@ FORMAT_EXTENSIONS: dict[str, str] = {
 def xxh3_hex(data: bytes | bytearray | memoryview) -> str:
     """xxh3-128 of ``data`` as 32 lowercase hex characters (the ``ObjectRef.xxh3_128`` form)."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    """SHA-256 of ``data`` as 64 lowercase hex characters (the ``ObjectRef.sha256`` form)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def version_tag(version: int) -> str:
@@ -110,6 +122,12 @@ class ObjectPart(BaseModel):
     xxh3_128: str = Field(
         pattern=r"^[0-9a-f]{32}$", description="xxh3-128 of the part's bytes, lowercase hex."
     )
+    sha256: str | None = Field(
+        default=None,
+        pattern=_SHA256,
+        description="SHA-256 of the part's bytes, lowercase hex (see ObjectRef.sha256). None: "
+        "not recorded.",
+    )
     slices: tuple[str, ...] = Field(
         description="Row ranges the part carries, as slice keys 'name[lo:hi]' (rows lo..hi-1 "
         "of tensor 'name'); the parts of an object together cover the sharded layout."
@@ -146,6 +164,17 @@ def parts_digest(parts: Iterable[ObjectPart]) -> str:
     return xxh3_hex("".join(f"{p.key}\0{p.xxh3_128}\n" for p in parts).encode())
 
 
+def parts_sha256(parts: Iterable[ObjectPart]) -> str:
+    """The ``sha256`` of a sharded :class:`ObjectRef`: SHA-256 over ``"<key>\\0<sha256>\\n"`` of
+    every part, in order (ValueError if a part has none)."""
+    lines = []
+    for p in parts:
+        if p.sha256 is None:
+            raise ValueError(f"part {p.key} has no sha256")
+        lines.append(f"{p.key}\0{p.sha256}\n")
+    return sha256_hex("".join(lines).encode())
+
+
 class ObjectRef(BaseModel):
     """One immutable object of a version, with what a reader needs to verify and plan with it.
 
@@ -171,6 +200,16 @@ class ObjectRef(BaseModel):
     size: int = Field(ge=0, le=INT64_MAX, description="Exact size of the object in bytes.")
     xxh3_128: str = Field(
         pattern=r"^[0-9a-f]{32}$", description="xxh3-128 of the object's bytes, lowercase hex."
+    )
+    sha256: str | None = Field(
+        default=None,
+        pattern=_SHA256,
+        description="SHA-256 of the object's bytes, lowercase hex (sharded: parts_sha256(parts), "
+        "and every part carries its own). xxh3 catches damage but not a forger, so this is what "
+        "binds a signed manifest to the bytes of its objects: a signing trainer writes it, a "
+        "reader checks it before decoding whenever present, and a reader that trusts keys "
+        "refuses a signed manifest whose objects lack it. None: not recorded (an unsigned "
+        "publisher).",
     )
     version: int = Field(
         ge=0, le=MAX_VERSION, description="The version whose state this object produces."
@@ -225,6 +264,13 @@ class ObjectRef(BaseModel):
                 raise ValueError(f"sharded {self.key}: size must be the sum of its parts' sizes")
             if self.xxh3_128 != parts_digest(self.parts):
                 raise ValueError(f"sharded {self.key}: xxh3_128 must be parts_digest(parts)")
+            if self.sha256 is not None and (
+                any(p.sha256 is None for p in self.parts) or self.sha256 != parts_sha256(self.parts)
+            ):
+                raise ValueError(
+                    f"sharded {self.key}: sha256 must be parts_sha256(parts), and every part "
+                    "must carry its own"
+                )
             if self.context_version is not None:
                 raise ValueError(f"sharded {self.key}: chained deltas are not sharded")
         if self.kind == "delta":
@@ -253,6 +299,11 @@ class ObjectRef(BaseModel):
     @property
     def chained(self) -> bool:
         return self.context_version is not None
+
+    @property
+    def hashed(self) -> bool:
+        """Whether SHA-256 binds the object's bytes (for a sharded one: every part's)."""
+        return self.sha256 is not None
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -382,6 +433,23 @@ class LatestPointer(BaseModel):
         if parse_manifest_key(self.manifest_key) != self.version:
             raise ValueError(f"manifest_key {self.manifest_key!r} is not version {self.version}'s")
         return self
+
+
+def manifest_json(manifest: VersionManifest) -> bytes:
+    """The manifest as a writer publishes it (JSON, indent 1). ``sha256`` members appear only
+    where recorded, so a manifest without them is byte for byte what writers wrote before that
+    field existed (and what readers without it accept)."""
+    exclude: dict[int, Any] = {}
+    for i, o in enumerate(manifest.objects):
+        skip: dict[str, Any] = {"sha256": True} if o.sha256 is None else {}
+        bare = {j: {"sha256": True} for j, p in enumerate(o.parts or ()) if p.sha256 is None}
+        if bare:
+            skip["parts"] = bare
+        if skip:
+            exclude[i] = skip
+    return manifest.model_dump_json(
+        indent=1, exclude={"objects": exclude} if exclude else None
+    ).encode()
 
 
 def index_manifests(manifests: Iterable[VersionManifest]) -> dict[int, VersionManifest]:

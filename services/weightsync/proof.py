@@ -44,6 +44,7 @@ import itertools
 import secrets
 import struct
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -209,11 +210,22 @@ def proof_answer(
 
 
 def make_challenges(
-    state: Mapping[str, torch.Tensor], version: int, spec: ProofSpec, count: int
+    state: Mapping[str, torch.Tensor],
+    version: int,
+    spec: ProofSpec,
+    count: int,
+    threads: int = 1,
 ) -> list[tuple[str, str]]:
-    """``count`` fresh (nonce hex, answer hex) pairs for ``state`` at ``version``."""
-    out = []
-    for _ in range(count):
-        nonce = new_nonce()
-        out.append((nonce.hex(), proof_answer(state, nonce, version, spec)))
-    return out
+    """``count`` fresh (nonce hex, answer hex) pairs for ``state`` at ``version``, computed in
+    up to ``threads`` threads (the gathers and the hashing release the GIL)."""
+    nonces = [new_nonce() for _ in range(count)]
+
+    def answer(nonce: bytes) -> str:
+        return proof_answer(state, nonce, version, spec)
+
+    if threads <= 1 or count <= 1:
+        answers = [answer(n) for n in nonces]
+    else:
+        with ThreadPoolExecutor(min(threads, count), thread_name_prefix="proof") as pool:
+            answers = list(pool.map(answer, nonces))
+    return [(n.hex(), a) for n, a in zip(nonces, answers, strict=True)]

@@ -5,6 +5,14 @@ trusted public keys refuses a manifest or pointer that is unsigned, signed by an
 altered after signing (:class:`UnsignedVersionError`, :class:`BadSignatureError`), before it
 fetches any object of that version. Without trusted keys a reader accepts both, as before.
 
+The signature covers the manifest, and the manifest binds the bytes of each object by its
+SHA-256 (``ObjectRef.sha256``, and every part's for a sharded object), which the reader checks
+before decoding: a reader with trusted keys refuses a signed manifest whose objects lack it
+(:class:`UnhashedObjectError`). The xxh3-128 next to it is not enough on its own: xxh3 is not a
+cryptographic hash, and a block of an object can be replaced by other bytes with the same
+xxh3-128. Tensor and state digests stay xxh3: they catch accidental damage, and they sit inside
+the signed manifest and the SHA-256-bound objects.
+
 What is signed: the JSON document without its ``"signature"`` member, canonicalized as
 ``json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` in UTF-8, so
 the signature does not depend on how the writer formatted the file. The member is
@@ -26,13 +34,16 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from deltarl.services.weightsync.errors import CorruptDeltaError
+
+if TYPE_CHECKING:
+    from deltarl.services.weightsync.manifest import ObjectRef
 
 SIGNATURE = "signature"
 
@@ -43,6 +54,11 @@ class UnsignedVersionError(CorruptDeltaError):
 
 class BadSignatureError(CorruptDeltaError):
     """A signature by an untrusted key, or one that does not match the document."""
+
+
+class UnhashedObjectError(CorruptDeltaError):
+    """A signed manifest with an object (or part) whose SHA-256 is not recorded: its signature
+    would not bind that object's bytes (a trainer that predates ``ObjectRef.sha256``)."""
 
 
 def _raw(public: Ed25519PublicKey) -> bytes:
@@ -145,3 +161,14 @@ class Verifier:
             raise BadSignatureError(
                 f"{what}: the signature does not match its content (altered after signing?)"
             ) from None
+
+    @staticmethod
+    def require_hashes(objects: Iterable[ObjectRef], what: str) -> None:
+        """Refuse a signed manifest unless SHA-256 binds every object (and every part)."""
+        bare = [o.key for o in objects if not o.hashed]
+        if bare:
+            raise UnhashedObjectError(
+                f"{what} is signed but records no SHA-256 for {len(bare)} object(s), e.g. "
+                f"{bare[0]}: the signature would not bind their bytes (xxh3 is not "
+                "cryptographic); publish with a trainer that writes ObjectRef.sha256"
+            )

@@ -11,12 +11,17 @@ Publication protocol for version ``v`` (:meth:`BucketWriter.publish`), in this o
    chained delta (``context_version`` set) has an older context than its base and comes with a
    standalone delta from the same base, so no replica ever depends on the chained one alone.
 2. Upload every object under a fresh unique key ``objects/v.../<uuid>.<ext>`` (never overwritten).
-3. Write the manifest ``manifests/v....json`` (size + xxh3-128 of each object). It may only
+3. Write the manifest ``manifests/v....json`` (size + xxh3-128 of each object, + SHA-256 when
+   signing or asked to; signed when the writer has a key). It may only
    replace a leftover manifest of the same version from a crashed attempt that never reached
    step 5 (``v`` > latest, so no reader ever used it).
 4. Delete leftover manifests of crashed attempts between the old latest and ``v``.
 5. Re-read ``latest.json`` (refuse if it moved to >= ``v`` meanwhile), then overwrite it with
    ``v``: this single atomic put is the commit point.
+
+An older ``latest.json`` put back by someone else who can write the bucket (a pointer below the
+one this writer last read or wrote) is not believed: the writer goes on from the version it
+knows and its next pointer replaces the old one (logged as a warning).
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ from deltarl.services.weightsync.manifest import (
     ObjectPart,
     ObjectRef,
     VersionManifest,
+    manifest_json,
     objects_prefix,
     parse_manifest_key,
     parts_digest,
+    parts_sha256,
+    sha256_hex,
     xxh3_hex,
 )
 from deltarl.services.weightsync.reader import (
@@ -85,16 +93,30 @@ class BucketWriter:
 
     ``anchor_every``: :meth:`should_anchor` asks for an anchor when at least this many versions
     passed since the last one (0: only the first version and on demand).
+    ``signer``: signs every manifest and latest pointer (signing.py).
+    ``sha256``: record the SHA-256 of every object and part (``ObjectRef.sha256``); None: when
+    signing, which requires it (without a signature it binds nothing: whoever can replace an
+    object can rewrite its manifest). An FSDP rank that only uploads parts passes True when
+    rank 0 signs.
     """
 
     def __init__(
-        self, bucket: Bucket, *, anchor_every: int = 10, signer: Signer | None = None
+        self,
+        bucket: Bucket,
+        *,
+        anchor_every: int = 10,
+        signer: Signer | None = None,
+        sha256: bool | None = None,
     ) -> None:
-        self.signer = signer  # signs every manifest and latest pointer (signing.py)
+        self.signer = signer
+        self.sha256 = signer is not None if sha256 is None else sha256
+        if signer is not None and not self.sha256:
+            raise ValueError("a signing writer records SHA-256 of its objects (sha256=True)")
         if not isinstance(anchor_every, int) or anchor_every < 0:
             raise ValueError(f"anchor_every must be an int >= 0, got {anchor_every!r}")
         self.bucket = bucket
-        self.reader = BucketReader(bucket)
+        # an older latest.json than it read or wrote is not believed: it goes on from its own
+        self.reader = BucketReader(bucket, keep_floor=True)
         self.anchor_every = anchor_every
         self._anchor_requested = False
         self._last_anchor: int | None = None
@@ -155,6 +177,13 @@ class BucketWriter:
                     f"source must be bytes, a pathlib.Path or a tuple of ObjectPart, got "
                     f"{type(o.source)}"
                 )
+            if self.signer is not None and isinstance(o.source, tuple):
+                bare = [p.key for p in o.source if p.sha256 is None]
+                if bare:
+                    raise ValueError(
+                        f"version {version}: part {bare[0]} has no sha256, which a signed "
+                        "version needs (upload parts with BucketWriter(sha256=True))"
+                    )
             if o.kind == "anchor":
                 if o.context_version is not None:
                     raise ValueError(f"version {version}: an anchor has no context_version")
@@ -212,7 +241,13 @@ class BucketWriter:
         """Upload one part of a sharded object of ``version`` (any rank; nothing is visible
         until rank 0 publishes the manifest that lists it). ``slices``: the slice keys it holds."""
         key = f"{objects_prefix(version)}{uuid.uuid4().hex}.{FORMAT_EXTENSIONS.get(fmt, 'bin')}"
-        part = ObjectPart(key=key, size=len(data), xxh3_128=xxh3_hex(data), slices=tuple(slices))
+        part = ObjectPart(
+            key=key,
+            size=len(data),
+            xxh3_128=xxh3_hex(data),
+            sha256=sha256_hex(data) if self.sha256 else None,
+            slices=tuple(slices),
+        )
         self.bucket.put_bytes(key, data)
         return part
 
@@ -224,14 +259,16 @@ class BucketWriter:
             if not parts:
                 raise ValueError(f"version {version}: a sharded object needs at least one part")
             size, digest = sum(p.size for p in parts), parts_digest(parts)
-            return self._ref(parts[0].key, version, state_digest, o, size, digest, parts)
+            strong = parts_sha256(parts) if all(p.sha256 is not None for p in parts) else None
+            return self._ref(parts[0].key, version, state_digest, o, size, digest, strong, parts)
         if isinstance(o.source, bytes):
             size, digest = len(o.source), xxh3_hex(o.source)
-            ref = self._ref(key, version, state_digest, o, size, digest)  # validate before I/O
+            strong = sha256_hex(o.source) if self.sha256 else None
+            ref = self._ref(key, version, state_digest, o, size, digest, strong)  # before I/O
             self.bucket.put_bytes(key, o.source)
         else:
-            size, digest = file_digest(o.source)
-            ref = self._ref(key, version, state_digest, o, size, digest)
+            size, digest, strong = file_digest(o.source, sha256=self.sha256)
+            ref = self._ref(key, version, state_digest, o, size, digest, strong)
             # Fresh uuid key, so no create-if-absent needed: lets S3 use multipart for big anchors.
             self.bucket.put_file(key, o.source)
         return ref
@@ -244,6 +281,7 @@ class BucketWriter:
         o: NewObject,
         size: int,
         digest: str,
+        sha256: str | None = None,
         parts: tuple[ObjectPart, ...] | None = None,
     ) -> ObjectRef:
         return ObjectRef(
@@ -252,6 +290,7 @@ class BucketWriter:
             format=o.format,
             size=size,
             xxh3_128=digest,
+            sha256=sha256,
             version=version,
             base_version=o.base_version,
             base_digest=o.base_digest,
@@ -310,7 +349,7 @@ class BucketWriter:
             created_at=datetime.now(UTC),
         )
         # 3. manifest
-        body = self._signed(manifest.model_dump_json(indent=1).encode())
+        body = self._signed(manifest_json(manifest))
         try:
             self.bucket.put_bytes(manifest.key, body, overwrite=False)
         except ObjectExistsError:
@@ -347,6 +386,7 @@ class BucketWriter:
             version=version, manifest_key=manifest.key, state_digest=state_digest
         )
         self.bucket.put_bytes(LATEST_KEY, self._signed(pointer.model_dump_json(indent=1).encode()))
+        self.reader.accept(pointer)
         if manifest.has_anchor:
             self._last_anchor, self._last_anchor_known = version, True
             self._anchor_requested = False

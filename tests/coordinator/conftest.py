@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,7 +88,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
-StoreFactory = Callable[[], CoordinatorStore]
+StoreFactory = Callable[..., CoordinatorStore]
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -99,8 +100,8 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
 
         path = tmp_path / "coord.sqlite3"
 
-        def make() -> CoordinatorStore:
-            opened.append(SQLiteStore(path))
+        def make(**options: Any) -> CoordinatorStore:
+            opened.append(SQLiteStore(path, **options))
             return opened[-1]
     else:
         server: RedisServer = request.getfixturevalue("redis_server")
@@ -108,8 +109,8 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[St
 
         prefix = "t" + uuid.uuid4().hex[:12]
 
-        def make() -> CoordinatorStore:
-            opened.append(RedisStore(server.url, prefix=prefix))
+        def make(**options: Any) -> CoordinatorStore:
+            opened.append(RedisStore(server.url, prefix=prefix, **options))
             return opened[-1]
 
     yield make

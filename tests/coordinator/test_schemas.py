@@ -92,7 +92,10 @@ def _mutate(data: bytes, **changes: object) -> bytes:
         ({"tokens": [1, 2, 3, 4]}, "must be msgpack bin"),
         ({"mask": b"\x00\x00\x02\x01"}, "only 0 and 1"),
         ({"logprobs": b"\x00\x00\xc0\x7f" * 4}, "finite"),  # NaN
-        ({"logprobs": b"\x00\x00\x80\x3f" * 4}, "<= 0"),  # +1.0
+        ({"logprobs": b"\x00\x00\x80\x3f" * 4}, r"within \[-10000, 0\]"),  # +1.0
+        ({"logprobs": b"\xff\xff\x7f\xff" * 4}, r"within \[-10000, 0\]"),  # -3.4e38
+        ({"reward": 1e300}, r"within ±1e\+09"),  # finite, but inf in float32
+        ({"signals": {"x": 3e9}}, r"signals\['x'\] must be"),
         ({"tokens": b"\xff\xff\xff\xff" * 4}, "negative token id"),
         ({"mask": b"\x00\x01"}, "same length"),
         ({"version_min": 9}, "version_min 9 > version_max"),
@@ -105,6 +108,22 @@ def test_malformed_payloads_are_refused(changes: dict[str, object], message: str
     data = _mutate(encode_group(group("k1")), **changes)
     with pytest.raises(ValueError, match=message):
         decode_group(data)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", 1e-50, r"temperature must be within \[0.01, 100"),  # 0.0 in float32
+        ("temperature", 1e9, r"temperature must be within"),
+    ],
+)
+def test_temperatures_the_trainer_cannot_use_are_refused(
+    field: str, value: float, message: str
+) -> None:
+    body = msgpack.unpackb(encode_group(group("k1")), raw=False)
+    body["trajectories"][0][field] = value
+    with pytest.raises(ValueError, match=message):
+        decode_group(msgpack.packb(body, use_bin_type=True))
 
 
 def test_garbage_is_refused() -> None:
@@ -217,7 +236,7 @@ def test_bad_teacher_data_is_refused() -> None:
             {"sampled": t["sampled"][:4], "ids": t["ids"][:8], "logprobs": t["logprobs"][:8]},
             "1 positions, but the mask trains on 2",
         ),
-        ({"logprobs": t["logprobs"][:-4] + b"\x00\x00\x80\x7f"}, "finite and <= 0"),  # +inf
+        ({"logprobs": t["logprobs"][:-4] + b"\x00\x00\x80\x7f"}, r"finite logprobs within \[-10000, 0\]"),  # +inf
         ({"ids": b"\xff\xff\xff\xff" + t["ids"][4:]}, "negative token id"),
         ({"extra": 1}, "unknown fields"),
     ):

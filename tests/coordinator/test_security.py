@@ -268,3 +268,150 @@ def test_405_names_the_allowed_methods(server: LiveServer) -> None:
         r = httpx.request(method, server.url + path, headers=W)
         assert error_of(r)[:2] == (405, "method_not_allowed"), (method, path)
         assert r.headers["allow"] == allow, (method, path)
+
+
+# -- per-worker tokens whatever the body's Content-Type ----------------------------------------
+WORKER_KEY = "worker-key-for-the-content-type-tests"
+# Every spelling FastAPI (or a lenient client) may read as JSON, and a few it reads as bytes.
+CONTENT_TYPES: list[list[tuple[str, str]]] = [
+    [("Content-Type", ctype)]
+    for ctype in (
+        "application/json",
+        "application/x+json",
+        "application/vnd.deltarl+json",
+        "application/problem+json; charset=utf-8",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/json ;charset=utf-8",
+        "application/json,text/plain",
+        "application/x-json",
+        "text/json",
+        "text/plain",
+        "application/octet-stream",
+        "application/x-www-form-urlencoded",
+        "application/msgpack",
+    )
+] + [
+    [],  # no Content-Type at all
+    [("Content-Type", "application/x+json"), ("Content-Type", "application/msgpack")],
+    [("Content-Type", "application/msgpack"), ("Content-Type", "application/x+json")],
+]
+
+
+def test_a_worker_token_cannot_act_for_another_worker_by_any_content_type(
+    make_server: Callable[..., LiveServer],
+) -> None:
+    """Register and admission name their worker in the JSON body: a per-worker token must not
+    act for another worker by a Content-Type that FastAPI parses as JSON but a check keyed on
+    ``application/json`` skips (re-registering w2 wiped its applied version and proofs; fake ids
+    shrank every worker's admission share). Every write route that carries a worker id is tried
+    with every Content-Type: refused, and nothing changes."""
+    import json
+
+    from deltarl.services.coordinator.auth import worker_token_for
+    from deltarl.services.coordinator.client import CoordinatorClient
+
+    s = make_server(worker_key=WORKER_KEY)
+    url = s.url
+    CoordinatorClient(url, TRAINER_TOKEN, retries=0).publish_version(manifest(0))
+    w1_token, w2_token = (worker_token_for(WORKER_KEY, w) for w in ("w1", "w2"))
+    w1, w2 = (CoordinatorClient(url, t, retries=0) for t in (w1_token, w2_token))
+    w1.register(reg("w1"))
+    w2.register(reg("w2"))
+    w2.heartbeat("w2", WorkerHeartbeat(applied_version=0))
+    before = w2.worker("w2")
+    assert before.applied_version == 0
+
+    as_w2 = json.dumps({**reg("w2").model_dump(), "capacity": 1}).encode()
+    bodies = {
+        "/v1/workers": as_w2,
+        "/v1/admission": json.dumps({"worker_id": "w3", "want": 5, "applied_version": 0}).encode(),
+        "/v1/workers/w2/heartbeat": json.dumps({"applied_version": None}).encode(),
+        "/v1/workers/w2/proof": json.dumps(
+            {"nonce": "a" * 64, "answer": "b" * 64, "version": 0}
+        ).encode(),
+        "/v1/trajectories": encode_group(group("k-w2", worker="w2")),
+    }
+    for path, body in bodies.items():
+        for ctype in CONTENT_TYPES:
+            headers = [("X-Deltarl-Token", w1_token), *ctype]
+            r = httpx.post(url + path, content=body, headers=headers)
+            assert r.status_code in (403, 415, 422), (path, ctype, r.status_code, r.text)
+            if r.status_code == 403:
+                assert "belongs to worker 'w1'" in r.json()["error"]["message"], (path, ctype)
+        r = httpx.delete(f"{url}/v1/workers/w2", headers={"X-Deltarl-Token": w1_token})
+        assert r.status_code == 403
+
+    after = w2.worker("w2")
+    assert after.applied_version == 0 and after.capacity == before.capacity  # not re-registered
+    assert after.registered_at == before.registered_at
+    assert sorted(w.worker_id for w in w2.workers()) == ["w1", "w2"]  # no fake admission id
+    assert w2.status().queue.submitted_total == 0  # no group submitted as w2
+    # the worker itself, with the same content types: what FastAPI reads as JSON is accepted
+    ok = httpx.post(
+        f"{url}/v1/workers",
+        content=json.dumps(reg("w1").model_dump()).encode(),
+        headers={"X-Deltarl-Token": w1_token, "Content-Type": "application/x+json"},
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_json_body_without_a_json_content_type_gets_the_json_limit(server: LiveServer) -> None:
+    """Only a msgpack body (trajectory groups) may use the larger body limit: a body FastAPI
+    may parse as JSON cannot get it by leaving out or doubling its Content-Type."""
+    body = b'{"worker_id": "w1", "pad": "' + b"y" * (1 << 20) + b'"}'
+    for ctype in (
+        [],
+        [("Content-Type", "application/x+json")],
+        [("Content-Type", "application/json"), ("Content-Type", "application/msgpack")],
+        [("Content-Type", "text/plain")],
+    ):
+        r = httpx.post(f"{server.url}/v1/workers", content=body, headers=[*W.items(), *ctype])
+        assert error_of(r)[:2] == (413, "body_too_large"), ctype
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        ({"worker_token": None, "worker_key": WORKER_KEY}, []),
+        ({}, []),
+        (
+            {"trainer_token": None, "worker_token": None, "worker_key": WORKER_KEY},
+            ["no trainer token: anyone can publish versions and lease batches"],
+        ),
+        (
+            {"worker_token": None},
+            ["no worker token or worker key: anyone can register, heartbeat and submit"],
+        ),
+        (
+            {"trainer_token": None, "worker_token": None},
+            ["no trainer token", "no worker token or worker key"],
+        ),
+    ],
+)
+def test_the_start_log_names_exactly_the_open_roles(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    tokens: dict[str, object],
+    expected: list[str],
+) -> None:
+    """Per-worker credentials alone (no shared worker token) are not insecure mode: nothing is
+    logged when every write role is protected, and each open role is named otherwise."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from deltarl.services.coordinator.app import create_app
+
+    settings = coordinator_settings(tmp_path, insecure=True, **tokens)
+    with (
+        caplog.at_level(logging.WARNING, logger="deltarl.services.coordinator"),
+        TestClient(create_app(settings)),  # type: ignore[arg-type]
+    ):
+        pass
+    lines = [
+        r.getMessage() for r in caplog.records if r.name.startswith("deltarl.services.coordinator")
+    ]
+    assert len(lines) == len(expected), lines
+    for line, want in zip(lines, expected, strict=True):
+        assert line.startswith("insecure mode: " + want), line

@@ -14,6 +14,7 @@ from deltarl.services.weightsync.anchor import encode_anchor
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import state_digest
+from deltarl.services.weightsync.signing import Signer
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
 
 
@@ -69,9 +70,11 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 class FakeTrainer:
     """Publishes versions of a state the way the trainer does (anchors + compact deltas)."""
 
-    def __init__(self, bucket: LocalBucket, state: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, bucket: LocalBucket, state: dict[str, torch.Tensor], *, signer: Signer | None = None
+    ) -> None:
         self.bucket = bucket
-        self.publisher = BucketWriter(bucket, anchor_every=0)
+        self.publisher = BucketWriter(bucket, anchor_every=0, signer=signer)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.publish(0, clone_state(state), anchor=True)
 

@@ -165,6 +165,80 @@ def test_an_oversized_body_is_413_before_it_is_read(make_client: Callable[..., T
     assert r.status_code == 413 and r.json()["code"] == "PAYLOAD_TOO_LARGE"
 
 
+class SpyEngine:
+    """The tiny engine, counting the positions it scores; ``vocab_size`` may claim more ids than
+    it has (for requests that must be refused before any scoring)."""
+
+    def __init__(self, engine: TransformersTeacher, vocab_size: int = VOCAB) -> None:
+        self.inner = engine
+        self.vocab_size = vocab_size
+        self.scored: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def score(self, jobs: list[Any]) -> Any:
+        self.scored.append(sum(job.scored for job in jobs))
+        return self.inner.score(jobs)
+
+
+def test_a_json_answer_too_large_is_refused_before_scoring(engine: TransformersTeacher) -> None:
+    """The attack: a 128 KiB binary request (8 x 4096 tokens, top_k 128) asking for a JSON
+    answer got ~71 MB of JSON (540x the request) and grew the service by ~430 MB. It is now
+    refused with 406 before anything is scored or built, and the refusal says what to do."""
+    import tracemalloc
+
+    from deltarl.teacher.limits import MAX_JSON_ANSWER_BYTES, json_answer_bytes
+
+    spy = SpyEngine(engine, vocab_size=49152)
+    rng = np.random.default_rng(0)
+    attack = LogprobRequest.build(
+        [rng.integers(0, VOCAB, 4096).tolist() for _ in range(8)], [1] * 8, top_ks=128
+    )
+    body = encode_request(attack)
+    assert len(body) < 130 * 1024
+    with TestClient(create_app(settings(), engine=spy)) as c:  # type: ignore[arg-type]
+        tracemalloc.start()
+        try:
+            r = c.post("/v1/logprobs", content=body, headers=BIN | {"Accept": "application/json"})
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert r.status_code == 406, r.text
+        assert r.json()["code"] == "ANSWER_TOO_LARGE"
+        detail = r.json()["detail"]
+        assert BINARY_MEDIA_TYPE in detail and "fewer tokens" in detail and "top_k" in detail
+        assert "32,760 scored positions" in detail
+        assert spy.scored == []  # nothing was scored
+        assert peak < 8 << 20, peak  # nor built (the JSON alone was ~71 MB)
+        # the same as JSON in, JSON out (no Accept): refused too
+        r = c.post("/v1/logprobs", content=encode_json_request(attack), headers=JSON)
+        assert r.status_code == 406 and spy.scored == []
+        metrics = c.get("/metrics", headers=AUTH).text
+        assert 'deltarl_teacher_errors_total{code="ANSWER_TOO_LARGE"} 2.0' in metrics
+
+    # over the limit in JSON but served in binary; small JSON answers stay within the estimate
+    spy = SpyEngine(engine)
+    with TestClient(create_app(settings(), engine=spy)) as c:  # type: ignore[arg-type]
+        seqs = [rng.integers(0, VOCAB, 2800).tolist() for _ in range(2)]
+        big = LogprobRequest.build(seqs, [1, 1], top_ks=96)
+        assert json_answer_bytes([(2799, 96)] * 2) > MAX_JSON_ANSWER_BYTES
+        r = c.post("/v1/logprobs", content=encode_request(big), headers=BIN)
+        assert r.status_code == 200 and decode_response(r.content).top_ids.shape == (5598, 96)
+        r = c.post(
+            "/v1/logprobs",
+            content=encode_json_request(big),
+            headers=JSON | {"Accept": BINARY_MEDIA_TYPE},
+        )
+        assert r.status_code == 200, r.text
+        seqs, prompts = random_sequences(6, seed=3)
+        small = LogprobRequest.build(seqs, prompts, top_ks=96)
+        r = c.post("/v1/logprobs", content=encode_json_request(small), headers=JSON)
+        assert r.status_code == 200, r.text
+        estimate = json_answer_bytes([(len(s) - p, 96) for s, p in zip(seqs, prompts, strict=True)])
+        assert len(r.content) <= estimate
+
+
 def test_stopping_the_service_closes_its_engine(engine: TransformersTeacher) -> None:
     """The vllm engine frees its engine core process (and the GPU memory it holds) in close():
     a stopped service must call it, once, when it stops and not before."""

@@ -197,13 +197,13 @@ def test_sequence_length_and_zero_sequences() -> None:
     [
         (b"{", "body"),
         (b"\xff\xfe", "body"),
-        (b'{"sequences": [{"tokens": [1, 2]}]}', "sequences.0.prompt_len"),
-        (b'{"sequences": [{"tokens": [1, 2], "prompt_len": 1, "extra": 1}]}', "sequences.0.extra"),
+        (b'{"sequences": [{"tokens": [1, 2]}]}', "sequences[0].prompt_len"),
+        (b'{"sequences": [{"tokens": [1, 2], "prompt_len": 1, "extra": 1}]}', "sequences[0].extra"),
         (
             b'{"sequences": [{"tokens": [1, 2], "prompt_len": 1, "top_k": 99}]}',
             "sequences[0].top_k",
         ),
-        (b'{"sequences": [{"tokens": [1, 1e400], "prompt_len": 1}]}', "sequences.0.tokens.1"),
+        (b'{"sequences": [{"tokens": [1, 1e400], "prompt_len": 1}]}', "sequences[0].tokens[1]"),
         (b'{"sequences": [{"tokens": [1, 99999999999], "prompt_len": 1}]}', "sequences[0].tokens"),
         (
             b'{"sequences": [{"tokens": [1, 2], "prompt_len": 1, "temperature": "NaN"}]}',
@@ -216,6 +216,35 @@ def test_bad_json_requests_name_the_field(body: bytes, field: str) -> None:
     with pytest.raises(WireError) as err:
         decode_json_request(body, LIMITS)
     assert err.value.field == field, str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("sequence", "field"),
+    [
+        ('{"tokens": [true, 2], "prompt_len": 1}', "sequences[0].tokens[0]"),
+        ('{"tokens": [1, false], "prompt_len": 1}', "sequences[0].tokens[1]"),
+        ('{"tokens": [1, 2.0], "prompt_len": 1}', "sequences[0].tokens[1]"),
+        ('{"tokens": [1, "2"], "prompt_len": 1}', "sequences[0].tokens[1]"),
+        ('{"tokens": [1, 2], "prompt_len": true}', "sequences[0].prompt_len"),
+        ('{"tokens": [1, 2], "prompt_len": 1.0}', "sequences[0].prompt_len"),
+        ('{"tokens": [1, 2], "prompt_len": 1, "top_k": 2.0}', "sequences[0].top_k"),
+        ('{"tokens": [1, 2], "prompt_len": 1, "top_k": true}', "sequences[0].top_k"),
+        ('{"tokens": [1, 2], "prompt_len": 1, "temperature": true}', "sequences[0].temperature"),
+        ('{"tokens": [1, 2], "prompt_len": 1, "temperature": "0.5"}', "sequences[0].temperature"),
+    ],
+)
+def test_json_numbers_are_strict(sequence: str, field: str) -> None:
+    """``true`` is not token id 1, nor ``1.0`` or ``"1"``: JSON token ids, prompt lengths and
+    top-k are JSON integers, temperatures JSON numbers."""
+    with pytest.raises(WireError) as err:
+        decode_json_request(f'{{"sequences": [{sequence}]}}'.encode(), LIMITS)
+    assert err.value.field == field and err.value.status == 422, str(err.value)
+    # the same with proper numbers is accepted (an integer temperature is a number)
+    fine = decode_json_request(
+        b'{"sequences": [{"tokens": [1, 2], "prompt_len": 1, "top_k": 2, "temperature": 1}]}',
+        LIMITS,
+    )
+    assert fine.tokens.tolist() == [1, 2] and float(fine.temperatures[0]) == 1.0
 
 
 def test_json_counts_are_bounded() -> None:

@@ -226,7 +226,9 @@ def test_a_hugging_face_model_trains_and_publishes(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("worker_t", [0.5, 2.0])
-def test_the_ratio_uses_the_workers_temperature_and_a_mismatch_stops(worker_t: float) -> None:
+def test_the_ratio_uses_the_workers_temperature_and_mismatched_groups_are_dropped(
+    worker_t: float,
+) -> None:
     torch.manual_seed(0)
     model = Bigram()
     torch.nn.init.normal_(model.table.weight, std=2.0)
@@ -242,12 +244,46 @@ def test_the_ratio_uses_the_workers_temperature_and_a_mismatch_stops(worker_t: f
     # the trainer at T=1 would see ratios that measure the temperature, not the policy change
     wrong = ExperimentSettings.load(None, ["precision=fp32"])
     before = model.table.weight.detach().clone()
-    with pytest.raises(ValueError, match=r"sampling.temperature \(now 1.0\)"):
-        train_step(model, opt, sched, collate(groups, 3), wrong)
-    assert torch.equal(before, model.table.weight)  # refused before the update
+    dropped: dict[int, float] = {}
+    metrics = train_step(model, opt, sched, collate(groups, 3), wrong, dropped=dropped)
+    assert sorted(dropped) == [0, 1, 2, 3] and metrics["batch/rejected_mismatch"] == 4
+    assert min(dropped.values()) > 0.03
+    assert metrics["step/skipped"] == 1.0  # nothing left to train on: no update
+    assert torch.equal(before, model.table.weight)
     # stale samples are not checked (their mismatch includes the policy change)
     metrics = train_step(model, opt, sched, collate(groups, 4), wrong)
     assert metrics["mismatch/kl"] > 0.1 and "mismatch/kl_onpolicy" not in metrics
+
+
+def test_a_group_with_made_up_logprobs_is_dropped_and_the_rest_trains_as_without_it() -> None:
+    """A worker claims the current version but sends logprobs the weights never gave: its group
+    is dropped and the update is exactly that of the honest groups alone."""
+    torch.manual_seed(0)
+    model = Bigram()
+    torch.nn.init.normal_(model.table.weight, std=2.0)
+    honest = rollout(model, torch.Generator().manual_seed(2), 3, 8, 3)
+    forged = rollout(model, torch.Generator().manual_seed(5), 1, 8, 3)[0]
+    forged = forged.model_copy(
+        update={
+            "trajectories": [
+                t.model_copy(update={"logprobs": [-20.0 if m else 0.0 for m in t.mask]})
+                for t in forged.trajectories
+            ]
+        }
+    )
+    settings = ExperimentSettings.load(None, ["precision=fp32"])
+    twin = Bigram()
+    twin.load_state_dict(model.state_dict())
+    opt, sched = build_optimizer(model.parameters(), settings.optimizer, 10)
+    opt2, sched2 = build_optimizer(twin.parameters(), settings.optimizer, 10)
+    dropped: dict[int, float] = {}
+    batch = collate([honest[0], forged, *honest[1:]], 3)
+    metrics = train_step(model, opt, sched, batch, settings, dropped=dropped)
+    assert list(dropped) == [1] and dropped[1] > 1.0 and metrics["batch/rejected_mismatch"] == 1
+    assert metrics["batch/groups"] == 3 and metrics["step/skipped"] == 0.0
+    alone = train_step(twin, opt2, sched2, collate(honest, 3), settings)
+    assert torch.equal(model.table.weight, twin.table.weight)
+    assert metrics["loss"] == pytest.approx(alone["loss"], abs=1e-7)
 
 
 def test_a_reported_temperature_is_used_per_trajectory() -> None:
@@ -269,8 +305,9 @@ def test_a_reported_temperature_is_used_per_trajectory() -> None:
     # unreported: the setting applies (and the mismatch check catches it)
     plain = rollout(model, gen, 2, 8, 3, temperature=2.0)
     assert collate(plain, 3).temperature is None
-    with pytest.raises(ValueError, match=r"sampling\.temperature"):
-        train_step(model, opt, sched, collate(plain, 3), settings)
+    dropped: dict[int, float] = {}
+    train_step(model, opt, sched, collate(plain, 3), settings, dropped=dropped)
+    assert sorted(dropped) == [0, 1]
 
 
 def test_per_row_temperatures_equal_row_by_row_scalars() -> None:

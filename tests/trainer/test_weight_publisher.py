@@ -534,3 +534,93 @@ def test_each_version_hands_over_weight_challenges(bucket: FlakyBucket) -> None:
     off = PublishSettings(background=False, proof_challenges=0)
     with WeightPublisher(bucket, off, challenges=broken) as pub:
         pub.publish(model.params)  # 0: no challenge computed, the callback never called
+
+
+class FakePool:
+    """A coordinator's challenge pools: it aims at ``target`` unused pairs per version and
+    answers each hand-over with how many more it wants (as ``ChallengePoolResult``)."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.posts: list[tuple[int, Any, list[tuple[str, str]]]] = []
+        self.size: dict[int, int] = {}
+
+    def __call__(self, version: int, spec: Any, pairs: list[tuple[str, str]]) -> Any:
+        from types import SimpleNamespace
+
+        self.posts.append((version, spec, pairs))
+        self.size[version] = self.size.get(version, 0) + len(pairs)
+        return SimpleNamespace(target=self.target, wanted=self.need(version))
+
+    def need(self, version: int) -> int:
+        return max(0, self.target - self.size.get(version, 0))
+
+    def sizes(self, version: int) -> list[int]:
+        return [len(p) for v, _, p in self.posts if v == version]
+
+
+def test_the_challenge_pool_is_sized_by_the_coordinator(bucket: FlakyBucket) -> None:
+    """The first hand-over of a version has ``proof_challenges`` pairs (or the pool size the
+    coordinator aimed at for the version before); then as many as its answer asks for, within
+    ``proof_challenges_max`` per version; every pair is fresh and right."""
+    from deltarl.services.weightsync.proof import proof_answer
+
+    model = TinyModel()
+    pool = FakePool(target=25)
+    settings = PublishSettings(
+        background=False, proof_challenges=4, proof_chunks=8, proof_challenges_max=40
+    )
+    states = []
+    with WeightPublisher(bucket, settings, challenges=pool) as pub:
+        for target in (25, 25, 100):
+            pool.target = target
+            pub.publish(model.params)
+            states.append({n: t.to(torch.bfloat16) for n, t in model.params.items()})
+            model.step()
+    assert pool.sizes(0) == [4, 21]  # 4, then what the fleet needs
+    assert pool.sizes(1) == [25]  # the fleet's size known: one hand-over
+    assert pool.sizes(2) == [25, 15]  # capped at proof_challenges_max
+    nonces = [n for _, _, pairs in pool.posts for n, _ in pairs]
+    assert len(set(nonces)) == len(nonces) == 90
+    for v, spec, pairs in pool.posts:
+        for nonce, answer in pairs[:3]:
+            assert proof_answer(states[v], bytes.fromhex(nonce), v, spec) == answer
+
+
+def test_the_challenge_pool_is_topped_up_from_the_held_state(bucket: FlakyBucket) -> None:
+    """Workers that join or retry after the publish: ``top_up`` (also every ``proof_topup_s``
+    in a thread) hands over what the coordinator wants for the newest version, computed on the
+    state the publisher still holds."""
+    from deltarl.services.weightsync.proof import proof_answer
+
+    model = TinyModel()
+    pool = FakePool(target=4)
+    settings = PublishSettings(
+        background=False, proof_challenges=4, proof_chunks=8, proof_topup_s=0
+    )
+    with WeightPublisher(bucket, settings, challenges=pool, challenge_need=pool.need) as pub:
+        assert pub.top_up() == 0  # nothing published yet
+        pub.publish(model.params)
+        published = {n: t.to(torch.bfloat16) for n, t in model.params.items()}
+        assert pub.top_up() == 0  # the pool is full
+        pool.target = 7  # three workers joined
+        assert pub.top_up() == 3 and pool.sizes(0) == [4, 3]
+        model.step()
+        pub.publish(model.params)  # 4 (v0's first target), then 3 more for the fleet of 7
+        assert pool.sizes(1) == [4, 3]
+        pool.target = 9  # v1 replaced v0: top-ups are for v1 now
+        assert pub.top_up() == 2 and pool.sizes(1) == [4, 3, 2] and pool.sizes(0) == [4, 3]
+    _, spec, pairs = pool.posts[1]
+    for nonce, answer in pairs:
+        assert proof_answer(published, bytes.fromhex(nonce), 0, spec) == answer
+
+    # the background thread does the same
+    pool = FakePool(target=4)
+    threaded = settings.model_copy(update={"proof_topup_s": 0.02})
+    with WeightPublisher(bucket, threaded, challenges=pool, challenge_need=pool.need) as pub:
+        v = pub.publish(model.params)
+        pool.target = 6
+        deadline = time.monotonic() + 10
+        while pool.sizes(v) != [4, 2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.sizes(v) == [4, 2]

@@ -1,6 +1,6 @@
 """Compact delta files written by an attacker: compression bombs, deep nesting, retyped footer
-fields. Each must give a one-line error and exit 2 from ``deltarl delta``, with memory bounded
-and nothing written (issue 16, findings 5-7)."""
+fields, a file joined to a copy of itself. Each must give a one-line error and exit 2 from
+``deltarl delta``, with memory bounded and nothing written."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import zstandard
 from safetensors.torch import save_file
 from states import make_state, perturb
 
+from deltarl.services.weightsync.anchor import decode_anchor, encode_anchor
 from deltarl.services.weightsync.codec.compact import (
     TRAILER,
     TRAILER_MAGIC,
     check_integrity,
     read_footer,
 )
-from deltarl.services.weightsync.codec.formats import encode_delta
+from deltarl.services.weightsync.codec.formats import describe, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.errors import CorruptDeltaError
 
@@ -179,3 +180,45 @@ def test_the_untouched_file_still_verifies(delta_file: tuple[Path, bytes]) -> No
     _, data = delta_file
     head, footer = split(data)
     assert check_integrity(with_footer(head, footer))["version"] == 2  # re-packed, same fields
+
+
+def test_a_delta_joined_to_itself_is_refused(delta_file: tuple[Path, bytes]) -> None:
+    """Reading from the end, a file followed by another copy of itself has a valid trailer,
+    footer, index and bodies: the bytes between the index and the footer give it away."""
+    root, data = delta_file
+    doubled = data + data
+    with pytest.raises(CorruptDeltaError, match=f"{len(data)} bytes between its index and"):
+        check_integrity(doubled)
+    path = root / "doubled.drl"
+    path.write_bytes(doubled)
+    base = str(root / "base.safetensors")
+    for args in ((), ("--base", base)):
+        code, err, _ = verify(path, *args)
+        assert code == 2 and "between its index and its footer" in err, err
+        assert len(err.strip().splitlines()) == 1
+    out = root / "doubled-result.safetensors"
+    r = subprocess.run(
+        [sys.executable, "-m", "deltarl", "delta", "apply", base, str(path), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "between its index and its footer" in r.stderr and not out.exists()
+    head, footer = split(data)  # bytes spliced in before the footer: the same refusal
+    with pytest.raises(CorruptDeltaError, match="3 bytes between its index and"):
+        check_integrity(with_footer(head + b"abc", footer))
+
+
+def test_trl_deltas_and_anchors_joined_to_themselves_are_refused() -> None:
+    old = make_state(seed=3)
+    new = perturb(old, 0.02)
+    delta = compute_delta(old, new, 1, 2)
+    for fmt in ("trl-raw", "trl-gap"):
+        blob = encode_delta(delta, old, fmt)
+        with pytest.raises(CorruptDeltaError, match="trailing bytes"):
+            describe(blob + blob)
+    for compress in (False, True):
+        blob = encode_anchor(new, 2, compress)
+        with pytest.raises(CorruptDeltaError, match="trailing bytes"):
+            decode_anchor(blob + blob)

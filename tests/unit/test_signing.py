@@ -1,4 +1,4 @@
-"""Signed versions (issue 16): a reader that trusts keys refuses unsigned, foreign-signed and
+"""Signed versions: a reader that trusts keys refuses unsigned, foreign-signed and
 altered manifests and pointers before fetching any object; rotation; the worker's settings;
 ``deltarl delta keygen``."""
 

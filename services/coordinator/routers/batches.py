@@ -11,6 +11,7 @@ from pydantic import Field
 from deltarl.services.coordinator.deps import CoordinatorDep, TrainerAuth, WorkerAuth
 from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
 from deltarl.services.coordinator.schemas import (
+    AckRequest,
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
@@ -60,9 +61,13 @@ async def lease(body: LeaseRequest, request: Request, coordinator: CoordinatorDe
 
 
 @router.post("/batches/{batch_id}/ack", response_model=AckResult, dependencies=[TrainerAuth])
-async def ack(batch_id: str, coordinator: CoordinatorDep) -> AckResult:
-    """Remove the batch's groups for good (409 ``lease_expired`` if too late)."""
-    return await coordinator.run(coordinator.ack, batch_id)
+async def ack(
+    batch_id: str, coordinator: CoordinatorDep, body: AckRequest | None = None
+) -> AckResult:
+    """Remove the batch's groups for good (409 ``lease_expired`` if too late); the groups named
+    in ``rejected`` become dead letters (422 ``bad_rejection`` if one is not the batch's)."""
+    rejected = [] if body is None else body.rejected
+    return await coordinator.run(coordinator.ack, batch_id, False, rejected)
 
 
 @router.post("/batches/{batch_id}/nack", response_model=AckResult, dependencies=[TrainerAuth])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import APIRouter, Request, Response
 
 from deltarl.services.coordinator.deps import CoordinatorDep, WorkerAuth
@@ -9,7 +10,11 @@ from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.routers.common import ERRORS, MSGPACK
 from deltarl.services.coordinator.schemas import SubmitResult
 
-router = APIRouter(prefix="/v1", tags=["trajectories"], responses={**ERRORS, 415: ERRORS[422]})
+router = APIRouter(
+    prefix="/v1", tags=["trajectories"], responses={**ERRORS, 413: ERRORS[422], 415: ERRORS[422]}
+)
+INLINE_DECODE_BYTES = 256 << 10  # groups above this are decoded in a worker thread
+DECODE_LIMITER = CapacityLimiter(2)  # large groups decoded at once (memory: ~15x each)
 
 
 @router.post(
@@ -35,9 +40,16 @@ async def submit(request: Request, coordinator: CoordinatorDep) -> Response:
             f"send the group as {MSGPACK} (encode_group), not {ctype!r}",
         )
     payload = await request.body()
-    # like heartbeats: on the loop with SQLite (decode ~20 KB + one INSERT: well under 1 ms)
     holder = getattr(request.state, "worker_id", None)  # set by a per-worker token
-    sid, duplicate, depth, latest = await coordinator.run(coordinator.submit, payload, holder)
+    group = None
+    if len(payload) > INLINE_DECODE_BYTES:
+        # decoding builds Python lists (~15x the payload): in a thread, a few at a time, so a
+        # large group stalls neither the event loop nor the coordinator's memory
+        group = await to_thread.run_sync(coordinator.decode, payload, limiter=DECODE_LIMITER)
+    # small groups (~20 KB: well under 1 ms) on the loop with SQLite, like heartbeats
+    sid, duplicate, depth, latest = await coordinator.run(
+        coordinator.submit, payload, holder, group
+    )
     result = SubmitResult(
         submission_id=sid, duplicate=duplicate, queue_depth=depth, current_version=latest
     )

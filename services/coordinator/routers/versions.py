@@ -16,6 +16,7 @@ from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import (
     ChallengePool,
     ChallengePoolResult,
+    ChallengePoolStatus,
     VersionPublish,
     VersionRecord,
 )
@@ -34,7 +35,7 @@ async def publish(
 ) -> VersionRecord:
     """Record a version after its objects and manifest are in the bucket. 201 when new, 200 for
     an identical retry; 409 when out of order or conflicting."""
-    record, created = await coordinator.run(coordinator.publish, body.manifest)
+    record, created = await coordinator.run(coordinator.publish, body.manifest, body.limits)
     if not created:
         response.status_code = 200
     return record
@@ -111,5 +112,20 @@ async def add_challenges(
 ) -> ChallengePoolResult:
     """Weight challenges for a recorded version: (nonce, answer) pairs the trainer computed on
     its own state; each nonce is issued once to a worker serving that version, and the answers
-    are never shown on any route (docs/security.md)."""
+    are never shown on any route (docs/security.md). ``wanted``: how many more the fleet needs
+    now (post them too)."""
     return await coordinator.run(coordinator.add_challenges, version, body)
+
+
+@router.get(
+    "/{version}/challenges",
+    response_model=ChallengePoolStatus,
+    dependencies=[ReaderAuth],
+)
+async def challenge_pool(
+    version: Annotated[int, Path(ge=0, le=MAX_VERSION, description="Policy version.")],
+    coordinator: CoordinatorDep,
+) -> ChallengePoolStatus:
+    """Where a version's weight challenges stand: pairs left, how many more the trainer should
+    post (``wanted``), workers challenged and waiting for one (never an answer)."""
+    return await coordinator.run(coordinator.challenge_pool, version)

@@ -1,4 +1,5 @@
-"""``/v1/workers``: register (rejoin), heartbeat, weight proof, list, get, remove."""
+"""``/v1/workers``: register (rejoin), heartbeat, weight proof, list, get, remove, and clearing a
+worker's rejected groups."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Response
 
-from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, WorkerAuth
+from deltarl.services.coordinator.deps import CoordinatorDep, ReaderAuth, TrainerAuth, WorkerAuth
 from deltarl.services.coordinator.routers.common import ERRORS
 from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
@@ -60,4 +61,17 @@ async def get_worker(worker_id: WorkerId, coordinator: CoordinatorDep) -> Worker
 async def remove_worker(worker_id: WorkerId, coordinator: CoordinatorDep) -> Response:
     """Leave the pool (elastic scale-down). The worker's queued groups stay queued."""
     await coordinator.run(coordinator.remove_worker, worker_id)
+    return Response(status_code=204)
+
+
+@router.delete(
+    "/{worker_id}/rejections",
+    status_code=204,
+    response_class=Response,
+    dependencies=[TrainerAuth],
+)
+async def clear_rejections(worker_id: WorkerId, coordinator: CoordinatorDep) -> Response:
+    """Forget the groups the trainer refused from this worker (it is no longer suspect); 404
+    ``no_rejections`` when it has none. Trainer role: an operator vouches for the worker."""
+    await coordinator.run(coordinator.clear_rejections, worker_id)
     return Response(status_code=204)

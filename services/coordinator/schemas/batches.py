@@ -15,6 +15,11 @@ Queue protocol (trainer side), in order:
    now + ``lease_s`` while the trainer still works on the batch (409 ``lease_expired`` once it
    expired, was acked or nacked): a trainer renews its leases well before they expire, so
    a slow step never loses its groups to the queue.
+5. A group the trainer refuses (it fails a check, or its on-policy logprobs do not match the
+   weights it claims) is named in the ack's body (:class:`AckRequest`): it becomes a *dead
+   letter* (kept with its reason, ``GET /v1/dead-letters``) and counts against its worker; a
+   group whose lease expired twice is set aside the same way at the next lease, so no group can
+   stop a trainer again and again.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, Count, Version, WireModel
 from deltarl.services.coordinator.schemas.trajectories import (
@@ -63,6 +68,13 @@ class BatchItem(WireModel):
         le=MAX_TRAJECTORIES_PER_GROUP * MAX_TOKENS_PER_TRAJECTORY,
         description="Tokens in the group, prompts included.",
     )
+    deliveries: int = Field(
+        default=1,
+        ge=1,
+        description="Leases that held the group, this one included. 2: an earlier lease "
+        "expired holding it (its trainer may have failed on it); such a group is leased "
+        "alone, to be trained alone, and is set aside if that lease expires too.",
+    )
 
 
 class BatchLease(WireModel):
@@ -78,16 +90,89 @@ class BatchLease(WireModel):
     queue_depth: Count = Field(description="Groups still waiting after this lease.")
 
 
+REASON_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+MAX_DETAIL = 1000
+
+
+class GroupRejection(WireModel):
+    """A leased group the trainer refused (in :class:`AckRequest`)."""
+
+    submission_id: Count = Field(description="The group's submission id (its BatchItem's).")
+    reason: str = Field(
+        pattern=REASON_PATTERN,
+        description="Stable code of what was wrong, e.g. 'bad_token_id', 'sampling_mismatch'.",
+    )
+    detail: str = Field(max_length=MAX_DETAIL, description="What was wrong, for a person.")
+
+
 class LeasedBatch(WireModel):
-    """A decoded lease answer: the lease plus the groups, in the same order as ``lease.items``."""
+    """A decoded lease answer: the lease plus its groups, in the order of ``lease.items``.
+
+    A payload that does not decode (a coordinator older than this reader's checks let it in) is
+    not raised: it is listed in ``refused``, to be named in the ack, and left out of ``groups``;
+    ``submission_ids`` gives each decoded group's id."""
 
     lease: BatchLease = Field(description="Lease id, expiry and per-group metadata.")
-    groups: list[TrajectoryGroup] = Field(description="Decoded groups, same order as items.")
+    groups: list[TrajectoryGroup] = Field(description="Decoded groups, in the items' order.")
+    submission_ids: list[int] = Field(
+        default_factory=list,
+        description="Submission id of each decoded group (same length as groups); empty in a "
+        "batch built with every item decoded: then the items' ids.",
+    )
+    refused: list[GroupRejection] = Field(
+        default_factory=list, description="Groups whose payload did not decode, and why."
+    )
+
+    @model_validator(mode="after")
+    def _ids(self) -> LeasedBatch:
+        if not self.submission_ids and len(self.groups) == len(self.lease.items):
+            self.submission_ids = [i.submission_id for i in self.lease.items]
+        if len(self.submission_ids) != len(self.groups):
+            raise ValueError(
+                f"{len(self.submission_ids)} submission ids for {len(self.groups)} groups"
+            )
+        return self
+
+
+class AckRequest(WireModel):
+    """``POST /v1/batches/{batch_id}/ack`` body (optional): the batch's refused groups."""
+
+    rejected: list[GroupRejection] = Field(
+        default_factory=list,
+        max_length=1_000_000,
+        description="Groups of this batch the trainer refused: they become dead letters and "
+        "count against their workers. Each must belong to the batch (422 otherwise).",
+    )
 
 
 class AckResult(WireModel):
     batch_id: str = Field(description="The lease acknowledged (or returned).")
     acked: Count = Field(description="Groups removed from the queue for good (or returned: nack).")
+    rejected: Count = Field(
+        default=0, description="Of those, groups refused by the trainer (now dead letters)."
+    )
+
+
+class DeadLetterInfo(WireModel):
+    """A group set aside: refused by the trainer, or leased twice without an ack."""
+
+    submission_id: Count = Field(description="Queue sequence number.")
+    worker_id: str = Field(description="Worker that submitted the group.")
+    group_id: str = Field(description="The group's id (prompt).")
+    version_min: Version = Field(description="Oldest policy version in the group.")
+    version_max: Version = Field(description="Newest policy version in the group.")
+    submitted_at: float = Field(description="Acceptance time (Unix s).")
+    dead_at: float = Field(description="When it was set aside (Unix s).")
+    deliveries: Count = Field(description="Leases that held it.")
+    reason: str = Field(description="Why: the trainer's reason code, or 'undelivered'.")
+    detail: str = Field(description="What was wrong, for a person.")
+
+
+class DeadLetterList(WireModel):
+    """``GET /v1/dead-letters``: the newest dead letters."""
+
+    count: Count = Field(description="Dead letters kept (all of them, not only those listed).")
+    items: list[DeadLetterInfo] = Field(description="The newest ones, newest first.")
 
 
 class LeaseExtension(WireModel):
@@ -123,7 +208,10 @@ class AdmissionResponse(WireModel):
     """
 
     grant: int = Field(ge=0, le=1_000_000, description="Groups the worker may start now (<= want).")
-    reason: str = Field(description="'ok', 'queue_full', 'update_weights' or 'no_version'.")
+    reason: str = Field(
+        description="'ok', 'queue_full', 'update_weights', 'no_version' or 'suspect' (the "
+        "worker is flagged and refuse_suspect_workers is on)."
+    )
     current_version: Version | None = Field(description="Newest version; None: none recorded yet.")
     queue_depth: Count = Field(description="Groups waiting to be leased.")
     in_flight: int = Field(
@@ -159,4 +247,17 @@ def decode_leased_batch(data: bytes) -> LeasedBatch:
     payloads = body.get("payloads")
     if not isinstance(payloads, list) or len(payloads) != len(lease.items):
         raise ValueError("batch payloads do not match its items")
-    return LeasedBatch(lease=lease, groups=[decode_group(p) for p in payloads])
+    groups, ids, refused = [], [], []
+    for item, payload in zip(lease.items, payloads, strict=True):
+        try:
+            groups.append(decode_group(payload))
+            ids.append(item.submission_id)
+        except ValueError as exc:
+            refused.append(
+                GroupRejection(
+                    submission_id=item.submission_id,
+                    reason="bad_payload",
+                    detail=str(exc)[:MAX_DETAIL],
+                )
+            )
+    return LeasedBatch(lease=lease, groups=groups, submission_ids=ids, refused=refused)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from deltarl.services.coordinator.schemas.common import Count, Version, WireModel
+from deltarl.services.coordinator.schemas.versions import ChallengePoolStatus
 from deltarl.services.coordinator.schemas.workers import WorkerInfo
 
 
@@ -18,6 +19,14 @@ class QueueStats(WireModel):
         description="Groups dropped by reason: 'stale_at_submit' (refused), 'stale_at_pull'."
     )
     oldest_age_s: float | None = Field(description="Age of the oldest waiting group; None: empty.")
+    dead_letters: Count = Field(
+        default=0,
+        description="Groups set aside (refused by the trainer, or leased twice without an ack); "
+        "listed by GET /v1/dead-letters.",
+    )
+    rejected: dict[str, Count] = Field(
+        default_factory=dict, description="Groups the trainer refused, by reason code."
+    )
 
 
 class VersionPoint(WireModel):
@@ -50,9 +59,22 @@ class StatusSummary(WireModel):
     workers_active: Count = Field(description="Workers heard from within lost_after_s.")
     workers_lost: Count = Field(description="Registered workers silent for longer.")
     in_flight: int = Field(ge=0, description="Groups being generated, summed over active workers.")
+    workers_suspect: Count = Field(
+        default=0, description="Registered workers flagged suspect (see WorkerInfo.suspect)."
+    )
     workers: list[WorkerInfo] = Field(description="Up to the requested limit, laggiest first.")
     versions: list[VersionPoint] = Field(description="Most recent versions, oldest first.")
     rewards: list[RewardPoint] = Field(description="Reward curve by version, oldest first.")
     staleness_hist: dict[str, Count] = Field(
         description="Accepted groups by staleness at submit (latest - version_min), as string keys."
+    )
+    challenges: ChallengePoolStatus | None = Field(
+        default=None,
+        description="The newest version's weight challenges (pool left, workers waiting); None "
+        "before the first version.",
+    )
+    workers_waiting_for_challenge: Count = Field(
+        default=0,
+        description="Active workers, each at the version it serves, unproven there, that asked "
+        "for a weight challenge the pool could not give (starvation: the trainer must top up).",
     )

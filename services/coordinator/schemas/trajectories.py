@@ -48,6 +48,15 @@ Arrays travel as raw little-endian bytes (the trainer can ``torch.frombuffer`` t
 msgpack float64/int. Logprobs are float32: ``decode(encode(g))`` returns each logprob rounded to
 float32, which is what inference engines produce anyway. Limits: at most 4096 trajectories per
 group and 1,048,576 tokens per trajectory.
+
+Numbers are bounded where they enter, so that a group the coordinator accepts can never overflow
+the trainer's float32 arithmetic: rewards, signals and turn rewards within ``±MAX_ABS_REWARD``
+(1e9: their squares still fit float32 when advantages are normalised), logprobs (behaviour,
+teacher, hint) within ``[MIN_LOGPROB, 0]`` (-1e4 nats: no sampled token is that unlikely, and
+``exp`` of any difference of two of them stays finite after the loss's clamps), sampling and
+teacher temperatures within ``[MIN_TEMPERATURE, MAX_TEMPERATURE]`` (0.01 to 100). What depends on
+the model (token ids below its vocabulary, trajectories within its context) is checked against
+the :class:`ModelLimits` the trainer registers with its versions (:func:`check_model_limits`).
 """
 
 from __future__ import annotations
@@ -68,7 +77,55 @@ MAX_TRAJECTORIES_PER_GROUP = 4096
 MAX_TEACHER_TOP_K = 128
 MAX_TURNS_PER_TRAJECTORY = 4096
 MAX_TOKENS_PER_TRAJECTORY = 1 << 20
+MAX_ABS_REWARD = 1e9
+MIN_LOGPROB = -1e4
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
+MAX_VOCAB_SIZE = (1 << 31) - 1
 _LITTLE = sys.byteorder == "little"
+
+
+def _check_reward(value: float, what: str) -> None:
+    if not (math.isfinite(value) and abs(value) <= MAX_ABS_REWARD):
+        raise ValueError(
+            f"{what} must be a finite number within ±{MAX_ABS_REWARD:g}, got {value!r}"
+        )
+
+
+def _check_temperature(value: float | None, what: str) -> None:
+    if value is not None and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise ValueError(
+            f"{what} must be within [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {value!r}"
+        )
+
+
+def _check_logprobs(values: list[float] | array[Any], what: str) -> None:
+    """Every value finite and within [MIN_LOGPROB, 0]. (``min``/``max`` alone can step over a
+    NaN; the sum cannot: NaN or inf anywhere makes it non-finite.)"""
+    if len(values) and not (
+        math.isfinite(sum(values)) and min(values) >= MIN_LOGPROB and max(values) <= 0.0
+    ):
+        raise ValueError(f"{what} must be finite logprobs within [{MIN_LOGPROB:g}, 0]")
+
+
+class ModelLimits(WireModel):
+    """What the trained model can take, registered by the trainer with each version
+    (``POST /v1/versions``): the coordinator refuses a group outside them at submission, and the
+    trainer checks them again before collating (:func:`check_model_limits`)."""
+
+    vocab_size: int = Field(
+        ge=1,
+        le=MAX_VOCAB_SIZE,
+        description="Rows of the model's logits: every token id (and teacher or hint top-k id) "
+        "must be below it.",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_TOKENS_PER_TRAJECTORY,
+        description="Longest trajectory (tokens) the model can take (e.g. its learned position "
+        "embeddings); None: no bound beyond the wire's.",
+    )
 
 
 class TeacherLogprobs(WireModel):
@@ -105,8 +162,9 @@ class TeacherLogprobs(WireModel):
                 f"teacher: ids and logprobs must hold k={self.k} entries for each of the {m} "
                 f"positions (got {len(self.ids)} and {len(self.logprobs)})"
             )
-        if not math.isfinite(self.temperature):
-            raise ValueError("teacher.temperature must be a finite number > 0")
+        _check_temperature(self.temperature, "teacher.temperature")
+        _check_logprobs(self.sampled, "teacher.sampled")
+        _check_logprobs(self.logprobs, "teacher.logprobs")
         return self
 
 
@@ -184,10 +242,13 @@ class Trajectory(WireModel):
             raise ValueError(f"prompt_len {self.prompt_len} exceeds the {n} tokens")
         if self.version_min > self.version_max:
             raise ValueError(f"version_min {self.version_min} > version_max {self.version_max}")
-        if not math.isfinite(self.reward) or not all(map(math.isfinite, self.signals.values())):
-            raise ValueError("reward and signals must be finite numbers")
-        if self.temperature is not None and not math.isfinite(self.temperature):
-            raise ValueError("temperature must be a finite number > 0")
+        _check_reward(self.reward, "reward")
+        for name, value in self.signals.items():
+            _check_reward(value, f"signals[{name!r}]")
+        _check_temperature(self.temperature, "temperature")
+        _check_logprobs(self.logprobs, "logprobs")
+        if n and min(self.tokens) < 0:
+            raise ValueError("tokens: negative token id")
         self._check_turns()
         if self.hint_text is not None and self.hint is None:
             raise ValueError("hint_text without hint: the hinted turn's scores must come with it")
@@ -227,8 +288,8 @@ class Trajectory(WireModel):
             last = end
         if any(self.mask[last:]):
             raise ValueError(f"trained tokens (mask 1) after the last turn's end {last}")
-        if not all(map(math.isfinite, rewards)):
-            raise ValueError("turn_rewards must be finite numbers")
+        for j, r in enumerate(rewards):
+            _check_reward(r, f"turn_rewards[{j}]")
         total = math.fsum(rewards)
         if abs(total - self.reward) > 1e-6 * max(1.0, abs(self.reward)):
             raise ValueError(
@@ -272,6 +333,42 @@ class TrajectoryGroup(WireModel):
     def has_teacher(self) -> bool:
         """Some trajectory carries teacher or hint data (the payload is then v2)."""
         return any(t.teacher is not None or t.hint is not None for t in self.trajectories)
+
+
+class OutsideLimitsError(ValueError):
+    """A group outside the model's limits; ``reason`` is ``'too_long'`` or ``'bad_token_id'``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def check_model_limits(group: TrajectoryGroup, limits: ModelLimits) -> None:
+    """Raise :class:`OutsideLimitsError` naming the first trajectory and field outside ``limits``: a token
+    id (or a teacher's or hint's top-k id) at or above the vocabulary size, or a trajectory
+    longer than the model takes. Everything else is checked when the group is built
+    (:class:`Trajectory`)."""
+    vocab = limits.vocab_size
+    for i, t in enumerate(group.trajectories):
+        if limits.max_tokens is not None and len(t.tokens) > limits.max_tokens:
+            raise OutsideLimitsError(
+                "too_long",
+                f"trajectories[{i}]: {len(t.tokens)} tokens, more than the model takes "
+                f"({limits.max_tokens})",
+            )
+        if t.tokens and max(t.tokens) >= vocab:
+            raise OutsideLimitsError(
+                "bad_token_id",
+                f"trajectories[{i}].tokens: token id {max(t.tokens)} is outside the model's "
+                f"vocabulary of {vocab}",
+            )
+        for name, view in (("teacher", t.teacher), ("hint", t.hint)):
+            if view is not None and view.ids and max(view.ids) >= vocab:
+                raise OutsideLimitsError(
+                    "bad_token_id",
+                    f"trajectories[{i}].{name}.ids: token id {max(view.ids)} is outside the "
+                    f"model's vocabulary of {vocab}",
+                )
 
 
 def _pack_array(code: str, values: list[int] | list[float], what: str) -> bytes:
@@ -319,11 +416,6 @@ def _decode_teacher(raw: Any, what: str) -> dict[str, Any]:
     sampled = _unpack_array("f", raw.get("sampled"), f"{what}.sampled")
     ids = _unpack_array("i", raw.get("ids"), f"{what}.ids")
     logprobs = _unpack_array("f", raw.get("logprobs"), f"{what}.logprobs")
-    for name, arr in (("sampled", sampled), ("logprobs", logprobs)):
-        if len(arr):
-            total = sum(arr)
-            if not math.isfinite(total) or max(arr) > 0.0:
-                raise ValueError(f"{what}.{name} must be finite and <= 0")
     if len(ids) and min(ids) < 0:
         raise ValueError(f"{what}.ids: negative token id")
     return {
@@ -406,10 +498,6 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
         raise ValueError(f"trajectories[{i}]: more than {MAX_TOKENS_PER_TRAJECTORY} tokens")
     if len(tokens) and min(tokens) < 0:
         raise ValueError(f"trajectories[{i}].tokens: negative token id")
-    if len(logprobs):
-        total = sum(logprobs)  # NaN or inf anywhere makes the sum non-finite
-        if not math.isfinite(total) or max(logprobs) > 0.0:
-            raise ValueError(f"trajectories[{i}].logprobs must be finite and <= 0")
     if len(mask) and max(mask) > 1:
         raise ValueError(f"trajectories[{i}].mask must contain only 0 and 1")
     extra = set(raw) - {

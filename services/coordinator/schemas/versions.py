@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import Field
 
 from deltarl.services.coordinator.schemas.common import Count, Version, WireModel
+from deltarl.services.coordinator.schemas.trajectories import ModelLimits
 from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
 
 VersionKind = Literal["anchor", "delta"]
@@ -25,6 +26,7 @@ __all__ = [
     "ChallengePair",
     "ChallengePool",
     "ChallengePoolResult",
+    "ChallengePoolStatus",
     "ObjectRef",
     "VersionKind",
     "VersionManifest",
@@ -40,6 +42,11 @@ class VersionPublish(WireModel):
 
     manifest: VersionManifest = Field(
         description="The version's manifest exactly as published in the bucket."
+    )
+    limits: ModelLimits | None = Field(
+        default=None,
+        description="What the trained model takes (vocabulary, context): groups outside them "
+        "are refused at submission. None: only the wire's own bounds are checked.",
     )
 
 
@@ -73,6 +80,10 @@ class VersionRecord(WireModel):
     published_at: float = Field(description="Manifest creation time (Unix s).")
     recorded_at: float = Field(description="Coordinator's wall clock at acceptance (Unix s).")
     manifest: VersionManifest = Field(description="The manifest as published (objects, digests).")
+    limits: ModelLimits | None = Field(
+        default=None,
+        description="The model's limits the trainer registered with this version; None: none.",
+    )
 
 
 class ChallengePair(WireModel):
@@ -101,3 +112,42 @@ class ChallengePoolResult(WireModel):
     version: Version = Field(description="The version the pairs are for.")
     added: Count = Field(description="Pairs added (a nonce already known is skipped).")
     pool_size: Count = Field(description="Unused pairs now in this version's pool.")
+    target: Count = Field(
+        default=0,
+        description="Unused pairs the coordinator wants in this version's pool now: one per "
+        "active worker not yet challenged at it, plus a spare (proof_pool_margin and a quarter "
+        "of the active workers) for retries and joining workers.",
+    )
+    wanted: Count = Field(
+        default=0,
+        description="More pairs to post for this version now: max(0, target - pool_size), at "
+        f"most {MAX_CHALLENGES} in the pool.",
+    )
+
+
+class ChallengePoolStatus(WireModel):
+    """``GET /v1/versions/{version}/challenges``: where a version's weight challenges stand (the
+    answers are never shown). An operator sees starvation here: ``workers_waiting`` > 0."""
+
+    version: Version = Field(description="The version.")
+    posted: bool = Field(description="The trainer posted challenges for this version.")
+    pool_size: Count = Field(description="Pairs not issued yet.")
+    target: Count = Field(description="Unused pairs wanted now (see ChallengePoolResult).")
+    wanted: Count = Field(
+        description="More pairs the trainer should post now (0 before its first post: it may "
+        "publish no challenges)."
+    )
+    workers_active: Count = Field(
+        description="Active workers that may still serve this version (applied version at most "
+        "this one, or none yet)."
+    )
+    workers_challenged: Count = Field(
+        description="Workers issued at least one challenge at this version."
+    )
+    workers_unchallenged: Count = Field(
+        description="Active workers never issued a challenge at this version yet."
+    )
+    workers_waiting: Count = Field(
+        description="Active workers serving this version, unproven there, that asked for a "
+        "challenge the pool could not give (used up): they wait for the trainer's top-up."
+    )

@@ -112,6 +112,19 @@ class WorkerInfo(WireModel):
     weights_proven_at: float | None = Field(
         default=None, description="When the last correct proof was received (Unix s)."
     )
+    rejected_groups: Count = Field(
+        default=0,
+        description="Groups of this worker the trainer refused (kept across re-registration).",
+    )
+    last_rejection: str | None = Field(
+        default=None, description="The last refusal: reason code and detail; None: none."
+    )
+    suspect: bool = Field(
+        default=False,
+        description="True once rejected_groups reaches the coordinator's suspect_after: its "
+        "samples do not hold up (with refuse_suspect_workers it gets no admission and its "
+        "submissions are refused).",
+    )
     proof_failures: Count = Field(
         default=0, description="Wrong or late answers to weight challenges since registration."
     )

@@ -98,12 +98,17 @@ function render(s) {
   setText("dropped", String(dropped));
   const last = s.versions[s.versions.length - 1];
   setText("delta-ratio", last ? `${fmtBytes(last.bytes)} / ${fmtBytes(last.full_bytes)}` : "–");
+  const pool = s.challenges;
+  setText("challenges", pool && pool.posted
+    ? `${pool.pool_size} / ${s.workers_waiting_for_challenge ?? 0}` : "–");
+  setText("refused", `${s.queue.dead_letters ?? 0} / ${s.workers_suspect ?? 0}`);
 
   barChart(document.getElementById("chart-versions"),
     s.versions.map((v) => ({ label: String(v.version), value: v.bytes, color: v.kind === "anchor" ? "#f59e0b" : "#2563eb", data: { version: v.version, kind: v.kind, bytes: v.bytes } })),
     { yFmt: fmtBytes, log: true, line: s.versions.map((v) => ({ value: v.full_bytes })) });
   lineChart(document.getElementById("chart-reward"),
-    s.rewards.map((r) => ({ x: r.version, y: r.mean_reward, label: `v${r.version}: ${r.mean_reward.toFixed(3)} (${r.groups} groups)` })),
+    s.rewards.filter((r) => Number.isFinite(r.mean_reward))
+      .map((r) => ({ x: r.version, y: r.mean_reward, label: `v${r.version}: ${r.mean_reward.toFixed(3)} (${r.groups} groups)` })),
     { yFmt: (v) => v.toFixed(2), xLabel: (x) => "v" + x, color: "#16a34a" });
   const lagged = s.workers.slice(0, 60);
   barChart(document.getElementById("chart-lag"),
@@ -122,13 +127,15 @@ function render(s) {
   const body = document.querySelector("#workers-table tbody");
   body.replaceChildren(...s.workers.slice(0, 200).map((w) => {
     const tr = document.createElement("tr");
-    tr.className = w.state;
+    tr.className = w.suspect ? "lost" : w.state;
     // proven by a weight challenge; "unproven" while none was answered at this version
     const weights = w.weights_verified == null
       ? (w.weights_proven_version == null ? "unproven" : `proven v${w.weights_proven_version}`)
       : (w.weights_verified ? "proven" : "PROOF FAILED");
-    for (const v of [w.worker_id, w.state, w.engine, w.applied_version ?? "–", weights, w.lag_versions ?? "–",
-      w.lag_seconds == null ? "–" : w.lag_seconds.toFixed(1), w.in_flight, w.last_error ?? ""]) {
+    const refused = w.rejected_groups ? `${w.rejected_groups} (${w.last_rejection ?? ""})` : "";
+    for (const v of [w.worker_id, w.suspect ? "SUSPECT" : w.state, w.engine, w.applied_version ?? "–", weights,
+      w.lag_versions ?? "–", w.lag_seconds == null ? "–" : w.lag_seconds.toFixed(1), w.in_flight, refused,
+      w.last_error ?? ""]) {
       const td = document.createElement("td");
       td.textContent = String(v);
       tr.appendChild(td);

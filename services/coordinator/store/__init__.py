@@ -9,13 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deltarl.services.coordinator.store.base import (
+    MAX_DEAD_LETTERS,
+    MAX_DELIVERIES,
+    UNDELIVERED,
+    ChallengeStats,
     CoordinatorStore,
+    DeadLetter,
     IdempotencyConflict,
     IssuedChallenge,
     LeaseExpired,
     LeaseOutcome,
     NewSubmission,
     QueuedMeta,
+    Rejection,
     StoreCounters,
     StoreError,
     SubmitOutcome,
@@ -23,19 +29,26 @@ from deltarl.services.coordinator.store.base import (
     UnknownLease,
     VersionConflict,
     WorkerRecord,
+    WorkerRejections,
 )
 
 if TYPE_CHECKING:
     from deltarl.services.coordinator.settings import CoordinatorSettings
 
 __all__ = [
+    "MAX_DEAD_LETTERS",
+    "MAX_DELIVERIES",
+    "UNDELIVERED",
+    "ChallengeStats",
     "CoordinatorStore",
+    "DeadLetter",
     "IdempotencyConflict",
     "IssuedChallenge",
     "LeaseExpired",
     "LeaseOutcome",
     "NewSubmission",
     "QueuedMeta",
+    "Rejection",
     "StoreCounters",
     "StoreError",
     "SubmitOutcome",
@@ -43,6 +56,7 @@ __all__ = [
     "UnknownLease",
     "VersionConflict",
     "WorkerRecord",
+    "WorkerRejections",
     "open_store",
 ]
 

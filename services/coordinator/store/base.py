@@ -12,11 +12,23 @@ Queue life cycle of a group: ``submit`` (queued) -> ``lease`` (leased by one bat
 lease alive while its holder still works on it. ``lease`` first
 reclaims expired leases, then drops queued groups whose ``version_min`` is below ``min_version``
 (counted as ``stale_at_pull``), then takes the oldest remaining groups.
+
+Dead letters: a group the trainer could not train on is never queued again in a loop. The
+trainer names it when it acks its batch (a :class:`Rejection`: the group was checked and refused,
+and its worker's rejection count grows), and a group whose lease expired
+:data:`MAX_DELIVERIES` times without an ack (its trainer failed or died holding it, twice) is set
+aside at the next lease instead of being leased a third time. A group coming back after an
+expiry is leased alone (its ``deliveries`` is 2), so that a trainer training it alone implicates
+no other group if it fails on it again. Either way it becomes a *dead letter*: out of the queue, kept with its payload and the reason (:meth:`dead_letters`), until
+an operator puts it back (:meth:`requeue_dead_letter`); at most :data:`MAX_DEAD_LETTERS` are
+kept (the oldest go first, counted as ``dead_letter_evicted``). A nack is a deliberate return
+and does not count as a delivery.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +53,52 @@ class LeaseExpired(StoreError):
 
 class IdempotencyConflict(StoreError):
     """An idempotency key was reused for a different payload."""
+
+
+MAX_DELIVERIES = 2  # leases that may expire holding a group before it becomes a dead letter
+MAX_DEAD_LETTERS = 10_000  # dead letters kept (payloads included); older ones are dropped
+UNDELIVERED = "undelivered"  # the reason of a dead letter set aside by lease (expired twice)
+UNDELIVERED_DETAIL = (
+    "leased and not acknowledged twice: the trainer may have failed on this group; set aside so "
+    "that it cannot stop the trainer again"
+)
+
+
+@dataclass(slots=True)
+class Rejection:
+    """A leased group the trainer refused, named when it acks the group's batch."""
+
+    submission_id: int
+    reason: str  # short stable code, e.g. "bad_token_id", "sampling_mismatch"
+    detail: str  # what was wrong, for a person
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """A group out of the queue for good (unless requeued), with why."""
+
+    submission_id: int
+    worker_id: str
+    group_id: str
+    version_min: int
+    version_max: int
+    submitted_at: float
+    dead_at: float
+    deliveries: int
+    reason: str
+    detail: str
+
+
+@dataclass(slots=True)
+class WorkerRejections:
+    """How many of a worker's groups the trainer refused, and the last reason. Kept per worker
+    id across re-registration and removal: leaving and joining again does not clear it."""
+
+    worker_id: str
+    rejected: int
+    last_reason: str | None = None
+    last_detail: str | None = None
+    last_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +146,22 @@ class TakenChallenge:
 
 
 @dataclass(slots=True)
+class ChallengeStats:
+    """Where one version's weight challenges stand (never an answer). "Active" workers were seen
+    after the ``active_after`` time given; ``unchallenged`` and ``active`` count only those that
+    may still serve the version (their applied version is at most it, or none yet)."""
+
+    version: int
+    posted: bool  # the trainer posted a pool for this version (it may be used up)
+    pool_size: int  # pairs not issued yet
+    challenged: int  # worker ids issued at least one challenge at this version
+    active: int  # active workers that may still serve this version
+    unchallenged: int  # of those, the ones never issued a challenge at this version
+    waiting: int  # active workers serving this version, unproven there, the pool could not serve
+    waiting_total: int  # the same over every version with a pool (each worker at its own)
+
+
+@dataclass(slots=True)
 class NewSubmission:
     """A validated group, ready to be queued. ``payload`` is the wire bytes, kept unchanged."""
 
@@ -115,6 +189,7 @@ class QueuedMeta:
     submitted_at: float
     num_trajectories: int
     num_tokens: int
+    deliveries: int = 1  # leases that held it, this one included (set by lease)
 
 
 @dataclass(slots=True)
@@ -142,6 +217,8 @@ class StoreCounters:
     duplicates_total: int
     dropped: dict[str, int] = field(default_factory=dict)
     oldest_submitted_at: float | None = None
+    dead_letters: int = 0  # groups set aside (see the module docstring)
+    rejected: dict[str, int] = field(default_factory=dict)  # trainer rejections by reason
 
 
 class CoordinatorStore(ABC):
@@ -221,11 +298,32 @@ class CoordinatorStore(ABC):
 
     @abstractmethod
     def issue_challenge(
-        self, worker_id: str, version: int, now: float, expires_at: float
+        self,
+        worker_id: str,
+        version: int,
+        now: float,
+        expires_at: float,
+        max_attempts: int,
+        active_after: float,
     ) -> IssuedChallenge | None:
         """The worker's challenge for ``version``: its outstanding one if it is for that version
-        and not expired, else a pair taken from the pool (replacing any other outstanding one);
-        None when the pool is empty. Atomic: no pair is ever issued twice."""
+        and not expired (re-sent, nothing used), else a pair taken from the pool (replacing any
+        other outstanding one), but only if
+
+        * the worker id was issued fewer than ``max_attempts`` challenges at ``version`` (counted
+          across registrations, until the version's pool is dropped): one worker uses O(1) pairs
+          of a version however often it heartbeats, fails or rejoins;
+        * for its second or later one: the pool holds more pairs than the active workers (seen
+          after ``active_after``, applied version at most ``version`` or none) never issued one
+          at ``version``: retries never take a first challenge's pair.
+
+        None otherwise, and when the trainer posted no pool for ``version``. A worker the pool
+        could not serve (used up, or kept for first challenges) counts as waiting at ``version``
+        until one is issued to it. Atomic: no pair is ever issued twice."""
+
+    @abstractmethod
+    def challenge_stats(self, version: int, active_after: float) -> ChallengeStats:
+        """Where ``version``'s challenges stand (see :class:`ChallengeStats`)."""
 
     @abstractmethod
     def take_challenge(self, worker_id: str, nonce: str) -> TakenChallenge | None:
@@ -254,19 +352,49 @@ class CoordinatorStore(ABC):
 
     @abstractmethod
     def lease(
-        self, max_groups: int, lease_s: float, now: float, min_version: int | None
+        self,
+        max_groups: int,
+        lease_s: float,
+        now: float,
+        min_version: int | None,
+        max_bytes: int | None = None,
     ) -> LeaseOutcome:
-        """Reclaim expired leases, drop stale groups, lease the oldest ``max_groups``."""
+        """Reclaim expired leases, drop stale groups, set aside as dead letters the groups
+        already delivered :data:`MAX_DELIVERIES` times, then lease the oldest ``max_groups``
+        whose payloads add up to at most ``max_bytes`` (the first group always, whatever its
+        size; None: no byte bound). A group delivered before (its lease expired) is leased
+        alone: the lease ends before it, or holds only it."""
 
     @abstractmethod
-    def ack(self, batch_id: str, now: float) -> int:
-        """Remove a leased batch's groups for good; returns their number. Repeating a
-        successful ack returns the same number. Raises :class:`LeaseExpired` when too late
-        (the groups are then back in the queue) and :class:`UnknownLease` for unknown ids."""
+    def ack(self, batch_id: str, now: float, rejected: Sequence[Rejection] = ()) -> int:
+        """Remove a leased batch's groups for good; returns their number. The ``rejected`` ones
+        become dead letters and count against their workers (:class:`WorkerRejections`); each
+        must be a group of this batch (else :class:`StoreError`, and nothing changes).
+        Repeating a successful ack returns the same number. Raises :class:`LeaseExpired` when
+        too late (the groups are then back in the queue) and :class:`UnknownLease` for unknown
+        ids."""
 
     @abstractmethod
     def nack(self, batch_id: str, now: float) -> int:
-        """Return a leased batch's groups to the head of the queue now."""
+        """Return a leased batch's groups to the head of the queue now (not counted as a
+        delivery)."""
+
+    @abstractmethod
+    def dead_letters(self, limit: int) -> tuple[int, list[DeadLetter]]:
+        """``(count, the newest ``limit`` dead letters, newest first)``."""
+
+    @abstractmethod
+    def requeue_dead_letter(self, submission_id: int) -> bool:
+        """Put a dead letter back in the queue, ahead of the groups submitted after it, with its
+        deliveries reset; False if there is no such dead letter."""
+
+    @abstractmethod
+    def worker_rejections(self) -> dict[str, WorkerRejections]:
+        """Every worker id with at least one rejected group."""
+
+    @abstractmethod
+    def clear_rejections(self, worker_id: str) -> bool:
+        """Forget a worker's rejections (an operator vouches for it); False if it had none."""
 
     @abstractmethod
     def extend(self, batch_id: str, lease_s: float, now: float) -> float:

@@ -10,9 +10,14 @@ Layout (every key starts with ``<prefix>:``):
   ``seq`` counter; ``l:<batch>`` list of a lease's ids; ``leases`` zset batch -> expiry;
   ``lx:<batch>`` outcome of a finished lease (``acked:<n>``, ``expired``, ``nacked``; 1 day TTL).
 * ``c`` hash of counters; ``rw`` hash reward sums by version; ``sh`` staleness histogram.
+* dead letters: ``s:<id>`` keeps ``dl`` (deliveries: leases taken), and once dead ``dead_at``,
+  ``reason``, ``detail``; ``dl`` zset id -> dead_at; ``rj:<worker>`` hash of a worker's
+  rejections (``n``, ``last_reason``, ``last_detail``, ``last_at``), ``rj:ids`` set of them.
 * weight proofs: ``ch:p:<v>`` list of ``nonce:answer:chunk_bytes:chunks`` (the pool of version
   ``v``), ``ch:n:<v>`` set of its nonces, ``ch:vs`` zset of versions with a pool;
-  ``ch:o:<worker>`` hash of the worker's outstanding challenge.
+  ``ch:o:<worker>`` hash of the worker's outstanding challenge; ``ch:a:<v>`` hash worker id ->
+  challenges issued to it at ``v``; ``ch:w:<v>`` set of the worker ids the pool of ``v`` could
+  not serve (waiting for one).
 
 Every multi-key change is one Lua script, so it is atomic against other coordinators. Scripts build
 key names at run time, so use one Redis (or a primary with replicas), not Redis Cluster. Durability
@@ -24,25 +29,35 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
 from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store.base import (
+    MAX_DEAD_LETTERS,
+    MAX_DELIVERIES,
+    UNDELIVERED,
+    UNDELIVERED_DETAIL,
+    ChallengeStats,
     CoordinatorStore,
+    DeadLetter,
     IdempotencyConflict,
     IssuedChallenge,
     LeaseExpired,
     LeaseOutcome,
     NewSubmission,
     QueuedMeta,
+    Rejection,
     StoreCounters,
+    StoreError,
     SubmitOutcome,
     TakenChallenge,
     UnknownLease,
     VersionConflict,
     WorkerRecord,
+    WorkerRejections,
     same_version_content,
 )
 
@@ -78,7 +93,9 @@ return redis.call('HGETALL', k)
 _ADD_CHALLENGES = """
 local p = ARGV[1]; local v = ARGV[2]
 local old = redis.call('ZRANGEBYSCORE', p..':ch:vs', '-inf', '('..ARGV[3])
-for _, o in ipairs(old) do redis.call('DEL', p..':ch:p:'..o, p..':ch:n:'..o) end
+for _, o in ipairs(old) do
+  redis.call('DEL', p..':ch:p:'..o, p..':ch:n:'..o, p..':ch:a:'..o, p..':ch:w:'..o)
+end
 if #old > 0 then redis.call('ZREMRANGEBYSCORE', p..':ch:vs', '-inf', '('..ARGV[3]) end
 local added = 0
 for i = 6, #ARGV, 2 do
@@ -91,20 +108,73 @@ redis.call('ZADD', p..':ch:vs', v, v)
 return {added, redis.call('LLEN', p..':ch:p:'..v)}
 """
 
-_ISSUE_CHALLENGE = """
-local p = ARGV[1]; local o = p..':ch:o:'..ARGV[2]; local v = ARGV[3]
+# active workers (last seen after ``after``) that may still serve version ``v`` (applied version
+# at most ``v``, or none) and were never issued a challenge at ``v``: {active, unchallenged}
+_UNCHALLENGED_FN = """
+local function unchallenged(p, v, after)
+  local issued = p..':ch:a:'..v; local active, n = 0, 0
+  for _, id in ipairs(redis.call('SMEMBERS', p..':w:ids')) do
+    local f = redis.call('HMGET', p..':w:'..id, 'last_seen', 'applied_version')
+    if f[1] and tonumber(f[1]) > after and (not f[2] or tonumber(f[2]) <= tonumber(v)) then
+      active = active + 1
+      if redis.call('HEXISTS', issued, id) == 0 then n = n + 1 end
+    end
+  end
+  return {active, n}
+end
+"""
+
+_ISSUE_CHALLENGE = (
+    _UNCHALLENGED_FN
+    + """
+local p = ARGV[1]; local id = ARGV[2]; local o = p..':ch:o:'..id; local v = ARGV[3]
 local cur = redis.call('HMGET', o, 'nonce', 'version', 'chunk_bytes', 'chunks', 'expires_at')
 if cur[1] and cur[2] == v and tonumber(cur[5]) > tonumber(ARGV[4]) then
   return {cur[1], cur[3], cur[4], cur[5]}
 end
-local item = redis.call('LPOP', p..':ch:p:'..v)
-if not item then return nil end
+if not redis.call('ZSCORE', p..':ch:vs', v) then return nil end
+local issued = tonumber(redis.call('HGET', p..':ch:a:'..v, id) or '0')
+if issued >= tonumber(ARGV[6]) then return nil end
+local pool = p..':ch:p:'..v
+local left = redis.call('LLEN', pool)
+if left == 0 or (issued > 0 and left <= unchallenged(p, v, tonumber(ARGV[7]))[2]) then
+  redis.call('SADD', p..':ch:w:'..v, id)
+  return nil
+end
+local item = redis.call('LPOP', pool)
 local n, a, cb, ch = string.match(item, '^(%x+):(%x+):(%d+):(%d+)$')
 redis.call('DEL', o)
 redis.call('HSET', o, 'nonce', n, 'version', v, 'answer', a, 'chunk_bytes', cb, 'chunks', ch,
            'expires_at', ARGV[5])
+redis.call('HSET', p..':ch:a:'..v, id, issued + 1)
+redis.call('SREM', p..':ch:w:'..v, id)
 return {n, cb, ch, ARGV[5]}
 """
+)
+
+# {posted, pool size, challenged, active, unchallenged, waiting at v, waiting at any version}
+_CHALLENGE_STATS = (
+    _UNCHALLENGED_FN
+    + """
+local p = ARGV[1]; local v = ARGV[2]; local after = tonumber(ARGV[3])
+local posted = 0
+if redis.call('ZSCORE', p..':ch:vs', v) then posted = 1 end
+local counts = unchallenged(p, v, after)
+local function waiting(at)
+  local n = 0
+  for _, id in ipairs(redis.call('SMEMBERS', p..':ch:w:'..at)) do
+    local f = redis.call('HMGET', p..':w:'..id, 'last_seen', 'applied_version', 'proven_version')
+    if f[1] and tonumber(f[1]) > after and f[2] and tonumber(f[2]) == tonumber(at)
+       and (not f[3] or tonumber(f[3]) ~= tonumber(at)) then n = n + 1 end
+  end
+  return n
+end
+local total = 0
+for _, at in ipairs(redis.call('ZRANGE', p..':ch:vs', 0, -1)) do total = total + waiting(at) end
+return {posted, redis.call('LLEN', p..':ch:p:'..v), redis.call('HLEN', p..':ch:a:'..v),
+        counts[1], counts[2], waiting(v), total}
+"""
+)
 
 _TAKE_CHALLENGE = """
 local o = ARGV[1]..':ch:o:'..ARGV[2]
@@ -169,7 +239,8 @@ if redis.call('EXISTS', wk) == 1 then redis.call('HINCRBY', wk, 'submitted', 1) 
 return {0, seq, redis.call('LLEN', p..':q')}
 """
 
-# Shared by lease, ack, nack and reclaim: put a lease's ids back at the head of the queue.
+# Shared by lease, ack, nack and reclaim: put a lease's ids back at the head of the queue;
+# dead letters (set aside, at most MAX_DEAD kept).
 _REQUEUE_FN = """
 local function requeue(p, batch, outcome)
   local ids = redis.call('LRANGE', p..':l:'..batch, 0, -1)
@@ -179,6 +250,19 @@ local function requeue(p, batch, outcome)
   redis.call('HINCRBY', p..':c', 'leased', -#ids)
   redis.call('SET', p..':lx:'..batch, outcome, 'EX', 86400)
   return #ids
+end
+local function evict_dead(p, max_dead)
+  local extra = redis.call('ZCARD', p..':dl') - tonumber(max_dead)
+  if extra <= 0 then return end
+  for _, id in ipairs(redis.call('ZRANGE', p..':dl', 0, extra - 1)) do
+    redis.call('DEL', p..':s:'..id)
+  end
+  redis.call('ZREMRANGEBYRANK', p..':dl', 0, extra - 1)
+  redis.call('HINCRBY', p..':c', 'drop:dead_letter_evicted', extra)
+end
+local function dead(p, id, now, reason, detail)
+  redis.call('HSET', p..':s:'..id, 'dead_at', now, 'reason', reason, 'detail', detail)
+  redis.call('ZADD', p..':dl', now, id)
 end
 local function reclaim(p, now)
   local expired = redis.call('ZRANGEBYSCORE', p..':leases', '-inf', now)
@@ -203,22 +287,39 @@ _LEASE = (
     + """
 local p = ARGV[1]; local now = ARGV[2]; local expires = ARGV[3]
 local max = tonumber(ARGV[4]); local minv = ARGV[5]; local batch = ARGV[6]
+local max_bytes = tonumber(ARGV[7]); local max_dl = tonumber(ARGV[8])
 reclaim(p, now)
 local out = {0, 0}
-local dropped = 0; local taken = {}
+local dropped = 0; local undelivered = 0; local taken = {}; local total = 0
 while #taken < max do
   local id = redis.call('LPOP', p..':q')
   if not id then break end
   local k = p..':s:'..id
-  if minv ~= '' and tonumber(redis.call('HGET', k, 'vmin')) < tonumber(minv) then
+  local f = redis.call('HMGET', k, 'vmin', 'dl')
+  if minv ~= '' and tonumber(f[1]) < tonumber(minv) then
     redis.call('DEL', k); dropped = dropped + 1
+  elseif tonumber(f[2] or '0') >= max_dl then
+    dead(p, id, now, ARGV[9], ARGV[10]); undelivered = undelivered + 1
   else
+    local size = redis.call('HSTRLEN', k, 'payload')
+    local delivered = tonumber(f[2] or '0') > 0
+    if #taken > 0 and (delivered or (max_bytes >= 0 and total + size > max_bytes)) then
+      redis.call('LPUSH', p..':q', id)
+      break
+    end
+    total = total + size
     taken[#taken + 1] = id
+    local dl = redis.call('HINCRBY', k, 'dl', 1)
     local fields = redis.call('HMGET', k, 'meta', 'payload')
-    out[#out + 1] = fields[1]; out[#out + 1] = fields[2]
+    out[#out + 1] = fields[1]; out[#out + 1] = fields[2]; out[#out + 1] = dl
+    if delivered then break end  -- back after an expiry: alone
   end
 end
 if dropped > 0 then redis.call('HINCRBY', p..':c', 'drop:stale_at_pull', dropped) end
+if undelivered > 0 then
+  redis.call('HINCRBY', p..':c', 'drop:'..ARGV[9], undelivered)
+  evict_dead(p, ARGV[11])
+end
 if #taken > 0 then
   redis.call('RPUSH', p..':l:'..batch, unpack(taken))
   redis.call('ZADD', p..':leases', expires, batch)
@@ -245,7 +346,26 @@ if tonumber(expiry) <= now then
   return {-2, 'expired'}
 end
 local ids = redis.call('LRANGE', p..':l:'..batch, 0, -1)
-for i = 1, #ids do redis.call('DEL', p..':s:'..ids[i]) end
+local member = {}
+for i = 1, #ids do member[ids[i]] = true end
+local rejected = {}
+for i = 5, #ARGV, 3 do
+  if not member[ARGV[i]] or rejected[ARGV[i]] then return {-3, ARGV[i]} end
+  rejected[ARGV[i]] = i
+end
+for id, i in pairs(rejected) do
+  local worker = cjson.decode(redis.call('HGET', p..':s:'..id, 'meta'))['worker_id']
+  dead(p, id, ARGV[3], ARGV[i + 1], ARGV[i + 2])
+  local rk = p..':rj:'..worker
+  redis.call('HINCRBY', rk, 'n', 1)
+  redis.call('HSET', rk, 'last_reason', ARGV[i + 1], 'last_detail', ARGV[i + 2], 'last_at', ARGV[3])
+  redis.call('SADD', p..':rj:ids', worker)
+  redis.call('HINCRBY', p..':c', 'reject:'..ARGV[i + 1], 1)
+end
+evict_dead(p, ARGV[4])
+for i = 1, #ids do
+  if not rejected[ids[i]] then redis.call('DEL', p..':s:'..ids[i]) end
+end
 redis.call('DEL', p..':l:'..batch)
 redis.call('ZREM', p..':leases', batch)
 redis.call('HINCRBY', p..':c', 'leased', -#ids)
@@ -263,6 +383,11 @@ if not redis.call('ZSCORE', p..':leases', batch) then
   local done = redis.call('GET', p..':lx:'..batch)
   if not done then return {-1, ''} end
   return {-2, done}
+end
+for _, id in ipairs(redis.call('LRANGE', p..':l:'..batch, 0, -1)) do
+  if tonumber(redis.call('HGET', p..':s:'..id, 'dl') or '0') > 0 then
+    redis.call('HINCRBY', p..':s:'..id, 'dl', -1)
+  end
 end
 return {0, requeue(p, batch, 'nacked')}
 """
@@ -289,6 +414,21 @@ return {0, ARGV[4]}
 )
 
 _RECLAIM = _REQUEUE_FN + "return reclaim(ARGV[1], ARGV[2])"
+
+_REQUEUE_DEAD = """
+local p = ARGV[1]; local id = ARGV[2]
+if redis.call('ZREM', p..':dl', id) == 0 then return 0 end
+redis.call('HDEL', p..':s:'..id, 'dead_at', 'reason', 'detail')
+redis.call('HSET', p..':s:'..id, 'dl', 0)
+redis.call('LPUSH', p..':q', id)
+return 1
+"""
+
+_CLEAR_REJECTIONS = """
+local p = ARGV[1]
+redis.call('SREM', p..':rj:ids', ARGV[2])
+return redis.call('DEL', p..':rj:'..ARGV[2])
+"""
 
 # every worker in one call: {id1, f1..f10, id2, ...} (a 1000-command pipeline costs more in
 # Python than the whole script in Redis)
@@ -373,13 +513,25 @@ def _worker(worker_id: str, flat: list[Any] | dict[Any, Any]) -> WorkerRecord:
     )
 
 
+def _text(raw: bytes | str | None) -> str:
+    return "" if raw is None else raw.decode() if isinstance(raw, bytes) else raw
+
+
 class RedisStore(CoordinatorStore):
     name = "redis"
 
-    def __init__(self, url: str, prefix: str = "deltarl", inline: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "deltarl",
+        inline: bool = True,
+        max_dead_letters: int = MAX_DEAD_LETTERS,
+    ) -> None:
         """``inline``: let routes call this store on the event loop (right for a Redis on the
-        same host or network, ~0.1 ms per call); set False for a distant Redis."""
+        same host or network, ~0.1 ms per call); set False for a distant Redis.
+        ``max_dead_letters``: dead letters kept (tests lower it)."""
         self.inline_ok = inline
+        self.max_dead_letters = max_dead_letters
         if not prefix or ":" in prefix:
             raise ValueError(f"redis prefix must be non-empty without ':' (got {prefix!r})")
         self.prefix = prefix
@@ -397,8 +549,11 @@ class RedisStore(CoordinatorStore):
         self._list_workers = self._r.register_script(_LIST_WORKERS)
         self._add_challenges = self._r.register_script(_ADD_CHALLENGES)
         self._issue_challenge = self._r.register_script(_ISSUE_CHALLENGE)
+        self._challenge_stats = self._r.register_script(_CHALLENGE_STATS)
         self._take_challenge = self._r.register_script(_TAKE_CHALLENGE)
         self._record_proof = self._r.register_script(_RECORD_PROOF)
+        self._requeue_dead = self._r.register_script(_REQUEUE_DEAD)
+        self._clear_rejections = self._r.register_script(_CLEAR_REJECTIONS)
 
     def _k(self, name: str) -> str:
         return f"{self.prefix}:{name}"
@@ -514,15 +669,43 @@ class RedisStore(CoordinatorStore):
         return int(added), int(size)
 
     def issue_challenge(
-        self, worker_id: str, version: int, now: float, expires_at: float
+        self,
+        worker_id: str,
+        version: int,
+        now: float,
+        expires_at: float,
+        max_attempts: int,
+        active_after: float,
     ) -> IssuedChallenge | None:
         res = self._issue_challenge(
-            args=[self.prefix, worker_id, version, repr(now), repr(expires_at)]
+            args=[
+                self.prefix,
+                worker_id,
+                version,
+                repr(now),
+                repr(expires_at),
+                max_attempts,
+                repr(active_after),
+            ]
         )
         if res is None:
             return None
         nonce, cb, chunks, exp = (x.decode() for x in res)
         return IssuedChallenge(version, nonce, int(cb), int(chunks), float(exp))
+
+    def challenge_stats(self, version: int, active_after: float) -> ChallengeStats:
+        res = self._challenge_stats(args=[self.prefix, version, repr(active_after)])
+        posted, left, challenged, active, unchallenged, waiting, total = (int(x) for x in res)
+        return ChallengeStats(
+            version=version,
+            posted=bool(posted),
+            pool_size=left,
+            challenged=challenged,
+            active=active,
+            unchallenged=unchallenged,
+            waiting=waiting,
+            waiting_total=total,
+        )
 
     def take_challenge(self, worker_id: str, nonce: str) -> TakenChallenge | None:
         res = self._take_challenge(args=[self.prefix, worker_id, nonce])
@@ -579,7 +762,12 @@ class RedisStore(CoordinatorStore):
         return SubmitOutcome("duplicate" if code == 1 else "accepted", seq, depth)
 
     def lease(
-        self, max_groups: int, lease_s: float, now: float, min_version: int | None
+        self,
+        max_groups: int,
+        lease_s: float,
+        now: float,
+        min_version: int | None,
+        max_bytes: int | None = None,
     ) -> LeaseOutcome:
         batch_id = uuid.uuid4().hex
         expires = now + lease_s
@@ -591,12 +779,18 @@ class RedisStore(CoordinatorStore):
                 max_groups,
                 "" if min_version is None else min_version,
                 batch_id,
+                -1 if max_bytes is None else max_bytes,
+                MAX_DELIVERIES,
+                UNDELIVERED,
+                UNDELIVERED_DETAIL,
+                self.max_dead_letters,
             ]
         )
         dropped, depth = int(res[0]), int(res[1])
         items = []
-        for i in range(2, len(res), 2):
-            items.append((QueuedMeta(**json.loads(res[i])), bytes(res[i + 1])))
+        for i in range(2, len(res), 3):
+            meta = QueuedMeta(**json.loads(res[i]), deliveries=int(res[i + 2]))
+            items.append((meta, bytes(res[i + 1])))
         return LeaseOutcome(batch_id if items else "", expires, items, dropped, depth)
 
     def _finish(self, res: list[Any], batch_id: str) -> int:
@@ -609,13 +803,74 @@ class RedisStore(CoordinatorStore):
                 f"batch {batch_id} is {state}: its groups went back to the queue; lease again "
                 "(and use a longer lease_s if training takes longer)"
             )
+        if code == -3:
+            raise StoreError(
+                f"submission {res[1].decode()} is not a group of batch {batch_id} (or is named "
+                "twice): only the batch's own groups can be rejected with its ack"
+            )
         return int(res[1])
 
-    def ack(self, batch_id: str, now: float) -> int:
-        return self._finish(self._ack(args=[self.prefix, batch_id, repr(now)]), batch_id)
+    def ack(self, batch_id: str, now: float, rejected: Sequence[Rejection] = ()) -> int:
+        flat = [x for r in rejected for x in (str(r.submission_id), r.reason, r.detail)]
+        args: list[str | int] = [self.prefix, batch_id, repr(now), self.max_dead_letters, *flat]
+        return self._finish(self._ack(args=args), batch_id)
 
     def nack(self, batch_id: str, now: float) -> int:
         return self._finish(self._nack(args=[self.prefix, batch_id]), batch_id)
+
+    def dead_letters(self, limit: int) -> tuple[int, list[DeadLetter]]:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.zcard(self._k("dl"))
+        pipe.zrevrange(self._k("dl"), 0, limit - 1)
+        count, ids = pipe.execute()
+        out = []
+        for raw in ids:
+            sid = raw.decode()
+            meta, deliveries, dead_at, reason, detail = self._r.hmget(
+                self._k(f"s:{sid}"), ["meta", "dl", "dead_at", "reason", "detail"]
+            )
+            if meta is None:  # evicted meanwhile
+                continue
+            m = json.loads(meta)
+            out.append(
+                DeadLetter(
+                    submission_id=int(sid),
+                    worker_id=m["worker_id"],
+                    group_id=m["group_id"],
+                    version_min=m["version_min"],
+                    version_max=m["version_max"],
+                    submitted_at=m["submitted_at"],
+                    dead_at=float(dead_at or 0.0),
+                    deliveries=int(deliveries or 0),
+                    reason=_text(reason),
+                    detail=_text(detail),
+                )
+            )
+        return int(count), out
+
+    def requeue_dead_letter(self, submission_id: int) -> bool:
+        return bool(self._requeue_dead(args=[self.prefix, str(submission_id)]))
+
+    def worker_rejections(self) -> dict[str, WorkerRejections]:
+        ids = sorted(x.decode() for x in self._r.smembers(self._k("rj:ids")))  # type: ignore[union-attr]
+        pipe = self._r.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(self._k(f"rj:{worker_id}"))
+        out = {}
+        for worker_id, raw in zip(ids, pipe.execute(), strict=True):
+            d = {k.decode(): v.decode() for k, v in raw.items()}
+            if "n" in d:
+                out[worker_id] = WorkerRejections(
+                    worker_id=worker_id,
+                    rejected=int(d["n"]),
+                    last_reason=d.get("last_reason"),
+                    last_detail=d.get("last_detail"),
+                    last_at=float(d["last_at"]) if "last_at" in d else None,
+                )
+        return out
+
+    def clear_rejections(self, worker_id: str) -> bool:
+        return bool(self._clear_rejections(args=[self.prefix, worker_id]))
 
     def extend(self, batch_id: str, lease_s: float, now: float) -> float:
         expires = now + lease_s
@@ -654,6 +909,8 @@ class RedisStore(CoordinatorStore):
             duplicates_total=values.get("duplicates_total", 0),
             dropped={k[5:]: v for k, v in values.items() if k.startswith("drop:")},
             oldest_submitted_at=oldest,
+            dead_letters=int(self._r.zcard(self._k("dl"))),
+            rejected={k[7:]: v for k, v in values.items() if k.startswith("reject:")},
         )
 
     def reward_curve(self, limit: int) -> list[tuple[int, int, float]]:

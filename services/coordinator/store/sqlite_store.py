@@ -11,26 +11,35 @@ from __future__ import annotations
 import sqlite3
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 from deltarl.services.coordinator.store.base import (
+    MAX_DEAD_LETTERS,
+    MAX_DELIVERIES,
+    UNDELIVERED,
+    UNDELIVERED_DETAIL,
+    ChallengeStats,
     CoordinatorStore,
+    DeadLetter,
     IdempotencyConflict,
     IssuedChallenge,
     LeaseExpired,
     LeaseOutcome,
     NewSubmission,
     QueuedMeta,
+    Rejection,
     StoreCounters,
+    StoreError,
     SubmitOutcome,
     TakenChallenge,
     UnknownLease,
     VersionConflict,
     WorkerRecord,
+    WorkerRejections,
     same_version_content,
 )
 
@@ -47,13 +56,17 @@ CREATE TABLE IF NOT EXISTS submissions (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, idem_key TEXT NOT NULL UNIQUE, digest TEXT NOT NULL,
     worker_id TEXT, group_id TEXT, version_min INTEGER, version_max INTEGER,
     num_trajectories INTEGER, num_tokens INTEGER, submitted_at REAL,
-    state TEXT NOT NULL, batch_id TEXT, payload BLOB);
+    state TEXT NOT NULL, batch_id TEXT, payload BLOB,
+    deliveries INTEGER NOT NULL DEFAULT 0, dead_at REAL, reason TEXT, detail TEXT);
 CREATE INDEX IF NOT EXISTS submissions_state ON submissions(state, seq);
 CREATE INDEX IF NOT EXISTS submissions_batch ON submissions(batch_id);
 CREATE TABLE IF NOT EXISTS leases (
     batch_id TEXT PRIMARY KEY, expires_at REAL, state TEXT NOT NULL, n INTEGER);
 CREATE INDEX IF NOT EXISTS leases_active ON leases(state, expires_at);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS rejections (
+    worker_id TEXT PRIMARY KEY, n INTEGER NOT NULL, last_reason TEXT, last_detail TEXT,
+    last_at REAL);
 CREATE TABLE IF NOT EXISTS rewards (version INTEGER PRIMARY KEY, n INTEGER, total REAL);
 CREATE TABLE IF NOT EXISTS staleness (k INTEGER PRIMARY KEY, n INTEGER);
 CREATE TABLE IF NOT EXISTS challenge_pool (
@@ -64,6 +77,10 @@ CREATE TABLE IF NOT EXISTS challenges_out (
     worker_id TEXT PRIMARY KEY, nonce TEXT NOT NULL, version INTEGER NOT NULL,
     answer TEXT NOT NULL, chunk_bytes INTEGER NOT NULL, chunks INTEGER NOT NULL,
     expires_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS challenge_versions (version INTEGER PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS challenge_attempts (
+    version INTEGER NOT NULL, worker_id TEXT NOT NULL, issued INTEGER NOT NULL,
+    waiting INTEGER NOT NULL, PRIMARY KEY (version, worker_id));
 """
 
 # columns added to ``workers`` after its first release: (name, type) added by ALTER TABLE to a
@@ -76,20 +93,41 @@ _WORKER_MIGRATIONS = (
     ("proof_failures", "INTEGER NOT NULL DEFAULT 0"),
 )
 
+# columns added to ``submissions`` after its first release (dead letters)
+_SUBMISSION_MIGRATIONS = (
+    ("deliveries", "INTEGER NOT NULL DEFAULT 0"),
+    ("dead_at", "REAL"),
+    ("reason", "TEXT"),
+    ("detail", "TEXT"),
+)
+
+_DEAD_COLS = (
+    "seq, worker_id, group_id, version_min, version_max, submitted_at, dead_at, deliveries, "
+    "reason, detail"
+)
+
 _META_COLS = (
-    "seq, worker_id, group_id, version_min, version_max, submitted_at, num_trajectories, num_tokens"
+    "seq, worker_id, group_id, version_min, version_max, submitted_at, num_trajectories, "
+    "num_tokens, deliveries"
 )
 
 
 def _meta(row: tuple[Any, ...]) -> QueuedMeta:
-    return QueuedMeta(*row[:8])
+    return QueuedMeta(*row[:9])
 
 
 class SQLiteStore(CoordinatorStore):
     name = "sqlite"
     inline_ok = True
 
-    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        synchronous: str = "NORMAL",
+        max_dead_letters: int = MAX_DEAD_LETTERS,
+    ) -> None:
+        """``max_dead_letters``: dead letters kept (tests lower it)."""
+        self.max_dead_letters = max_dead_letters
         if synchronous.upper() not in {"NORMAL", "FULL", "EXTRA"}:
             raise ValueError(f"sqlite synchronous must be NORMAL, FULL or EXTRA, not {synchronous}")
         self.path = str(path)
@@ -102,10 +140,19 @@ class SQLiteStore(CoordinatorStore):
         self._db.execute("PRAGMA busy_timeout=10000")
         with self._lock:
             self._db.executescript(_SCHEMA)
+            # pools posted before challenge_versions existed
+            self._db.execute(
+                "INSERT OR IGNORE INTO challenge_versions SELECT DISTINCT version "
+                "FROM challenge_pool"
+            )
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(workers)")}
             for col, kind in _WORKER_MIGRATIONS:
                 if col not in cols:  # a database written before the column existed
                     self._db.execute(f"ALTER TABLE workers ADD COLUMN {col} {kind}")
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(submissions)")}
+            for col, kind in _SUBMISSION_MIGRATIONS:
+                if col not in cols:
+                    self._db.execute(f"ALTER TABLE submissions ADD COLUMN {col} {kind}")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -256,7 +303,9 @@ class SQLiteStore(CoordinatorStore):
         keep_from: int,
     ) -> tuple[int, int]:
         with self._tx() as db:
-            db.execute("DELETE FROM challenge_pool WHERE version < ?", (keep_from,))
+            for table in ("challenge_pool", "challenge_versions", "challenge_attempts"):
+                db.execute(f"DELETE FROM {table} WHERE version < ?", (keep_from,))
+            db.execute("INSERT OR IGNORE INTO challenge_versions VALUES (?)", (version,))
             added = 0
             for nonce, answer in pairs:
                 cur = db.execute(
@@ -269,8 +318,27 @@ class SQLiteStore(CoordinatorStore):
             ).fetchone()[0]
         return added, size
 
+    @staticmethod
+    def _unchallenged(db: sqlite3.Connection, version: int, active_after: float) -> int:
+        """Active workers that may still serve ``version`` and were never issued a challenge
+        at it."""
+        return int(
+            db.execute(
+                "SELECT COUNT(*) FROM workers w WHERE w.last_seen > ? AND (w.applied_version IS "
+                "NULL OR w.applied_version <= ?) AND NOT EXISTS (SELECT 1 FROM challenge_attempts "
+                "a WHERE a.version = ? AND a.worker_id = w.worker_id AND a.issued > 0)",
+                (active_after, version, version),
+            ).fetchone()[0]
+        )
+
     def issue_challenge(
-        self, worker_id: str, version: int, now: float, expires_at: float
+        self,
+        worker_id: str,
+        version: int,
+        now: float,
+        expires_at: float,
+        max_attempts: int,
+        active_after: float,
     ) -> IssuedChallenge | None:
         with self._tx() as db:
             row = db.execute(
@@ -280,19 +348,91 @@ class SQLiteStore(CoordinatorStore):
             ).fetchone()
             if row is not None and row[1] == version and row[4] > now:
                 return IssuedChallenge(version, row[0], row[2], row[3], row[4])
+            if (
+                db.execute(
+                    "SELECT 1 FROM challenge_versions WHERE version = ?", (version,)
+                ).fetchone()
+                is None
+            ):
+                return None  # no pool posted for this version
+            got = db.execute(
+                "SELECT issued FROM challenge_attempts WHERE version = ? AND worker_id = ?",
+                (version, worker_id),
+            ).fetchone()
+            issued = 0 if got is None else int(got[0])
+            if issued >= max_attempts:
+                return None
             row = db.execute(
                 "SELECT nonce, answer, chunk_bytes, chunks FROM challenge_pool WHERE version = ? "
                 "ORDER BY rowid LIMIT 1",
                 (version,),
             ).fetchone()
+            if row is not None and issued > 0:  # a retry: only from the pool's surplus
+                left = db.execute(
+                    "SELECT COUNT(*) FROM challenge_pool WHERE version = ?", (version,)
+                ).fetchone()[0]
+                if left <= self._unchallenged(db, version, active_after):
+                    row = None
             if row is None:
+                db.execute(
+                    "INSERT INTO challenge_attempts VALUES (?, ?, 0, 1) "
+                    "ON CONFLICT(version, worker_id) DO UPDATE SET waiting = 1",
+                    (version, worker_id),
+                )
                 return None
             db.execute("DELETE FROM challenge_pool WHERE nonce = ?", (row[0],))
             db.execute(
                 "INSERT OR REPLACE INTO challenges_out VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (worker_id, row[0], version, row[1], row[2], row[3], expires_at),
             )
+            db.execute(
+                "INSERT INTO challenge_attempts VALUES (?, ?, 1, 0) ON CONFLICT(version, "
+                "worker_id) DO UPDATE SET issued = issued + 1, waiting = 0",
+                (version, worker_id),
+            )
         return IssuedChallenge(version, row[0], row[2], row[3], expires_at)
+
+    def challenge_stats(self, version: int, active_after: float) -> ChallengeStats:
+        with self._lock:
+            db = self._db
+            posted = (
+                db.execute(
+                    "SELECT 1 FROM challenge_versions WHERE version = ?", (version,)
+                ).fetchone()
+                is not None
+            )
+            left = db.execute(
+                "SELECT COUNT(*) FROM challenge_pool WHERE version = ?", (version,)
+            ).fetchone()[0]
+            challenged = db.execute(
+                "SELECT COUNT(*) FROM challenge_attempts WHERE version = ? AND issued > 0",
+                (version,),
+            ).fetchone()[0]
+            active = db.execute(
+                "SELECT COUNT(*) FROM workers WHERE last_seen > ? AND (applied_version IS NULL "
+                "OR applied_version <= ?)",
+                (active_after, version),
+            ).fetchone()[0]
+            unchallenged = self._unchallenged(db, version, active_after)
+            waiting_sql = (
+                "SELECT COUNT(*) FROM challenge_attempts a JOIN workers w ON w.worker_id = "
+                "a.worker_id WHERE a.waiting = 1 AND a.version = w.applied_version AND "
+                "w.last_seen > ? AND (w.proven_version IS NULL OR w.proven_version != "
+                "w.applied_version)"
+            )
+            waiting = db.execute(waiting_sql + " AND a.version = ?", (active_after, version))
+            waiting_n = waiting.fetchone()[0]
+            waiting_total = db.execute(waiting_sql, (active_after,)).fetchone()[0]
+        return ChallengeStats(
+            version=version,
+            posted=posted,
+            pool_size=int(left),
+            challenged=int(challenged),
+            active=int(active),
+            unchallenged=unchallenged,
+            waiting=int(waiting_n),
+            waiting_total=int(waiting_total),
+        )
 
     def take_challenge(self, worker_id: str, nonce: str) -> TakenChallenge | None:
         with self._tx() as db:
@@ -405,7 +545,12 @@ class SQLiteStore(CoordinatorStore):
         return n
 
     def lease(
-        self, max_groups: int, lease_s: float, now: float, min_version: int | None
+        self,
+        max_groups: int,
+        lease_s: float,
+        now: float,
+        min_version: int | None,
+        max_bytes: int | None = None,
     ) -> LeaseOutcome:
         expires = now + lease_s
         with self._tx() as db:
@@ -419,11 +564,34 @@ class SQLiteStore(CoordinatorStore):
                 ).rowcount
                 if dropped:
                     self._bump(db, "drop:stale_at_pull", dropped)
-            rows = db.execute(
-                f"SELECT {_META_COLS}, payload FROM submissions WHERE state = 'queued' "
+            undelivered = db.execute(
+                "UPDATE submissions SET state = 'dead', batch_id = NULL, dead_at = ?, "
+                "reason = ?, detail = ? WHERE state = 'queued' AND deliveries >= ?",
+                (now, UNDELIVERED, UNDELIVERED_DETAIL, MAX_DELIVERIES),
+            ).rowcount
+            if undelivered:
+                self._bump(db, f"drop:{UNDELIVERED}", undelivered)
+                self._evict_dead(db)
+            sizes = db.execute(
+                "SELECT seq, length(payload), deliveries FROM submissions WHERE state = 'queued' "
                 "ORDER BY seq LIMIT ?",
                 (max_groups,),
             ).fetchall()
+            taken: list[int] = []
+            total = 0
+            for seq, size, delivered in sizes:
+                total += size
+                if taken and (delivered or (max_bytes is not None and total > max_bytes)):
+                    break
+                taken.append(seq)
+                if delivered:  # back after an expiry: alone
+                    break
+            rows = [
+                db.execute(
+                    f"SELECT {_META_COLS}, payload FROM submissions WHERE seq = ?", (seq,)
+                ).fetchone()
+                for seq in taken
+            ]
             batch_id = ""
             if rows:
                 batch_id = uuid.uuid4().hex
@@ -431,11 +599,25 @@ class SQLiteStore(CoordinatorStore):
                     "INSERT INTO leases VALUES (?, ?, 'active', ?)", (batch_id, expires, len(rows))
                 )
                 db.executemany(
-                    "UPDATE submissions SET state = 'leased', batch_id = ? WHERE seq = ?",
+                    "UPDATE submissions SET state = 'leased', batch_id = ?, "
+                    "deliveries = deliveries + 1 WHERE seq = ?",
                     [(batch_id, r[0]) for r in rows],
                 )
-            items = [(_meta(r), bytes(r[8])) for r in rows]
+            items = [(_meta((*r[:8], r[8] + 1)), bytes(r[9])) for r in rows]
             return LeaseOutcome(batch_id, expires, items, dropped, self._depth(db))
+
+    def _evict_dead(self, db: sqlite3.Connection) -> None:
+        """Keep at most ``max_dead_letters`` dead letters: the oldest are dropped (their rows stay,
+        without payload, so a retry of their idempotency key is still a duplicate)."""
+        count = db.execute("SELECT COUNT(*) FROM submissions WHERE state = 'dead'").fetchone()[0]
+        if count > self.max_dead_letters:
+            n = db.execute(
+                "UPDATE submissions SET state = 'dropped', payload = NULL WHERE seq IN ("
+                "SELECT seq FROM submissions WHERE state = 'dead' "
+                "ORDER BY dead_at, seq LIMIT ?)",
+                (count - self.max_dead_letters,),
+            ).rowcount
+            self._bump(db, "drop:dead_letter_evicted", n)
 
     def _lease_state(self, db: sqlite3.Connection, batch_id: str) -> tuple[str, float, int]:
         row = db.execute(
@@ -445,19 +627,24 @@ class SQLiteStore(CoordinatorStore):
             raise UnknownLease(f"unknown batch id {batch_id!r}")
         return row[0], row[1], row[2]
 
-    def ack(self, batch_id: str, now: float) -> int:
+    def ack(self, batch_id: str, now: float, rejected: Sequence[Rejection] = ()) -> int:
         with self._tx() as db:
             state, expires_at, n = self._lease_state(db, batch_id)
             if state == "active" and expires_at <= now:
                 self._reclaim(db, now)  # committed: the groups are back in the queue
                 state = "expired"
+            if state == "active" and rejected:
+                self._reject(db, batch_id, rejected, now)
             if state == "active":
                 n = db.execute(
                     "UPDATE submissions SET state = 'acked', payload = NULL WHERE batch_id = ? "
                     "AND state = 'leased'",
                     (batch_id,),
                 ).rowcount
-                db.execute("UPDATE leases SET state = 'acked' WHERE batch_id = ?", (batch_id,))
+                n += len(rejected)
+                db.execute(
+                    "UPDATE leases SET state = 'acked', n = ? WHERE batch_id = ?", (n, batch_id)
+                )
                 self._bump(db, "acked_total", n)
                 state = "acked"
         if state != "acked":
@@ -467,14 +654,48 @@ class SQLiteStore(CoordinatorStore):
             )
         return n
 
+    def _reject(
+        self, db: sqlite3.Connection, batch_id: str, rejected: Sequence[Rejection], now: float
+    ) -> None:
+        """Make the batch's ``rejected`` groups dead letters and count them per worker (inside
+        the ack's transaction: a refusal rolls everything back)."""
+        owners = dict(
+            db.execute(
+                "SELECT seq, worker_id FROM submissions WHERE batch_id = ? AND state = 'leased'",
+                (batch_id,),
+            ).fetchall()
+        )
+        seen = set()
+        for r in rejected:
+            if r.submission_id not in owners or r.submission_id in seen:
+                raise StoreError(
+                    f"submission {r.submission_id} is not a group of batch {batch_id} (or is "
+                    "named twice): only the batch's own groups can be rejected with its ack"
+                )
+            seen.add(r.submission_id)
+        for r in rejected:
+            db.execute(
+                "UPDATE submissions SET state = 'dead', batch_id = NULL, dead_at = ?, "
+                "reason = ?, detail = ? WHERE seq = ?",
+                (now, r.reason, r.detail, r.submission_id),
+            )
+            db.execute(
+                "INSERT INTO rejections VALUES (?, 1, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE "
+                "SET n = n + 1, last_reason = excluded.last_reason, "
+                "last_detail = excluded.last_detail, last_at = excluded.last_at",
+                (owners[r.submission_id], r.reason, r.detail, now),
+            )
+            self._bump(db, f"reject:{r.reason}")
+        self._evict_dead(db)
+
     def nack(self, batch_id: str, now: float) -> int:
         with self._tx() as db:
             state, _, _ = self._lease_state(db, batch_id)
             if state != "active":
                 raise LeaseExpired(f"batch {batch_id} is {state}, not leased")
             n = db.execute(
-                "UPDATE submissions SET state = 'queued', batch_id = NULL "
-                "WHERE batch_id = ? AND state = 'leased'",
+                "UPDATE submissions SET state = 'queued', batch_id = NULL, "
+                "deliveries = MAX(deliveries - 1, 0) WHERE batch_id = ? AND state = 'leased'",
                 (batch_id,),
             ).rowcount
             db.execute("UPDATE leases SET state = 'nacked' WHERE batch_id = ?", (batch_id,))
@@ -499,6 +720,39 @@ class SQLiteStore(CoordinatorStore):
         with self._tx() as db:
             return self._reclaim(db, now)
 
+    def dead_letters(self, limit: int) -> tuple[int, list[DeadLetter]]:
+        with self._lock:
+            count = self._db.execute(
+                "SELECT COUNT(*) FROM submissions WHERE state = 'dead'"
+            ).fetchone()[0]
+            rows = self._db.execute(
+                f"SELECT {_DEAD_COLS} FROM submissions WHERE state = 'dead' "
+                "ORDER BY dead_at DESC, seq DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return int(count), [DeadLetter(*r) for r in rows]
+
+    def requeue_dead_letter(self, submission_id: int) -> bool:
+        with self._tx() as db:
+            return (
+                db.execute(
+                    "UPDATE submissions SET state = 'queued', deliveries = 0, dead_at = NULL, "
+                    "reason = NULL, detail = NULL WHERE seq = ? AND state = 'dead'",
+                    (submission_id,),
+                ).rowcount
+                == 1
+            )
+
+    def worker_rejections(self) -> dict[str, WorkerRejections]:
+        rows = self._read("SELECT worker_id, n, last_reason, last_detail, last_at FROM rejections")
+        return {r[0]: WorkerRejections(*r) for r in rows}
+
+    def clear_rejections(self, worker_id: str) -> bool:
+        with self._tx() as db:
+            return (
+                db.execute("DELETE FROM rejections WHERE worker_id = ?", (worker_id,)).rowcount == 1
+            )
+
     def count_drop(self, reason: str, n: int = 1) -> None:
         with self._tx() as db:
             self._bump(db, f"drop:{reason}", n)
@@ -509,8 +763,8 @@ class SQLiteStore(CoordinatorStore):
             values = dict(db.execute("SELECT name, value FROM counters").fetchall())
             states = dict(
                 db.execute(
-                    "SELECT state, COUNT(*) FROM submissions WHERE state IN ('queued', 'leased') "
-                    "GROUP BY state"
+                    "SELECT state, COUNT(*) FROM submissions "
+                    "WHERE state IN ('queued', 'leased', 'dead') GROUP BY state"
                 ).fetchall()
             )
             oldest = db.execute(
@@ -524,6 +778,8 @@ class SQLiteStore(CoordinatorStore):
             duplicates_total=int(values.get("duplicates_total", 0)),
             dropped={k[5:]: int(v) for k, v in values.items() if k.startswith("drop:")},
             oldest_submitted_at=None if oldest is None else float(oldest[0]),
+            dead_letters=int(states.get("dead", 0)),
+            rejected={k[7:]: int(v) for k, v in values.items() if k.startswith("reject:")},
         )
 
     def reward_curve(self, limit: int) -> list[tuple[int, int, float]]:

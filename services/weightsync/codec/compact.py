@@ -19,7 +19,9 @@ Chunks of at most ``chunk_elems`` elements are analysed and coded independently 
 
 Integrity: the trailer carries an xxh3-64 of the footer, the footer an xxh3-64 of every chunk and
 of the index, the base state's digest and every tensor's result digest. :func:`decode_compact` refuses a wrong base before decoding
-and any damaged byte with :class:`CorruptDeltaError`.
+and any damaged byte with :class:`CorruptDeltaError`. The magic, the chunk bodies, the index, the
+footer and the trailer tile the object exactly: a byte outside them (a file joined to another,
+bytes spliced in before the footer) is refused too.
 """
 
 from __future__ import annotations
@@ -338,6 +340,11 @@ def _read_index(
         raise CorruptDeltaError("footer does not locate the index") from None
     if off < len(MAGIC) or off + length > body_end or raw_len > MAX_FOOTER:
         raise CorruptDeltaError("index lies outside the object")
+    if off + length != body_end:  # the parts tile the object: nothing before the footer unread
+        raise CorruptDeltaError(
+            f"deltarl-compact delta has {body_end - off - length} bytes between its index and "
+            "its footer that belong to neither (trailing or spliced bytes: two files joined?)"
+        )
     packed = buf[off : off + length]
     if xxhash.xxh3_64_intdigest(packed) != digest:
         raise CorruptDeltaError("index is damaged (checksum mismatch)")
