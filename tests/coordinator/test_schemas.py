@@ -236,7 +236,10 @@ def test_bad_teacher_data_is_refused() -> None:
             {"sampled": t["sampled"][:4], "ids": t["ids"][:8], "logprobs": t["logprobs"][:8]},
             "1 positions, but the mask trains on 2",
         ),
-        ({"logprobs": t["logprobs"][:-4] + b"\x00\x00\x80\x7f"}, r"finite logprobs within \[-10000, 0\]"),  # +inf
+        (
+            {"logprobs": t["logprobs"][:-4] + b"\x00\x00\x80\x7f"},
+            r"finite logprobs within \[-10000, 0\]",
+        ),  # +inf
         ({"ids": b"\xff\xff\xff\xff" + t["ids"][4:]}, "negative token id"),
         ({"extra": 1}, "unknown fields"),
     ):

@@ -38,8 +38,11 @@ def test_batched_greedy_equals_one_by_one(engine: TransformersEngine) -> None:
         assert got.first == got.last == UNMANAGED and got.version_min is None
 
 
-def test_logprobs_are_those_of_the_processed_distribution(engine: TransformersEngine) -> None:
-    """Re-score the sampled tokens with one teacher-forced forward pass over prompt+completion."""
+def test_logprobs_are_those_of_the_processed_distribution() -> None:
+    """Re-score the sampled tokens with one teacher-forced forward pass over prompt+completion
+    (in float32: the KV cache and the full pass then agree to rounding, so any difference in the
+    processing shows)."""
+    engine = tiny_engine(seed=0, dtype=torch.float32)
     params = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=20, top_p=0.9, seed=3)
     for prompt in PROMPTS:
         c = engine.generate([prompt], params)[0]
@@ -58,7 +61,7 @@ def test_logprobs_are_those_of_the_processed_distribution(engine: TransformersEn
             keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
             z = z.masked_fill(~keep, float("-inf"))
             want = torch.log_softmax(z, -1)[0, tok].item()
-            assert abs(want - lp) < 0.05, (j, want, lp)  # bf16 forward: KV cache vs full pass
+            assert abs(want - lp) < 1e-3, (j, want, lp)
             assert lp > torch.log_softmax(row / 0.7, -1)[0, tok].item() - 1e-4  # truncation
 
 
