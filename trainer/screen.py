@@ -96,7 +96,7 @@ class Refusals:
 def model_limits(model: torch.nn.Module) -> ModelLimits | None:
     """The token ids and lengths ``model`` takes: the vocabulary is the smaller of its input
     embedding's and its logits' rows (a token id indexes the first, a teacher's top-k id the
-    second); the length is ``config.max_position_embeddings`` where the model has one. Works
+    second); the length is bounded only for learned absolute positions (:func:`_max_tokens`). Works
     on FSDP2-sharded models (a DTensor's shape is the whole tensor's). None when no embedding
     is found (a model that is not a language model: nothing to bound)."""
     rows = []
@@ -110,14 +110,23 @@ def model_limits(model: torch.nn.Module) -> ModelLimits | None:
         rows = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)][:1]
     if not rows:
         return None
-    config = getattr(model, "config", None)
-    positions = getattr(config, "max_position_embeddings", None)
-    max_tokens = (
-        min(int(positions), MAX_TOKENS_PER_TRAJECTORY)
-        if isinstance(positions, int) and positions > 0
-        else None
+    return ModelLimits(vocab_size=min(min(rows), MAX_VOCAB_SIZE), max_tokens=_max_tokens(model))
+
+
+def _max_tokens(model: torch.nn.Module) -> int | None:
+    """``config.max_position_embeddings`` for a model with learned absolute positions (an
+    embedding of that many rows: a longer sequence indexes past it); None for rotary models,
+    which take longer sequences (a position scaling may extend them) without failing."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return None
+    get_tokens = getattr(model, "get_input_embeddings", None)
+    tokens = get_tokens() if callable(get_tokens) else None
+    learned = any(
+        isinstance(m, torch.nn.Embedding) and m.num_embeddings == positions and m is not tokens
+        for m in model.modules()
     )
-    return ModelLimits(vocab_size=min(min(rows), MAX_VOCAB_SIZE), max_tokens=max_tokens)
+    return min(positions, MAX_TOKENS_PER_TRAJECTORY) if learned else None
 
 
 def screen(

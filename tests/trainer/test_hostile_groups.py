@@ -428,3 +428,33 @@ def test_a_payload_that_no_longer_decodes_is_refused_by_the_trainer() -> None:
     assert got.submission_ids == [7] and len(got.groups) == 1
     assert [(r.submission_id, r.reason) for r in got.refused] == [(8, "bad_payload")]
     assert "reward" in got.refused[0].detail
+
+
+def test_model_limits_bound_ids_always_and_lengths_only_for_learned_positions() -> None:
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=100,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    )
+    assert model_limits(llama) == ModelLimits(vocab_size=100, max_tokens=None)  # rotary
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=100,
+            n_positions=40,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+    assert model_limits(gpt2) == ModelLimits(vocab_size=100, max_tokens=40)  # learned
+    assert model_limits(Bigram()) == ModelLimits(vocab_size=VOCAB)
+    assert model_limits(torch.nn.Linear(3, 3)) is None
