@@ -2,7 +2,7 @@
 
 ``deltarl.services`` is ``services/``, ``deltarl.trainer`` is ``trainer/``, and so on; everything
 else about the project is in pyproject.toml. Type checkers and IDEs follow these imports through
-the editable install's path map (see DEVELOPERS.md).
+the editable install's path map (tools/typecheck.py hands mypy each module under its name).
 """
 
 from setuptools import find_namespace_packages, setup

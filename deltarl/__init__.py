@@ -1,8 +1,8 @@
 """deltarl: disaggregated asynchronous RL with lossless sparse weight deltas.
 
-The code lives in the top-level folders ``services/``, ``trainer/``, ``rollout/`` and
-``env_server/`` of the repository; ``deltarl/<folder>`` links to each of them, so they import as
-``deltarl.services``, ``deltarl.trainer``, ``deltarl.rollout`` and ``deltarl.env_server``.
+The code lives in the top-level folders ``services/``, ``trainer/``, ``rollout/``,
+``env_server/`` and ``teacher/`` of the repository; setup.py's package map installs each as a
+subpackage (``deltarl.services``, ``deltarl.trainer``, ...), without links.
 """
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ import importlib
 import sys
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
 # (title, module, class, what it configures)
@@ -62,7 +62,11 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
     ),
 ]
 
-SECRET_WORDS = ("token", "secret", "password", "key")
+def _is_secret(field: FieldInfo) -> bool:
+    """A field typed ``SecretStr`` (alone or in a union with None): its default is not shown.
+    Decided by type, not by name (``max_new_tokens`` is no secret)."""
+    annotation = field.annotation
+    return annotation is SecretStr or SecretStr in getattr(annotation, "__args__", ())
 
 
 def _default(name: str, field: FieldInfo) -> str:
@@ -71,7 +75,7 @@ def _default(name: str, field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     value = field.default
-    if any(w in name.lower() for w in SECRET_WORDS) and value:
+    if _is_secret(field) and value:
         return "(secret)"
     if isinstance(value, BaseModel):
         return "see below"
