@@ -1,4 +1,4 @@
-"""A Wordle reference player: every guess is consistent with all feedback so far (issue 14).
+"""A Wordle reference player: every guess is consistent with all feedback so far.
 
 It plays the same :class:`~.wordle.WordleGame` the server runs, so its win rate under given
 :class:`~.wordle.WordleRules` is the bar a trained policy can be held to, and its games are

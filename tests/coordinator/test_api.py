@@ -77,7 +77,7 @@ def test_full_cycle(server: LiveServer) -> None:
 
 
 def test_a_reported_digest_is_only_a_self_report(server: LiveServer) -> None:
-    """The state digest is public: a worker reporting it proves nothing (finding 12), so it
+    """The state digest is public: a worker reporting it proves nothing, so it
     sets digest_matches, never weights_verified."""
     trainer, worker, anon = clients(server)
     trainer.publish_version(manifest(0))

@@ -1,4 +1,4 @@
-"""Schemathesis against the coordinator's own OpenAPI (issue 16): every operation, requests
+"""Schemathesis against the coordinator's own OpenAPI: every operation, requests
 generated from the schema (valid and invalid), sent over HTTP to one live coordinator (uvicorn on
 loopback, SQLite) with the trainer's token, the worker's token, a wrong token and none; no answer
 may be a 5xx. Bounded: a fixed number of examples per operation. ``/v1/versions/events`` (a

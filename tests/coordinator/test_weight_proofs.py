@@ -1,4 +1,4 @@
-"""Weight proofs through the API (issue 16, finding 12): only a fresh, correct answer to a
+"""Weight proofs through the API: only a fresh, correct answer to a
 challenge the trainer prepared sets ``weights_verified``; a copied digest, a guess, a replayed
 or late answer, or a proof at another version does not."""
 

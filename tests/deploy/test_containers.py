@@ -225,9 +225,7 @@ ROLLOUT_PORT_VAR = "DELTARL_ROLLOUT_PORT"
 def _require_registered(sub: str, where: str) -> None:
     names = [name for name, _, _ in SUBCOMMANDS]
     if sub == "rollout" and sub not in names:
-        pytest.xfail(
-            f"{where}: `deltarl rollout` is not registered in deltarl/cli.py yet (issue 5)"
-        )
+        pytest.xfail(f"{where}: `deltarl rollout` is not registered in deltarl/cli.py yet")
     assert sub in names, f"{where}: `deltarl {sub}` is not a sub-command of deltarl/cli.py {names}"
 
 

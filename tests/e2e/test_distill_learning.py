@@ -1,4 +1,4 @@
-"""Evidence for on-policy distillation (issue 15): on the charset task, a teacher trained there
+"""Evidence for on-policy distillation: on the charset task, a teacher trained there
 makes an untrained student reach the teacher's reward in fewer steps than GRPO alone, with the
 same seeds. Everything runs as real processes (``deltarl run examples/charset-tiny.toml``, the
 preset of ``deltarl demo --tiny --task charset``: a random byte-level Llama, 2 workers):

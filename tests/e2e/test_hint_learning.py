@@ -1,4 +1,4 @@
-"""Evidence for hinted targeted self-distillation (issue 15): on the charset task, a student that
+"""Evidence for hinted targeted self-distillation: on the charset task, a student that
 can read the environment's hints learns the task in fewer steps with them (``rollout.hint_mode =
 "env"``, ``trainer.loss.hint_coef``) than with GRPO alone, same seeds and budget.
 
@@ -20,7 +20,7 @@ it counts as STEPS + 1); per seed, every step of the hinted run with a failed re
 hints (``hint/loss`` logged) while GRPO's had none. Measured in this setting over 5-6 runs of
 seeds 0 and 1: steps 7-10 gap 0.27-0.56 (one arm of one seed varies by up to ~0.16 between
 runs), steps to the threshold 7-8 with hints against 9-11 without; seed 2: gaps 0.04 and 0.31.
-In session 11's CI run seed 1's GRPO run reached the threshold at step 7 (gap -0.07) while seed
+In one CI run seed 1's GRPO run reached the threshold at step 7 (gap -0.07) while seed
 0's gap was 0.43: a per-seed assertion was too strict for 10 steps of real processes, hence the
 means over three seeds. With the default reverse KL the gap was 0.21-0.52 (3 runs per seed),
 hence the forward KL here. Numbers and what

@@ -1,4 +1,4 @@
-"""Evidence that the whole asynchronous system learns (issue 6): coordinator, env server
+"""Evidence that the whole asynchronous system learns: coordinator, env server
 (charset task), two rollout workers and the trainer as separate processes on loopback
 (``deltarl demo --tiny --task charset``), a tiny random Llama over a byte-level tokenizer.
 

@@ -290,7 +290,7 @@ def test_session_timeout(make_client: Callable[..., TestClient]) -> None:
 def test_games_given_up_are_counted_apart(make_client: Callable[..., TestClient]) -> None:
     # a client that gives up on a game (closes its session, lets it time out, resets it
     # mid-game, drops its socket) leaves a game that is neither won, lost nor forfeited:
-    # counted as unfinished, so a win rate over ended games can be read with it (session 13)
+    # counted as unfinished, so a win rate over ended games can be read with it
     client = make_client(session_timeout_s=0.3)
     store = client.app.state.store  # type: ignore[attr-defined]
 

@@ -1,4 +1,4 @@
-"""Reward shaping and per-session reset options (issue 14): the shaped per-turn rewards and
+"""Reward shaping and per-session reset options: the shaped per-turn rewards and
 their sum, the server-wide defaults, options over HTTP and WS, refused options that leave the
 session unharmed, and the default (unshaped) behaviour unchanged."""
 
@@ -71,7 +71,7 @@ def test_shaped_rewards_per_turn_and_their_sum() -> None:
     assert g.play(f"[{secret}]").reward == pytest.approx(1.0 + 0.5 + 0.1)
 
 
-# the weights of session 11's GPU arms (bench/gpu_wordle_full.sh, REWARD=consistent)
+# the weights of bench/gpu_wordle_full.sh's REWARD=consistent arms
 CONSISTENT = {"greens": 0.2, "yellows": 0.1, "format": 0.05, "repetition": 0.2, "invalid": 0.1}
 
 

@@ -1,4 +1,4 @@
-"""The feedback summary (issue 14): what all the feedback so far shows, stated in every feedback
+"""The feedback summary: what all the feedback so far shows, stated in every feedback
 when the server setting or the reset option ``feedback_summary`` asks for it. Every statement it
 makes holds for the answer; it is off by default (the feedback text unchanged); it travels over
 HTTP and WS per session; the solver's transcripts and the evaluation render it the same way."""

@@ -1,4 +1,4 @@
-"""Schemathesis against the env server's own OpenAPI (issue 16): every HTTP operation, requests
+"""Schemathesis against the env server's own OpenAPI: every HTTP operation, requests
 generated from the schema (valid and invalid), sent over HTTP to one live server (uvicorn on
 loopback) with the right token, a wrong one and none; no answer may be a 5xx. Bounded: a fixed
 number of examples per operation. WS /ws is not in the OpenAPI; test_env_ws.py attacks it."""

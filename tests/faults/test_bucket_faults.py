@@ -1,4 +1,4 @@
-"""Faults of the bucket and late workers (issue 7, scenarios 4 and 5).
+"""Faults of the bucket and late workers.
 
 Versions are published from the test process with the library's
 :class:`~deltarl.services.weightsync.writer.BucketWriter` (the tiny model's bf16 weights, ~2% of

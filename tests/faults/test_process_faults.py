@@ -1,4 +1,4 @@
-"""Faults of real processes (issue 7, scenarios 1-3): ``kill -9`` of a rollout worker
+"""Faults of real processes: ``kill -9`` of a rollout worker
 mid-episode and mid-sync, a coordinator restart (SQLite here, Redis in test_redis_restart.py),
 ``kill -9`` of the trainer and ``--resume``.
 

@@ -1,4 +1,4 @@
-"""Coordinator restart with the Redis store (issue 7, scenario 2; SQLite: test_process_faults.py).
+"""Coordinator restart with the Redis store (SQLite: test_process_faults.py).
 
 A deployment whose coordinator keeps its state in a redis-server (AOF, fsync always), with the
 trainer and one rollout worker as processes: the coordinator is killed with ``kill -9`` and

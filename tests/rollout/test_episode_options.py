@@ -1,4 +1,4 @@
-"""Per-session reset options from the rollout side (issue 14): the guess curriculum, shaped
+"""Per-session reset options from the rollout side: the guess curriculum, shaped
 episodes whose reward is the sum of their steps', the worker's settings, and solver transcripts
 that are exactly what an episode holds (messages, tokens and mask)."""
 

@@ -487,7 +487,7 @@ def test_failing_groups_back_off_and_the_next_good_group_resets_it(
     tok: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # session 13: a worker whose GPU ran out of memory failed ~3,900 groups in minutes, each a
+    # a worker whose GPU ran out of memory failed ~3,900 groups in minutes, each a
     # log warning and a game opened for nothing; now each failure in a row doubles the wait
     failing = {"left": 5}
     real_generate = TransformersEngine.generate

@@ -1,6 +1,6 @@
 """The vLLM teacher engine. The conversion of vLLM's ``prompt_logprobs`` runs everywhere (on
 stand-ins of vLLM's ``Logprob``); the engine itself needs vLLM 0.33.0 and a CUDA GPU (marker
-``gpu``); it first served on a GPU in session 9 (bench/teacher_vllm_check.py, docs/benchmarks.md)."""
+``gpu``) (bench/teacher_vllm_check.py, docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`deltarl sft` (issue 14): solver transcripts, the assistant-only mask, the loss falls on a tiny
+"""`deltarl sft`: solver transcripts, the assistant-only mask, the loss falls on a tiny
 random Llama, and the saved directory loads as the trainer loads its model."""
 
 from __future__ import annotations

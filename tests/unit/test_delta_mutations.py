@@ -1,4 +1,4 @@
-"""Property-based mutations of real delta files (issue 16): truncated, bit-flipped, spliced,
+"""Property-based mutations of real delta files: truncated, bit-flipped, spliced,
 retyped or re-nested, a delta either decodes to exactly the trainer's result or is refused with a
 :class:`DeltaError` (the CLI's one-line exit 2), and the state it was applied to is untouched.
 Bombs and deep nesting with their memory bound: test_compact_hostile.py."""
