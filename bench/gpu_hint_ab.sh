@@ -9,7 +9,7 @@ S=${2:-240}
 mkdir -p "$RES"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 COMMON=(--engine transformers --max-guesses 6 --max-invalid 1 --max-new-tokens 24
-  --format-credit 0.5 --lr 1e-5 --duration "$S" --seed 0)
+  --reward final --format-credit 0.5 --lr 1e-5 --duration "$S" --seed 0)
 for arm in ${ARMS:-plain hints}; do
   extra=()
   [ "$arm" = hints ] && extra=(--set 'rollout.hint_mode="env"' --set 'trainer.loss.hint_coef=1.0')

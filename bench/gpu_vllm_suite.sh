@@ -12,9 +12,13 @@
 # gets one line per finished step with its exit code:
 #   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
 #   tests    the vllm engine's tests, the gpu ones included (layouts, async stamps, end to end)
-#   speed    bench/vllm_speed.py: engine vs plain vLLM vs transformers, batch 32 and 256
-#   speed_vllm   the same without the transformers column
+#   speed    bench/vllm_speed.py: engine vs vLLM with the engine's settings vs vLLM's defaults,
+#            interleaved rounds of fresh processes (DELTARL_SPEED_ROUNDS, default 5; with
+#            DELTARL_SPEED_BUDGET_S no round starts that would end later), batch 32 and 256 and
+#            multi-turn episodes with and without prefix reuse; RESULTS_DIR/speed/ gets the JSON,
+#            the tables (vllm_speed.md) and every process's log
 #   speed_extra  the same for the engine without async scheduling and in-process vLLM defaults
+#   prefix   the gpu test of prefix caching salted per weight state
 #   system   bench/wordle_gpu_run.py --engine vllm: the whole system, SmolLM2 on Wordle
 #   faults   the fault suite's worker kills with vllm workers
 #   system_hf  the same whole-system run with the transformers engine
@@ -25,6 +29,14 @@
 #   teacher  bench/teacher_vllm_check.py: deltarl teacher with the vllm engine vs transformers,
 #            in bfloat16 (within bf16 rounding of the logits) and in float32 (plain tolerance)
 #   tests_tp the gpu tests of tensor parallelism, Engine.score on vLLM and the vLLM teacher
+#   moe      mixture of experts: tests/rollout/test_vllm_moe_gpu.py (a tiny Qwen3-MoE followed
+#            through real trainer steps at TP=1, and at TP=2 / expert parallelism 2 on 2 GPUs)
+#            and the CPU tests of the expert mapping
+#   fp8      block-fp8 workers: tests/rollout/test_vllm_fp8_gpu.py with VLLM_USE_DEEP_GEMM=0 (vLLM
+#            serves the checkpoint's e4m3 bytes and scales, a delta applied in one pause and
+#            verified, the engine following a publish.fp8 bucket at TP=1 and on 2 GPUs TP=2)
+#   moe_scale  bench/moe_scale.py: Qwen3-30B-A3B's layer shapes (DELTARL_MOE_LAYERS layers,
+#            default 8), publication by 2 ranks and the apply into vLLM; JSON in RESULTS_DIR
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -33,8 +45,9 @@ steps=("$@")
 mkdir -p "$RES"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 SECONDS_RUN=${DELTARL_SUITE_RUN_S:-300}
-WORDLE=(--max-guesses 6 --max-invalid 1 --max-new-tokens 24 --format-credit 0.5 --lr 1e-5
-  --duration "$SECONDS_RUN")
+# the reward is wordle_gpu_run.py's default, shaped: every valid new guess scores, a repeated or
+# invalid one earns nothing (the final reward's format credit taught a run to repeat one word)
+WORDLE=(--max-guesses 6 --max-invalid 1 --max-new-tokens 24 --lr 1e-5 --duration "$SECONDS_RUN")
 
 run() {
   local name=$1
@@ -51,11 +64,13 @@ for step in "${steps[@]}"; do
     check) run check python3 bench/vllm_check.py --json "$RES/vllm_check.json" ;;
     tests) run tests timeout 420 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_apply_kernel_gpu.py tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
-    speed) run speed python3 bench/vllm_speed.py --json "$RES/vllm_speed.json" ;;
-    speed_vllm) run speed_vllm python3 bench/vllm_speed.py --columns engine llm_same llm_default \
-      --json "$RES/vllm_speed_vllm.json" ;;
-    speed_extra) run speed_extra python3 bench/vllm_speed.py --batches 32 256 \
-      --columns engine_sync llm_inproc --json "$RES/vllm_speed_extra.json" ;;
+    speed) run speed python3 bench/vllm_speed.py --out-dir "$RES/speed" \
+      --rounds "${DELTARL_SPEED_ROUNDS:-5}" ${DELTARL_SPEED_BUDGET_S:+--budget-s "$DELTARL_SPEED_BUDGET_S"} ;;
+    speed_extra) run speed_extra python3 bench/vllm_speed.py --out-dir "$RES/speed_extra" \
+      --columns engine_sync llm_inproc --rounds "${DELTARL_SPEED_ROUNDS:-5}" \
+      ${DELTARL_SPEED_BUDGET_S:+--budget-s "$DELTARL_SPEED_BUDGET_S"} ;;
+    prefix) run prefix timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
+      tests/rollout/test_vllm_gpu.py -k prefix_cache ;;
     system) run system python3 bench/wordle_gpu_run.py --engine vllm \
       --run-dir "$RES/wordle-vllm" "${WORDLE[@]}" ;;
     system_hf) run system_hf python3 bench/wordle_gpu_run.py --engine transformers \
@@ -71,6 +86,12 @@ for step in "${steps[@]}"; do
     tests_tp) run tests_tp timeout 540 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
       tests/rollout/test_vllm_gpu.py -k "tensor_parallel or score_batch" \
       tests/teacher/test_teacher_vllm.py tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_shards.py ;;
+    moe) run moe timeout 600 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
+      tests/rollout/test_vllm_moe_gpu.py tests/rollout/test_vllm_moe.py ;;
+    fp8) VLLM_USE_DEEP_GEMM=0 run fp8 timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
+      -o faulthandler_timeout=200 tests/rollout/test_vllm_fp8_gpu.py ;;
+    moe_scale) run moe_scale timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
+      --steps 4 --engine vllm --json "$RES/moe_scale.json" ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;

@@ -11,9 +11,13 @@ window means, rollout throughput (episodes/s, generated tokens/s) and the delta 
 
 The Wordle variant (all env-server settings, see docs/env_server.md): ``--max-guesses`` valid
 guesses per game, ``--max-invalid`` invalid replies tolerated, any 5 letters in brackets count
-as a guess; the final reward is 1 on a win, else the partial credit (greens + yellows/2)/5 of
-the last valid guess, 0 after a forfeit. So the reward rises with the format first, then with
-letters.
+as a guess. The reward (``--reward``) is by default ``shaped``: every move is scored
+(:data:`SHAPED`: 1 for the winning move, 0.2 x greens/5 + 0.1 x yellows/5 + 0.05 for every other
+valid guess), and a repeated or invalid guess earns nothing, so a policy cannot farm credit by
+repeating one well-formed word (a run whose final reward paid format credit learned exactly
+that: every game one valid word, then the same word again until the forfeit). ``--reward
+final``: 1 on a win, else ``--format-credit`` x valid moves / moves plus the partial credit
+(greens + yellows/2)/5 of the last valid guess, 0 after a forfeit, on the last step only.
 
 ``--engine vllm`` runs the workers on vLLM (each its own ``vllm.LLM`` on the shared GPU, a
 share ``--gpu-memory-utilization`` of its memory); ``--worker-gpus 0 1`` pins worker ``i`` to
@@ -59,6 +63,20 @@ from deltarl.run.derive import Endpoints, RunLayout, Tokens
 from deltarl.services.common.client_headers import client_headers
 
 HOST = "127.0.0.1"
+# --reward shaped (the default): the env server's per-move weights. A repeated guess is an
+# invalid move (repeats are not allowed), and an invalid move earns 0: no format, letters or
+# penalty term reaches it (repetition and invalid are 0)
+SHAPED: dict[str, Any] = {
+    "reward": "shaped",
+    "allow_repeats": False,
+    "shaping_win": 1.0,
+    "shaping_greens": 0.2,
+    "shaping_yellows": 0.1,
+    "shaping_format": 0.05,
+    "shaping_repetition": 0.0,
+    "shaping_invalid": 0.0,
+    "shaping_consistent": 0.0,
+}
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,10 +115,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-guesses", type=int, default=3)
     ap.add_argument("--max-invalid", type=int, default=2)
     ap.add_argument(
+        "--reward",
+        choices=["shaped", "final"],
+        default="shaped",
+        help="Wordle reward: 'shaped' (every move scored, a repeated or invalid guess earns "
+        "nothing; SHAPED) or 'final' (the game's end only; --format-credit applies)",
+    )
+    ap.add_argument(
         "--format-credit",
         type=float,
         default=0.0,
-        help="env: share of a loss earned by valid moves",
+        help="env, --reward final: share of a loss earned by valid moves",
     )
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--in-flight-groups", type=int, default=4)
@@ -137,7 +162,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help='run-config override, as `deltarl run --set` (e.g. rollout.hint_mode="env")',
     )
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.task == "wordle" and a.reward == "shaped" and a.format_credit:
+        ap.error("--format-credit is a term of --reward final; the shaped reward has its own")
+    return a
 
 
 def run_config(a: argparse.Namespace) -> RunConfig:
@@ -162,8 +190,8 @@ def run_config(a: argparse.Namespace) -> RunConfig:
             "max_guesses": a.max_guesses,
             "max_invalid_moves": a.max_invalid,
             "allow_non_words": True,
-            "format_credit": a.format_credit,
         }
+        env |= SHAPED if a.reward == "shaped" else {"format_credit": a.format_credit}
     config = RunConfig.model_validate(
         {
             "run": {
@@ -444,7 +472,13 @@ def scrape_tokens(url: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> dict[str, Any]:
+def summarise(
+    a: argparse.Namespace, rd: Path, elapsed: float, status: Any, train_s: float | None = None
+) -> dict[str, Any]:
+    """The run's summary. ``elapsed``: the whole run, services' start-up included (vLLM workers
+    take minutes); ``train_s``: since the trainer started (default ``elapsed``), what the
+    trained episodes and tokens per second are divided by."""
+    train_s = elapsed if train_s is None else train_s
     path = rd / "trainer" / "metrics.jsonl"
     rows = (
         [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
@@ -461,6 +495,8 @@ def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> d
     out: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(a).items()},
         "elapsed_s": elapsed,
+        "train_s": train_s,
+        "startup_s": elapsed - train_s,
         "steps": len(rows),
         "windows_of_steps": w,
         "window_means": {k: window_means(rows, k, w) for k in keys},
@@ -486,9 +522,10 @@ def summarise(a: argparse.Namespace, rd: Path, elapsed: float, status: Any) -> d
             out.setdefault("trainer_p50", {})[k] = statistics.median(vals)
     if rows:
         out["last_row"] = rows[-1]
-        # what the trainer consumed: every trained episode was generated by the workers
-        out["episodes_trained_per_s"] = sum(float(r.get("sequences", 0)) for r in rows) / elapsed
-        out["tokens_trained_per_s"] = sum(float(r.get("tokens", 0)) for r in rows) / elapsed
+        # what the trainer consumed (every trained episode was generated by the workers), per
+        # second since the trainer started: not over the workers' start-up
+        out["episodes_trained_per_s"] = sum(float(r.get("sequences", 0)) for r in rows) / train_s
+        out["tokens_trained_per_s"] = sum(float(r.get("tokens", 0)) for r in rows) / train_s
         out["delta_bytes_total"] = sum(float(r.get("publish/delta_bytes", 0)) for r in rows)
     return out
 
@@ -540,6 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     t_train = time.monotonic()
     trainer = next(c for c in group.children if c.name == "trainer")
     status: Any = None
+    train_s: float | None = None  # from the trainer's start to its end
     scrapes: dict[str, list[tuple[float, float]]] = {wid: [] for wid in metrics}
     try:
         while time.monotonic() - t_train < a.duration and trainer.exit_code() is None:
@@ -566,11 +604,14 @@ def main(argv: list[str] | None = None) -> None:
         if trainer.exit_code() is None:
             os.kill(trainer.proc.pid, signal.SIGTERM)
             trainer.proc.wait(timeout=120)
+        train_s = time.monotonic() - t_train
         status = final_check(curl, status)
     finally:
         elapsed = time.monotonic() - t0
+        if train_s is None:
+            train_s = elapsed - (t_train - t0)
         group.stop_all(timeout_s=30.0, first=[c.name for c in group.children if "worker" in c.name])
-    summary = summarise(a, rd, elapsed, status)
+    summary = summarise(a, rd, elapsed, status, train_s)
     summary["worker_tokens_per_s"] = {
         wid: (xs[-1][1] - xs[0][1]) / (xs[-1][0] - xs[0][0]) if len(xs) >= 2 else None
         for wid, xs in scrapes.items()
@@ -586,6 +627,7 @@ def main(argv: list[str] | None = None) -> None:
                 for k in (
                     "steps",
                     "elapsed_s",
+                    "train_s",
                     "first_vs_last_window",
                     "trainer_p50",
                     "episodes_trained_per_s",

@@ -62,6 +62,7 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
     ),
 ]
 
+
 def _is_secret(field: FieldInfo) -> bool:
     """A field typed ``SecretStr`` (alone or in a union with None): its default is not shown.
     Decided by type, not by name (``max_new_tokens`` is no secret)."""

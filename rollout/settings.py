@@ -178,11 +178,23 @@ class RolloutSettings(TLSServerSettings):
         "last one's outputs are processed); stamps and pauses stay exact (docs/vllm.md). False: "
         "one step = one forward.",
     )
+    prefix_caching: bool = Field(
+        default=True,
+        description="vllm engine: reuse the KV cache of prompt prefixes (multi-turn episodes "
+        "prefill only what each turn adds), salted per weight state: a request never reuses KV "
+        "computed by weights older than those it was admitted with (docs/vllm.md). False: "
+        "every prompt is prefilled in full.",
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
         description="vllm engine: GPUs of the one engine (tensor parallelism; every rank's "
         "shard is patched in the same pause, docs/vllm.md).",
+    )
+    expert_parallel: bool = Field(
+        default=False,
+        description="vllm engine, mixture-of-experts models with tensor_parallel_size > 1: "
+        "vLLM's expert parallelism (each GPU holds whole experts; docs/vllm.md).",
     )
     system_prompt: str | None = Field(
         default=None,
@@ -495,7 +507,9 @@ class RolloutSettings(TLSServerSettings):
                 seed=self.engine_seed,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 async_scheduling=self.async_scheduling,
+                prefix_caching=self.prefix_caching,
                 tensor_parallel_size=self.tensor_parallel_size,
+                expert_parallel=self.expert_parallel,
             )
         return TransformersEngineSettings(
             model=model,

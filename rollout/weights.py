@@ -959,9 +959,21 @@ def _check_same_tensors(
         if params[n].dtype != state[n].dtype or params[n].shape != state[n].shape
     ]
     if missing or extra or wrong:
+        fp8 = [
+            side
+            for side, tensors in (("bucket", state), ("engine", params))
+            if any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
+        ]
+        hint = (
+            f" (the {' and the '.join(fp8)} hold{'s' if len(fp8) == 1 else ''} block fp8: a "
+            "trainer with publish.fp8 needs workers serving a block-fp8 checkpoint of the same "
+            "model, docs/vllm.md)"
+            if len(fp8) == 1
+            else " (same model and dtype on both sides?)"
+        )
         raise StateMismatchError(
             f"the bucket's model is not the engine's: anchor lacks {missing[:5]}, has extra "
-            f"{extra[:5]}, mismatched {wrong[:3]} (same model and dtype on both sides?)"
+            f"{extra[:5]}, mismatched {wrong[:3]}{hint}"
         )
 
 

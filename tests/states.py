@@ -25,7 +25,8 @@ def perturb(
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in state.items():
-        bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+        width = {1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+        bits = t.view(width).clone()
         mask = torch.rand(bits.shape, generator=g) < density
         step = torch.randint(-3, 4, bits.shape, generator=g).to(bits.dtype)
         step[step == 0] = 1

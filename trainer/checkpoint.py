@@ -62,6 +62,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.model_state import fp32_names, publish_dtype, publishable_state
 from deltarl.trainer.checkpoint_files import (
     CheckpointError,
     FileRecord,
@@ -71,7 +72,6 @@ from deltarl.trainer.checkpoint_files import (
     write_safetensors,
 )
 from deltarl.trainer.settings import CHECKPOINT_POINTER
-from deltarl.trainer.weights import publishable_state
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +149,14 @@ def _checksum(raw: Mapping[str, Any]) -> str:
 
 def published_digest(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> str:
     """State digest of what the publisher makes of ``model``: its floating-point state cast to
-    ``dtype`` (the digest a replica holding that version computes)."""
+    ``dtype`` (float32 for the tensors the model keeps in float32, as the publisher's
+    ``follow_precision``): the digest a replica holding that version computes."""
     # one cast at a time: no second copy of the model on its device
     state = publishable_state(model)
-    return combine_digests({n: tensor_digest(t.detach().to(dtype)) for n, t in state.items()})
+    keep = fp32_names(model, dtype, state)
+    return combine_digests(
+        {n: tensor_digest(t.detach().to(publish_dtype(n, dtype, keep))) for n, t in state.items()}
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as tdist
 
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
+from deltarl.services.weightsync.model_state import fp32_names, publish_dtype
 from deltarl.trainer.checkpoint import (
     META_FILE,
     MODEL_FILE,
@@ -238,8 +239,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def sharded_digest(model: torch.nn.Module, ctx: DistContext, dtype: torch.dtype) -> str:
     """State digest of the sharded version the publisher makes of ``model`` (a collective:
-    every rank's slice digests, gathered; no weights move)."""
-    mine = {k: tensor_digest(t.to(dtype)) for k, t in local_rows(model, ctx).items()}
+    every rank's slice digests, gathered; no weights move). Tensors the model keeps in float32
+    are hashed in float32, as the publisher's ``follow_precision`` publishes them."""
+    keep = fp32_names(model, dtype)
+    mine = {
+        k: tensor_digest(t.to(publish_dtype(k, dtype, keep)))
+        for k, t in local_rows(model, ctx).items()
+    }
     parts: list[Any] = [None] * ctx.world_size
     tdist.all_gather_object(parts, mine)
     return combine_digests({k: v for part in parts for k, v in part.items()})

@@ -443,6 +443,7 @@ def train(
     if not ctx.is_main:
         raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
     check_reference(settings, model, ref_model)
+    publisher.follow_precision(model)  # tensors the model keeps in fp32 are published in fp32
     sharded = isinstance(publisher, ShardedPublisher)
 
     def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:

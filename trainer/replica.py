@@ -49,6 +49,8 @@ def train_replica(
     if dist.is_main or not dist.enabled:
         raise ValueError("train_replica is for ranks 1..N-1 of a distributed job")
     check_reference(settings, model, ref_model)
+    if publisher is not None:
+        publisher.follow_precision(model)  # as rank 0's: the same tensors in fp32
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     if resume is not None:
         resume.restore(model, opt, sched)

@@ -44,6 +44,7 @@ chunks' bytes, see :meth:`ShardedPublisher._prove`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -147,10 +148,17 @@ def _digest_when_ready(t: torch.Tensor, ready: Any) -> str:
     return tensor_digest(t)
 
 
+def _aligned_bytes(n: int) -> int:
+    """``n`` rounded up to a multiple of 8 (every dtype's alignment in the host mirror)."""
+    return -(-n // 8) * 8
+
+
 class _HostMirror:
     """The rank's new rows on the host, for the digests (which hash every byte) and anchors.
 
-    One pinned buffer (one flat allocation), reused every version: a tensor's copy starts on a
+    One pinned byte buffer (one flat allocation, each tensor at an 8-byte aligned offset, so
+    tensors published in float32 sit next to bf16 ones), reused every version: a tensor's copy
+    starts on a
     side stream as soon as its rows are final and is hashed as soon as it lands, while the
     device works on the next tensor. The delta's encoder does not read it (the O(n) context
     scan runs on the device, :mod:`~deltarl.services.weightsync.codec.device_scan`). CPU rows
@@ -165,21 +173,27 @@ class _HostMirror:
     def host_bytes(self) -> int:
         return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
 
-    def start(self, rows: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
-        """Size the buffer for ``rows`` (their GPU tensors, as ``dtype``); copies start with
-        :meth:`copy`. The previous version's copies must have landed (they have: its digests
-        were awaited)."""
-        total = sum(t.numel() for t in rows.values() if t.device.type == "cuda")
+    def start(
+        self, rows: Mapping[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype]
+    ) -> None:
+        """Size the buffer for ``rows`` (their GPU tensors, each as ``dtype_of(key)``); copies
+        start with :meth:`copy`. The previous version's copies must have landed (they have: its
+        digests were awaited)."""
+        total = sum(
+            _aligned_bytes(t.numel() * torch.finfo(dtype_of(k)).bits // 8)
+            for k, t in rows.items()
+            if t.device.type == "cuda"
+        )
         self._at = 0
         if not total:
             return
-        if self._flat is None or self._flat.numel() != total or self._flat.dtype != dtype:
+        if self._flat is None or self._flat.numel() != total:
             self._flat = None  # free the old buffer first
             try:
-                self._flat = torch.empty(total, dtype=dtype, pin_memory=True)
+                self._flat = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             except RuntimeError as err:  # no pinned memory to be had: correct, slower
                 logger.warning("pinned host mirror unavailable (%s); using pageable", err)
-                self._flat = torch.empty(total, dtype=dtype)
+                self._flat = torch.empty(total, dtype=torch.uint8)
 
     def copy(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Start copying ``t`` (after the work queued on the current stream) into the buffer;
@@ -192,8 +206,9 @@ class _HostMirror:
             self._stream = torch.cuda.Stream(t.device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(t.device))
-        host = self._flat[self._at : self._at + t.numel()].view(t.shape)
-        self._at += t.numel()
+        nbytes = t.numel() * t.element_size()
+        host = self._flat[self._at : self._at + nbytes].view(t.dtype).view(t.shape)
+        self._at += _aligned_bytes(nbytes)
         with torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
             ready = torch.cuda.Event()
@@ -288,6 +303,12 @@ class ShardedPublisher(VersionBook):
         self.settings = settings if settings is not None else PublishSettings()
         if not ctx.enabled:
             raise ValueError("ShardedPublisher is for torchrun jobs; one process: WeightPublisher")
+        if self.settings.fp8:
+            raise ValueError(
+                "publish.fp8 is not supported under FSDP yet: a 128-row block of a weight can "
+                "straddle two ranks' rows, and its scale needs the amax of both (docs/trainer.md, "
+                "fp8 versions); publish fp8 from one process, or bf16 under FSDP"
+            )
         if self.settings.proof_challenges and self.settings.proof_chunks == 0:
             raise ValueError(
                 "publish.proof_chunks = 0 (whole-state weight proofs) is not supported under FSDP: "
@@ -459,7 +480,7 @@ class ShardedPublisher(VersionBook):
         fmt = self.settings.format
         # the new rows reach the host (pinned buffer, side stream; CPU rows: themselves) and
         # are hashed in the pool as each copy lands, while this thread works on the next tensor
-        self._mirror.start(state, self.dtype)
+        self._mirror.start(state, self.dtype_of)
         if on_device:
             # pinned memory for the scans' results, reserved with the first version (an anchor)
             # and grown when a version needed more: allocating it in a delta's hot loop costs
@@ -490,15 +511,18 @@ class ShardedPublisher(VersionBook):
             peak = 0
             pending: dict[str, PendingScan] = {}
             for k in keys:
-                n = state[k].detach().to(self.dtype)
-                peak = max(peak, n.numel() * n.element_size() * (n is not state[k]))
+                n = state[k].detach().to(self.dtype_of(k))
+                # a tensor published in its own dtype (fp32) is not cast: n is the live rows,
+                # which the snapshot must never alias
+                fresh = n.untyped_storage().data_ptr() != state[k].untyped_storage().data_ptr()
+                peak = max(peak, n.numel() * n.element_size() * fresh)
                 if with_delta:
                     assert base is not None
                     pending[k] = start_changes_and_scans(base[k], n, staging=self._staging)
                 if reuse:
                     new[k].copy_(n)
                 else:
-                    new[k] = n.contiguous() if n is not state[k] else n.clone()
+                    new[k] = n.contiguous() if fresh else n.clone()
                 host_new[k], ready = self._mirror.copy(new[k])
                 digest_of[k] = self._pool.submit(_digest_when_ready, host_new[k], ready)
             rec.memory = sum(t.numel() * t.element_size() for t in new.values()) + peak
@@ -508,7 +532,7 @@ class ShardedPublisher(VersionBook):
                 changes[k] = (index, value)
                 scans.update(((k, start), sc) for start, sc in found.items())
         else:
-            new = {k: state[k].detach().to(self.dtype, copy=True).contiguous() for k in keys}
+            new = {k: state[k].detach().to(self.dtype_of(k), copy=True).contiguous() for k in keys}
             rec.memory = 2 * sum(t.numel() * t.element_size() for t in new.values())
             for k in keys:
                 host_new[k], ready = self._mirror.copy(new[k])
@@ -621,7 +645,7 @@ class ShardedPublisher(VersionBook):
                 name, _, hi = parse_slice_key(key)
                 rows[name] = max(rows.get(name, 0), hi)
                 trailing[name] = tuple(shape[1:])
-        meta = {n: (self.dtype, (rows[n], *trailing[n])) for n in rows}
+        meta = {n: (self.dtype_of(n), (rows[n], *trailing[n])) for n in rows}
         nonces = [new_nonce() for _ in range(count)]
         samples = [sampled_pieces(meta, n, spec) for n in nonces]
         wanted = sorted({p for sample in samples for _, ps in sample for p in ps})
@@ -659,13 +683,18 @@ class ShardedPublisher(VersionBook):
                 )
             )
         numel = sum(r.numel for r in records)
+        full_bytes = sum(
+            math.prod(shape) * torch.finfo(self.dtype_of(key)).bits // 8
+            for r in records
+            for key, shape in r.shapes.items()
+        )
         t_up = time.perf_counter()
         manifest = self._writer.publish(
             version,
             objects,
             state_digest=state_digest,
             numel=numel,
-            full_bytes=numel * torch.finfo(self.dtype).bits // 8,
+            full_bytes=full_bytes,
             step=step,
         )
         self._bucket_latest = version

@@ -4,7 +4,11 @@
 
 1. **snapshot** (caller's thread): cast every tensor to bf16 and copy it into a host buffer
    (pinned and asynchronous for CUDA tensors; buffers are reused from step to step, so host
-   memory stays at two bf16 copies of the model);
+   memory stays at two bf16 copies of the model); with ``publish.fp8`` the snapshot is then
+   quantized to block fp8 in the publishing thread (:func:`~deltarl.services.weightsync.fp8.
+   quantize_state`: e4m3 values + float32 block scales for linear weights, bf16 for the rest),
+   and everything below works on that fp8 state (host memory: one bf16 snapshot and two fp8
+   versions);
 2. **diff**: :func:`~deltarl.services.weightsync.delta.compute_delta` against the host mirror of
    the last published state, whose tensor digests are remembered (only the new state is hashed);
 3. **encode**: the delta in the configured format (``compact`` by default), and an anchor when
@@ -68,7 +72,10 @@ from deltarl.services.weightsync.codec.context import DeltaContext
 from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.services.weightsync.delta import compute_delta
 from deltarl.services.weightsync.digest import combine_digests, state_digests
+from deltarl.services.weightsync.fp8 import quantize_state
 from deltarl.services.weightsync.manifest import VersionManifest
+from deltarl.services.weightsync.model_state import fp32_names, publish_dtype
+from deltarl.services.weightsync.model_state import publishable_state as publishable_state
 from deltarl.services.weightsync.proof import ProofSpec, make_challenges
 from deltarl.services.weightsync.writer import BucketWriter, NewObject
 from deltarl.trainer.settings import PublishSettings
@@ -120,27 +127,6 @@ def coordinator_challenge_need(client: Any) -> ChallengeNeed:
     return need
 
 
-def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The floating-point entries of ``model.state_dict()``: the weights replicas load.
-
-    Integer or boolean buffers (position ids, masks) are constants of the architecture, not
-    weights, and the delta codec handles floating-point tensors only. Tied weights (e.g. an LM
-    head sharing the embedding) are published once, under their first name, as
-    ``named_parameters()`` lists them: shipping the same tensor twice would double its bytes.
-    """
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if not t.is_floating_point():
-            continue
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach()
-    return out
-
-
 class PublishFailedError(RuntimeError):
     """Publishing a version failed (its ``__cause__`` says why), or a delta was asked for after
     such a failure. The bucket still holds the previous version; publish with ``anchor=True``."""
@@ -166,8 +152,8 @@ class PublishReport:
     chained_bytes: int | None  # the delta chained on the previous one; None without one
     anchor_bytes: int | None
     changed: int | None  # elements whose bits changed since base_version; None without delta
-    numel: int  # elements of the whole state
-    full_bytes: int  # raw bytes of the whole bf16 state
+    numel: int  # elements of the whole state (fp8 versions: scales included)
+    full_bytes: int  # raw bytes of the whole published state (bf16, or fp8 + scales + bf16)
     snapshot_s: float  # in the trainer's thread: cast + copy to host
     diff_s: float  # delta and digests of the new state
     encode_s: float  # delta encoding (standalone and chained, with the context capture)
@@ -211,8 +197,12 @@ class _Snapshot:
 
 
 class VersionBook:
-    """The version bookkeeping every publisher shares (this one and the sharded one)."""
+    """The version bookkeeping every publisher shares (this one and the sharded one), and the
+    publish precision: every tensor in ``dtype``, except the names in ``keep_fp32`` (set by
+    :meth:`follow_precision` from the model), published in float32."""
 
+    dtype: torch.dtype = torch.bfloat16
+    keep_fp32: frozenset[str] = frozenset()
     _last_version: int | None = None
     _last_report: PublishReport | None = None
     _failed: bool = False
@@ -232,6 +222,25 @@ class VersionBook:
     def failed(self) -> bool:
         """True after a failed publication, until an anchor-only version succeeded."""
         return self._failed
+
+    def follow_precision(self, model: torch.nn.Module) -> frozenset[str]:
+        """Publish in float32 the tensors that ``model`` (a Hugging Face model) keeps in float32
+        when loaded in :attr:`dtype` (:func:`~deltarl.services.weightsync.model_state.fp32_names`:
+        DeepSeek-V3's router; nothing for most models), so that a replica built by transformers
+        in that dtype holds exactly what is published. Call before the first version (the
+        training loop does); returns the names."""
+        self.keep_fp32 = fp32_names(model, self.dtype)
+        if self.keep_fp32:
+            logger.info(
+                "publishing %d tensors in float32 as the model keeps them (e.g. %s)",
+                len(self.keep_fp32),
+                sorted(self.keep_fp32)[0],
+            )
+        return self.keep_fp32
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` (or a slice key of it) is published in."""
+        return publish_dtype(name, self.dtype, self.keep_fp32)
 
     def next_version(self) -> int:
         """The version :meth:`publish` uses when given none: one past the newest known."""
@@ -254,7 +263,8 @@ class WeightPublisher(VersionBook):
     :func:`coordinator_challenge_need`): a background thread asks every
     ``publish.proof_topup_s`` and tops the newest version's pool up from the state this
     publisher still holds (workers that join or retry); None: no top-ups. ``dtype``: what is
-    published (the bf16 cast of fp32 master weights). ``tmp_dir``: where large anchors are staged (None:
+    published (the bf16 cast of fp32 master weights; see :meth:`~VersionBook.follow_precision`
+    for tensors a model keeps in fp32). ``tmp_dir``: where large anchors are staged (None:
     the system temp dir). ``on_report``: called (in the publishing thread) with each version's
     :class:`PublishReport`.
     """
@@ -418,12 +428,13 @@ class WeightPublisher(VersionBook):
             if not src.is_floating_point():
                 raise ValueError(f"{name}: {src.dtype} is not a floating-point weight")
             buf = spare.get(name) if spare is not None else None
-            if buf is None or buf.shape != src.shape or buf.dtype != self.dtype:
+            dtype = self.dtype_of(name)
+            if buf is None or buf.shape != src.shape or buf.dtype != dtype:
                 pin = src.device.type == "cuda"
-                buf = torch.empty(src.shape, dtype=self.dtype, pin_memory=pin)
+                buf = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
             if src.device.type == "cuda":
                 cuda = True
-                buf.copy_(src.to(self.dtype), non_blocking=True)
+                buf.copy_(src.to(dtype), non_blocking=True)
             else:
                 buf.copy_(src)
             out[name] = buf
@@ -466,7 +477,7 @@ class WeightPublisher(VersionBook):
         t_start = time.perf_counter()
         if snap.ready is not None:
             snap.ready.synchronize()
-        new = snap.state
+        new = quantize_state(snap.state) if self.settings.fp8 else snap.state
         base, base_version = self._base, self._last_version
         with_delta = base is not None and base_version is not None and not self._failed
         numel = sum(t.numel() for t in new.values())
@@ -558,8 +569,9 @@ class WeightPublisher(VersionBook):
 
         # Success: the new state becomes the base; the old base's buffers are reused (after
         # any top-up reading the old one finished: it holds the lock while it reads).
+        spare = _fp8_spare(snap.state, new, base) if self.settings.fp8 else base
         with self._proof_lock:
-            self._spare, self._base, self._base_digests = base, new, digests
+            self._spare, self._base, self._base_digests = spare, new, digests
             self._last_version, self._failed = version, False
         self._context = context
         report = PublishReport(
@@ -683,3 +695,21 @@ class WeightPublisher(VersionBook):
             path.unlink(missing_ok=True)
             raise
         return path, path
+
+
+def _fp8_spare(
+    snapshot: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    old: Mapping[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """Snapshot buffers free for the next version once ``new`` (the fp8 state quantized from
+    ``snapshot``) is the base: the bf16 buffers of quantized tensors, and for the tensors
+    ``new`` keeps in bf16 (it holds the snapshot's buffers themselves) those of the previous
+    base ``old``, which nothing reads any more."""
+    spare: dict[str, torch.Tensor] = {}
+    for name, buf in snapshot.items():
+        if new.get(name) is not buf:
+            spare[name] = buf
+        elif old is not None and name in old and old[name] is not buf:
+            spare[name] = old[name]
+    return spare

@@ -309,12 +309,24 @@ class VllmEngineSettings(BaseModel):
         "one's outputs are processed (faster; stamps and pauses stay exact, docs/vllm.md). "
         "False: one step = one forward, with the CPU work between forwards.",
     )
+    prefix_caching: bool = Field(
+        default=True,
+        description="vLLM's prefix caching, salted per weight state: a request reuses only KV "
+        "blocks computed under the weights it was admitted with (each request's cache_salt "
+        "names that state, docs/vllm.md). False: every prompt is prefilled in full.",
+    )
     seed: int = Field(default=0, description="Seed of vLLM's sampler when a call gives none.")
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,
         description="GPUs of one engine (vLLM's tensor parallelism; > 1 runs vLLM's workers in "
         "processes and patches every rank's shard in the same pause, docs/vllm.md).",
+    )
+    expert_parallel: bool = Field(
+        default=False,
+        description="vLLM's expert parallelism for mixture-of-experts models (with "
+        "tensor_parallel_size > 1): each GPU holds whole experts, a contiguous range of them, "
+        "instead of every expert's tensor-parallel slice; the engine maps either (docs/vllm.md).",
     )
 
 

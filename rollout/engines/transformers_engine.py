@@ -44,6 +44,7 @@ from deltarl.rollout.engines.base import (
     check_prompts,
     check_score_items,
 )
+from deltarl.services.weightsync.model_state import publishable_state
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,10 @@ class TransformersEngine(Engine):
     type = "transformers"
 
     def __init__(self, model: torch.nn.Module, *, seed: int = 0) -> None:
-        params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        # what the trainer publishes: parameters and persistent float buffers (DeepSeek-V3's
+        # router bias), tied weights once, each in the dtype transformers built it in (a
+        # router it keeps in fp32 stays fp32 in a bf16 model)
+        params: dict[str, torch.Tensor] = publishable_state(model)
         if not params:
             raise ValueError("the model has no parameters")
         devices = {p.device for p in params.values()}

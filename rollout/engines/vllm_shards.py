@@ -5,7 +5,9 @@ engine core in the rollout worker's process and one worker process per rank
 (``MultiprocExecutor``); each rank's loader narrows every checkpoint tensor to its part
 (column-parallel ``qkv``/``gate_up`` and vocabulary-parallel embeddings / LM head: output rows;
 row-parallel ``o_proj``/``down_proj``: input columns; norms and, with fewer KV heads than ranks,
-``k``/``v`` rows: replicated) and copies that into its fused parameter. The probe
+``k``/``v`` rows: replicated; stacked MoE experts: every expert's gate and up rows of the rank, a
+box of ``[E, 2, I, H]`` (:meth:`Box.fits`), or, under expert parallelism, the rank's whole
+experts) and copies that into its fused parameter. The probe
 (:func:`~deltarl.rollout.engines.vllm_mapping.probe_views` with ``shards=True``) records, per
 rank, the view written and the :class:`Box` of the checkpoint tensor it receives (start and size
 per dimension, read off the narrowed source view).
@@ -87,13 +89,35 @@ class Box:
     def is_full(self) -> bool:
         return self.size == self.shape
 
+    def fits(self, shape: Sequence[int]) -> bool:
+        """Whether the box is a box of a tensor of ``shape``: its own ``shape`` is ``shape``, or
+        a refinement of it (each dimension of ``shape`` split into consecutive box dimensions:
+        a stacked ``gate_up`` tensor ``[E, 2I, H]`` seen as ``[E, 2, I, H]``, where one tensor-
+        parallel rank's part, its gate rows and its up rows, is one box). Flat indices are the
+        same in both shapes, so a box of the refinement slices the tensor's flat indices."""
+        if tuple(shape) == self.shape:
+            return True
+        i = 0
+        for n in shape:
+            if i == len(self.shape):
+                return False
+            prod, i = self.shape[i], i + 1
+            while prod < n and i < len(self.shape):
+                prod, i = prod * self.shape[i], i + 1
+            if prod != n:
+                return False
+        return i == len(self.shape)
+
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(s, s + k) for s, k in zip(self.start, self.size, strict=True))
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        """The box of the full tensor ``t`` (a contiguous copy, or ``t`` itself if full)."""
+        """The box of the full tensor ``t`` (a contiguous copy, or ``t`` itself if full; of
+        the box's shape, ``size``, when the box is of a refinement of ``t``'s shape)."""
         if tuple(t.shape) != self.shape:
-            raise ValueError(f"tensor of shape {list(t.shape)} for a box of {list(self.shape)}")
+            if not self.fits(t.shape):
+                raise ValueError(f"tensor of shape {list(t.shape)} for a box of {list(self.shape)}")
+            t = t.reshape(self.shape)
         return t if self.is_full else t[self.slices()].contiguous()
 
     def localize(self, index: np.ndarray) -> tuple[slice | np.ndarray, np.ndarray]:
@@ -156,7 +180,7 @@ def box_of(src: torch.Tensor, probe: torch.Tensor) -> Box | None:
 def shard_patch(patch: TensorPatch, box: Box) -> TensorPatch:
     """``patch`` restricted to ``box``, in the box's own flat indices (digests unknown: the
     rank's shard digests are checked against slices of the verified host mirror instead)."""
-    if tuple(patch.shape) != box.shape:
+    if not box.fits(patch.shape):
         raise StateMismatchError(
             f"{patch.name}: the delta's shape {list(patch.shape)}, the rank's box is of "
             f"{list(box.shape)}"
@@ -202,7 +226,7 @@ def decode_delta(data: bytes, base_version: int | None, version: int | None) -> 
     patches = {}
     for name, m in meta.items():
         dtype = str(m["dtype"])
-        empty = np.empty(0, np.int16 if float_format(dtype).width == 16 else np.int32)
+        empty = np.empty(0, float_format(dtype).bits_dtype)
         patches[name] = TensorPatch(
             name=name,
             dtype=dtype,
@@ -346,7 +370,7 @@ class ShardedWeights:
             if set(b) != set(specs):
                 raise StateMismatchError(f"rank {r} maps other tensors than the checkpoint's")
             for name, box in b.items():
-                if box.shape != tuple(specs[name][1]):
+                if not box.fits(specs[name][1]):
                     raise StateMismatchError(f"rank {r}: {name} box of another shape")
         _check_covered(specs, boxes)
         self.specs = dict(specs)
@@ -423,7 +447,7 @@ def _check_covered(
     for name, (_, shape) in specs.items():
         covered = torch.zeros(tuple(shape), dtype=torch.bool)
         for b in boxes:
-            covered[b[name].slices()] = True
+            covered.view(b[name].shape)[b[name].slices()] = True
         if math.prod(shape) and not bool(covered.all()):
             raise StateMismatchError(f"{name}: some elements are held by no rank")
 

@@ -13,7 +13,7 @@ dev route ``/update_weights`` and process boundaries without pickle)::
     {"format": "deltarl-delta-v1", "base_version": 41, "version": 42,
      "tensors": [{"name": ..., "dtype": "bfloat16", "shape": [576, 576],
                   "base_digest": ..., "result_digest": ...}, ...],   # every tensor of the state
-     "payload": "<base64 safetensors: '{name}.idx' int64 [k], '{name}.val' int16|int32 [k]>"}
+     "payload": "<base64 safetensors: '{name}.idx' int64 [k], '{name}.val' int8|16|32 [k]>"}
 
 ``payload`` holds the changed tensors only: sorted flat indices and new bit patterns, i.e. a
 decoded :class:`~deltarl.services.weightsync.delta.Delta` (the compact codec's decode needs the
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -56,6 +57,7 @@ from deltarl.services.weightsync.delta import (
 )
 from deltarl.services.weightsync.digest import combine_digests, tensor_digest
 from deltarl.services.weightsync.errors import CorruptDeltaError, VerificationError
+from deltarl.services.weightsync.fp8 import is_block_fp8_config
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +162,32 @@ def check_supported(vllm_config: Any) -> None:
             "the deltarl weight-transfer backend supports pipeline_parallel_size=1 only (got "
             f"{par.pipeline_parallel_size}): use tensor parallelism or one engine per GPU"
         )
-    if getattr(model, "quantization", None):
+    if getattr(par, "enable_eplb", False):
         raise ValueError(
-            f"the deltarl weight-transfer backend needs unquantized weights (got "
-            f"quantization={model.quantization!r}): bit-exact deltas patch the checkpoint's bytes"
+            "the deltarl weight-transfer backend does not support enable_eplb: vLLM's expert "
+            "load balancer replicates experts and moves them between GPUs while serving, so a "
+            "checkpoint expert has no fixed place to patch; expert parallelism without it "
+            "(enable_expert_parallel) is supported"
+        )
+    quantization = getattr(model, "quantization", None)
+    if not quantization:
+        return
+    hf_config = getattr(model, "hf_config", None)
+    if quantization != "fp8" or not is_block_fp8_config(
+        getattr(hf_config, "quantization_config", None)
+    ):
+        raise ValueError(
+            f"the deltarl weight-transfer backend needs unquantized weights or block fp8 (got "
+            f"quantization={quantization!r}): bit-exact deltas patch the checkpoint's bytes"
+        )
+    if os.environ.get("VLLM_USE_DEEP_GEMM", "1") != "0":
+        # DeepGEMM requantizes block-fp8 weights to power-of-two (E8M0) scales and re-lays the
+        # scales when it loads (fp8_utils.deepgemm_post_process_fp8_weight_block): the served
+        # bytes are not the checkpoint's
+        raise ValueError(
+            "block fp8 with the deltarl backend needs VLLM_USE_DEEP_GEMM=0 (vLLM's CUTLASS "
+            "block-fp8 kernels keep the checkpoint's e4m3 bytes and scales; DeepGEMM rewrites "
+            "them at load)"
         )
 
 

@@ -9,7 +9,7 @@ element_size`` on the device, one int64 buffer per value bit width, aligned with
 packed value buffer. The paused window is then one launch per bit width plus the synchronize.
 
 Semantics are those of the ``index_copy_`` loop it replaces, bit for bit: every element is a
-raw 16- or 32-bit store of the delta's absolute new bit pattern (no arithmetic on values).
+raw 8-, 16- or 32-bit store of the delta's absolute new bit pattern (no arithmetic on values).
 Indices are unique within a tensor (a :class:`~.delta.TensorPatch` holds strictly increasing
 indices; the codec's decoders and the TRL reader refuse anything else) and distinct tensors do
 not overlap (different parameters, or disjoint views into one fused parameter), so no element is
@@ -96,7 +96,7 @@ def use_kernel(mode: str, device: torch.device) -> bool:
 
 def warm_up(device: torch.device, dtypes: set[torch.dtype]) -> bool:
     """Compile (or load from Triton's cache) and load the kernel for these bit dtypes
-    (``torch.int16`` / ``torch.int32``) on ``device``, and check it on a scratch buffer.
+    (``torch.int8`` / ``torch.int16`` / ``torch.int32``) on ``device``, and check it on a scratch buffer.
 
     Call it outside the paused window: the first launch compiles (up to seconds) and CUDA loads
     the module lazily. Idempotent and cheap once done. Returns False (and switches the kernel
@@ -124,7 +124,8 @@ def _check_on_scratch(device: torch.device, dtype: torch.dtype) -> None:  # prag
     es = scratch.element_size()
     picks = torch.tensor([0, 5, BLOCK, 2 * BLOCK + 2], dtype=torch.int64, device=device)
     addr = picks * es + scratch.data_ptr()
-    val = torch.tensor([-1, 7, -300, 12345], dtype=dtype, device=device)
+    picked = [-1, 7, -128, 127] if dtype == torch.int8 else [-1, 7, -300, 12345]
+    val = torch.tensor(picked, dtype=dtype, device=device)
     launch(addr, val)
     torch.cuda.synchronize(device)
     expect = torch.zeros_like(scratch)

@@ -56,10 +56,10 @@ class TensorPatch:
     """
 
     name: str
-    dtype: str  # "bfloat16" | "float16" | "float32"
+    dtype: str  # "bfloat16" | "float16" | "float32" | "float8_e4m3fn"
     shape: tuple[int, ...]
     index: np.ndarray  # int64 [k], strictly increasing flat (C-order) indices of changed elements
-    value: np.ndarray  # int16/int32 [k], new bit patterns at those indices
+    value: np.ndarray  # int8/int16/int32 [k], new bit patterns at those indices
     base_digest: str  # tensor_digest of the tensor at base_version
     result_digest: str  # tensor_digest of the tensor at version
 
@@ -419,6 +419,7 @@ def _host_concat(arrays: list[np.ndarray], dtype: np.dtype, pin: bool) -> torch.
 
 _TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {
     np.dtype(np.int64): torch.int64,
+    np.dtype(np.int8): torch.int8,
     np.dtype(np.int32): torch.int32,
     np.dtype(np.int16): torch.int16,
 }

@@ -39,7 +39,13 @@ from rollout_helpers import (
 )
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, WeightsStamp, make_engine
-from deltarl.rollout.engines.vllm_engine import VllmEngine, hf_specs, request_params
+from deltarl.rollout.engines.vllm_engine import (
+    VllmEngine,
+    cache_salt,
+    hf_specs,
+    llm_kwargs,
+    request_params,
+)
 from deltarl.rollout.engines.vllm_mapping import (
     MappingError,
     TensorSpec,
@@ -559,6 +565,220 @@ def test_async_scheduling_stamps_each_token_with_the_weights_that_launched_it(
         assert not core.requests
 
 
+class FakeCachingLLMEngine(FakeLLMEngine):
+    """:class:`FakeLLMEngine` with vLLM's prefix cache: blocks of ``BLOCK`` tokens hashed in a
+    chain whose first link holds the request's ``cache_salt`` (``kv_cache_utils``:
+    ``hash((parent, block tokens, extra keys))``, the salt an extra key of block 0 only). A
+    request reuses the longest run of its blocks found in the cache (at most all tokens but the
+    last, as vLLM); the rest is computed when it is first stepped, by the weights ``weights``
+    holds then, and cached. ``log`` gets (salt, versions of the reused blocks, version that
+    computed the rest) per request."""
+
+    BLOCK = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: int | None = None  # the version the device's weights hold
+        self.blocks: dict[int, int | None] = {}  # block hash -> version that computed it
+        self.log: list[tuple[str | None, list[int | None], int | None]] = []
+
+    def add_request(self, rid: str, prompt: dict[str, Any], params: Any) -> None:
+        super().add_request(rid, prompt, params)
+        self.requests[rid].salt = prompt.get("cache_salt")
+        self.requests[rid].cached = None
+
+    def _hashes(self, ids: list[int], salt: str | None) -> list[int]:
+        out: list[int] = []
+        for b in range(len(ids) // self.BLOCK):
+            extra = (("cache_salt", salt),) if b == 0 and salt else None
+            block = tuple(ids[b * self.BLOCK : (b + 1) * self.BLOCK])
+            out.append(hash((out[-1] if out else None, block, extra)))
+        return out
+
+    def step(self) -> list[Any]:
+        for r in self.requests.values():
+            if r.cached is None:  # prefill: reuse what the cache holds, compute the rest
+                hashes = self._hashes(r.prompt, r.salt)
+                hits = 0
+                while hits < len(hashes) and hashes[hits] in self.blocks:
+                    hits += 1
+                hits = min(hits, (len(r.prompt) - 1) // self.BLOCK)
+                self.log.append((r.salt, [self.blocks[h] for h in hashes[:hits]], self.weights))
+                for h in hashes[hits:]:
+                    self.blocks.setdefault(h, self.weights)
+                r.cached, r.sampled = hits * self.BLOCK, []
+        running = dict(self.requests)
+        outs = super().step()
+        for out in outs:
+            r = running[out.request_id]
+            r.sampled += out.outputs[0].token_ids
+            out.num_cached_tokens = r.cached
+            if out.finished:  # the blocks of its sampled tokens are cached too (not the last)
+                for h in self._hashes(r.prompt + r.sampled[:-1], r.salt):
+                    self.blocks.setdefault(h, self.weights)
+        return outs
+
+
+class VersionGate(StepGate):
+    """A :class:`StepGate` that also sets the fake's device weights at each step (an apply
+    lands between two steps) and records whether requests were admitted inside the gate."""
+
+    def __init__(self, core: FakeCachingLLMEngine, switch: int) -> None:
+        super().__init__(switch)
+        self.core, self.inside = core, False
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[WeightsStamp]:
+        with super().forward() as stamp:
+            self.core.weights = stamp.version
+            self.inside = True
+            try:
+                yield stamp
+            finally:
+                self.inside = False
+
+
+def test_cache_salt_names_one_weight_state() -> None:
+    assert cache_salt(WeightsStamp(3, 5)) == cache_salt(WeightsStamp(3, 5))
+    assert cache_salt(WeightsStamp(3, 5)) != cache_salt(WeightsStamp(4, 6))
+    # a failed apply of v3 (seq 5) and the reload of v3 that repairs it (seq 6) share no block
+    assert cache_salt(WeightsStamp(3, 5)) != cache_salt(WeightsStamp(3, 6))
+
+
+def test_requests_carry_the_salt_of_the_weights_they_were_admitted_under() -> None:
+    core = FakeCachingLLMEngine()
+    engine = VllmEngine(
+        SimpleNamespace(llm_engine=core),
+        probe_views(FusedLlama(tiny_config()), specs_of(hf_state())),
+        vocab_size=128,
+        make_params=SimpleNamespace,
+    )
+    gate = VersionGate(core, switch=100)
+    admitted: list[tuple[str, bool]] = []
+    add = core.add_request
+
+    def recording_add(rid: str, prompt: dict[str, Any], params: Any) -> None:
+        admitted.append((prompt["cache_salt"], gate.inside))
+        add(rid, prompt, params)
+
+    core.add_request = recording_add  # type: ignore[method-assign]
+    system = list(range(1, 13))  # 3 blocks every episode shares
+    convs = [[*system, 20 + e, 30 + e, 40 + e] for e in range(4)]
+    params = SamplingParams(max_new_tokens=4)
+
+    def turn() -> list[Any]:
+        out = engine.generate(convs, params, gate=gate)
+        for conv, c in zip(convs, out, strict=True):
+            conv += [*c.token_ids, 50, 51, 52]  # the reply, then the env's feedback
+        return out
+
+    first = turn()  # v1: the system prompt is reused within the call already
+    assert engine.last_cached_tokens == [0, 12, 12, 12]
+    second = turn()  # v1 again: each conversation reuses its previous turn
+    assert all(n is not None and n >= 16 for n in engine.last_cached_tokens)
+    gate.switch = 0  # a sync to v2 lands before the next call
+    third = turn()
+    assert engine.last_cached_tokens[0] == 0  # nothing computed by v1 is reused
+    fourth = turn()
+    assert all(n is not None and n >= 16 for n in engine.last_cached_tokens)
+    # every request was admitted inside a step's gate, with the salt of the call's first stamp
+    assert all(inside for _, inside in admitted)
+    for out, salts in zip(
+        (first, second, third, fourth), [admitted[i : i + 4] for i in range(0, 16, 4)], strict=True
+    ):
+        assert {s for s, _ in salts} == {cache_salt(out[0].first)}
+    assert [c.first.version for c in first + second + third + fourth] == [1] * 8 + [2] * 8
+    # the invariant: a request reuses only blocks computed under the weights it was admitted with
+    versions = {cache_salt(WeightsStamp(v, v)): v for v in (1, 2)}
+    for salt, reused, _ in core.log:
+        assert all(v == versions[salt] for v in reused), (salt, reused)
+    assert sum(len(reused) for _, reused, _ in core.log) > 0
+
+
+def test_a_sync_changes_the_salt_of_the_requests_admitted_after_it(bucket: Any) -> None:
+    trainer = FakeTrainer(bucket, hf_state(seed=1))
+    core = FakeCachingLLMEngine()
+    views = probe_views(FusedLlama(tiny_config()), specs_of(hf_state(seed=2)))
+    engine = VllmEngine(
+        SimpleNamespace(llm_engine=core), views, vocab_size=128, make_params=SimpleNamespace
+    )
+    sync = WeightSync(engine, BucketReader(bucket), host_mirror=True)
+    sync.sync_to()
+    prompts = [list(range(1, 14)), list(range(1, 10))]
+    params = SamplingParams(max_new_tokens=2)
+    a = sync.generate(prompts, params)
+    b = sync.generate(prompts, params)
+    assert engine.last_cached_tokens == [12, 8]  # same weights: the prompts are reused
+    trainer.step()
+    sync.sync_to()
+    c = sync.generate(prompts, params)
+    assert engine.last_cached_tokens == [0, 8]  # the second reuses the first's new blocks
+    assert a[0].first == b[0].first != c[0].first and c[0].version_min == 1
+    salts = [salt for salt, _, _ in core.log]
+    assert salts == [cache_salt(a[0].first)] * 4 + [cache_salt(c[0].first)] * 2
+
+
+class FlatLogprobs:
+    """vLLM's ``FlatLogprobs`` (``vllm/logprobs.py``): per position a range of flat lists, the
+    sampled token first."""
+
+    def __init__(self, rows: list[list[tuple[int, float]]]) -> None:
+        self.start_indices: list[int] = []
+        self.end_indices: list[int] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        for row in rows:
+            self.start_indices.append(len(self.token_ids))
+            self.token_ids += [t for t, _ in row]
+            self.logprobs += [lp for _, lp in row]
+            self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+def test_flat_logprobs_are_read_without_building_a_dict_per_token() -> None:
+    params = SamplingParams(max_new_tokens=3)
+    assert request_params(params, 0)["flat_logprobs"] is True
+    seq = SimpleNamespace(
+        token_ids=[7, 9, 7], logprobs=FlatLogprobs([[(7, -0.5)], [(9, -1.5), (2, -0.1)], [(7, -2)]])
+    )
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    VllmEngine._take(SimpleNamespace(outputs=[seq]), params, tokens, logprobs)
+    assert (tokens, logprobs) == ([7, 9, 7], [-0.5, -1.5, -2.0])
+    seq.logprobs = FlatLogprobs([[(7, -0.5)], [(8, -1.5)], [(7, -2)]])  # not the sampled token
+    with pytest.raises(RuntimeError, match=r"not those of the sampled tokens"):
+        VllmEngine._take(SimpleNamespace(outputs=[seq]), params, [], [])
+    seq.logprobs = FlatLogprobs([[(7, -0.5)]])
+    with pytest.raises(RuntimeError, match=r"1 logprobs for 3 tokens"):
+        VllmEngine._take(SimpleNamespace(outputs=[seq]), params, [], [])
+
+
+def test_one_vllm_sampling_params_per_call_unless_seeded() -> None:
+    engine, _, _ = fake_engine(hf_state())
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        made.append(SimpleNamespace(**kwargs))
+        return made[-1]
+
+    engine._make_params = make
+    engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=2))
+    assert len(made) == 1 and made[0].seed is None  # vLLM clones it per request
+    made.clear()
+    engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=2, seed=5))
+    assert [p.seed for p in made] == [5, 6, 7]
+
+
+def test_prefix_caching_setting_reaches_vllm(fake_vllm: Any) -> None:
+    assert RolloutSettings(engine="vllm", model="m").engine_settings().prefix_caching is True
+    off = RolloutSettings(engine="vllm", model="m", prefix_caching=False).engine_settings()
+    assert isinstance(off, VllmEngineSettings) and off.prefix_caching is False
+    assert llm_kwargs(off)["enable_prefix_caching"] is False
+    assert llm_kwargs(VllmEngineSettings(model="m"))["enable_prefix_caching"] is True
+
+
 def test_weight_sync_follows_the_bucket_through_the_engine_views(bucket: Any) -> None:
     trainer = FakeTrainer(bucket, hf_state(seed=1))
     engine, _, model = fake_engine(hf_state(seed=2))
@@ -654,7 +874,7 @@ def test_from_settings_starts_vllm_in_process_with_our_backend(
     assert kwargs["weight_transfer_config"].backend == "deltarl"
     assert kwargs["worker_extension_cls"].endswith("vllm_backend.DeltarlWorkerExtension")
     assert (kwargs["tensor_parallel_size"], kwargs["logprobs_mode"]) == (1, "processed_logprobs")
-    assert kwargs["enable_prefix_caching"] is False and kwargs["async_scheduling"] is True
+    assert kwargs["enable_prefix_caching"] is True and kwargs["async_scheduling"] is True
     assert (kwargs["load_format"], kwargs["seed"], kwargs["dtype"]) == ("dummy", 4, "bfloat16")
     trainer = FakeTrainer(bucket, hf_state(seed=1))
     sync = WeightSync(engine, BucketReader(bucket))

@@ -13,6 +13,9 @@ When they last passed, and where, is recorded in docs/vllm.md.
   probability of about 1e-6);
   while syncs land in the middle of generation, every completion's first and last token must
   be of the kind its stamp says.
+* Prefix caching, salted per weight state: prompts admitted again under the same weights reuse
+  their KV blocks (vLLM's ``num_cached_tokens``), prompts admitted after a sync reuse none,
+  also after a sync that landed mid-generation.
 """
 
 from __future__ import annotations
@@ -188,6 +191,61 @@ def test_async_scheduling_stamps_every_token_with_the_weights_that_sampled_it(
         engine.close()
     print(f"async stamps: {checked} completions checked, {spans} spanned a sync")
     assert spans > 0  # syncs did land mid-generation
+
+
+def test_prefix_cache_is_reused_under_one_weight_state_and_never_across_a_sync(
+    tmp_path: Path, bucket: Any
+) -> None:
+    """Prefix caching on (the default), salted per weight state: the same prompts admitted
+    again under the same weights reuse their KV blocks (vLLM's own ``num_cached_tokens``);
+    admitted after a sync, none of them reuses a block computed before it, also when the sync
+    landed in the middle of a generation."""
+    cfg = LAYOUTS["llama-untied"]()
+    cfg.save_pretrained(tmp_path / "model")
+    _, v0 = _state(cfg)
+    trainer = FakeTrainer(bucket, v0)
+    engine = _engine(tmp_path / "model", enforce_eager=True)
+    g = torch.Generator().manual_seed(5)
+    # 200 tokens: at least one full KV block whatever the attention backend's block size
+    prompts = [torch.randint(10, 30000, (200,), generator=g).tolist() for _ in range(8)]
+    params = SamplingParams(max_new_tokens=8, seed=0)
+    calls: list[tuple[str, int | None, list[int | None]]] = []  # (label, admitted under, cached)
+    try:
+        sync = WeightSync(engine, BucketReader(bucket))
+        sync.sync_to()
+
+        def run(label: str, p: SamplingParams = params) -> list[Any]:
+            out = sync.generate(prompts, p)
+            assert len({c.first for c in out}) == 1  # one call: one admission stamp
+            calls.append((label, out[0].first.version, list(engine.last_cached_tokens)))
+            return out
+
+        run("v0")
+        run("v0 again")
+        trainer.step()
+        sync.sync_to()
+        run("after a sync")
+        run("again")
+        trainer.step()
+        future = sync.sync_in_background()  # lands while these generate (or just before)
+        spanning = run("a sync lands meanwhile", SamplingParams(max_new_tokens=300, seed=1))
+        future.result()
+        run("after it")
+        run("again")
+    finally:
+        engine.close()
+    spans = sum(c.version_min != c.version_max for c in spanning)
+    print(
+        f"prefix cache (label, admitted under, cached tokens per request), {spans} spans: {calls}"
+    )
+    seen: set[int | None] = set()
+    for label, version, cached in calls:
+        if version in seen:  # same weights as an earlier call: its blocks are reused
+            assert all(n is not None and n >= 64 for n in cached), (label, calls)
+        else:  # admitted after a sync: no block computed before it is reused
+            assert all(n == 0 for n in cached), (label, calls)
+        seen.add(version)
+    assert [v for _, v, _ in calls][:4] == [0, 0, 1, 1] and calls[-1][1] == 2
 
 
 @pytest.mark.parametrize("layout", ["llama-tied-padded-vocab", "qwen3-tied-padded-vocab"])

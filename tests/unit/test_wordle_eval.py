@@ -1,10 +1,11 @@
-"""bench/wordle_eval.py (issue 14): games played through the env's rules with a scripted model,
+"""bench/wordle_eval.py: games played through the env's rules with a scripted model,
 counted as the report says; bench/wordle_gpu_run.py's Wordle summary helpers."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -183,3 +184,16 @@ def test_scrape_games_reads_the_env_servers_metrics(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(run.httpx, "get", lambda url, **kw: client.get("/metrics"))
         games = {"won": 1.0, "lost": 0.0, "forfeit": 0.0, "unfinished": 1.0}
         assert run.scrape_games("http://env/metrics", None) == games
+
+
+def test_trained_episodes_per_second_count_from_the_trainers_start(tmp_path: Path) -> None:
+    # the vLLM workers' start-up is not training time: 10.1/s was reported where 17.9/s was true
+    run = load("wordle_gpu_run")
+    (tmp_path / "trainer").mkdir()
+    rows = [{"sequences": 32, "tokens": 3200, "reward/mean": 0.1}] * 10
+    (tmp_path / "trainer" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = run._args(["--run-dir", str(tmp_path)])
+    summary = run.summarise(a, tmp_path, 200.0, {}, train_s=80.0)
+    assert summary["episodes_trained_per_s"] == pytest.approx(320 / 80.0)
+    assert summary["tokens_trained_per_s"] == pytest.approx(32000 / 80.0)
+    assert (summary["elapsed_s"], summary["train_s"], summary["startup_s"]) == (200.0, 80.0, 120.0)

@@ -1,4 +1,4 @@
-"""examples/wordle-shaped.toml (issue 14): it checks, its shaping, curriculum and short moves
+"""examples/wordle-shaped.toml: it checks, its shaping, curriculum and short moves
 reach the services' settings, and a run config with truncated sampling is refused; the reward
 presets of bench/gpu_wordle_full.sh reach the env server of bench/wordle_gpu_run.py's run."""
 
@@ -125,7 +125,7 @@ def test_gpu_script_reward_presets_reach_the_env_server(
 def test_gpu_script_summary_reaches_the_env_server(
     tmp_path: Path, reward: str, summary: str | None
 ) -> None:
-    # SUMMARY=1 is the script's default since session 14
+    # SUMMARY=1 is the script's default
     sets = [arg for value in gpu_preset(reward, summary=summary) for arg in ("--set", value)]
     layout = bench_run_layout(tmp_path, *sets)
     server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
@@ -149,10 +149,69 @@ def bench_run_layout(tmp_path: Path, *argv: str) -> RunLayout:
 def test_gpu_run_trainer_micro_batches(
     tmp_path: Path, argv: tuple[str, ...], size: int, tokens: int | None
 ) -> None:
-    # session 13: one micro-batch of the whole step (64 games) ran the trainer out of memory
+    # one micro-batch of the whole step (64 games) ran the trainer out of memory
     # beside its vLLM worker; the trainer reads what the layout writes to trainer.json
     launch = bench_run_layout(tmp_path, "--groups-per-step", "8", *argv).trainer()
     written = json.loads(Path(launch.args[launch.args.index("--config") + 1]).read_text())
     batch = ExperimentSettings.model_validate(written).batch
     assert (batch.groups_per_step, batch.micro_batch_size) == (8, size)
     assert batch.micro_batch_tokens == tokens
+
+
+def suite_wordle_args() -> list[str]:
+    """The arguments bench/gpu_vllm_suite.sh gives bench/wordle_gpu_run.py (its WORDLE array)."""
+    script = (ROOT / "bench" / "gpu_vllm_suite.sh").read_text()
+    start = script.index("WORDLE=(")
+    block = script[start : script.index(")\n", start) + 2]
+    return subprocess.run(
+        ["bash", "-c", block + 'printf "%s\\n" "${WORDLE[@]}"'],
+        env={"SECONDS_RUN": "150", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+
+
+def test_the_suites_default_reward_pays_nothing_for_a_repeated_or_invalid_guess(
+    tmp_path: Path,
+) -> None:
+    """The whole-system run of the GPU suite: a run whose reward paid format credit for the
+    game (a valid move, then repeats until the forfeit) learned to repeat one word. Under the
+    suite's default reward, as its env server answers: a new valid guess scores, a repeated
+    one and an invalid one earn exactly 0, and so does the forfeit they lead to."""
+    from fastapi.testclient import TestClient
+
+    from deltarl.env_server.core.app import create_app
+
+    args = suite_wordle_args()
+    assert "--format-credit" not in args and "--reward" not in args  # the bench's default
+    layout = bench_run_layout(tmp_path, *args)
+    server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
+    assert server.reward == "shaped" and not server.allow_repeats
+    with TestClient(create_app(server), headers={"X-Deltarl-Token": TOKENS.env}) as client:
+
+        def play(*moves: str) -> list[tuple[float, bool]]:
+            reset = client.post("/reset", json={"seed": 3})
+            assert reset.status_code == 200, reset.text
+            sid, out = reset.json()["session_id"], []
+            for move in moves:
+                got = client.post("/step", json={"session_id": sid, "action": {"message": move}})
+                out.append((got.json()["reward"], got.json()["done"]))
+            return out
+
+        (first, _), (repeated, _), (forfeit, done) = play("[crane]", "[crane]", "[crane]")
+        assert first >= 0.05 and repeated == 0.0 and forfeit == 0.0 and done
+        (invalid, _), (new, _), (forfeit, done) = play("crane?", "[slate]", "no guess")
+        assert invalid == 0.0 and new >= 0.05 and forfeit == 0.0 and done
+
+
+def test_the_gpu_run_refuses_format_credit_under_the_shaped_reward(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit):
+        bench._args(["--run-dir", str(tmp_path), "--format-credit", "0.5"])
+    layout = bench_run_layout(tmp_path, "--reward", "final", "--format-credit", "0.5")
+    server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
+    assert (server.reward, server.format_credit) == ("final", 0.5)

@@ -3,13 +3,18 @@
 The codec never does floating-point arithmetic on weights: it compares, diffs and stores their bit
 patterns, so every round trip is exact, NaN payloads, infinities and ``-0.0`` included.
 
-========  ==========  ==============  ==============
-dtype     bits view   exponent bits   mantissa bits
-========  ==========  ==============  ==============
-bfloat16  int16       8               7
-float16   int16       5               10
-float32   int32       8               23
-========  ==========  ==============  ==============
+=============  ==========  ==============  ==============
+dtype          bits view   exponent bits   mantissa bits
+=============  ==========  ==============  ==============
+bfloat16       int16       8               7
+float16        int16       5               10
+float32        int32       8               23
+float8_e4m3fn  int8        4               3
+=============  ==========  ==============  ==============
+
+``float8_e4m3fn`` is block fp8's value type (``services/weightsync/fp8.py``): one byte, sign,
+4 exponent bits (bias 7), 3 mantissa bits, no infinities, NaN only at ``S.1111.111``. Its bytes
+are coded exactly like the wider formats' bit patterns (an "ULP step" is +-1 on the byte).
 """
 
 from __future__ import annotations
@@ -43,14 +48,22 @@ class FloatFormat:
 
     @property
     def safetensors_dtype(self) -> str:
-        return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[self.name]
+        return {
+            "bfloat16": "BF16",
+            "float16": "F16",
+            "float32": "F32",
+            "float8_e4m3fn": "F8_E4M3",
+        }[self.name]
 
 
 FLOAT_FORMATS: dict[str, FloatFormat] = {
     "bfloat16": FloatFormat("bfloat16", torch.bfloat16, np.dtype(np.int16), 16, 7, 8),
     "float16": FloatFormat("float16", torch.float16, np.dtype(np.int16), 16, 10, 5),
     "float32": FloatFormat("float32", torch.float32, np.dtype(np.int32), 32, 23, 8),
+    "float8_e4m3fn": FloatFormat("float8_e4m3fn", torch.float8_e4m3fn, np.dtype(np.int8), 8, 3, 4),
 }
+
+_BITS_TORCH = {8: torch.int8, 16: torch.int16, 32: torch.int32}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -74,8 +87,7 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     fmt = float_format(t.dtype)
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous to be viewed as bits")
-    itype = torch.int16 if fmt.width == 16 else torch.int32
-    return t.view(-1).view(itype)
+    return t.view(-1).view(_BITS_TORCH[fmt.width])
 
 
 def bits_numpy(t: torch.Tensor) -> np.ndarray:

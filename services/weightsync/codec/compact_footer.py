@@ -46,7 +46,7 @@ class FooterTensor(_Checked):
     """One patched tensor of a compact delta."""
 
     name: str = Field(strict=True, min_length=1, max_length=4096)
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
     shape: list[Count] = Field(max_length=16)
     changed: Count
     result_digest: str = Field(strict=True, pattern=DIGEST_PATTERN)

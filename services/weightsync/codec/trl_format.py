@@ -70,7 +70,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from deltarl.services.weightsync.anchor import parse_header, tensor_bytes
-from deltarl.services.weightsync.codec.bits import dtype_name, float_format, from_bits
+from deltarl.services.weightsync.codec.bits import bits_view, dtype_name, float_format, from_bits
 from deltarl.services.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,
@@ -370,7 +370,7 @@ def decode_trl(data: bytes, like: Mapping[str, torch.Tensor | TensorSpec] | None
                 raise CorruptDeltaError(
                     f"{name}: {index.size} indices but values of shape {list(val_t.shape)}"
                 )
-            value = val_t.view(torch.int16 if fmt.width == 16 else torch.int32).numpy()
+            value = bits_view(val_t.contiguous()).numpy()
         base, result = digests.get(name, (UNKNOWN_DIGEST, UNKNOWN_DIGEST))
         patches[name] = TensorPatch(name, spec.dtype, spec.shape, index, value, base, result)
     if not ours:
