@@ -144,7 +144,8 @@ class VllmMoeRank(torch.nn.Module):
     """Rank ``rank`` of ``tp`` of vLLM 0.33's Qwen3-MoE or DeepSeek-V3 with random weights
     (``load_format="dummy"``). ``ep``: expert parallelism (experts split over the ranks, each
     whole). DeepSeek-V3 as vLLM 0.33 holds it: the router ``mlp.gate.weight`` in the model's
-    dtype (``router_dtype``), its bias ``e_score_correction_bias`` in fp32, shared experts as a
+    dtype (``router_dtype``), its bias ``e_score_correction_bias`` in fp32 (``bias_dtype``),
+    shared experts as a
     fused ``gate_up_proj``, MLA's ``fused_qkv_a_proj`` and, unless ``derived=False``, the
     absorbed ``W_UK_T``/``W_UV`` that vLLM computes from ``kv_b_proj`` after loading.
     ``transposed``: a fused checkpoint stored ``[E, H, 2I]`` (vLLM's
@@ -160,6 +161,7 @@ class VllmMoeRank(torch.nn.Module):
         ep: bool = False,
         seed: int = 11,
         router_dtype: torch.dtype = torch.bfloat16,
+        bias_dtype: torch.dtype = torch.float32,
         derived: bool = True,
         transposed: bool = False,
         moe_backend: str = "TRITON",
@@ -216,7 +218,7 @@ class VllmMoeRank(torch.nn.Module):
                     put(
                         self,
                         f"{pre}.mlp.gate.e_score_correction_bias",
-                        p(experts, dtype=torch.float32),
+                        p(experts, dtype=bias_dtype),
                     )
                     shared = cfg.moe_intermediate_size * cfg.n_shared_experts // tp
                     put(self, f"{pre}.mlp.shared_experts.gate_up_proj.weight", p(2 * shared, d))

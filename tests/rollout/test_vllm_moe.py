@@ -71,10 +71,22 @@ def qwen(**kw: Any) -> Any:
     return qwen3_moe_config(**{**QWEN, **kw})
 
 
-def deepseek_like() -> dict[str, Any]:
-    """DeepSeek-V3 in a vLLM that would keep its router in fp32 and derive nothing after
-    loading (vLLM 0.33 does neither: see the refusal test)."""
-    return {"router_dtype": torch.float32, "derived": False}
+def deepseek_like(cfg: Any) -> dict[str, Any]:
+    """DeepSeek-V3 in a vLLM that would hold its router and the router's bias in the dtypes
+    transformers publishes them in, and derive nothing after loading (vLLM 0.33 does neither:
+    see the refusal test). Those dtypes depend on the transformers version (recent ones keep the
+    router in fp32 in a bf16 model, older ones do not), so they are read off the published
+    state."""
+    dtypes = {
+        s.name.rsplit(".", 1)[-1]: s.dtype
+        for s in specs_of(moe_state(cfg))
+        if ".mlp.gate." in s.name
+    }
+    return {
+        "router_dtype": getattr(torch, dtypes["weight"]),
+        "bias_dtype": getattr(torch, dtypes["e_score_correction_bias"]),
+        "derived": False,
+    }
 
 
 def stacked(name: str) -> bool:
@@ -148,7 +160,7 @@ def test_per_expert_checkpoint_names_map_to_blocks_of_the_stacked_parameter() ->
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
 def test_every_ranks_box_is_what_its_loader_writes(ranks: int, ep: bool, kind: str) -> None:
     cfg = qwen() if kind == "qwen3_moe" else deepseek_v3_config()
-    extra = {} if kind == "qwen3_moe" else deepseek_like()
+    extra = {} if kind == "qwen3_moe" else deepseek_like(cfg)
     state = moe_state(cfg)
     specs = specs_of(state)
     all_boxes = []
@@ -328,7 +340,7 @@ def test_weight_sync_follows_moe_versions_into_vllms_experts(
     ranks: int, ep: bool, kind: str, bucket: Any, tmp_path: Path, engines: list[ViewsEngine]
 ) -> None:
     cfg = qwen() if kind == "qwen3_moe" else deepseek_v3_config()
-    extra = {} if kind == "qwen3_moe" else deepseek_like()
+    extra = {} if kind == "qwen3_moe" else deepseek_like(cfg)
     states = [moe_state(cfg, seed=3)]
     trainer = FakeTrainer(bucket, states[0])
     engine = ViewsEngine(rank_models(cfg, ranks, ep=ep, **extra), specs_of(states[0]), tmp_path)
@@ -363,8 +375,11 @@ def test_what_vllm_033_cannot_follow_in_place_is_refused_with_the_reason() -> No
     # MLA: vLLM derives W_UK_T / W_UV from kv_b_proj after loading
     with pytest.raises(MappingError, match=r"W_UK_T .*computed from a checkpoint tensor"):
         probe_views(VllmMoeRank(cfg), specs)
-    # the router: transformers keeps DeepSeek-V3's in fp32 (published so), vLLM holds bf16
-    with pytest.raises(MappingError, match=r"mlp\.gate\.weight: the runtime tensor is bfloat16"):
+    # the router: vLLM 0.33 holds it in bf16 and its bias in fp32, whatever transformers keeps
+    # (recent versions: both fp32; older ones: both bf16), so one of them does not match
+    with pytest.raises(
+        MappingError, match=r"mlp\.gate\.(weight|e_score_correction_bias): the runtime tensor is"
+    ):
         probe_views(VllmMoeRank(cfg, derived=False), specs)
     # a fused checkpoint stored transposed ([E, H, 2I]; vLLM transposes it while loading)
     q = qwen()
