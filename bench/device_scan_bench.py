@@ -15,6 +15,10 @@ row-sharded), random weights with 2% of the elements moved. Each repetition time
 
 ``--scale 0.01`` shrinks every tensor's rows (a CPU smoke run: ``--device cpu --scale 0.001``).
 Prints one JSON line per repetition and a summary (medians).
+
+Runs on any machine with a CUDA GPU and the ``weights`` extra. The result (the lines and the
+summary) goes to ``bench/results/device_scan_<gpu>_qwen2.5-7b-rank.json`` (``--json`` for another
+path; scaled or CPU runs write only with ``--json``), which a rerun overwrites.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import gpu_tag, meta, result_path, write_json
 
 from deltarl.services.weightsync.codec import device_scan
 
@@ -70,6 +75,7 @@ def main() -> None:
     ap.add_argument("--moved", type=float, default=0.02, help="share of elements that move")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--ref", type=Path, help="another device_scan.py to time the same way")
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     a = ap.parse_args()
     ref: Any = None
     if a.ref is not None:
@@ -97,6 +103,7 @@ def main() -> None:
     if ref is not None:
         runs["ref"] = reference
     times: dict[str, list[float]] = {k: [] for k in runs}
+    lines = []
     for rep in range(a.reps):
         line: dict[str, Any] = {"rep": rep}
         for name, fn in runs.items():
@@ -107,6 +114,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
             line[f"{name}_s"] = times[name][-1]
         print(json.dumps(line), flush=True)
+        lines.append(line)
     summary = {
         "summary": True,
         "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
@@ -117,6 +125,11 @@ def main() -> None:
         **{f"{k}_s_median": statistics.median(v[1:] or v) for k, v in times.items()},
     }
     print(json.dumps(summary), flush=True)
+    cuda = a.device.startswith("cuda")
+    if a.json is None and cuda and a.scale == 1.0:
+        a.json = result_path("device_scan", gpu_tag(1), "qwen2.5-7b-rank")
+    if a.json is not None:
+        write_json(a.json, {"meta": meta(gpus=int(cuda)), "reps": lines, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ with ``--moved`` of the elements changed. The scans are computed on the CPU
 scans=...)`` and the phases are timed by wrapping them.
 
     python bench/encode_rank_bench.py --threads 1 2
+
+Runs on any machine with the ``weights`` extra. The result (every repetition and the medians)
+goes to ``bench/results/encode_rank_cpu<N>_<preset>-rank.json`` (``--json`` for another path),
+which a rerun on the same number of cores overwrites.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from common import cpu_tag, meta, result_path, write_json
 
 from deltarl.services.weightsync.codec import compact
 from deltarl.services.weightsync.codec.device_scan import changes_and_scans
@@ -53,6 +59,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=28, help="decoder layers (28: the whole rank)")
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     a = ap.parse_args()
     torch.manual_seed(0)
     old, new = {}, {}
@@ -82,7 +89,8 @@ def main() -> None:
     originals = {n: getattr(compact, n) for n in ("analyse_chunk", "shared_tables", "code_chunk")}
     for name, fn in originals.items():
         setattr(compact, name, timed(name, fn))
-    summary: dict[str, Any] = {"summary": True}
+    summary: dict[str, Any] = {"summary": True, "changed": delta.changed, "chunks": len(scans)}
+    lines = []
     try:
         for threads in a.threads:
             walls = []
@@ -92,7 +100,9 @@ def main() -> None:
                 compact.encode_compact(delta, None, scans=scans, threads=threads)
                 wall = time.perf_counter() - t0
                 line = {"threads": threads, "rep": rep, "encode_s": wall}
-                print(json.dumps(line | {f"{k}_s": v for k, v in phases.items()}), flush=True)
+                line |= {f"{k}_s": v for k, v in phases.items()}
+                print(json.dumps(line), flush=True)
+                lines.append(line)
                 if rep:
                     walls.append(wall)
             summary[f"encode_s_median_{threads}_threads"] = statistics.median(walls)
@@ -100,6 +110,9 @@ def main() -> None:
         for name, fn in originals.items():
             setattr(compact, name, fn)
     print(json.dumps(summary))
+    name = f"{a.preset}-rank" if a.layers == 28 else f"{a.preset}-rank-{a.layers}l"
+    out = a.json or result_path("encode_rank", cpu_tag(), name)
+    write_json(out, {"meta": meta(), "reps": lines, "summary": summary})
 
 
 if __name__ == "__main__":

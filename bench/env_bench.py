@@ -1,7 +1,12 @@
-"""Benchmark of the Wordle environment server on loopback (numbers in docs/benchmarks.md (section "Environment server")).
+"""Throughput, step latency and memory per session of the Wordle environment server on loopback.
 
-    python bench/env_bench.py                      # defaults: 1,000 sessions, HTTP and WS
-    python bench/env_bench.py --rates 1000,2000,3000 --duration 20 --json /tmp/env_bench.json
+    python bench/env_bench.py --sessions 1000 --rates 1000,2000,3000,max --duration 15 \
+        --warmup 4 --idle-sessions 5000
+
+Runs on any Linux machine with the project installed and at least 2 cores (``--pin``, the default
+there, gives the server one core and the load generator another). The result goes to
+``bench/results/env_server_cpu2_wordle.json`` (pinned; ``cpu<N>`` unpinned; ``--json`` for another
+path), which a rerun overwrites.
 
 What it does:
 
@@ -38,9 +43,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import websockets
+from common import cpu_tag, meta, result_path, write_json
 
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
 
@@ -321,7 +328,9 @@ def main() -> None:
     parser.add_argument(
         "--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2
     )
-    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="default: bench/results/env_server_...json"
+    )
     args = parser.parse_args()
 
     port = free_port()
@@ -329,9 +338,8 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(0, {1})
     results: dict[str, Any] = {
-        "machine": machine(),
+        "meta": meta() | {"machine": machine()},
         "server": server_stack(),
-        "command": " ".join(sys.argv),
         "runs": [],
     }
     try:
@@ -358,9 +366,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(10)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    hardware = cpu_tag(2) if args.pin else cpu_tag()
+    write_json(args.json or result_path("env_server", hardware, "wordle"), results)
     cols = list(results["runs"][0]) if results["runs"] else []
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in results["runs"]:

@@ -15,9 +15,13 @@ tied embedding stays bf16) are diffed against the step before, and reported side
 * anchor bytes, plain and zstd;
 * CPU time of the quantization (the trainer's extra work per version) and of the encode.
 
+Runs on any machine with the ``weights`` and ``model`` extras. Every number goes to
+``bench/results/fp8_deltas_cpu<N>_smollm2-135m.json`` (``--json`` for another path), which a rerun
+on the same number of cores overwrites.
+
 Usage::
 
-    python bench/fp8_deltas.py --json bench/results/fp8_deltas_cpu_smollm2.json
+    python bench/fp8_deltas.py --steps 6
     python bench/fp8_deltas.py --lr 1e-6 --steps 3      # quicker
 
 Caveat: SmolLM2's hidden size (576) is not a multiple of 128, so its q/k/v and gate/up
@@ -29,17 +33,13 @@ is what the delta sizes depend on.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import real_deltas  # bench/real_deltas.py (the script's own folder is on sys.path)
 import torch
+from common import cpu_tag, meta, result_path, write_json
 
 from deltarl.services.weightsync import DeltaContext, compute_delta, fp8
 from deltarl.services.weightsync.anchor import encode_anchor
@@ -201,7 +201,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, action="append", help="learning rate (repeatable)")
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per learning rate")
     ap.add_argument("--threads", type=int, default=2, help="codec threads")
-    ap.add_argument("--json", type=Path, help="write every number here")
+    ap.add_argument(
+        "--json", type=Path, help="default: bench/results/fp8_deltas_cpu<N>_smollm2-135m.json"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lrs = args.lr or [1e-6, 3e-6]
@@ -211,17 +213,9 @@ def main() -> None:
         except FileNotFoundError:
             real_deltas.train(lr, args.steps, real_deltas.DEFAULT_OUT, 4, 256, 0, 0.0)
     results = {f"{lr:.0e}": bench_lr(lr, args.steps, args.threads) for lr in lrs}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {
-            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-            "command": "python " + " ".join(sys.argv),
-            "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), AdamW, fp32 masters",
-            "results": results,
-        }
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    about = meta(model="SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), AdamW, fp32 masters")
+    out = args.json or result_path("fp8_deltas", cpu_tag(), "smollm2-135m")
+    write_json(out, {"meta": about, "results": results})
 
 
 if __name__ == "__main__":

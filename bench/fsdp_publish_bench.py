@@ -22,13 +22,17 @@ as a rollout GPU holds it) and prints the last delta's ``paused_apply_s`` and
 ``fetch_to_applied_s`` (download + decode + stage + paused apply of that delta;
 publish-to-applied = ``publish_s`` + this). A ``"summary"`` line closes the run.
 
+Runs on any machine with N CUDA GPUs (NCCL) and the ``weights`` and ``model`` extras; the 7b
+preset needs 4 GPUs of 80 GB, the 14b one 4 of 141 GB. Rank 0 also writes the lines, after a
+``{"meta": ...}`` line, to ``bench/results/fsdp_publish_<N>x<gpu>_<preset>.jsonl`` (``--out`` for
+another path; the tiny preset writes only with ``--out``), which a rerun overwrites.
+
 Usage::
 
     # CPU smoke test (2 processes, gloo)
     python -m torch.distributed.run --nproc_per_node 2 bench/fsdp_publish_bench.py --preset tiny --apply
     # 4 GPUs, the 7B configuration
-    torchrun --nproc_per_node 4 bench/fsdp_publish_bench.py --preset 7b --steps 5 --apply \\
-        --bucket /tmp/fsdp-bucket
+    torchrun --nproc_per_node 4 bench/fsdp_publish_bench.py --preset 7b --steps 8
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
+from common import gpu_tag, meta, result_path
 
 from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.weightsync.manifest import parse_slice_key
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--codec-threads", type=int, default=None)
     ap.add_argument("--apply", action="store_true", help="rank 0 follows on its device")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--out", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args(argv)
 
     ctx, device = init_distributed(args.device, timeout_s=900)
@@ -318,8 +325,22 @@ def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
             summary["publish_to_applied_s"] = last + summary["fetch_to_applied_s"]
     if ctx.is_main:
         print(json.dumps(summary), flush=True)
+        write_result(args, ctx.world_size, cuda, [*lines, summary])
         if args.bucket is None:  # a temp bucket: an anchor of the whole model, remove it
             shutil.rmtree(bucket_dir, ignore_errors=True)
+
+
+def write_result(args: argparse.Namespace, ranks: int, cuda: bool, lines: list[Any]) -> None:
+    """The run's lines after a meta line, to ``--out`` or (on GPUs) the default result path."""
+    out = args.out
+    if out is None and cuda and args.preset != "tiny":
+        out = result_path("fsdp_publish", gpu_tag(ranks), args.preset, "jsonl")
+    if out is None:
+        return
+    gpus = ranks if cuda else 0
+    head = {"meta": meta(gpus=gpus, launcher=f"torchrun --nproc_per_node {ranks}")}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(x) + "\n" for x in [head, *lines]))
 
 
 def follow(

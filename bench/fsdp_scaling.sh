@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The FSDP2 publication scaling curve on one node: 0.6b, 1.7b, 7b, 14b back to back, one
-# torchrun each, every one under a timeout, each writing RESULTS_DIR/fsdp_publish_<preset>_<N>gpu.jsonl
-# (one JSON line per step, then a summary line; a preset that fails, e.g. OOM, leaves one
-# {"failed": ...} line and the next preset runs). At most 9 minutes in all (the limits below).
+# The FSDP2 publication scaling curve on one node (bench/fsdp_publish_bench.py): 0.6b, 1.7b, 7b,
+# 14b back to back, one torchrun each under a time limit (below), each writing
+# RESULTS_DIR/fsdp_publish_<preset>_<N>gpu.jsonl (one JSON line per step, then a summary line; a
+# preset that fails, e.g. out of GPU memory, leaves one {"failed": ...} line and the next preset
+# runs) and, when it completes, its result in bench/results/fsdp_publish_<N>x<gpu>_<preset>.jsonl.
 #
-#   PYTHONPATH=/tmp/site bash bench/fsdp_scaling.sh RESULTS_DIR [NPROC]
+#   bash bench/fsdp_scaling.sh RESULTS_DIR [NPROC]
 #
 # Environment: PYTHON (default python), PRESETS (default "0.6b 1.7b 7b 14b"), EXTRA (more bench
 # flags for every preset), STEPS_7B (the 7b preset's steps, default 6; 10 needs LIMIT_7B=300).
@@ -16,7 +17,7 @@ presets=${PRESETS:-"0.6b 1.7b 7b 14b"}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 # seconds per preset (model build, anchor, the published steps, the follower's apply); 14b
-# publishes without the follower (its apply is the 7b one's, twice the size), to fit the budget
+# publishes without the follower (its apply is the 7b one's, twice the size)
 declare -A limit=([0.6b]=60 [1.7b]=90 [7b]=${LIMIT_7B:-240} [14b]=150)
 declare -A steps=([0.6b]=4 [1.7b]=4 [7b]=${STEPS_7B:-6} [14b]=3)
 declare -A follow=([0.6b]=--apply [1.7b]=--apply [7b]=--apply [14b]=)

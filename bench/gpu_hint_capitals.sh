@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Hinted self-distillation on a GPU, capitals task (issue 15): the default demo's task (the
-# charset env with target A-Z, SmolLM2-135M-Instruct asked to reply in capital letters) through
-# the whole system (coordinator, env, 2 transformers workers, trainer on one GPU), GRPO alone vs
-# GRPO + the environment's hints (rollout hint_mode=env, trainer loss.hint_coef), same seeds and
-# steps, seeds one after another; then RES/summary.json: per arm and seed the trained batches'
-# mean reward per step, the mean of the last LAST steps, and hints minus GRPO (rewritten after
-# every run). About 1 min per run on one H100 (6 runs: ~7 min; start it in the background, or
-# SEEDS="0 1" under a 10-minute limit).
+# Hinted self-distillation on a GPU, capitals task: the default demo's task (the charset env with
+# target A-Z, SmolLM2-135M-Instruct asked to reply in capital letters) through the whole system
+# (coordinator, env, 2 transformers workers, trainer on one GPU), GRPO alone vs GRPO + the
+# environment's hints (rollout hint_mode=env, trainer loss.hint_coef), same seeds and steps,
+# seeds one after another; then RES/summary.json: per arm and seed the trained batches' mean
+# reward per step, the mean of the last LAST steps, and hints minus GRPO (rewritten after every
+# run), also written with the date, machine and command to
+# bench/results/hints_capitals_<gpu>_smollm2-135m.json. About 1 min per run on one H100.
 #   [SEEDS="0 1 2"] [STEPS=15] [LAST=5] [HINT_COEF=5.0] bash bench/gpu_hint_capitals.sh RES
 set -uo pipefail
 RES=${1:?results directory}
@@ -20,11 +20,15 @@ COMMON=(--task charset --set 'env.charset_target="ABCDEFGHIJKLMNOPQRSTUVWXYZ"'
   --engine transformers --max-turns 1 --max-new-tokens 24 --group-size 6 --groups-per-step 2
   --in-flight-groups 1 --lr 1e-4 --warmup 0 --steps "$STEPS" --duration 900 --anchor-every 0
   --set 'trainer.optimizer.weight_decay=0.0' --set 'rollout.submit_timeout_s=60.0')
+CMD="SEEDS=\"$SEEDS\" STEPS=$STEPS LAST=$LAST HINT_COEF=$HINT_COEF bash bench/gpu_hint_capitals.sh RES"
 summarise() {
-python3 - "$RES" "$SEEDS" "$LAST" <<'PY'
+python3 - "$RES" "$SEEDS" "$LAST" "$CMD" <<'PY'
 import json, sys
 from pathlib import Path
 from statistics import mean
+
+sys.path.insert(0, "bench")
+from common import gpu_tag, meta, result_path, write_json
 
 res, seeds, last = Path(sys.argv[1]), sys.argv[2].split(), int(sys.argv[3])
 out = {"last": last, "seeds": {}}
@@ -47,6 +51,8 @@ diffs = [r["hints_minus_grpo"] for r in out["seeds"].values() if r["hints_minus_
 out["mean_hints_minus_grpo"] = round(mean(diffs), 4) if diffs else None
 out["hints_ahead_on"] = sum(d > 0 for d in diffs)
 (res / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+about = meta(gpus=1) | {"command": sys.argv[4]}
+write_json(result_path("hints_capitals", gpu_tag(1), "smollm2-135m"), {"meta": about, **out})
 print(json.dumps(out, indent=1))
 PY
 }
@@ -59,7 +65,7 @@ for seed in $SEEDS; do
     python3 bench/wordle_gpu_run.py --run-dir "$RES/$arm-$seed" --seed "$seed" "${COMMON[@]}" \
       "${extra[@]}" >"$RES/$arm-$seed.log" 2>&1
     echo "$arm-$seed rc=$? $((SECONDS - t0))s" >>"$RES/status"
-    summarise >/dev/null  # after every run: a cut-off session keeps what it measured
+    summarise >/dev/null  # after every run: a run cut short keeps what it measured
   done
 done
 summarise

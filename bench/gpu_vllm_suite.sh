@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The vllm engine's GPU evidence in one go (docs/vllm.md, docs/benchmarks.md): run from the
-# repository root on a GPU machine where vLLM 0.33.0 and the project's dependencies import.
+# The vLLM engine's GPU benchmarks and tests in one go (docs/vllm.md, docs/benchmarks.md): run
+# from the repository root on a machine with CUDA GPUs where vLLM 0.33.0 and the project import.
 #
 #   bash bench/gpu_vllm_suite.sh RESULTS_DIR [STEP...]
 #
-# deltarl must be installed (`pip install -e .`, or `pip install --no-deps --target DIR .` with DIR
-# on PYTHONPATH): the top-level folders are deltarl.* only through the install. PYTHONSAFEPATH
-# keeps the repository's own deltarl/ folder from shadowing a non-editable install.
+# deltarl must be installed (`pip install -e '.[all]'`, or `pip install --no-deps --target DIR .`
+# with DIR on PYTHONPATH): the top-level folders are deltarl.* only through the install.
+# PYTHONSAFEPATH keeps the repository's own deltarl/ folder from shadowing a non-editable install.
 #
-# Steps (default: all, in this order), each logging to RESULTS_DIR/<step>.log; RESULTS_DIR/status
-# gets one line per finished step with its exit code:
+# Steps (default: check tests speed system faults system_hf), each logging to
+# RESULTS_DIR/<step>.log; RESULTS_DIR/status gets one line per finished step with its exit code.
+# The benchmarks write their results to bench/results/ (named by benchmark, GPU and model; then
+# `python bench/report.py --write` renders docs/benchmarks.md), and the test steps' outcomes go to
+# bench/results/gpu_tests_<gpus>_vllm.json (bench/gpu_tests_result.py) when the suite ends:
 #   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
 #   tests    the vllm engine's tests, the gpu ones included (layouts, async stamps, end to end)
 #   speed    bench/vllm_speed.py: engine vs vLLM with the engine's settings vs vLLM's defaults,
@@ -24,7 +27,7 @@
 #   system_hf  the same whole-system run with the transformers engine
 #   system_2gpu  one vllm worker per GPU (needs 2 GPUs)
 #   system_fsdp  the whole system with an FSDP2 trainer of 2 ranks (GPUs 0-1) and one vllm
-#                worker on each of GPUs 2 and 3 (needs 4 GPUs; issue 17's training loop on GPUs)
+#                worker on each of GPUs 2 and 3 (needs 4 GPUs)
 #   tp       bench/vllm_tp.py: one engine at tensor parallelism 2 following a bucket, vs 1 (2 GPUs)
 #   teacher  bench/teacher_vllm_check.py: deltarl teacher with the vllm engine vs transformers,
 #            in bfloat16 (within bf16 rounding of the logits) and in float32 (plain tolerance)
@@ -36,7 +39,7 @@
 #            serves the checkpoint's e4m3 bytes and scales, a delta applied in one pause and
 #            verified, the engine following a publish.fp8 bucket at TP=1 and on 2 GPUs TP=2)
 #   moe_scale  bench/moe_scale.py: Qwen3-30B-A3B's layer shapes (DELTARL_MOE_LAYERS layers,
-#            default 8), publication by 2 ranks and the apply into vLLM; JSON in RESULTS_DIR
+#            default 8), publication by 2 ranks and the apply into vLLM
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -61,7 +64,7 @@ run() {
 
 for step in "${steps[@]}"; do
   case $step in
-    check) run check python3 bench/vllm_check.py --json "$RES/vllm_check.json" ;;
+    check) run check python3 bench/vllm_check.py ;;
     tests) run tests timeout 420 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_apply_kernel_gpu.py tests/rollout/test_vllm_gpu.py tests/rollout/test_vllm_engine.py ;;
     speed) run speed python3 bench/vllm_speed.py --out-dir "$RES/speed" \
@@ -72,17 +75,18 @@ for step in "${steps[@]}"; do
     prefix) run prefix timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_vllm_gpu.py -k prefix_cache ;;
     system) run system python3 bench/wordle_gpu_run.py --engine vllm \
-      --run-dir "$RES/wordle-vllm" "${WORDLE[@]}" ;;
+      --run-dir "$RES/wordle-vllm" "${WORDLE[@]}" --result ;;
     system_hf) run system_hf python3 bench/wordle_gpu_run.py --engine transformers \
-      --run-dir "$RES/wordle-hf" "${WORDLE[@]}" ;;
+      --run-dir "$RES/wordle-hf" "${WORDLE[@]}" --result ;;
     system_2gpu) run system_2gpu python3 bench/wordle_gpu_run.py --engine vllm \
-      --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" "${WORDLE[@]}" ;;
+      --worker-gpus 0 1 --gpu-memory-utilization 0.5 --run-dir "$RES/wordle-vllm-2gpu" \
+      "${WORDLE[@]}" --result ;;
     system_fsdp) run system_fsdp python3 bench/wordle_gpu_run.py --engine vllm --trainer-nproc 2 \
       --set 'trainer.parallel="fsdp"' --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
-      --run-dir "$RES/wordle-vllm-fsdp" "${WORDLE[@]}" ;;
-    tp) run tp python3 bench/vllm_tp.py --json "$RES/vllm_tp.json" ${DELTARL_TP_REUSE:+--reuse "$DELTARL_TP_REUSE"} ;;
-    teacher) run teacher python3 bench/teacher_vllm_check.py --json "$RES/teacher_vllm.json"
-      run teacher_fp32 python3 bench/teacher_vllm_check.py --dtype float32 --json "$RES/teacher_vllm_fp32.json" ;;
+      --run-dir "$RES/wordle-vllm-fsdp" "${WORDLE[@]}" --result ;;
+    tp) run tp python3 bench/vllm_tp.py ${DELTARL_TP_REUSE:+--reuse "$DELTARL_TP_REUSE"} ;;
+    teacher) run teacher python3 bench/teacher_vllm_check.py
+      run teacher_fp32 python3 bench/teacher_vllm_check.py --dtype float32 ;;
     tests_tp) run tests_tp timeout 540 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=200 \
       tests/rollout/test_vllm_gpu.py -k "tensor_parallel or score_batch" \
       tests/teacher/test_teacher_vllm.py tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_shards.py ;;
@@ -91,11 +95,17 @@ for step in "${steps[@]}"; do
     fp8) VLLM_USE_DEEP_GEMM=0 run fp8 timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
       -o faulthandler_timeout=200 tests/rollout/test_vllm_fp8_gpu.py ;;
     moe_scale) run moe_scale timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
-      --steps 4 --engine vllm --json "$RES/moe_scale.json" ;;
+      --steps 4 --engine vllm ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
+# the test steps' outcomes, merged into bench/results/gpu_tests_<gpus>_vllm.json
+logs=()
+for step in tests prefix faults tests_tp moe fp8; do
+  [ -f "$RES/$step.log" ] && logs+=("$RES/$step.log")
+done
+[ ${#logs[@]} -gt 0 ] && python3 bench/gpu_tests_result.py "${logs[@]}"
 echo "suite done" >>"$RES/status"

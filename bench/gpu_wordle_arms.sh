@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Issue 14's comparisons in one go: one prep (solver games, SFT, the untrained and SFT evals) and
-# then several GRPO arms from the same SFT model side by side, each arm a trainer and its own
-# vLLM worker on one GPU (two arms may share a GPU). Every arm is bench/gpu_wordle_full.sh with
-# STAGES=grpo; the results land in RESULTS_DIR/<arm>/ (eval_*.json, pipeline.json, ...).
+# Wordle GRPO arms side by side (docs/wordle.md): one prep (solver games, SFT, the untrained and
+# SFT evaluations) and then several GRPO arms from the same SFT model at once, each arm a trainer
+# and its own vLLM worker on one GPU (two arms may share a GPU). Every arm is
+# bench/gpu_wordle_full.sh with STAGES=grpo; the results land in RESULTS_DIR/<arm>/ (eval_*.json,
+# pipeline.json, ...), and all of them, with the date, machine and command, in
+# bench/results/wordle_grpo_<N>x<gpu>_smollm2-135m-<plain|summary>.json (bench/wordle_grpo_result.py).
 #
 #   bash bench/gpu_wordle_arms.sh RESULTS_DIR ARM...
 #
 # ARM: NAME@GPU, optionally followed by ':' and VAR=VALUE settings for bench/gpu_wordle_full.sh
-# separated by ';' (values may hold spaces), e.g. the next run of docs/wordle.md:
+# separated by ';' (values may hold spaces), e.g.:
 #
-#   bash bench/gpu_wordle_arms.sh runs/w 'episode@0' \
-#     'turn@1:EXTRA_SETS=--set trainer.loss.credit="turn"' \
-#     'old_reward@0:FILL_UNPLAYED=false' 'kl@1:EXTRA_SETS=--set trainer.loss.kl_coef=0.05'
+#   DURATION=780 REWARD=consistent bash bench/gpu_wordle_arms.sh runs/w 'lr1@0' \
+#     'lr3@1:GRPO_LR=3e-5' 'turn@2:EXTRA_SETS=--set trainer.loss.credit="turn"' \
+#     'kl@3:EXTRA_SETS=--set trainer.loss.kl_coef=0.05'
 #
 # Environment: everything bench/gpu_wordle_full.sh reads (REWARD, DURATION, GRPO_LR, SFT_STEPS,
 # ...) applies to the prep and to every arm unless the arm sets it; PREP=0 skips the prep
@@ -53,8 +55,8 @@ if [ "${PREP:-1}" = 1 ]; then
   g0=${gpus[0]}
   g1=$g0
   for g in "${gpus[@]}"; do [ "$g" != "$g0" ] && g1=$g && break; done
-  # every arm on one GPU: that GPU alone, the two evals one after the other (session 13's prep
-  # on one H100, with CUDA_VISIBLE_DEVICES=0,0 and the untrained model's eval on cuda:1, failed)
+  # every arm on one GPU: that GPU alone, the two evals one after the other (naming the GPU
+  # twice in CUDA_VISIBLE_DEVICES would put the untrained model's eval on a cuda:1 that is absent)
   visible=("CUDA_VISIBLE_DEVICES=$g0,$g1")
   [ "$g1" = "$g0" ] && visible=("CUDA_VISIBLE_DEVICES=$g0" EVAL_GPU_UNTRAINED=)
   env "${visible[@]}" STAGES=prep bash "$HERE/gpu_wordle_full.sh" "$RES/prep" ||
@@ -70,7 +72,7 @@ for i in "${!names[@]}"; do
   vars=()
   if [ -n "${settings[$i]}" ]; then IFS=';' read -ra vars <<<"${settings[$i]}"; fi
   # each arm's trainer shares its GPU with its vLLM worker: a quarter of an 80 GB card for the
-  # worker (0.5 ran the trainer out of memory on H100s, session 13), less with two arms on it
+  # worker (with half of it the trainer runs out of memory), less with two arms on it
   share=()
   if [ -z "${GPU_MEM_UTIL:-}" ]; then
     share=(GPU_MEM_UTIL=0.25)
@@ -88,4 +90,13 @@ for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || { rc=1; echo "arm ${names[$i]} failed: $RES/${names[$i]}/status.txt" >&2; }
 done
 for name in "${names[@]}"; do echo "== $name"; tail -n 3 "$RES/$name/status.txt"; done
+if [ "${SMOKE:-0}" != 1 ]; then
+  arms_cmd=$(printf " '%s'" "$@")
+  settings=""
+  for v in DURATION REWARD SUMMARY GRPO_LR SFT_STEPS; do
+    [ -n "${!v:-}" ] && settings+="$v=${!v} "
+  done
+  python3 "$HERE/wordle_grpo_result.py" "$RES" --gpus "${#per_gpu[@]}" \
+    --command "${settings}bash bench/gpu_wordle_arms.sh RES$arms_cmd" || rc=1
+fi
 exit $rc

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole Wordle experiment of issue 14 on one GPU box, in one go (docs/wordle.md, "The GPU
-# recipe"): SmolLM2-135M-Instruct, the full 6-guess game, real rules (dictionary words).
+# The whole Wordle experiment on one GPU machine, in one go (docs/wordle.md, "The GPU recipe"):
+# SmolLM2-135M-Instruct, the full 6-guess game, real rules (dictionary words).
 #
 #   bash bench/gpu_wordle_full.sh RESULTS_DIR
 #
@@ -8,22 +8,21 @@
 # the first, two vLLM rollout workers on the second and third. About 20 minutes:
 #   1. solver games: python -m deltarl.trainer.sft_data, GAMES games in PAR processes; the
 #      solver's own win rate in 6 guesses over those seeds (pipeline.json)
-#   2. deltarl sft of SmolLM2 on them (first GPU), meanwhile bench/wordle_eval.py plays EVAL_GAMES
+#   2. deltarl sft of SmolLM2 on them (first GPU), meanwhile `deltarl eval` plays EVAL_GAMES
 #      greedy games with the untrained model (second GPU)
-#   3. bench/wordle_eval.py with the SFT model
+#   3. `deltarl eval` with the SFT model
 #   4. GRPO from the SFT model through the whole system: bench/wordle_gpu_run.py --engine vllm
 #      --worker-gpus 1 2, shaped reward, for DURATION seconds of training (default 780: the
-#      win rate rose over ~220 steps in session 14, not visibly in ~100)
+#      win rate rises over ~220 steps, not visibly in ~100)
 #   5. the final policy (the run's last version, rebuilt from its bucket) played by
-#      bench/wordle_eval.py
+#      `deltarl eval`
 # RESULTS_DIR gets 8 files: status.txt (one line per stage: rc, seconds), pipeline.json (solver
 # and SFT numbers), eval_untrained.json, eval_sft.json, eval_grpo.json, grpo_summary.json,
 # reward.png and logs.tar.gz (every stage's log, the run's service logs, trainer metrics, sync
 # logs, the SFT losses). Work files (transcripts, models, the bucket) stay in WORK_DIR.
 #
-# deltarl must be importable as an installed package (PYTHONPATH=/tmp/site, or pip install):
-#   PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-#     bash bench/gpu_wordle_full.sh RESULTS_DIR
+# deltarl must be installed (pip install -e '.[all]') and vLLM 0.33.0 importable:
+#   CUDA_VISIBLE_DEVICES=0,1,2 bash bench/gpu_wordle_full.sh RESULTS_DIR
 #
 # SMOKE=1: the same pipeline in a minute or two on a CPU (tiny model, a few games and steps,
 # the transformers engine, one worker), to check that each stage hands its output to the next.
@@ -57,7 +56,7 @@ else
     --max-guesses 6 --max-invalid 1 --window 10 --env-window-s 60
     --micro-batch-size "${MICRO_BATCH:-16}" ${MICRO_TOKENS:+--micro-batch-tokens "$MICRO_TOKENS"})
   # the trainer's memory comes back to the GPU between micro-batches of different lengths
-  # (without it session 13's arms, each trainer beside its vLLM worker, ran out of memory)
+  # (without it a trainer beside its vLLM worker on an 80 GB GPU runs out of memory)
   export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   EVAL_GUESSES=6
   # the untrained model's eval beside the SFT; empty: after it, on EVAL_DEVICE (one GPU)
@@ -83,12 +82,12 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # GROUPS_PER_STEP: games per group (default 8) and groups per step (default 8); GPU_MEM_UTIL: each vLLM
 # worker's share of its GPU (default 0.5 on GPUs of its own; bench/gpu_wordle_arms.sh, whose
 # workers share a GPU with their trainer, passes 0.25, 0.15 with two arms); FILL_UNPLAYED=false: a
-# win earns nothing for its unplayed guesses (the shaped reward of every run before session 12);
+# win earns nothing for its unplayed guesses (the plain sum of the per-move terms);
 # MICRO_BATCH: the trainer's sequences per forward/backward pass (default 16), MICRO_TOKENS: also
-# at most this many padded tokens per pass (default: no bound); SUMMARY=1 (the default since
-# session 14): every feedback also states what all the feedback so far shows
-# (env.feedback_summary) in the solver games, the evaluations and the run alike (one prep serves
-# one rendering), SUMMARY=0 the plain feedback of sessions 8-13
+# at most this many padded tokens per pass (default: no bound); SUMMARY=1 (the default): every
+# feedback also states what all the feedback so far shows (env.feedback_summary) in the solver
+# games, the evaluations and the run alike (one prep serves one rendering), SUMMARY=0 the plain
+# feedback
 SHAPED=(--set env.allow_non_words=false --set 'env.reward="shaped"'
   --set env.shaping_win=1.0 --set env.shaping_greens=0.2 --set env.shaping_yellows=0.1
   --set env.shaping_format=0.05 --set env.shaping_repetition=0.2 --set env.shaping_invalid=0.1
@@ -200,7 +199,7 @@ print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
 
   # 2. SFT on the first GPU while the untrained model plays on the second
   if [ -n "$EVAL_GPU_UNTRAINED" ]; then
-    stage eval_untrained "$PY" "$HERE/wordle_eval.py" --model "$BASE" --label untrained \
+    stage eval_untrained "$PY" -m deltarl eval --model "$BASE" --label untrained \
       --device "$EVAL_GPU_UNTRAINED" --out "$RES/eval_untrained.json" "${EVAL[@]}" &
     UNTRAINED=$!
   fi
@@ -211,12 +210,12 @@ print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
   if [ -n "$EVAL_GPU_UNTRAINED" ]; then
     wait "$UNTRAINED"
   else
-    stage eval_untrained "$PY" "$HERE/wordle_eval.py" --model "$BASE" --label untrained \
+    stage eval_untrained "$PY" -m deltarl eval --model "$BASE" --label untrained \
       --device "$EVAL_DEVICE" --out "$RES/eval_untrained.json" "${EVAL[@]}"
   fi
 
   # 3. the SFT model
-  stage eval_sft "$PY" "$HERE/wordle_eval.py" --model "$WORK/sft" --label sft \
+  stage eval_sft "$PY" -m deltarl eval --model "$WORK/sft" --label sft \
     --device "$EVAL_DEVICE" --out "$RES/eval_sft.json" "${EVAL[@]}"
 fi
 if want grpo; then
@@ -238,7 +237,7 @@ if want grpo; then
   cp "$WORK/$NAME/reward.png" "$RES/reward.png" 2>/dev/null
 
   # 5. the final policy, rebuilt from the run's bucket
-  stage eval_grpo "$PY" "$HERE/wordle_eval.py" --model "$GRPO_FROM" --label grpo \
+  stage eval_grpo "$PY" -m deltarl eval --model "$GRPO_FROM" --label grpo \
     --export-from "$WORK/$NAME" --export-to "$FINAL" \
     --device "$EVAL_DEVICE" --out "$RES/eval_grpo.json" "${EVAL[@]}"
 fi

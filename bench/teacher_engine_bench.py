@@ -2,7 +2,7 @@
 and how far a padded batch is from each sequence scored alone.
 
     python bench/teacher_engine_bench.py [--device cuda] [--dtype bfloat16] [--batch 64]
-        [--prompt 128] [--positions 512] [--k 20] [--model DIR] [--repeats 5] [--json out.json]
+        [--prompt 128] [--positions 512] [--k 20] [--model DIR] [--repeats 5]
 
 Without ``--model``: a random Llama shaped like SmolLM2-135M (30 layers, hidden 576, 9 heads,
 3 KV heads, vocabulary 49,152), so no download is needed. Sequences have ``prompt`` tokens of
@@ -11,6 +11,10 @@ Batch timing: ``TransformersTeacher.score`` on all sequences at once (one forwar
 post-processing, copies to the host), median of ``repeats`` after one warm-up. Equality: the
 first 8 sequences scored alone vs in the batch, max |difference| of the sampled-token logprobs,
 and the same against the scores shifted by one position (what a position bug would give).
+
+Runs on any machine with the ``model`` extra, on its GPU when it has one. The result goes to
+``bench/results/teacher_engine_<hardware>_<model>-<dtype>.json`` (``--json`` for another path),
+which a rerun overwrites.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from common import cpu_tag, gpu_tag, meta, result_path, write_json
 
 from deltarl.teacher.engines.base import ScoreJob
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
@@ -71,7 +76,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=512)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.model:
@@ -126,8 +131,11 @@ def main() -> None:
     if args.device.startswith("cuda"):
         result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(result, indent=1))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    cuda = args.device.startswith("cuda")
+    model = Path(args.model).name.lower() if args.model else "smollm2-shape"
+    hardware = gpu_tag(1) if cuda else cpu_tag()
+    out = args.json or result_path("teacher_engine", hardware, f"{model}-{args.dtype}")
+    write_json(out, {"meta": meta(gpus=int(cuda)), **result})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Wire cost of the teacher's answers: bytes, encode and decode time per batch.
 
     python bench/teacher_wire_bench.py [--batch 64] [--positions 512] [--k 8,20,100]
-                                       [--repeats 3] [--json results.json]
+                                       [--repeats 3]
 
 One answer holds, for ``batch`` sequences of ``positions`` scored positions each, the sampled
 token's logprob and the top-k ids and logprobs (float32 logprobs of a real log_softmax over a
@@ -19,6 +19,10 @@ of the same numbers:
 
 Encode = from numpy arrays to bytes; decode = from bytes back to numpy arrays of the same shape.
 Times are the median of ``repeats`` runs, one thread.
+
+Runs on any machine with the project and numpy installed. The rows go to
+``bench/results/teacher_wire_cpu<N>_<batch>x<positions>.json`` (``--json`` for another path),
+which a rerun on the same number of cores overwrites.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import cpu_tag, meta, result_path, write_json
 
 from deltarl.teacher.wire import (
     F32,
@@ -180,7 +184,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=512)
     ap.add_argument("--k", default="8,20,100")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args()
     ks = [int(x) for x in args.k.split(",")]
     print(f"B={args.batch} sequences x T={args.positions} scored positions, K in {ks}")
@@ -193,16 +197,13 @@ def main() -> None:
             f"| {r['k']} | {r['format']} | {r['bytes']:,} | {r['vs_binary']:.2f}x | "
             f"{r['encode_ms']:.1f} | {r['decode_ms']:.1f} |"
         )
-    if args.json is not None:
-        meta = {
-            "batch": args.batch,
-            "positions": args.positions,
-            "repeats": args.repeats,
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "machine": platform.machine(),
-        }
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    about = meta(
+        batch=args.batch, positions=args.positions, repeats=args.repeats, numpy=np.__version__
+    )
+    name = f"{args.batch}x{args.positions}"
+    write_json(
+        args.json or result_path("teacher_wire", cpu_tag(), name), {"meta": about, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

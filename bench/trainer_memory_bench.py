@@ -1,19 +1,22 @@
 """The trainer's peak GPU memory and step time for one GRPO step of Wordle-shaped episodes,
 by micro-batch setting: why a micro-batch of the whole step ran out of memory beside vLLM.
 
-    python bench/trainer_memory_bench.py [--device cuda] [--groups 8] [--group-size 8]
-        [--configs 64 16 64:8192 ...] [--json out.json]
+    python bench/trainer_memory_bench.py --configs 64 16 8 64:8192 64:4096
 
 The model is a random Llama shaped like SmolLM2-135M (bench/teacher_engine_bench.py: 30 layers,
 hidden 576, vocabulary 49,152), fp32 master weights, bf16 autocast, AdamW, as ``deltarl train``
 runs it. The step is ``groups x group_size`` episodes on the wire schema, collated by the
 trainer: each of 250-520 tokens (a 6-guess Wordle game is ~460), the model's moves 8 tokens
-after each 70 tokens of prompt or feedback (~10% of the tokens; ~6% in session 13's games),
+after each 70 tokens of prompt or feedback (~10% of the tokens; ~6% in real 6-guess games),
 rewards at random. Each config is
 ``SIZE`` (``batch.micro_batch_size``) or ``SIZE:TOKENS`` (plus ``batch.micro_batch_tokens``);
 per config: two steps (the first warms up), then the peak memory allocated by torch during
 the second step (``torch.cuda.max_memory_allocated``; on a CPU: not measured) and its seconds.
 ``--tiny``: a 2-layer model and short episodes, to check the script on a CPU.
+
+Runs on any machine with a CUDA GPU and the ``weights`` and ``model`` extras. The rows go to
+``bench/results/trainer_memory_<gpu>_smollm2-135m.json`` (``--json`` for another path; ``--tiny``
+and CPU runs write only with ``--json``), which a rerun on the same GPU overwrites.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import gpu_tag, meta, result_path, write_json
 
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
 from deltarl.trainer.batch import collate
@@ -134,15 +138,18 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--configs", nargs="+", default=["64", "16", "8", "64:8192", "64:4096"])
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     a = ap.parse_args()
     rows = []
     for config in a.configs:
         row = measure(a, config)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    cuda = a.device.startswith("cuda")
+    if a.json is None and cuda and not a.tiny:
+        a.json = result_path("trainer_memory", gpu_tag(1), "smollm2-135m")
     if a.json:
-        a.json.write_text(json.dumps({"device": a.device, "rows": rows}, indent=1))
+        write_json(a.json, {"meta": meta(gpus=int(cuda)), "device": a.device, "rows": rows})
 
 
 if __name__ == "__main__":

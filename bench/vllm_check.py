@@ -17,9 +17,13 @@ Llama config is written to a temporary directory (vLLM runs without a tokenizer 
    with the same temperature / top-p processing; max and mean absolute differences are
    reported (kernels differ, so expect ~1e-2, not 0).
 
+Runs on any machine with a CUDA GPU and vLLM 0.33.0. The result goes to
+``bench/results/vllm_check_<gpu>_<model>.json`` (the default model: ``llama-<M>m``; ``--json`` for
+another path), which a rerun overwrites.
+
 Usage::
 
-    python bench/vllm_check.py --json bench/results/vllm_check.json
+    python bench/vllm_check.py
     python bench/vllm_check.py --model Qwen/Qwen3-0.6B --versions 8 --density 0.01
 
 Exit status 1 if a digest differs or the wire path fails.
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import gpu_tag, meta, result_path, write_json
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine
@@ -97,7 +102,7 @@ def main() -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--model-impl", default="auto", choices=["auto", "vllm", "transformers"])
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="default: see the docstring")
     args = ap.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -185,10 +190,10 @@ def main() -> int:
     result["logprob_abs_diff"] = diffs
     result["failures"] = failures
     engine.close()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    name = Path(args.model).name.lower() if args.model else f"llama-{round(numel / 1e6)}m"
+    out = args.json or result_path("vllm_check", gpu_tag(1), name)
+    write_json(out, {"meta": meta(gpus=1), **result})
     return 1 if failures else 0
 
 

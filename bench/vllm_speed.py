@@ -51,9 +51,14 @@ and environment), ``vllm_speed.md`` (the tables), ``logs/r<round>-<column>.log``
 output); both are rewritten after every process, so a run cut short keeps what it measured.
 ``--dry-run`` runs the whole orchestration with a stand-in generator (no GPU, no vLLM).
 
-Usage (a GPU machine with vLLM 0.33.0)::
+Runs on any machine with a CUDA GPU and vLLM 0.33.0. The JSON, with the date, the machine and
+the command, also goes to ``bench/results/vllm_speed_<gpu>_<model>.json`` (default model:
+``qwen3-0.6b``; ``--json`` for another path; a dry run writes only to ``--out-dir``), rewritten
+after every process like the rest, and overwritten by a rerun.
 
-    python bench/vllm_speed.py --out-dir bench/results/vllm_speed_h100       # 5 rounds (~15 min)
+Usage::
+
+    python bench/vllm_speed.py                                                # 5 rounds (~15 min)
     python bench/vllm_speed.py --out-dir OUT --rounds 5 --budget-s 400 --reps 2 --mt-episodes 128
 """
 
@@ -79,6 +84,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import common
 
 COLUMNS = ("engine", "llm_same", "llm_default")  # the table's three, in each round's order
 EXTRA = ("engine_sync", "llm_inproc", "hf")
@@ -869,7 +876,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out-dir", type=Path, help="where everything lands (default: a temp dir)")
-    ap.add_argument("--json", type=Path, help="also write the JSON here")
+    ap.add_argument(
+        "--json", type=Path, help="also write the JSON here (default: see the docstring)"
+    )
     ap.add_argument("--model", help="model directory or id (default: Qwen3-0.6B's shape, random)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS + EXTRA)
@@ -957,11 +966,22 @@ def main(argv: list[str] | None = None) -> int:
         result["summary"] = summarize(result["rounds"], a.columns)
         result["elapsed_s"] = time.perf_counter() - t_start
         table = result["table"] = tables(result)
+        target = a.json
+        if result.get("device"):  # known from the first process (CUDA stays out of this one)
+            cpus = common.machine().partition(", ")[2]
+            result["meta"] = {
+                "date": result["started"][:10],
+                "machine": f"1x {result['device']}, {cpus}",
+                "command": common.command(),
+            }
+            if target is None and not a.dry_run:
+                name = Path(a.model).name.lower() if a.model else "qwen3-0.6b"
+                target = common.result_path("vllm_speed", common.gpu_tag(1, result["device"]), name)
         text = json.dumps(result, indent=1) + "\n"
         (out_dir / "vllm_speed.json").write_text(text)
-        if a.json:
-            a.json.parent.mkdir(parents=True, exist_ok=True)
-            a.json.write_text(text)
+        if target:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
         (out_dir / "vllm_speed.md").write_text(table + "\n")
         return table
 

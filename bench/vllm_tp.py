@@ -1,4 +1,4 @@
-"""The vllm engine at tensor parallelism 2 against 1 on the same machine (issue 12, docs/vllm.md).
+"""The vllm engine at tensor parallelism 2 against 1 on the same machine (docs/vllm.md).
 
 Needs ``max(--tp)`` CUDA GPUs and vLLM 0.33.0. The parent (no GPU) writes Qwen3-0.6B's shape
 (random weights; ``bench/vllm_speed.py``'s config), publishes an anchor and ``--versions``
@@ -15,9 +15,13 @@ per ``--tp`` value. Each child starts the engine with that tensor parallelism an
    idle engine, so the pause was not measured under load);
 3. times generation without syncs (``--batches``, ``--new-tokens``; median of ``--reps``).
 
+Runs on any machine with ``max(--tp)`` CUDA GPUs and vLLM 0.33.0. The result goes to
+``bench/results/vllm_tp_<N>x<gpu>_qwen3-0.6b.json`` (``--json`` for another path), which a rerun
+overwrites.
+
 Usage::
 
-    python bench/vllm_tp.py --tp 2 1 --json bench/results/vllm_tp.json
+    python bench/vllm_tp.py --tp 2 1 --versions 5 --batches 32 256 --new-tokens 128 --reps 1
 
 Exit status 1 if any version fails verification.
 """
@@ -35,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from common import gpu_tag, meta, result_path, write_json
 
 RESULT = "deltarl-vllm-tp-result: "
 
@@ -197,7 +203,7 @@ def main() -> int:
         "to land mid-generation: check generations_spanning_a_sync)",
     )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="default: see the docstring")
     ap.add_argument("--reuse", type=Path, help="a directory a previous run prepared")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -241,10 +247,10 @@ def main() -> int:
         rc |= bool(run["failures"])
         out["runs"].append(run)
         print(json.dumps(run), flush=True)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.json:
-        a.json.write_text(text + "\n")
+    print(json.dumps(out, indent=2))
+    gpus = max(a.tp)  # after the children: CUDA starts in this process only now
+    out = {"meta": meta(gpus=gpus), **out}
+    write_json(a.json or result_path("vllm_tp", gpu_tag(gpus), "qwen3-0.6b"), out)
     return rc
 
 

@@ -31,6 +31,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("worker-token", "deltarl.services.coordinator.cli", "worker_token"),
     ("train", "deltarl.trainer.cli", "train"),
     ("sft", "deltarl.trainer.sft", "sft"),
+    ("eval", "deltarl.eval.cli", "eval_wordle"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("teacher", "deltarl.teacher.cli", "teacher"),
     ("demo", "deltarl.demo.cli", "demo"),
@@ -106,6 +107,7 @@ EXTRAS: dict[str, str] = {
 COMMAND_EXTRAS: dict[str, str] = {
     "train": "model",
     "sft": "model",
+    "eval": "model",
     "rollout": "model",
     "teacher": "model",
     "demo": "model",

@@ -38,7 +38,7 @@ def test_moe_scale_publishes_a_sparse_expert_update_and_applies_it(tmp_path: Pat
     for a in applied["applies"]:
         assert 0 < a["paused_apply_s"] <= a["fetch_to_applied_s"] < a["publish_to_applied_s"]
     assert result["summary"]["changed_fraction_median"] > 0
-    assert result["date"] and result["command"] and result["machine"]["cores"]
+    assert result["meta"]["date"] and result["meta"]["command"] and result["meta"]["machine"]
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ SPEED = Path(__file__).resolve().parents[2] / "bench" / "vllm_speed.py"
 
 
 def load() -> ModuleType:
+    if str(SPEED.parent) not in sys.path:  # its sibling bench/common.py, as when run as a script
+        sys.path.insert(0, str(SPEED.parent))
     spec = importlib.util.spec_from_file_location("bench_vllm_speed", SPEED)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -1,10 +1,10 @@
 """examples/wordle-shaped.toml: it checks, its shaping, curriculum and short moves
 reach the services' settings, and a run config with truncated sampling is refused; the reward
-presets of bench/gpu_wordle_full.sh reach the env server of bench/wordle_gpu_run.py's run."""
+presets of bench/gpu_wordle_full.sh reach the env server of the run bench/wordle_gpu_run.py starts
+(deltarl.run.experiment)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -16,13 +16,13 @@ from deltarl.cli import app
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.episodes import GuessCurriculum
 from deltarl.rollout.settings import RolloutSettings
+from deltarl.run import experiment
 from deltarl.run.config import RunConfigError, load_run_config
 from deltarl.run.derive import Endpoints, RunLayout, Tokens
 from deltarl.trainer.settings import ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "wordle-shaped.toml"
-GPU_RUN = ROOT / "bench" / "wordle_gpu_run.py"
 TOKENS = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40)
 
 
@@ -134,12 +134,9 @@ def test_gpu_script_summary_reaches_the_env_server(
 
 def bench_run_layout(tmp_path: Path, *argv: str) -> RunLayout:
     """The run bench/wordle_gpu_run.py builds from ``argv`` (its GPU arguments)."""
-    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    args = bench._args(["--run-dir", str(tmp_path), "--engine", "vllm", *argv])
-    return RunLayout(bench.run_config(args), tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
+    args = experiment.parse_args(["--run-dir", str(tmp_path), "--engine", "vllm", *argv])
+    config = experiment.run_config(args)
+    return RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
 
 
 @pytest.mark.parametrize(
@@ -206,12 +203,8 @@ def test_the_suites_default_reward_pays_nothing_for_a_repeated_or_invalid_guess(
 
 
 def test_the_gpu_run_refuses_format_credit_under_the_shaped_reward(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", GPU_RUN)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     with pytest.raises(SystemExit):
-        bench._args(["--run-dir", str(tmp_path), "--format-credit", "0.5"])
+        experiment.parse_args(["--run-dir", str(tmp_path), "--format-credit", "0.5"])
     layout = bench_run_layout(tmp_path, "--reward", "final", "--format-credit", "0.5")
     server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
     assert (server.reward, server.format_credit) == ("final", 0.5)

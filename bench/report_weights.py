@@ -1,0 +1,423 @@
+"""The sections of docs/benchmarks.md on moving weights: the codec (CPU and GPU), fp8 versions,
+the device scan and the encoder, a rollout worker's sync, FSDP2 publication, mixture of experts."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from report_format import (
+    MODELS,
+    Lines,
+    Result,
+    gb,
+    hardware_words,
+    label,
+    lr,
+    mb,
+    mean_spread,
+    num,
+    pct,
+    pct_range,
+    spread,
+    table,
+)
+
+
+def codec(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        every: dict[str, list[dict[str, Any]]] = {"standalone": [], "chained": []}
+        for rate, steps in r.data["results"].items():
+            later = steps[1:]  # step 1 is Adam's warm-up step
+            stand = [
+                (
+                    s["bits_per_changed"]["compact"],
+                    s["vs_conditional_floor"],
+                    s["smaller_than_trl_gap"],
+                    s["time_s"]["compute_and_encode"],
+                    s["time_s"]["decode_apply_verify"],
+                )
+                for s in later
+            ]
+            chain = [
+                (
+                    c["bits_per_changed"],
+                    c["vs_conditional_floor"],
+                    c["smaller_than_trl_gap"],
+                    c["time_s"]["encode"],
+                    c["time_s"]["decode_apply_verify"],
+                )
+                for s in later
+                if (c := s.get("chained"))
+            ]
+            density = pct_range([s["density"] for s in later])
+            for kind, values in (("standalone", stand), ("chained", chain)):
+                if not values:
+                    continue
+                every[kind] += values  # type: ignore[arg-type]
+                rows.append(
+                    codec_row(
+                        f"{MODELS.get(r.model, r.model)}, lr {lr(rate)}",
+                        kind,
+                        f"{len(values)}, {density}",
+                        values,
+                    )
+                )
+        for kind, values in every.items():
+            if values and len(r.data["results"]) > 1:
+                rows.append(codec_row("**all**", f"**{kind}**", str(len(values)), values))
+    header = [
+        "deltas",
+        "kind",
+        "steps, density",
+        "bits per changed element",
+        "x conditional floor",
+        "x smaller than TRL gap_delta",
+        "encode s",
+        "decode + apply + verify s",
+    ]
+    return table(
+        header,
+        rows,
+        after=(
+            "Steps after the first (Adam's warm-up step). *Chained*: the delta coded against the "
+            "step before, what a worker that applied the previous version downloads; *standalone*: "
+            "the delta alone, for a worker after an anchor or a restart. The conditional floor is "
+            "the empirical entropy of the change mask and value differences given the tensor and "
+            "the old exponent."
+        ),
+    )
+
+
+def codec_row(name: str, kind: str, steps: str, values: list[Any]) -> list[str]:
+    cols = list(zip(*values, strict=True))
+    return [
+        name,
+        kind,
+        steps,
+        spread(cols[0]),
+        spread(cols[1], 3),
+        mean_spread(cols[2]),
+        spread(cols[3]),
+        spread(cols[4]),
+    ]
+
+
+def fp8(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        for rate, entries in r.data["results"].items():
+            steps = [s for s in entries if "step" in s]
+            ratio = [
+                s["bf16_quantized_tensors"]["density"] / s["fp8_values_only"]["density"]
+                for s in steps
+            ]
+            nbytes = [
+                s["bf16_quantized_tensors"]["bytes"] / s["fp8_quantized_tensors"]["bytes"]
+                for s in steps
+            ]
+            whole = [s["bf16"]["bytes"] / s["fp8_version"]["bytes"] for s in steps]
+            one = [s["fp8_values_only"]["share_one_step"] for s in steps]
+            scales = sum(s["scales"]["changed"] for s in steps)
+            total = steps[0]["scales"]["total"]
+            rows.append(
+                [
+                    f"{MODELS.get(r.model, r.model)}, lr {lr(rate)}",
+                    str(len(steps)),
+                    pct_range([s["bf16_quantized_tensors"]["density"] for s in steps]),
+                    pct_range([s["fp8_values_only"]["density"] for s in steps], 3),
+                    spread(ratio, 1),
+                    spread(one, 1, 100) + "%",
+                    spread(nbytes, 1),
+                    spread(whole, 2),
+                    f"{scales} of {total:,} in {len(steps)} steps",
+                ]
+            )
+    header = [
+        "deltas",
+        "steps",
+        "bf16 values changed",
+        "e4m3 bytes changed",
+        "x fewer changes",
+        "changes of one e4m3 step",
+        "x smaller delta (quantized tensors)",
+        "x smaller whole version",
+        "block scales changed",
+    ]
+    return table(
+        header,
+        rows,
+        after=(
+            "Per step, including Adam's warm-up step: the quantized tensors (the linear layers, in "
+            "e4m3 with one float32 scale per 128x128 block) against the same tensors in bf16; the "
+            "whole version also holds the tensors that stay bf16 (embeddings, norms)."
+        ),
+    )
+
+
+def codec_gpu(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        s = r.data["rows"]
+        rows += [
+            [label(r), "density", pct_range([x["density"] for x in s])],
+            [label(r), "bits per changed element", spread(x["bits_per_changed"] for x in s)],
+            [
+                label(r),
+                "x conditional floor",
+                spread((x["bits_per_changed"] / x["conditional_floor_bits"] for x in s), 3),
+            ],
+            [
+                label(r),
+                "x smaller than TRL gap_delta",
+                spread(x["trl_gap_bytes"] / x["compact_bytes"] for x in s),
+            ],
+            [
+                label(r),
+                "detect + extract on the GPU, ms",
+                spread((x["detect_extract_s"] for x in s), 0, 1e3),
+            ],
+            [label(r), "encode, ms (host)", spread((x["encode_s"] for x in s), 0, 1e3)],
+            [label(r), "decode, ms (host)", spread((x["decode_s"] for x in s), 0, 1e3)],
+            [label(r), "stage (host to device), ms", spread((x["stage_h2d_s"] for x in s), 0, 1e3)],
+            [
+                label(r),
+                "**paused apply, p50 / p99 ms**",
+                f"{spread(x['apply_p50_ms'] for x in s)} / {spread(x['apply_p99_ms'] for x in s)}",
+            ],
+            [
+                label(r),
+                "verify (digests of every weight), ms",
+                spread((x["verify_s"] for x in s), 0, 1e3),
+            ],
+        ]
+    return table(
+        ["deltas", f"per step ({len(results[0].data['rows'])} steps)", "median [min-max]"], rows
+    )
+
+
+def device_scan(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        x = r.data["summary"]
+        times = {k.removesuffix("_s_median"): v for k, v in x.items() if k.endswith("_s_median")}
+        rows.append(
+            [
+                label(r),
+                f"{x['tensors']}, {x['elements'] / 1e9:.2f} B",
+                pct(x["moved"], 0),
+                ", ".join(f"{k.replace('_', ' ')} {num(v)}" for k, v in times.items()),
+            ]
+        )
+    return table(
+        ["rows of", "tensors, elements", "moved", "seconds, median after a warm-up"],
+        rows,
+        after=(
+            "The change detection and the encoder's context scans of one FSDP rank's rows on "
+            "its GPU: *queued* starts every tensor's scan, then collects them (what the "
+            "publisher does); *one by one* waits for each."
+        ),
+    )
+
+
+def encode_rank(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        x = r.data["summary"]
+        for key, value in x.items():
+            if key.startswith("encode_s_median_"):
+                threads = key.removeprefix("encode_s_median_").removesuffix("_threads")
+                rows.append([label(r), f"{x.get('changed', 0):,}", threads, num(value)])
+    return table(
+        ["rows of", "changed elements", "threads", "encode s (median)"],
+        rows,
+        after=("The compact encoder on one FSDP rank's delta from precomputed scans, on the CPU."),
+    )
+
+
+def rollout_sync(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        d = r.data
+        chained = d.get("chained_steps")
+        rows.append(
+            [
+                label(r),
+                f"{d['versions']}" + (f" ({chained} chained)" if chained is not None else ""),
+                f"{num(d['pause_ms']['p50'])} / {num(d['pause_ms']['max'])}",
+                num(d["wait_for_step_ms"]["p50"], 1),
+                num(d["decode_s"]["p50"]),
+                f"{num(d['publish_to_applied_s']['p50'])} / {num(d['publish_to_applied_s']['max'])}",
+                num(d["verify_s"]["p50"]),
+                mb(statistics.median(d["delta_bytes"])),
+                num(d["tokens_per_s"]["while_syncing"], 0),
+                "yes" if d.get("bit_identical") else "no",
+            ]
+        )
+    header = [
+        "model, hardware",
+        "versions",
+        "paused per sync p50 / max ms",
+        "wait for the forward in flight p50 ms",
+        "decode p50 s",
+        "publish to applied p50 / max s",
+        "verify p50 s",
+        "delta p50",
+        "tokens/s while syncing",
+        "bit-identical at the end",
+    ]
+    return table(
+        header,
+        rows,
+        after=(
+            "The transformers engine generates continuously (the tokens/s column) while the worker "
+            "downloads, decodes and stages each version in the background; only the in-place apply "
+            "pauses generation. Trainer and worker share the machine and a local-directory bucket."
+        ),
+    )
+
+
+PRESETS = {"0.6b": "Qwen3-0.6B", "1.7b": "Qwen3-1.7B", "7b": "Qwen2.5-7B", "14b": "Qwen2.5-14B"}
+
+
+def fsdp_publish(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        steps = [s for s in r.data if "step" in s]
+        summary = next((s for s in r.data if s.get("summary")), {})
+        after = [s["publish_s"] for s in steps[1:]]
+        apply = "-"
+        if "paused_apply_s" in summary:
+            apply = (
+                f"{num(1e3 * summary['paused_apply_s'])} ms / "
+                f"{num(summary['publish_to_applied_s'])} s"
+            )
+        rows.append(
+            [
+                f"{PRESETS.get(r.model, r.model)} shape ({steps[0]['numel'] / 1e9:.2f} B)",
+                hardware_words(r.hardware),
+                f"**{spread(after)}** ({len(after)} steps)",
+                num(steps[0]["publish_s"]),
+                pct_range([s["changed_fraction"] for s in steps], 1),
+                spread((s["bits_per_changed"] for s in steps), 2),
+                f"{gb(summary.get('memory_bytes_max_rank'))} / "
+                f"{gb(summary.get('host_memory_bytes_max_rank'))}",
+                gb(summary.get("peak_gpu_bytes_max_rank")),
+                apply,
+            ]
+        )
+    header = [
+        "model",
+        "GPUs",
+        "publish per step after the first, s",
+        "first step s",
+        "changed per step",
+        "bits per changed element",
+        "publication memory per rank: GPU / pinned host",
+        "training peak per GPU",
+        "paused apply on a rollout GPU / publish to applied",
+    ]
+    return table(
+        header,
+        rows,
+        after=(
+            "Random init, AdamW at lr 1e-6, one 512-token sequence per rank and step, the same seeds "
+            "on every machine (each step changes the same elements). Publish: every rank's change "
+            "detection and context scan on its GPU, compact encode on the host, upload to a "
+            "local-directory bucket, then the manifest; the first step's delta follows the anchor."
+        ),
+    )
+
+
+def moe_scale(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        s, st = r.data["summary"], r.data["settings"]
+        row = [
+            f"{st['layers']} layers, {st['ranks']} ranks, {hardware_words(r.hardware)}",
+            f"{s['numel'] / 1e9:.2f} B",
+            spread(x["publish_s"] for x in r.data["publish"]["steps"][1:]),
+            mb(s["bytes_median"]),
+            pct(s["changed_fraction_median"], 2),
+            num(s["bits_per_changed_median"]),
+            st.get("engine", "-"),
+            f"{num(1e3 * s['paused_apply_s_median'])} / {num(1e3 * s['paused_apply_s_max'])}"
+            if "paused_apply_s_median" in s
+            else "-",
+            num(s.get("publish_to_applied_s_median")),
+        ]
+        rows.append(row)
+        x = s.get("extrapolated_to_48_layers")
+        if x:
+            rows.append(
+                [
+                    "scaled to 48 layers (extrapolated, not measured)",
+                    f"{x['numel'] / 1e9:.2f} B",
+                    num(x["publish_s_median_after_first"]),
+                    mb(x["bytes_median"]),
+                    "",
+                    "",
+                    "",
+                    num(1e3 * x["paused_apply_s_median"]) if "paused_apply_s_median" in x else "-",
+                    num(x.get("publish_to_applied_s_median")),
+                ]
+            )
+    header = [
+        "Qwen3-30B-A3B layer shapes",
+        "elements",
+        "publish per step after the first, s",
+        "delta",
+        "changed",
+        "bits per changed element",
+        "follower",
+        "paused apply median / max ms",
+        "publish to applied s",
+    ]
+    return table(header, rows)
+
+
+def moe_sparsity(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        tokens = r.data.get("tokens_per_step")
+        for run in r.data["runs"]:
+            s = run["summary"]
+            groups = s["changed_fraction_by_group_mean"]
+            experts = s.get("experts")
+            idle = "-"
+            if experts:
+                idle = (
+                    f"{pct(experts['no_token_this_step_but_before']['changed_fraction_mean'], 2)}"
+                    f" / {pct(experts['routed']['changed_fraction_mean'], 2)}"
+                )
+            rows.append(
+                [
+                    f"{run['model']}, {tokens} tokens",
+                    lr(run["lr"]),
+                    f"{run['parameters'] / 1e6:.1f} M ({run['active_parameters_per_token'] / 1e6:.1f} M)",
+                    spread(s["changed_fraction_by_step"], 2, 100) + "%",
+                    pct(groups.get("experts", groups.get("mlp")), 2),
+                    idle,
+                    num(s["bits_per_changed_mean"]),
+                ]
+            )
+    header = [
+        "model, tokens per step",
+        "lr",
+        "parameters (active per token)",
+        "changed per step",
+        "experts (MoE) / MLP (dense) changed",
+        "expert with no token this step / routed",
+        "bits per changed element",
+    ]
+    return table(
+        header,
+        rows,
+        after=(
+            "A random-init Qwen3-MoE-shaped model (6 layers, 64 experts, top-4) and a dense Qwen3 of "
+            "the same active size, the same real AdamW steps on real text, 12 steps per run. An "
+            "expert that got no token in a step still changes (AdamW's momentum); experts never "
+            "routed do not."
+        ),
+    )
