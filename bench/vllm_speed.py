@@ -903,6 +903,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CUDA graph batch sizes for every column (default: vLLM's ~50): fewer start faster",
     )
     ap.add_argument("--budget-s", type=float, help="start no round that would end after this")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the rounds recorded in --out-dir (same model, bucket and settings)",
+    )
     ap.add_argument("--child-timeout-s", type=float, default=900.0)
     ap.add_argument("--dry-run", action="store_true", help="stand-in generator, no GPU")
     ap.add_argument("--one", metavar="COLUMN", help=argparse.SUPPRESS)
@@ -935,6 +940,48 @@ def _child_argv(a: argparse.Namespace, model: str) -> list[str]:
     return argv + (["--dry-run"] if a.dry_run else [])
 
 
+def _earlier_run(a: argparse.Namespace, out_dir: Path) -> dict[str, Any] | None:
+    """The run recorded in ``out_dir`` that ``--resume`` continues (None if there is none).
+
+    Its rounds stand as measured; the new rounds use its model and bucket and must use its
+    settings, so that every round measures the same thing."""
+    path = out_dir / "vllm_speed.json"
+    if not path.exists():
+        return None
+    earlier: dict[str, Any] = json.loads(path.read_text())
+    if "model_path" not in earlier or "bucket" not in earlier:
+        raise SystemExit(f"--resume: {path} does not record its model and bucket")
+    now = {k: str(v) for k, v in vars(a).items()}
+    keep = set(_SETTINGS_OF_A_ROUND)
+    differ = sorted(k for k in keep if earlier["args"].get(k) != now.get(k))
+    if differ:
+        raise SystemExit(f"--resume: settings differ from the recorded run's: {', '.join(differ)}")
+    return earlier
+
+
+# what a round measures: a resumed run must match the recorded one in all of these
+_SETTINGS_OF_A_ROUND = (
+    "columns",
+    "batches",
+    "prompt_len",
+    "new_tokens",
+    "reps",
+    "multi_turn",
+    "mt_episodes",
+    "mt_turns",
+    "mt_system",
+    "mt_user",
+    "mt_reply",
+    "mt_feedback",
+    "diagnostics",
+    "diag_batch",
+    "gpu_memory_utilization",
+    "capture_sizes",
+    "model",
+    "dry_run",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if a.one:  # a child: one column
@@ -945,7 +992,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = a.out_dir or Path(tempfile.mkdtemp(prefix="deltarl-vllm-speed-"))
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    if a.model is not None:
+    earlier = _earlier_run(a, out_dir) if a.resume else None
+    if earlier is not None:
+        model, a.bucket = earlier["model_path"], Path(earlier["bucket"])
+    elif a.model is not None:
         model = a.model
     elif a.dry_run:
         model = "dry-run"
@@ -953,18 +1003,25 @@ def main(argv: list[str] | None = None) -> int:
         model = qwen3_0_6b(Path(tempfile.mkdtemp(prefix="deltarl-speed-model-")))
     a.bucket = a.bucket or Path(tempfile.mkdtemp(prefix="deltarl-speed-bucket-"))
     me = [sys.executable, str(Path(__file__).resolve())]
-    result: dict[str, Any] = {
+    result: dict[str, Any] = earlier or {
         "args": {k: str(v) for k, v in vars(a).items()},
         "model": a.model or "Qwen3-0.6B shape (random)",
+        "model_path": model,
+        "bucket": str(a.bucket),
         "columns": a.columns,
         "capture_sizes": a.capture_sizes,
         "rounds": [],
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    elapsed_before = float(result.get("elapsed_s", 0.0))
+    result.pop("stopped", None)
+    # every invocation that measured rounds of this run, the first one's settings in "args"
+    commands = result.setdefault("commands", [])
+    commands.append(common.command())
 
     def save() -> str:
         result["summary"] = summarize(result["rounds"], a.columns)
-        result["elapsed_s"] = time.perf_counter() - t_start
+        result["elapsed_s"] = elapsed_before + time.perf_counter() - t_start
         table = result["table"] = tables(result)
         target = a.json
         if result.get("device"):  # known from the first process (CUDA stays out of this one)
@@ -972,7 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
             result["meta"] = {
                 "date": result["started"][:10],
                 "machine": f"1x {result['device']}, {cpus}",
-                "command": common.command(),
+                "command": " && ".join(commands),
             }
             if target is None and not a.dry_run:
                 name = Path(a.model).name.lower() if a.model else "qwen3-0.6b"
@@ -985,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "vllm_speed.md").write_text(table + "\n")
         return table
 
-    if set(ENGINES) & set(a.columns) and not a.dry_run:
+    if set(ENGINES) & set(a.columns) and not a.dry_run and earlier is None:
         log = out_dir / "logs" / "publish-anchor.log"
         t0 = time.perf_counter()
         with log.open("w") as f:
@@ -1006,11 +1063,12 @@ def main(argv: list[str] | None = None) -> int:
     # with its group (run_child's finally), what was measured is saved
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        for r in range(1, a.rounds + 1):
+        for r in range(len(result["rounds"]) + 1, a.rounds + 1):
             elapsed = time.perf_counter() - t_start
             if a.budget_s is not None and round_s and elapsed + max(round_s) > a.budget_s:
                 result["stopped"] = (
-                    f"budget: {r - 1} of {a.rounds} rounds in {elapsed:.0f} s; one more would end "
+                    f"budget: {r - 1} of {a.rounds} rounds ({elapsed:.0f} s in this process); "
+                    f"one more would end "
                     f"near {elapsed + max(round_s):.0f} s (--budget-s {a.budget_s:.0f})"
                 )
                 break

@@ -167,3 +167,17 @@ def test_a_sigterm_kills_the_process_being_measured_and_saves_what_was_measured(
     pid = json.loads(hung.split("deltarl-vllm-speed-result: ", 1)[1].splitlines()[0])["info"]["pid"]
     status = Path(f"/proc/{pid}/status")  # killed with its process group (gone, or a zombie)
     assert not status.exists() or "\tZ" in status.read_text().split("State:")[1].splitlines()[0]
+
+
+def test_resume_continues_the_recorded_rounds_and_refuses_other_settings(tmp_path: Path) -> None:
+    rc, first, _ = dry_run(tmp_path, "--rounds", "3", "--columns", "engine", "--budget-s", "0")
+    assert rc == 0 and len(first["rounds"]) == 1 and first["stopped"].startswith("budget: 1 of 3")
+    rc, data, _ = dry_run(tmp_path, "--rounds", "3", "--columns", "engine", "--resume")
+    assert rc == 0 and [r["round"] for r in data["rounds"]] == [1, 2, 3]
+    assert data["rounds"][0] == first["rounds"][0]  # the recorded round stands as measured
+    assert "stopped" not in data and data["started"] == first["started"]
+    assert data["summary"]["single b4"]["columns"]["engine"]["n"] == 3
+    rc, _, output = dry_run(
+        tmp_path, "--rounds", "4", "--columns", "engine", "--reps", "2", "--resume"
+    )
+    assert rc != 0 and "settings differ from the recorded run's: reps" in output
