@@ -12,14 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import servers
+from servers import free_port
 
 from deltarl.services.coordinator.store import CoordinatorStore
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
@@ -127,37 +123,14 @@ TRAINER_TOKEN = "trainer-secret-token"
 WORKER_TOKEN = "worker-secret-token"
 
 
-class LiveServer:
-    """A coordinator served by uvicorn in a thread on a free port (real HTTP, real SSE)."""
+class LiveServer(servers.LiveServer):
+    """A coordinator made from ``settings``, served at once (real HTTP, real SSE)."""
 
     def __init__(self, settings: object, clock: Callable[[], float] | None = None) -> None:
-        import threading
-
-        import uvicorn
-
         from deltarl.services.coordinator.app import create_app
 
-        self.app = create_app(settings, clock=clock)  # type: ignore[arg-type]
-        self.port = free_port()
-        config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("coordinator did not start")
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        super().__init__(create_app(settings, clock=clock))  # type: ignore[arg-type]
+        self.start()
 
 
 def coordinator_settings(tmp_path: Path, **overrides: object) -> object:

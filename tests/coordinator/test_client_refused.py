@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from servers import free_port
 
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import (
@@ -19,7 +20,7 @@ from deltarl.services.coordinator.client import (
     _refused,
 )
 
-from .conftest import TRAINER_TOKEN, coordinator_settings, free_port
+from .conftest import TRAINER_TOKEN, coordinator_settings
 
 pytestmark = pytest.mark.network
 

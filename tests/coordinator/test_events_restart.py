@@ -137,7 +137,7 @@ def test_sigkill_loses_no_accepted_group(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from .conftest import free_port
+    from servers import free_port
 
     env = {
         **os.environ,

@@ -35,7 +35,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -46,6 +45,7 @@ from typing import Any
 
 import pytest
 import yaml
+from servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -133,12 +133,6 @@ def _torch_wheels() -> str:
     return f"local wheel {target.name} (from {source})"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.loads(response.read())
@@ -159,13 +153,13 @@ class Stack:
     def __init__(self, compose: list[str]) -> None:
         self.project = f"deltarl-test-{os.getpid()}-{secrets.token_hex(3)}"
         self.base = [*compose, "-f", str(COMPOSE), "-p", self.project, "--profile", PROFILE]
-        self.coordinator_port = _free_port()
+        self.coordinator_port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DELTARL_", "HF_"))}
         self.env = env | {
             "DELTARL_COORDINATOR_TRAINER_TOKEN": secrets.token_urlsafe(32),
             "DELTARL_COORDINATOR_WORKER_TOKEN": secrets.token_urlsafe(32),
             "COORDINATOR_HOST_PORT": str(self.coordinator_port),
-            "ENV_HOST_PORT": str(_free_port()),
+            "ENV_HOST_PORT": str(free_port()),
             "DOCKER_BUILDKIT": "0",
             "COMPOSE_DOCKER_CLI_BUILD": "0",
         }

@@ -26,7 +26,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -46,6 +45,7 @@ import yaml
 from deploy.settings_env import env_names
 from dockerfile_parse import DockerfileParser
 from pydantic_settings import BaseSettings
+from servers import free_port
 
 from deltarl.cli import SUBCOMMANDS
 from deltarl.env_server.settings import EnvSettings
@@ -987,7 +987,7 @@ def test_rollout_health_check_against_the_worker_server(
     from deltarl.rollout.http import WorkerHttpServer, create_app
 
     port = service_port(name)
-    free = _free_port()
+    free = free_port()
     for var in list(os.environ):
         if var.startswith(("DELTARL_", "HF_", "AWS_")):
             monkeypatch.delenv(var)
@@ -1033,12 +1033,6 @@ def test_rollout_health_check_against_the_worker_server(
 # the light part of compose, emulated with local processes
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_healthy(name: str, argv: list[str], proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -1056,7 +1050,7 @@ def test_compose_light_services_run_healthy(tmp_path: Path) -> None:
     redis_server = shutil.which("redis-server")
     if redis_server is None:
         pytest.skip("redis-server is not installed (make system-deps)")
-    ports = {name: _free_port() for name in ("redis", "coordinator", "env")}
+    ports = {name: free_port() for name in ("redis", "coordinator", "env")}
     original = {"redis": 6379} | {n: _port_arg(service_command(n)) for n in ("coordinator", "env")}
 
     def local(text: str) -> str:

@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from huggingface_hub import HfApi, SpaceCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 from pydantic_settings import BaseSettings
+from servers import free_port
 from typer.testing import CliRunner
 
 from deltarl.cli import SUBCOMMANDS
@@ -692,12 +692,6 @@ def test_clients_send_the_proxy_header(monkeypatch: pytest.MonkeyPatch) -> None:
 # the rollout Space's entry point
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # A stand-in worker: serves /health where the launcher told it to (DELTARL_ROLLOUT_HOST/PORT),
 # 503 "starting" for its first second, then 200; exits with status 3 after 3 s.
 FAKE_WORKER = """
@@ -733,7 +727,7 @@ def _get(url: str) -> tuple[int, dict[str, Any]]:
 
 
 def test_worker_space_reports_the_workers_health() -> None:
-    port, wport = _free_port(), _free_port()
+    port, wport = free_port(), free_port()
     result: list[int] = []
     child = [sys.executable, "-c", FAKE_WORKER]
     # a Space variable asking for 0.0.0.0 does not move the worker off loopback

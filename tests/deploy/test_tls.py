@@ -5,7 +5,6 @@ bundle; without that CA the connection is refused."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import free_port
 from tls_helpers import make_ca_and_server_cert
 
 from deltarl.env_server.core.client import SyncEnvClient
@@ -22,12 +22,6 @@ from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistra
 
 WORKER_TOKEN = "worker-token-0123456789abcdef"
 TRAINER_TOKEN = "trainer-token-0123456789abcdef"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(args: list[str], env: dict[str, str], url: str, ca: Path) -> subprocess.Popen[bytes]:

@@ -6,8 +6,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from env_helpers import LiveServer, settings
+from env_helpers import settings
 from fastapi.testclient import TestClient
+from servers import LiveServer
 
 from deltarl.env_server.core.app import create_app
 

@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from env_helpers import LiveServer
 from fastapi.testclient import TestClient
+from servers import LiveServer
 
 from deltarl.env_server.charset.environment import CharsetEnvironment, CharsetRules, score_reply
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState

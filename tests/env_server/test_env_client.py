@@ -13,7 +13,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 import websockets.sync.client as ws_client
-from env_helpers import LiveServer, answer, settings
+from env_helpers import answer, settings
+from servers import LiveServer
 from websockets.exceptions import ConnectionClosed
 
 from deltarl.env_server.core.app import create_app

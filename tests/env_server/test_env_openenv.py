@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from env_helpers import LiveServer, answer, wrong_guesses
+from env_helpers import answer, wrong_guesses
 from openenv.core.generic_client import GenericEnvClient
+from servers import LiveServer
 
 pytestmark = pytest.mark.network
 

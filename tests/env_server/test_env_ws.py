@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import websockets.sync.client as ws_client
-from env_helpers import LiveServer, settings
+from env_helpers import settings
 from fastapi.testclient import TestClient
 from openenv.core.env_server import types as oe
+from servers import LiveServer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltarl.env_server.core.app import create_app

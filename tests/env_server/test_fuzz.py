@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import schemathesis
-from env_helpers import LiveServer, settings
+from env_helpers import settings
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
+from servers import LiveServer
 
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.core.models import TOKEN_HEADER

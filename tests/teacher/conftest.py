@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from teacher_helpers import LiveServer, settings, tiny_engine
+from servers import LiveServer
+from teacher_helpers import settings, tiny_engine
 
 from deltarl.teacher.app import create_app
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from typing import Any
 
 import numpy as np
 import torch
 import transformers
-import uvicorn
-from fastapi import FastAPI
 
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 from deltarl.teacher.settings import TeacherSettings
@@ -77,33 +72,3 @@ def random_sequences(
         seqs.append(rng.integers(0, VOCAB, length).tolist())
         prompts.append(int(rng.integers(1, length)))
     return seqs, prompts
-
-
-class LiveServer:
-    """uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
-        self.app = app
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()

@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
-from teacher_helpers import TOKEN, VOCAB, LiveServer, random_sequences, reference, settings
+from servers import LiveServer
+from teacher_helpers import TOKEN, VOCAB, random_sequences, reference, settings
 
 from deltarl.teacher.app import create_app
 from deltarl.teacher.client import TeacherClient

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from teacher_helpers import TOKEN, LiveServer, reference, tiny_model
+from servers import LiveServer, free_port
+from teacher_helpers import TOKEN, reference, tiny_model
 
 from deltarl.teacher.app import assemble
 from deltarl.teacher.client import (
@@ -148,19 +148,13 @@ def test_a_malformed_answer_is_an_error() -> None:
         client.logprobs([[1, 2, 3]], [1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.network
 @pytest.mark.slow
 def test_the_command_serves_a_model_directory(tmp_path: Path) -> None:
     """``python -m deltarl.teacher`` on a saved tiny model, float32, scored through the client."""
     model = tiny_model(seed=3)
     model.save_pretrained(tmp_path / "model")
-    port = _free_port()
+    port = free_port()
     env = os.environ | {
         "DELTARL_TEACHER_TOKEN": TOKEN,
         "DELTARL_TEACHER_MODEL": str(tmp_path / "model"),

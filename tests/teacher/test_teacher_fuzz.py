@@ -12,7 +12,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
-from teacher_helpers import TOKEN, LiveServer, settings, tiny_engine
+from servers import LiveServer
+from teacher_helpers import TOKEN, settings, tiny_engine
 
 from deltarl.teacher.app import create_app
 from deltarl.teacher.wire import BINARY_MEDIA_TYPE

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import SecretStr
+from servers import free_port
 
 from deltarl.services.buckets import (
     Bucket,
@@ -60,17 +60,11 @@ BAD_KEYS = [
 # --- servers and fakes ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
