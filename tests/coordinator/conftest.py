@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import servers
-from servers import free_port
+import support
+from support import free_port
 
 from deltarl.services.coordinator.store import CoordinatorStore
 
@@ -123,7 +123,7 @@ TRAINER_TOKEN = "trainer-secret-token"
 WORKER_TOKEN = "worker-secret-token"
 
 
-class LiveServer(servers.LiveServer):
+class LiveServer(support.LiveServer):
     """A coordinator made from ``settings``, served at once (real HTTP, real SSE)."""
 
     def __init__(self, settings: object, clock: Callable[[], float] | None = None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from servers import free_port
+from support import GENEROUS_S, free_port
 
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import (
@@ -79,13 +79,13 @@ def test_refusals_are_bounded_and_off_without_retries() -> None:
         t0 = time.monotonic()
         with pytest.raises(httpx.ConnectError) as info:
             c.health()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < GENEROUS_S  # no retry: the default would wait 30 s
         assert _refused(info.value)
     with CoordinatorClient(url, TRAINER_TOKEN, refused_wait_s=0.5) as c:
         t0 = time.monotonic()
         with pytest.raises(httpx.ConnectError):
             c.lease(1)
-        assert 0.5 <= time.monotonic() - t0 < 3.0
+        assert 0.5 <= time.monotonic() - t0 < GENEROUS_S
 
 
 def test_other_transport_errors_are_not_refusals() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support import GENEROUS_S
 
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
@@ -21,33 +22,33 @@ from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer
 from .helpers import group, manifest
 
 
-def test_sse_delivers_new_versions_within_milliseconds(server: LiveServer) -> None:
+def test_sse_delivers_each_new_version_as_it_is_published(server: LiveServer) -> None:
+    """Live, not replayed later: each version reaches the listener before the next one is
+    published (how fast is the coordinator benchmark's business, not a test's)."""
     trainer = CoordinatorClient(server.url, TRAINER_TOKEN)
     reader = CoordinatorClient(server.url)
     trainer.publish_version(manifest(0))
     trainer.publish_version(manifest(1))
-    got: list[tuple[int, float]] = []
+    got: list[int] = []
+    arrived = threading.Condition()
 
     def listen() -> None:
         for rec in reader.iter_version_events(after=0):  # replays 1, then live ones
-            got.append((rec.version, time.monotonic()))
+            with arrived:
+                got.append(rec.version)
+                arrived.notify_all()
             if rec.version == 3:
                 return
 
     th = threading.Thread(target=listen, daemon=True)
     th.start()
-    deadline = time.monotonic() + 5
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.01)
-    sent = {}
-    for v in (2, 3):
-        sent[v] = time.monotonic()
-        trainer.publish_version(manifest(v))
-        time.sleep(0.05)
-    th.join(timeout=5)
-    assert [v for v, _ in got] == [1, 2, 3]
-    for v, at in got[1:]:
-        assert at - sent[v] < 0.25, f"version {v} took {at - sent[v]:.3f}s"
+    for v in (1, 2, 3):
+        if v > 1:
+            trainer.publish_version(manifest(v))
+        with arrived:
+            assert arrived.wait_for(lambda v=v: v in got, timeout=GENEROUS_S), (v, got)
+    th.join(timeout=GENEROUS_S)
+    assert got == [1, 2, 3]
 
 
 def test_async_client_events_and_calls(server: LiveServer) -> None:
@@ -137,7 +138,7 @@ def test_sigkill_loses_no_accepted_group(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from servers import free_port
+    from support import free_port
 
     env = {
         **os.environ,

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support import GENEROUS_S
 
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration
@@ -138,11 +139,11 @@ def test_page_renders_live_data_in_headless_chromium(server: LiveServer, tmp_pat
             ("3", "1"),
         ]
         assert len(re.findall(r'class="point" data-x="\d+"', dom)) >= 4
-        # live: a new version reaches the page through the event stream
+        # live: a new version reaches the page through the event stream (only the stream's
+        # listener sets lastEvent; the 2 s refresh does not)
         trainer.publish_version(manifest(4))
-        took = browser.wait_for("document.body.dataset.lastEvent === '4'", timeout=5)
+        browser.wait_for("document.body.dataset.lastEvent === '4'", timeout=GENEROUS_S)
         browser.wait_for("document.getElementById('latest-version').textContent === '4'", 5)
-        assert took < 2.0
         shot = browser.call("Page.captureScreenshot", format="png")["data"]
         png = base64.b64decode(shot)
         assert len(png) > 10_000  # something was painted

@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 import yaml
-from servers import free_port
+from support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"

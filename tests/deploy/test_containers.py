@@ -45,7 +45,7 @@ import yaml
 from deploy.settings_env import env_names
 from dockerfile_parse import DockerfileParser
 from pydantic_settings import BaseSettings
-from servers import free_port
+from support import free_port
 
 from deltarl.cli import SUBCOMMANDS
 from deltarl.env_server.settings import EnvSettings

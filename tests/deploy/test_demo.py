@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import GENEROUS_S
 
 from deltarl.cluster import Child, ProcessDiedError, ProcessGroup, free_port, wait_healthy
 from deltarl.demo.report import WorkerLog, plain_png, rebuild_digest
@@ -148,7 +149,7 @@ def test_stop_all_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     t0 = time.monotonic()
     codes = group.stop_all(timeout_s=1.0)
     assert codes["ignores-sigterm"] == -9
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < GENEROUS_S  # it sleeps 60 s unless killed
 
 
 def test_an_interrupt_while_stopping_kills_every_child(tmp_path: Path) -> None:
@@ -178,7 +179,7 @@ def test_an_interrupt_while_stopping_kills_every_child(tmp_path: Path) -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < GENEROUS_S  # not the 30 s wait
     assert {c.name: c.exit_code() for c in group.children} == {"coordinator": -9, "trainer": -9}
 
 

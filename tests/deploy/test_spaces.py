@@ -42,7 +42,7 @@ from huggingface_hub import HfApi, SpaceCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import validate_repo_id
 from pydantic_settings import BaseSettings
-from servers import free_port
+from support import free_port
 from typer.testing import CliRunner
 
 from deltarl.cli import SUBCOMMANDS

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import free_port
+from support import free_port
 from tls_helpers import make_ca_and_server_cert
 
 from deltarl.env_server.core.client import SyncEnvClient

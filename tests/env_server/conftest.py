@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from env_helpers import settings
 from fastapi.testclient import TestClient
-from servers import LiveServer
+from support import LiveServer
 
 from deltarl.env_server.core.app import create_app
 

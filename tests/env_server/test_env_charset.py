@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from fastapi.testclient import TestClient
-from servers import LiveServer
+from support import LiveServer
 
 from deltarl.env_server.charset.environment import CharsetEnvironment, CharsetRules, score_reply
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState

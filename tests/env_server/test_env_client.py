@@ -7,14 +7,13 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import httpx
 import pytest
 import websockets.sync.client as ws_client
 from env_helpers import answer, settings
-from servers import LiveServer
+from support import LiveServer
 from websockets.exceptions import ConnectionClosed
 
 from deltarl.env_server.core.app import create_app
@@ -168,9 +167,7 @@ def test_idle_ws_session_times_out(live_server: Callable[..., LiveServer]) -> No
     with ws_client.connect(url) as ws:
         ws.send(json.dumps({"type": "reset", "data": {"seed": 1}}))
         ws.recv(timeout=5)
-        started = time.monotonic()
         with pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=5)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 4408
-        assert time.monotonic() - started < 2
     assert len(server.app.state.store) == 0

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from env_helpers import answer, wrong_guesses
 from openenv.core.generic_client import GenericEnvClient
-from servers import LiveServer
+from support import LiveServer
 
 pytestmark = pytest.mark.network
 

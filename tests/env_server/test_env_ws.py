@@ -19,8 +19,8 @@ import websockets.sync.client as ws_client
 from env_helpers import settings
 from fastapi.testclient import TestClient
 from openenv.core.env_server import types as oe
-from servers import LiveServer
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from support import LiveServer
 
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.core.models import ErrorCode

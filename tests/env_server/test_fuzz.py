@@ -13,7 +13,7 @@ import schemathesis
 from env_helpers import settings
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
-from servers import LiveServer
+from support import LiveServer
 
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.core.models import TOKEN_HEADER

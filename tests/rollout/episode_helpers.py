@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from servers import LiveServer
+from support import LiveServer
 
 from deltarl.env_server.core.app import create_app
 from deltarl.env_server.settings import EnvSettings

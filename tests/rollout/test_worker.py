@@ -20,6 +20,7 @@ import pytest
 import torch
 from episode_helpers import WordleServer
 from rollout_helpers import same_bits
+from support import GENEROUS_S
 from tls_helpers import make_ca_and_server_cert
 from typer.testing import CliRunner
 from worker_helpers import (
@@ -476,7 +477,8 @@ def test_sigterm_is_prompt_while_the_coordinator_is_down(
             proc.kill()
             proc.wait()
     assert code == 0, log.read_text()[-2000:]
-    assert took < 10, f"SIGTERM took {took:.1f} s with the coordinator down"
+    # not the client's 30 s wait for a refused coordinator
+    assert took < GENEROUS_S, f"SIGTERM took {took:.1f} s with the coordinator down"
 
 
 def test_failing_groups_back_off_and_the_next_good_group_resets_it(

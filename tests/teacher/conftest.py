@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from servers import LiveServer
+from support import LiveServer
 from teacher_helpers import settings, tiny_engine
 
 from deltarl.teacher.app import create_app

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
-from servers import LiveServer
+from support import LiveServer
 from teacher_helpers import TOKEN, VOCAB, random_sequences, reference, settings
 
 from deltarl.teacher.app import create_app

@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
-from servers import LiveServer
+from support import LiveServer
 from teacher_helpers import TOKEN, settings, tiny_engine
 
 from deltarl.teacher.app import create_app

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import free_port
+from support import free_port
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "fsdp_publish_bench.py"
 

@@ -36,8 +36,11 @@ class FlakyBucket(LocalBucket):
         super().__init__(root)
         self.fail_pattern: str | None = None
         self.delay_s = 0.0
+        self.gate = threading.Event()  # writes wait until it is set
+        self.gate.set()
 
     def _check(self, key: str) -> None:
+        assert self.gate.wait(timeout=30), "the test never opened the bucket's gate"
         time.sleep(self.delay_s)
         if self.fail_pattern is not None and re.fullmatch(self.fail_pattern, key):
             raise OSError(f"simulated upload failure for {key}")
@@ -282,10 +285,11 @@ def test_state_mismatch_is_a_failure_too(bucket: FlakyBucket) -> None:
 def test_background_overlaps_and_counts_waiting(bucket: FlakyBucket) -> None:
     model = TinyModel()
     pub = WeightPublisher(bucket)
-    bucket.delay_s = 0.05  # every write (objects, manifest, pointer) is slow
-    t0 = time.perf_counter()
-    pub.publish(model.params)
-    assert time.perf_counter() - t0 < 0.1  # returned after the snapshot only
+    bucket.gate.clear()  # no write (objects, manifest, pointer) can finish yet
+    pub.publish(model.params)  # returns after the snapshot only: it would hang otherwise
+    assert pub.last_version is None  # nothing committed yet
+    bucket.gate.set()
+    bucket.delay_s = 0.05  # every write is slow
     model.step()
     pub.publish(model.params)  # waits for version 0 first
     waited = pub.waited_s

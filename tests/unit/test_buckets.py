@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import SecretStr
-from servers import free_port
+from support import free_port
 
 from deltarl.services.buckets import (
     Bucket,

@@ -15,6 +15,7 @@ import xxhash
 import zstandard
 from safetensors.torch import save_file
 from states import make_state, perturb
+from support import deltarl
 
 from deltarl.services.weightsync.anchor import decode_anchor, encode_anchor
 from deltarl.services.weightsync.codec.compact import (
@@ -81,7 +82,7 @@ sys.exit(code)
 """
 
 
-def verify(path: Path, *args: str) -> tuple[int, str, int]:
+def verify_measured(path: Path, *args: str) -> tuple[int, str, int]:
     """``deltarl delta verify`` in a child: (exit code, stderr, its peak memory in MB)."""
     r = subprocess.run(
         [sys.executable, "-c", WRAPPER, str(path), *args],
@@ -94,6 +95,12 @@ def verify(path: Path, *args: str) -> tuple[int, str, int]:
     return r.returncode, "\n".join(x for x in lines if not x.startswith(PEAK)), peak[0] // 1024
 
 
+def verify(path: Path, *args: str) -> tuple[int, str]:
+    """``deltarl delta verify`` in this process: (exit code, stderr)."""
+    r = deltarl("delta", "verify", str(path), *args)
+    return r.returncode, r.stderr
+
+
 def test_a_footer_bomb_is_refused_with_bounded_memory(delta_file: tuple[Path, bytes]) -> None:
     root, data = delta_file
     head, _ = split(data)
@@ -103,7 +110,7 @@ def test_a_footer_bomb_is_refused_with_bounded_memory(delta_file: tuple[Path, by
         check_integrity(with_packed_footer(head, packed))
     path = root / "footer-bomb.drl"
     path.write_bytes(with_packed_footer(head, packed))
-    code, err, peak_mb = verify(path)
+    code, err, peak_mb = verify_measured(path)
     assert code == 2 and "expands past" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert peak_mb < 900, peak_mb  # torch's import included; the bomb alone is 1 GiB
@@ -127,7 +134,7 @@ def test_a_deeply_nested_footer_is_a_one_line_error(delta_file: tuple[Path, byte
         read_footer(with_footer(head, nested))
     path = root / "nested.drl"
     path.write_bytes(with_footer(head, nested))
-    code, err, _ = verify(path)
+    code, err = verify(path)
     assert code == 2 and "nested too deeply" in err and "Traceback" not in err
 
 
@@ -164,7 +171,7 @@ def test_retyped_footer_fields_are_refused(
         file = root / "retyped.drl"
         file.write_bytes(hostile)
         for args in ((), ("--base", str(root / "base.safetensors"))):
-            code, err, _ = verify(file, *args)
+            code, err = verify(file, *args)
             assert code == 2 and "version" in err and "Traceback" not in err, err
 
 
@@ -193,16 +200,11 @@ def test_a_delta_joined_to_itself_is_refused(delta_file: tuple[Path, bytes]) -> 
     path.write_bytes(doubled)
     base = str(root / "base.safetensors")
     for args in ((), ("--base", base)):
-        code, err, _ = verify(path, *args)
+        code, err = verify(path, *args)
         assert code == 2 and "between its index and its footer" in err, err
         assert len(err.strip().splitlines()) == 1
     out = root / "doubled-result.safetensors"
-    r = subprocess.run(
-        [sys.executable, "-m", "deltarl", "delta", "apply", base, str(path), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = deltarl("delta", "apply", base, str(path), "-o", str(out))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "between its index and its footer" in r.stderr and not out.exists()
     head, footer = split(data)  # bytes spliced in before the footer: the same refusal

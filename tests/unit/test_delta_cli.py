@@ -1,24 +1,18 @@
-"""``deltarl delta`` on real files, as a user runs it (in a subprocess: the installed command)."""
+"""``deltarl delta`` on real files, as a user runs it (in this process: tests/support.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from states import make_state, perturb
+from support import Completed, deltarl
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "deltarl", "delta", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def run(*args: str) -> Completed:
+    return deltarl("delta", *args)
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ Bombs and deep nesting with their memory bound: test_compact_hostile.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from states import make_state, perturb
+from support import deltarl
 
 from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
 from deltarl.services.weightsync.codec.compact import TRAILER, TRAILER_MAGIC, read_footer
@@ -161,21 +160,13 @@ def test_the_cli_answers_a_mutated_file_in_one_line_with_exit_2(tmp_path: Path, 
     (tmp_path / "d.drl").write_bytes(bytes(data))
     save_file(OLD, str(tmp_path / "base.safetensors"))
     out = tmp_path / "out.safetensors"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deltarl",
-            "delta",
-            "apply",
-            str(tmp_path / "base.safetensors"),
-            str(tmp_path / "d.drl"),
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    r = deltarl(
+        "delta",
+        "apply",
+        str(tmp_path / "base.safetensors"),
+        str(tmp_path / "d.drl"),
+        "-o",
+        str(out),
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("error: ") and not out.exists()  # nothing written

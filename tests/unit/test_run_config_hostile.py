@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import GENEROUS_S
 from typer.testing import CliRunner
 
 from deltarl.cli import app
@@ -99,7 +100,7 @@ def test_long_dotted_keys_are_refused_before_parsing(tmp_path: Path, text: str) 
     path = write(tmp_path, text)
     start = time.monotonic()
     message = refused(path)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < GENEROUS_S  # parsing them took minutes
     assert f"more than {MAX_KEY_PARTS} parts" in message, message
 
 

@@ -5,12 +5,11 @@ altered manifests and pointers before fetching any object; rotation; the worker'
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from states import make_state
+from support import deltarl
 
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.services.buckets.local import LocalBucket
@@ -135,9 +134,8 @@ def test_key_files_and_settings(tmp_path: Path, keys, monkeypatch: pytest.Monkey
 
 
 def test_keygen_command(tmp_path: Path) -> None:
-    run = [sys.executable, "-m", "deltarl", "delta", "keygen", str(tmp_path / "k")]
-    r = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    r = deltarl("delta", "keygen", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr
     assert Signer.from_file(tmp_path / "k").public_hex == r.stdout.strip()
-    r = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    r = deltarl("delta", "keygen", str(tmp_path / "k"))
     assert r.returncode == 2 and "refusing to overwrite" in r.stderr

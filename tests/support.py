@@ -1,12 +1,23 @@
-"""Test helpers every suite shares: a free loopback port, and an ASGI app served by uvicorn in a
-thread (real HTTP, SSE and WebSockets) for as long as a test needs it."""
+"""Test helpers every suite shares: a free loopback port, an ASGI app served by uvicorn in a
+thread (real HTTP, SSE and WebSockets) for as long as a test needs it, and the ``deltarl``
+command run in this process.
+
+Helpers of one suite stay beside it (``coordinator/helpers.py``, ``env_server/env_helpers.py``,
+...); what two suites need lives here."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+# A wall-clock bound that only a hang or a wait the code should not make breaks, never a slow or
+# loaded machine (the operations it bounds take well under a second on an idle 2-core one, and the
+# failures it catches take the tens of seconds to minutes of a retry loop or quadratic time).
+# Behaviour is shown by events and counters; this is for where only time shows a wait not made.
+GENEROUS_S = 15.0
 
 START_TIMEOUT_S = 10.0  # generous: a loaded 2-core machine starts uvicorn in well under a second
 
@@ -59,3 +70,31 @@ class LiveServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ``deltarl ARGS`` in this process. A subprocess per call cost 3-10 s on 2 cores (Python, torch and
+# the project imported again each time), which made the CLI tests the slowest of the fast tier.
+# ``deltarl(...)`` invokes the same typer application through click's test runner and answers like
+# subprocess.run (returncode, stdout, stderr). What only a real process shows (the installed entry
+# point, memory high-water marks, signals) stays with tests that spawn one.
+
+
+@dataclass(frozen=True)
+class Completed:
+    args: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def deltarl(*args: str) -> Completed:
+    """Run ``deltarl *args``; an exception other than the command's own exit propagates (a
+    crash is a test failure with its traceback, not an exit code to compare)."""
+    from typer.testing import CliRunner
+
+    from deltarl.cli import app
+
+    result = CliRunner().invoke(app, list(args), catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Completed(args, result.exit_code, result.stdout, result.stderr)
