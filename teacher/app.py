@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deltarl import __version__
-from deltarl.env_server.core.guard import GuardMiddleware
+from deltarl.services.common.guard import GuardMiddleware
 from deltarl.teacher.batcher import Batcher, QueueFull
 from deltarl.teacher.engines.base import ScoreJob, Scores, TeacherEngine
 from deltarl.teacher.limits import MAX_JSON_ANSWER_BYTES, json_answer_bytes
@@ -198,7 +198,7 @@ def create_app(settings: TeacherSettings, engine: TeacherEngine | None = None) -
         GuardMiddleware,
         token=settings.token.get_secret_value(),
         max_body_bytes=settings.max_body_bytes,
-        on_error=lambda code: metrics.errors.labels(code.value).inc(),
+        on_error=lambda code: metrics.errors.labels(code).inc(),
     )
 
     def error_response(code: ErrorCode, detail: str) -> Response:

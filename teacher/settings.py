@@ -159,9 +159,9 @@ class TeacherSettings(TLSServerSettings):
         if self.model is None:
             if self.gguf_file is not None:
                 raise ValueError("DELTARL_TEACHER_GGUF_FILE needs DELTARL_TEACHER_MODEL too")
-            from deltarl.rollout.settings import smollm2_gguf
+            from deltarl.services.common.models import smollm2_gguf
 
-            directory, gguf = smollm2_gguf()
+            directory, gguf = smollm2_gguf("DELTARL_TEACHER_MODEL")
             return directory, gguf, "SmolLM2-135M-Instruct"
         name = self.model if self.gguf_file is None else f"{self.model}/{self.gguf_file}"
         if Path(self.model).is_dir():

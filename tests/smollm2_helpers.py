@@ -14,7 +14,7 @@ def smollm2_tokenizer() -> Any:
     their own."""
     from transformers import AutoTokenizer
 
-    from deltarl.rollout.settings import smollm2_gguf
+    from deltarl.services.common.models import smollm2_gguf
 
     directory, gguf = smollm2_gguf()
     return AutoTokenizer.from_pretrained(directory, gguf_file=gguf)

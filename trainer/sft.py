@@ -175,7 +175,7 @@ def encode_transcript(fmt: ChatFormat, messages: Sequence[dict[str, str]]) -> En
 
 def _resolve_model(settings: SftSettings) -> str:
     if settings.model in PREPARED:
-        from deltarl.demo.model import prepare_model
+        from deltarl.services.common.models import prepare_model
 
         cache = settings.cache_dir or Path.home() / ".cache" / "deltarl" / "demo"
         return str(prepare_model(settings.model, cache))  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ Order of operations (:func:`run_demo`):
 1. create the run directory (``runs/demo-<timestamp>/``): ``bucket/`` (the local-directory
    bucket), ``trainer/`` (settings, metrics, checkpoints), ``logs/<process>.log``,
    ``coordinator.sqlite3``;
-2. prepare the model directory once (:mod:`deltarl.demo.model`, cached in ``--cache-dir``);
+2. prepare the model directory once (:mod:`deltarl.services.common.models`, cached in ``--cache-dir``);
 3. start the coordinator (embedded SQLite, trainer and worker tokens generated for this run) and
    the env server (``--task``: the charset task scoring capital letters, Wordle, or the charset task
    on a-z; a token too) on free loopback ports

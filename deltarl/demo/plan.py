@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from deltarl.demo.model import ModelKind
 from deltarl.run.config import RunConfig
+from deltarl.services.common.models import ModelKind
 
 __all__ = ["DemoPlan", "DemoTask", "demo_environment", "new_token"]
 

@@ -15,7 +15,6 @@ from rich.console import Console
 from rich.live import Live
 
 from deltarl.cluster import ProcessDiedError, ProcessGroup, free_port, tail, wait_healthy
-from deltarl.demo.model import ModelKind, prepare_model
 from deltarl.demo.plan import demo_environment, elapsed, new_token
 from deltarl.demo.report import (
     WorkerLog,
@@ -29,6 +28,7 @@ from deltarl.demo.report import (
 )
 from deltarl.run.config import PREPARED_MODELS, RunConfig
 from deltarl.run.derive import Endpoints, Tokens, derive
+from deltarl.services.common.models import ModelKind, prepare_model
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import StatusSummary, VersionRecord, WorkerInfo
 

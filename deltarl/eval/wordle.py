@@ -54,7 +54,7 @@ class WordleEval:
 def resolve_model(name: str, cache_dir: Path) -> Path:
     """A model directory: ``name`` itself, or a prepared model (smollm2, tiny, tiny-bytes)."""
     if name in PREPARED:
-        from deltarl.demo.model import prepare_model
+        from deltarl.services.common.models import prepare_model
 
         return prepare_model(name, cache_dir)  # type: ignore[arg-type]
     return Path(name)

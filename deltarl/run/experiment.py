@@ -41,7 +41,6 @@ from typing import Any
 import httpx
 
 from deltarl.cluster import ProcessGroup, free_port, wait_healthy
-from deltarl.demo.model import prepare_model
 from deltarl.demo.plan import new_token
 from deltarl.run.config import RunConfig
 from deltarl.run.derive import Endpoints, RunLayout, Tokens
@@ -54,6 +53,7 @@ from deltarl.run.summary import (
     summarise,
     wordle_summary,
 )
+from deltarl.services.common.models import prepare_model
 
 log = logging.getLogger(__name__)
 

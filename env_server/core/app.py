@@ -37,9 +37,9 @@ from starlette.types import Message
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from deltarl import __version__
-from deltarl.env_server.core.guard import GuardMiddleware, error_body
 from deltarl.env_server.core.metrics import EnvMetrics
 from deltarl.env_server.core.models import (
+    HTTP_STATUS,
     SESSION_HEADER,
     CloseRequest,
     CloseResponse,
@@ -59,6 +59,7 @@ from deltarl.env_server.core.sessions import Session, SessionStore
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.tasks import make_task
 from deltarl.env_server.wordle.game import WordLists
+from deltarl.services.common.guard import GuardMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +204,13 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
         GuardMiddleware,
         token=token,
         max_body_bytes=settings.max_body_bytes,
-        on_error=lambda code: metrics.errors.labels(code.value).inc(),
+        on_error=lambda code: metrics.errors.labels(code).inc(),
     )
 
     def error_response(code: ErrorCode, detail: str) -> Response:
         metrics.errors.labels(code.value).inc()
-        status, body = error_body(code, detail)
-        return Response(body, status_code=status, media_type="application/json")
+        body = ErrorResponse(code=code, detail=detail).model_dump_json().encode("utf-8")
+        return Response(body, status_code=HTTP_STATUS[code], media_type="application/json")
 
     @app.exception_handler(EnvError)
     async def _env_error(_: Request, exc: EnvError) -> Response:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deltarl.services.coordinator.schemas.common import TOKEN_HEADER as TOKEN_HEADER  # re-exported
+from deltarl.services.common.client_headers import TOKEN_HEADER as TOKEN_HEADER  # re-exported
 
 SESSION_HEADER = "X-Deltarl-Session"  # optional alternative to the session_id body/query field
 

@@ -4,7 +4,7 @@ Spaces, the Hub token the Spaces proxy asks for.
 A private Space answers only requests that carry a Hugging Face token. The proxy reads it from
 ``Authorization: Bearer hf_...`` *or* from ``X-HF-Authorization: Bearer hf_...``; deltarl's
 clients use the second, so that ``Authorization`` stays free, and deltarl's own token travels in
-``X-Deltarl-Token`` (:data:`~deltarl.services.coordinator.schemas.common.TOKEN_HEADER`): neither clashes.
+``X-Deltarl-Token`` (:data:`TOKEN_HEADER`): neither clashes.
 
 The Hub token comes from the environment variable ``DELTARL_HF_PROXY_TOKEN`` (read when a client
 is built, like ``DELTARL_CA_BUNDLE``) and is sent **only** to ``https://*.hf.space`` base URLs:
@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
-
+# Header of every deltarl service's shared-secret token (coordinator, env server, teacher). Not
+# Authorization, which the Hugging Face Spaces proxy consumes for private Spaces.
+TOKEN_HEADER = "X-Deltarl-Token"
 HF_PROXY_TOKEN_ENV = "DELTARL_HF_PROXY_TOKEN"
 HF_PROXY_HEADER = "X-HF-Authorization"
 SPACES_APP_DOMAIN = "hf.space"

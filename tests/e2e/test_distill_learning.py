@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 from e2e_runs import CharsetRun
 
-from deltarl.demo.model import prepare_model
 from deltarl.demo.report import export_version
+from deltarl.services.common.models import prepare_model
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from faults.harness import FaultReport
 def model_dir(model_cache: Path) -> Path:
     """The demo's tiny random Llama (2 layers, SmolLM2's tokenizer) as a model directory (the
     session's model cache: built once, ``DELTARL_TEST_MODEL_CACHE`` reuses one across runs)."""
-    from deltarl.demo.model import prepare_model
+    from deltarl.services.common.models import prepare_model
 
     try:
         return prepare_model("tiny", model_cache)

