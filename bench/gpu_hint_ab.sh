@@ -10,6 +10,8 @@ RES=${1:?results directory}
 S=${2:-240}
 mkdir -p "$RES"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# ... which also keeps bench/ off sys.path: the scripts import bench/common.py as `common`
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 COMMON=(--engine transformers --max-guesses 6 --max-invalid 1 --max-new-tokens 24
   --reward final --format-credit 0.5 --lr 1e-5 --duration "$S" --seed 0)
 for arm in ${ARMS:-plain hints}; do

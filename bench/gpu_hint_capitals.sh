@@ -16,6 +16,8 @@ LAST=${LAST:-5}
 HINT_COEF=${HINT_COEF:-5.0}
 mkdir -p "$RES"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+# ... which also keeps bench/ off sys.path: the scripts import bench/common.py as `common`
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 COMMON=(--task charset --set 'env.charset_target="ABCDEFGHIJKLMNOPQRSTUVWXYZ"'
   --engine transformers --max-turns 1 --max-new-tokens 24 --group-size 6 --groups-per-step 2
   --in-flight-groups 1 --lr 1e-4 --warmup 0 --steps "$STEPS" --duration 900 --anchor-every 0

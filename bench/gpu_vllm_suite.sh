@@ -47,6 +47,8 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check tests speed system faults system_hf)
 mkdir -p "$RES"
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+# ... which also keeps bench/ off sys.path: the scripts import bench/common.py as `common`
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 SECONDS_RUN=${DELTARL_SUITE_RUN_S:-300}
 # the reward is wordle_gpu_run.py's default, shaped: every valid new guess scores, a repeated or
 # invalid one earns nothing (the final reward's format credit taught a run to repeat one word)

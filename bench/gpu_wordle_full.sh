@@ -33,6 +33,8 @@ RES=${1:?results directory}
 mkdir -p "$RES"
 RES=$(cd "$RES" && pwd)
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1
+# ... which also keeps bench/ off sys.path: the scripts import bench/common.py as `common`
+export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
