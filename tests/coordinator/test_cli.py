@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from deltarl.cli import app
@@ -51,6 +52,7 @@ def test_status_command(server: LiveServer) -> None:
     assert down.exit_code != 0 and "cannot reach" in down.output
 
 
+@pytest.mark.slow
 def test_python_m_runs_the_service_with_two_workers(tmp_path: Path) -> None:
     port = free_port()
     env = {

@@ -131,6 +131,7 @@ def test_restart_loses_nothing(
     assert st.queue.submitted_total == 5 and st.workers[0].worker_id == "w1"
 
 
+@pytest.mark.slow
 def test_sigkill_loses_no_accepted_group(tmp_path: Path) -> None:
     """kill -9 of a coordinator process (SQLite): every answered submission is still there."""
     import os

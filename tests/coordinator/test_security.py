@@ -298,6 +298,7 @@ CONTENT_TYPES: list[list[tuple[str, str]]] = [
 ]
 
 
+@pytest.mark.slow
 def test_a_worker_token_cannot_act_for_another_worker_by_any_content_type(
     make_server: Callable[..., LiveServer],
 ) -> None:

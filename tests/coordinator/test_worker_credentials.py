@@ -77,6 +77,7 @@ def test_a_worker_acts_only_for_itself(make_server: Callable[..., LiveServer]) -
     w1.remove_worker("w1")
 
 
+@pytest.mark.slow
 def test_cli_prints_the_token(tmp_path: object) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "deltarl", "worker-token", "w7"],

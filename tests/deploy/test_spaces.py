@@ -726,6 +726,7 @@ def _get(url: str) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
+@pytest.mark.slow
 def test_worker_space_reports_the_workers_health() -> None:
     port, wport = free_port(), free_port()
     result: list[int] = []

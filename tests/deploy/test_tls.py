@@ -79,6 +79,7 @@ def tls_services(tmp_path: Path):
         p.wait(10)
 
 
+@pytest.mark.slow
 def test_whole_path_over_tls_with_a_custom_ca(tls_services, monkeypatch) -> None:
     ca, curl, eurl = tls_services
     # the CA bundle setting reaches every client through the environment
@@ -96,6 +97,7 @@ def test_whole_path_over_tls_with_a_custom_ca(tls_services, monkeypatch) -> None
         assert result.session_id == first.session_id
 
 
+@pytest.mark.slow
 def test_clients_refuse_a_certificate_they_cannot_verify(tls_services, monkeypatch) -> None:
     _, curl, eurl = tls_services
     monkeypatch.delenv("DELTARL_CA_BUNDLE", raising=False)

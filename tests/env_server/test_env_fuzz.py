@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from env_helpers import settings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given
@@ -82,6 +83,7 @@ def test_fuzz_raw_bytes(raw: bytes, path: str) -> None:
     check(CLIENT.post(path, content=raw, headers={"content-type": "application/json"}))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(moves=st.lists(messages, min_size=1, max_size=10), seed=st.integers(0, 2**63))
 def test_fuzz_games(moves: list[str], seed: int) -> None:
@@ -105,6 +107,7 @@ def test_fuzz_games(moves: list[str], seed: int) -> None:
     CLIENT.post("/close", json={"session_id": sid})
 
 
+@pytest.mark.slow
 @FUZZ
 @given(frames=st.lists(st.text(max_size=80) | json_values.map(json.dumps), min_size=1, max_size=8))
 def test_fuzz_ws_frames(frames: list[str]) -> None:

@@ -31,6 +31,7 @@ def test_every_guess_is_consistent_new_and_valid(seed: int) -> None:
     assert game.won and game.answer in {g for g, _ in game.guesses}
 
 
+@pytest.mark.slow
 def test_win_rate_is_high_with_six_guesses_and_lower_with_three() -> None:
     six = win_rate(WordleRules(max_guesses=6), games=30, seed=100)
     three = win_rate(WordleRules(max_guesses=3), games=30, seed=100)

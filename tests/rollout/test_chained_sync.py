@@ -127,6 +127,7 @@ def at(ws: WeightSync, engine: TransformersEngine, trainer: ChainedTrainer, v: i
     assert ws.verified_digest() == (v, trainer.publisher.reader.manifest(v).state_digest)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
     [

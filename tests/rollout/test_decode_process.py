@@ -47,6 +47,7 @@ def child() -> Iterator[DecodeProcess]:
     dp.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_child_decodes_exactly_what_the_parent_would(
     child: DecodeProcess, dtype: torch.dtype
@@ -111,6 +112,7 @@ def test_errors_keep_their_class_and_message(child: DecodeProcess) -> None:
         mirror.close()
 
 
+@pytest.mark.slow
 def test_a_dead_child_is_replaced_and_a_broken_one_reported(child: DecodeProcess) -> None:
     old, new = _states(torch.bfloat16)
     data = encode_delta(compute_delta(old, new), old)
@@ -138,6 +140,7 @@ def test_a_dead_child_is_replaced_and_a_broken_one_reported(child: DecodeProcess
         mirror.close()
 
 
+@pytest.mark.slow
 def test_decode_without_a_mirror_is_refused() -> None:
     fresh = DecodeProcess()
     try:
@@ -147,6 +150,7 @@ def test_decode_without_a_mirror_is_refused() -> None:
         fresh.close()
 
 
+@pytest.mark.slow
 def test_weightsync_follows_through_the_child_and_falls_back_when_it_fails(
     bucket: LocalBucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -75,6 +75,7 @@ def test_episode_settings_reset_options() -> None:
         EpisodeSettings(max_turns=3, env_options={"max_guesses": 4})
 
 
+@pytest.mark.slow
 def test_shaped_curriculum_episodes(server: WordleServer, tok: Any) -> None:
     words = wrong(SEED)
     engine = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}]", stop=IM_END, version=0)

@@ -64,6 +64,7 @@ def test_the_probe_maps_e4m3_weights_and_scales_onto_fused_parameters() -> None:
     assert views["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_mirror", [False, True])
 def test_a_worker_follows_fp8_versions_bit_exactly(bucket: LocalBucket, host_mirror: bool) -> None:
     trainer = Fp8Trainer(bucket)

@@ -189,6 +189,7 @@ def hint_worker(
     return runner, recording
 
 
+@pytest.mark.slow
 def test_a_worker_attaches_hints_scored_by_the_teacher_service(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any
 ) -> None:
@@ -231,6 +232,7 @@ def test_a_worker_attaches_hints_scored_by_the_teacher_service(
     assert int(batch.hint.present.sum()) == sum(len(t.hint.positions or []) for t in hinted)
 
 
+@pytest.mark.slow
 def test_a_teacher_down_at_first_holds_the_hinted_groups_back(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any
 ) -> None:

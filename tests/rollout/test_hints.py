@@ -245,6 +245,7 @@ def test_the_hinted_turn_is_scored_once_after_the_hint(tok: Any) -> None:
     assert both[0].ids == view.ids
 
 
+@pytest.mark.slow
 def test_a_worker_attaches_env_hints_to_failed_episodes(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any
 ) -> None:

@@ -77,6 +77,7 @@ def reference(model: torch.nn.Module, tokens: list[int], temperature: float) -> 
     return torch.cat([torch.zeros(1, lp.shape[1]), lp[:-1]])
 
 
+@pytest.mark.slow
 def test_a_worker_submits_teacher_data_at_the_trained_positions(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any
 ) -> None:
@@ -115,6 +116,7 @@ def test_a_worker_submits_teacher_data_at_the_trained_positions(
     assert int(batch.teacher.present.sum()) == sum(sum(t.mask) for t in trajs)
 
 
+@pytest.mark.slow
 def test_a_teacher_down_at_first_loses_nothing_and_lets_nothing_through(
     coordinator: CoordinatorServer, env: Any, bucket: LocalBucket, tok: Any
 ) -> None:

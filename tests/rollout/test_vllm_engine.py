@@ -924,6 +924,7 @@ def test_vllm_engine_setting_and_missing_vllm() -> None:
             make_engine(VllmEngineSettings(model="x"))
 
 
+@pytest.mark.slow
 def test_deltarl_never_imports_vllm() -> None:
     code = (
         "import sys; import deltarl.rollout.engines, deltarl.rollout.engines.vllm_engine, "

@@ -485,6 +485,7 @@ def _wait_for_step(run_dir: Path, proc: subprocess.Popen[bytes], at_least: int) 
     raise AssertionError("no checkpoint in time")
 
 
+@pytest.mark.slow
 def test_sigterm_then_kill_9_then_resume(tmp_path: Path, one_thread: None) -> None:
     run_dir, bucket_dir = tmp_path / "run", tmp_path / "bucket"
     child = _spawn(run_dir, bucket_dir, resume=False)

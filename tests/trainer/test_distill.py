@@ -178,6 +178,7 @@ def train(mode: str, seed: int, steps: int = 30) -> list[float]:
     return success
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["jsd", "teacher_advantage", "hint"])
 def test_distillation_beats_grpo_alone_on_a_sparse_reward(mode: str) -> None:
     """Same seeds, same steps: with the teacher the student learns to play TARGET; GRPO alone,

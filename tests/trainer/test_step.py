@@ -119,6 +119,7 @@ def varied_groups(lengths: list[list[int]], seed: int = 0) -> list[TrajectoryGro
     return groups
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("precision", "credit"), [("fp32", "episode"), ("bf16", "episode"), ("fp32", "turn")]
 )

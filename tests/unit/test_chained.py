@@ -108,6 +108,7 @@ def triples(draw):
     return states
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(triples(), st.sampled_from([7, 64, 1 << 24]))
 def test_chained_round_trip_is_bit_exact(states, chunk_elems):

@@ -82,6 +82,7 @@ def states(draw):
     return old, new
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(states(), st.sampled_from([7, 64, 1 << 24]))
 def test_round_trip_is_bit_exact_at_any_density(pair, chunk_elems):

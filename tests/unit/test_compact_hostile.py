@@ -101,6 +101,7 @@ def verify(path: Path, *args: str) -> tuple[int, str]:
     return r.returncode, r.stderr
 
 
+@pytest.mark.slow
 def test_a_footer_bomb_is_refused_with_bounded_memory(delta_file: tuple[Path, bytes]) -> None:
     root, data = delta_file
     head, _ = split(data)

@@ -8,6 +8,8 @@ import json
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
+
 from deltarl.services.common.models import MARKER, prepare_model
 
 
@@ -15,6 +17,7 @@ def _prepare(cache: str, out: mp.Queue) -> None:  # type: ignore[type-arg]
     out.put(str(prepare_model("tiny", Path(cache))))
 
 
+@pytest.mark.slow
 def test_concurrent_preparations_of_one_model_all_succeed(tmp_path: Path) -> None:
     abandoned = tmp_path / "tiny-llama-fp32.tmp-999999999"  # a pid that cannot run
     abandoned.mkdir()

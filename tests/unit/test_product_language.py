@@ -68,6 +68,7 @@ def hits_in(path: str, text: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_development_history_in_tracked_files() -> None:
     hits: list[str] = []
     for path in tracked_files():

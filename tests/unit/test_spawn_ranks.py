@@ -14,6 +14,7 @@ def abort_on_rank1(rank: int, root: str) -> None:
         os.abort()  # what gloo does when a connection fails under it
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_a_signal_leaves_its_python_stack(tmp_path: Path) -> None:
     with pytest.raises(AssertionError) as err:
         spawn_ranks(abort_on_rank1, tmp_path, 2)
@@ -22,6 +23,7 @@ def test_a_rank_killed_by_a_signal_leaves_its_python_stack(tmp_path: Path) -> No
     assert "abort_on_rank1" in text  # the frame it died in
 
 
+@pytest.mark.slow
 def test_ranks_that_finish_raise_nothing(tmp_path: Path) -> None:
     spawn_ranks(abort_on_rank1, tmp_path, 1)
     assert (tmp_path / "fault-rank0.txt").read_text() == ""

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_each_config(tmp_path: Path) -> None:
     out = tmp_path / "mem.json"
     cmd = [sys.executable, str(ROOT / "bench" / "trainer_memory_bench.py"), "--tiny"]
