@@ -212,6 +212,7 @@ def _run_main(
     from deltarl.trainer.screen import model_limits
     from deltarl.trainer.sharded import ShardedPublisher
     from deltarl.trainer.weights import (
+        VersionBook,
         WeightPublisher,
         coordinator_challenge_need,
         coordinator_challenges,
@@ -226,7 +227,7 @@ def _run_main(
         def register(manifest: VersionManifest) -> None:
             client.publish_version(manifest, limits)
 
-        publisher: WeightPublisher | ShardedPublisher
+        publisher: VersionBook
         if ctx.enabled and settings.parallel == "fsdp":
             publisher = ShardedPublisher(
                 bucket,

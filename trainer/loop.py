@@ -61,14 +61,13 @@ from deltarl.trainer.metrics import MetricsSink
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.screen import LeasedGroup, Refusals, collate_checked, model_limits, screen
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.step import (
     MISMATCH_HINT,
     SamplingMismatchError,
     check_reference,
     train_step,
 )
-from deltarl.trainer.weights import PublishFailedError, WeightPublisher, publishable_state
+from deltarl.trainer.weights import PublishFailedError, VersionBook
 
 logger = logging.getLogger(__name__)
 
@@ -369,9 +368,7 @@ def _changed_settings(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix.rstrip(".")]
 
 
-def _resume_version(
-    publisher: WeightPublisher | ShardedPublisher, checkpoint: Checkpoint | ShardedCheckpoint
-) -> int:
+def _resume_version(publisher: VersionBook, checkpoint: Checkpoint | ShardedCheckpoint) -> int:
     """The version of the resumed weights: after the checkpoint's and the bucket's newest."""
     meta = checkpoint.meta
     latest = BucketReader(publisher.bucket).latest()
@@ -400,7 +397,7 @@ def train(
     model: torch.nn.Module,
     settings: ExperimentSettings,
     source: BatchSource,
-    publisher: WeightPublisher | ShardedPublisher,
+    publisher: VersionBook,
     *,
     sink: MetricsSink | None = None,
     ref_model: torch.nn.Module | None = None,
@@ -444,12 +441,6 @@ def train(
         raise ValueError(f"rank {ctx.rank} must run train_replica: only rank 0 runs train()")
     check_reference(settings, model, ref_model)
     publisher.follow_precision(model)  # tensors the model keeps in fp32 are published in fp32
-    sharded = isinstance(publisher, ShardedPublisher)
-
-    def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """What the publisher takes: this rank's rows (FSDP2) or the whole state."""
-        return local_rows(model, ctx) if sharded else publishable_state(model)
-
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     failures = 0  # consecutive failed publications
     step = groups_trained = 0
@@ -460,12 +451,12 @@ def train(
         resume.restore(model, opt, sched, publish_dtype=publisher.dtype)
         step, groups_trained = resume.meta.step, resume.meta.groups_trained
         version = publisher.publish(
-            published(model), _resume_version(publisher, resume), step=step, anchor=True
+            publisher.state_of(model), _resume_version(publisher, resume), step=step, anchor=True
         )
         publisher.wait()
         logger.info("resumed after step %d; its weights are version %d (anchor)", step, version)
     else:
-        version = publisher.publish(published(model), step=0, anchor=True)
+        version = publisher.publish(publisher.state_of(model), step=0, anchor=True)
         publisher.wait()
         logger.info("published the starting weights as version %d", version)
     saved = step  # step of the newest checkpoint (or of the start: nothing new to save)
@@ -552,7 +543,7 @@ def train(
             waited = publisher.waited_s
             failed = False
             try:
-                version = publisher.publish(published(model), step=step)
+                version = publisher.publish(publisher.state_of(model), step=step)
                 failures = 0
             except PublishFailedError:
                 failures += 1
@@ -560,7 +551,7 @@ def train(
                     raise
                 logger.exception("publication failed; re-anchoring with the current weights")
                 failed = True
-                version = publisher.publish(published(model), step=step, anchor=True)
+                version = publisher.publish(publisher.state_of(model), step=step, anchor=True)
             ack_failures = _ack_all(source, keeper, pulled, refusals)
             groups_trained += len(kept) - len(dropped)
             report = publisher.last_report  # the previous version's, committed by now

@@ -20,7 +20,7 @@ from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint, ShardedCheckpo
 from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
+from deltarl.trainer.sharded import ShardedPublisher
 from deltarl.trainer.step import check_reference, train_step
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def train_replica(
                     "rank 0 publishes sharded versions but this rank has no publisher"
                 )
             version, step, anchor = payload
-            publisher.publish_local(local_rows(model, dist), version, step, anchor)
+            publisher.publish_local(publisher.state_of(model), version, step, anchor)
             continue
         assert kind == "step", kind
         batch, _version = payload  # the version these weights have (rank 0's count)

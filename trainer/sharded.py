@@ -352,6 +352,10 @@ class ShardedPublisher(VersionBook):
         """Encoder and hashing threads of this rank (:func:`default_codec_threads` unless set)."""
         return self._threads
 
+    def state_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's rows of ``model`` (:func:`local_rows`)."""
+        return local_rows(model, self.ctx)
+
     def request_anchor(self) -> None:
         self._writer.request_anchor()
 

@@ -197,10 +197,14 @@ class _Snapshot:
 
 
 class VersionBook:
-    """The version bookkeeping every publisher shares (this one and the sharded one), and the
-    publish precision: every tensor in ``dtype``, except the names in ``keep_fp32`` (set by
+    """What every publisher is (this one and the sharded one, :class:`~.sharded.ShardedPublisher`):
+    the interface the training loop uses (:meth:`state_of`, :meth:`publish`, :meth:`wait`,
+    :meth:`request_anchor`, :meth:`close`), the version bookkeeping, and the publish precision:
+    every tensor in ``dtype``, except the names in ``keep_fp32`` (set by
     :meth:`follow_precision` from the model), published in float32."""
 
+    bucket: Bucket  # where versions go
+    waited_s: float = 0.0  # time publish() and wait() spent waiting for a version in flight
     dtype: torch.dtype = torch.bfloat16
     keep_fp32: frozenset[str] = frozenset()
     _last_version: int | None = None
@@ -246,6 +250,34 @@ class VersionBook:
         """The version :meth:`publish` uses when given none: one past the newest known."""
         known = [v for v in (self._last_version, self._bucket_latest) if v is not None]
         return max(known) + 1 if known else 0
+
+    # -- the interface: each publisher implements these -------------------------------------
+    def state_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What :meth:`publish` takes of ``model``: the whole state, or this rank's rows."""
+        raise NotImplementedError
+
+    def publish(
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        *,
+        step: int | None = None,
+        anchor: bool = False,
+    ) -> int:
+        """Publish ``state`` as ``version`` (default :meth:`next_version`); return its number."""
+        raise NotImplementedError
+
+    def wait(self) -> PublishReport | None:
+        """Wait for the version in flight; return the newest report (None if nothing yet)."""
+        raise NotImplementedError
+
+    def request_anchor(self) -> None:
+        """Make the next version carry an anchor."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Finish what is in flight and release threads."""
+        raise NotImplementedError
 
 
 class WeightPublisher(VersionBook):
@@ -338,6 +370,10 @@ class WeightPublisher(VersionBook):
     def request_anchor(self) -> None:
         """Make the next published version carry an anchor (besides its delta)."""
         self._publisher.request_anchor()
+
+    def state_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole state of ``model`` (:func:`publishable_state`)."""
+        return publishable_state(model)
 
     def publish(
         self,
