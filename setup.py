@@ -11,6 +11,8 @@ from setuptools import find_namespace_packages, setup
 PACKAGE_DIRS = {
     "deltarl": "deltarl",
     "deltarl.services": "services",
+    "deltarl.weightsync": "weightsync",
+    "deltarl.buckets": "buckets",
     "deltarl.trainer": "trainer",
     "deltarl.rollout": "rollout",
     "deltarl.env_server": "env_server",

@@ -33,10 +33,10 @@ import real_deltas  # bench/real_deltas.py (the script's own folder is on sys.pa
 import torch
 from common import cpu_tag, meta, result_path, write_json
 
-from deltarl.services.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
-from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
-from deltarl.services.weightsync.codec.trl_format import encode_trl
-from deltarl.services.weightsync.stats import delta_stats
+from deltarl.weightsync import DeltaContext, apply_delta, compute_delta, state_digests
+from deltarl.weightsync.codec.compact import decode_compact, encode_compact
+from deltarl.weightsync.codec.trl_format import encode_trl
+from deltarl.weightsync.stats import delta_stats
 
 MODEL = "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), real AdamW deltas (bench/real_deltas.py)"
 

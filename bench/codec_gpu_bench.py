@@ -40,17 +40,17 @@ from pathlib import Path
 import torch
 from common import gpu_tag, meta, result_path, write_json
 
-from deltarl.services.weightsync import (
+from deltarl.weightsync import (
     apply_staged,
     compute_delta,
     stage_delta,
     state_digests,
     verify_result,
 )
-from deltarl.services.weightsync.codec.bits import bits_view
-from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
-from deltarl.services.weightsync.codec.trl_format import encode_trl
-from deltarl.services.weightsync.stats import delta_stats
+from deltarl.weightsync.codec.bits import bits_view
+from deltarl.weightsync.codec.compact import decode_compact, encode_compact
+from deltarl.weightsync.codec.trl_format import encode_trl
+from deltarl.weightsync.stats import delta_stats
 
 
 def qwen3_06b_like(device: torch.device, tiny: bool = False) -> torch.nn.Module:

@@ -56,7 +56,7 @@ from deltarl.services.coordinator.schemas import (
     decode_leased_batch,
     encode_group,
 )
-from deltarl.services.weightsync.manifest import version_tag
+from deltarl.weightsync.manifest import version_tag
 
 log = logging.getLogger("coordinator_bench")
 TRAINER, WORKER = "bench-trainer-token", "bench-worker-token"

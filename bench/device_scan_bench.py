@@ -1,4 +1,4 @@
-"""The device scan of one FSDP rank's rows (:mod:`deltarl.services.weightsync.codec.device_scan`):
+"""The device scan of one FSDP rank's rows (:mod:`deltarl.weightsync.codec.device_scan`):
 seconds to find the changes and the compact encoder's context scans of every tensor, on one GPU.
 
 The rows are those of one rank of Qwen2.5-7B under 4-way FSDP (339 tensors, 1.9 G bf16 elements,
@@ -10,7 +10,7 @@ row-sharded), random weights with 2% of the elements moved. Each repetition time
 * ``ref`` (with ``--ref FILE``): ``changes_and_scans`` of another implementation of the module,
   e.g. an earlier revision::
 
-      git show 67290ad:services/weightsync/codec/device_scan.py > /tmp/scan_ref.py
+      git show 67290ad:weightsync/codec/device_scan.py > /tmp/scan_ref.py
       python bench/device_scan_bench.py --ref /tmp/scan_ref.py
 
 ``--scale 0.01`` shrinks every tensor's rows (a CPU smoke run: ``--device cpu --scale 0.001``).
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from common import gpu_tag, meta, result_path, write_json
 
-from deltarl.services.weightsync.codec import device_scan
+from deltarl.weightsync.codec import device_scan
 
 
 def rank_shapes(scale: float) -> list[tuple[int, ...]]:

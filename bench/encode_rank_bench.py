@@ -5,7 +5,7 @@ encode at a given thread count, and where the time goes (phase A, tables, phase 
 The rows are one rank's of Qwen3-1.7B under 4-way FSDP (310 tensors, 430 M bf16 elements) or,
 with ``--preset 7b``, of Qwen2.5-7B (339 tensors, 1.9 G; needs ~20 GB of RAM); random weights
 with ``--moved`` of the elements changed. The scans are computed on the CPU
-(:func:`~deltarl.services.weightsync.codec.device_scan.changes_and_scans`, slow: a minute per
+(:func:`~deltarl.weightsync.codec.device_scan.changes_and_scans`, slow: a minute per
 1.7B rank on 2 cores), then every repetition encodes with ``encode_compact(delta, None,
 scans=...)`` and the phases are timed by wrapping them.
 
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from common import cpu_tag, meta, result_path, write_json
 
-from deltarl.services.weightsync.codec import compact
-from deltarl.services.weightsync.codec.device_scan import changes_and_scans
-from deltarl.services.weightsync.delta import compute_delta
+from deltarl.weightsync.codec import compact
+from deltarl.weightsync.codec.device_scan import changes_and_scans
+from deltarl.weightsync.delta import compute_delta
 
 
 def rank_shapes(preset: str, layers: int = 28) -> dict[str, tuple[int, ...]]:

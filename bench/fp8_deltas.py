@@ -2,7 +2,7 @@
 
 For every optimizer step cached by ``bench/real_deltas.py`` (generated on first use), the bf16
 state the trainer publishes and its block-fp8 version (``publish.fp8``: every linear weight
-quantized to e4m3 with one float32 scale per 128x128 block, ``services/weightsync/fp8.py``; the
+quantized to e4m3 with one float32 scale per 128x128 block, ``weightsync/fp8.py``; the
 tied embedding stays bf16) are diffed against the step before, and reported side by side:
 
 * changed fraction: of the bf16 elements; of the e4m3 elements, and of the *same* tensors in
@@ -11,7 +11,7 @@ tied embedding stays bf16) are diffed against the step before, and reported side
   blocks;
 * bits per changed element and bytes per version: compact standalone and chained (on the step
   before), for the whole version and for the quantized tensors alone (with their scales), with
-  the entropy floor given tensor and old exponent (services/weightsync/stats.py);
+  the entropy floor given tensor and old exponent (weightsync/stats.py);
 * anchor bytes, plain and zstd;
 * CPU time of the quantization (the trainer's extra work per version) and of the encode.
 
@@ -41,11 +41,11 @@ import real_deltas  # bench/real_deltas.py (the script's own folder is on sys.pa
 import torch
 from common import cpu_tag, meta, result_path, write_json
 
-from deltarl.services.weightsync import DeltaContext, compute_delta, fp8
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.compact import TRAILER, encode_compact
-from deltarl.services.weightsync.delta import Delta
-from deltarl.services.weightsync.stats import delta_stats
+from deltarl.weightsync import DeltaContext, compute_delta, fp8
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.codec.compact import TRAILER, encode_compact
+from deltarl.weightsync.delta import Delta
+from deltarl.weightsync.stats import delta_stats
 
 
 def sub_delta(delta: Delta, names: set[str]) -> Delta:

@@ -52,9 +52,7 @@ import torch
 import torch.distributed as tdist
 from common import gpu_tag, meta, result_path
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.manifest import parse_slice_key
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.distributed import (
     broadcast,
     init_distributed,
@@ -64,6 +62,8 @@ from deltarl.trainer.distributed import (
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import OptimizerSettings, PublishSettings
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
+from deltarl.weightsync.manifest import parse_slice_key
+from deltarl.weightsync.reader import BucketReader
 
 _QWEN3 = {"head_dim": 128, "tie_word_embeddings": True, "vocab_size": 151936}
 _QWEN25 = {"tie_word_embeddings": False, "vocab_size": 152064}

@@ -99,7 +99,7 @@ def tensor_specs(cfg: Any) -> dict[str, tuple[int, ...]]:
     """What the trainer publishes for ``cfg`` (names and shapes; all bf16 for Qwen3-MoE)."""
     import transformers
 
-    from deltarl.services.weightsync.model_state import fp32_names, publishable_state
+    from deltarl.weightsync.model_state import fp32_names, publishable_state
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -128,7 +128,7 @@ def sparse_step(
     """Move a sparse part of this rank's rows in place (see the module docstring); returns the
     elements moved. The expert loads of a layer are drawn from a generator every rank seeds
     alike, so all ranks agree on them."""
-    from deltarl.services.weightsync.manifest import parse_slice_key
+    from deltarl.weightsync.manifest import parse_slice_key
 
     moved = 0
     for key, t in rows.items():
@@ -162,11 +162,11 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
     """One publishing rank: its rows, an anchor, then ``steps`` sparse steps each published."""
     import torch.distributed as tdist
 
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.manifest import slice_key
+    from deltarl.buckets.local import LocalBucket
     from deltarl.trainer.distributed import DistContext, broadcast
     from deltarl.trainer.settings import PublishSettings
     from deltarl.trainer.sharded import ShardedPublisher
+    from deltarl.weightsync.manifest import slice_key
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     os.environ.update({"WORLD_SIZE": str(args.ranks), "LOCAL_WORLD_SIZE": str(args.ranks)})
@@ -280,10 +280,10 @@ def follow(
 ) -> dict[str, Any]:
     """The rollout side: load the anchor, then time every delta (generating meanwhile when the
     engine generates)."""
+    from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines.base import SamplingParams
     from deltarl.rollout.weights import WeightSync
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.reader import BucketReader
+    from deltarl.weightsync.reader import BucketReader
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     engine: Any

@@ -118,10 +118,10 @@ def run(
 ) -> dict[str, Any]:
     import transformers
 
-    from deltarl.services.weightsync.codec.formats import encode_delta
-    from deltarl.services.weightsync.delta import compute_delta
     from deltarl.trainer.optim import build_optimizer, clip_gradients
     from deltarl.trainer.settings import OptimizerSettings
+    from deltarl.weightsync.codec.formats import encode_delta
+    from deltarl.weightsync.delta import compute_delta
 
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

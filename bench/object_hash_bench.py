@@ -107,8 +107,8 @@ def real_delta(elements: int, density: float, seed: int = 0) -> tuple[bytes, int
     """A compact delta of a random bf16 state: (its bytes, changed elements)."""
     import torch
 
-    from deltarl.services.weightsync.codec.formats import encode_delta
-    from deltarl.services.weightsync.delta import compute_delta
+    from deltarl.weightsync.codec.formats import encode_delta
+    from deltarl.weightsync.delta import compute_delta
 
     g = torch.Generator().manual_seed(seed)
     rows = 4096
@@ -129,10 +129,10 @@ def fetch_cost(blob: bytes, repeats: int) -> dict[str, float]:
     without its SHA-256 recorded in the manifest (the file is in the page cache)."""
     import torch
 
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.digest import state_digest
-    from deltarl.services.weightsync.reader import BucketReader
-    from deltarl.services.weightsync.writer import BucketWriter, NewObject
+    from deltarl.buckets.local import LocalBucket
+    from deltarl.weightsync.digest import state_digest
+    from deltarl.weightsync.reader import BucketReader
+    from deltarl.weightsync.writer import BucketWriter, NewObject
 
     with tempfile.TemporaryDirectory() as tmp:
         bucket = LocalBucket(Path(tmp))

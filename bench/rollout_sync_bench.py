@@ -38,13 +38,13 @@ from pathlib import Path
 import torch
 from common import cpu_tag, gpu_tag, meta, result_path, write_json
 
+from deltarl.buckets import open_bucket
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets import open_bucket
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import WeightPublisher, publishable_state
+from deltarl.weightsync.reader import BucketReader
 
 
 def build(model: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -41,17 +41,17 @@ from typing import Any
 import torch
 from common import gpu_tag, meta, result_path, write_json
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine
 from deltarl.rollout.engines.vllm_transfer import encode_message
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 
 def tiny_llama(directory: Path) -> str:

@@ -143,10 +143,10 @@ def publish_anchor(model: str, directory: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.anchor import encode_anchor
-    from deltarl.services.weightsync.digest import state_digest
-    from deltarl.services.weightsync.writer import BucketWriter, NewObject
+    from deltarl.buckets.local import LocalBucket
+    from deltarl.weightsync.anchor import encode_anchor
+    from deltarl.weightsync.digest import state_digest
+    from deltarl.weightsync.writer import BucketWriter, NewObject
 
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -252,10 +252,10 @@ class EngineRunner(Runner):
     """The engine gated by a real WeightSync (anchor from the bucket)."""
 
     def __init__(self, model: str, a: argparse.Namespace, async_scheduling: bool = True) -> None:
+        from deltarl.buckets.local import LocalBucket
         from deltarl.rollout.engines import make_engine, vllm_engine
         from deltarl.rollout.weights import WeightSync
-        from deltarl.services.buckets.local import LocalBucket
-        from deltarl.services.weightsync.reader import BucketReader
+        from deltarl.weightsync.reader import BucketReader
 
         extra, own = _extra_llm_kwargs(a), vllm_engine.llm_kwargs
         if extra:  # the engine builds its vllm.LLM from llm_kwargs: add the columns' extras

@@ -60,12 +60,12 @@ def prepare(directory: Path, versions: int, density: float) -> tuple[str, Path, 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.anchor import encode_anchor
-    from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-    from deltarl.services.weightsync.delta import compute_delta
-    from deltarl.services.weightsync.digest import state_digest
-    from deltarl.services.weightsync.writer import BucketWriter, NewObject
+    from deltarl.buckets.local import LocalBucket
+    from deltarl.weightsync.anchor import encode_anchor
+    from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+    from deltarl.weightsync.delta import compute_delta
+    from deltarl.weightsync.digest import state_digest
+    from deltarl.weightsync.writer import BucketWriter, NewObject
 
     speed = _speed_module()
     model = speed.qwen3_0_6b(directory / "model")
@@ -97,11 +97,11 @@ def prepare(directory: Path, versions: int, density: float) -> tuple[str, Path, 
 
 
 def child(a: argparse.Namespace) -> dict[str, Any]:
+    from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
     from deltarl.rollout.weights import WeightSync
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.digest import state_digest
-    from deltarl.services.weightsync.reader import BucketReader
+    from deltarl.weightsync.digest import state_digest
+    from deltarl.weightsync.reader import BucketReader
 
     speed = _speed_module()
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The ``deltarl`` command: one sub-command per service and tool.
 
-Each sub-command lives next to the code it runs (``services/weightsync/cli.py`` for ``deltarl
+Each sub-command lives next to the code it runs (``weightsync/cli.py`` for ``deltarl
 delta``, ...). Those modules import only typer and settings at import time; heavy libraries (torch,
 transformers, fastapi) are imported inside the command functions, after the arguments are parsed,
 so that ``deltarl --help`` stays fast.
@@ -24,7 +24,7 @@ from deltarl import __version__
 # (sub-command name, module, attribute): the attribute is a ``typer.Typer`` (a group of commands)
 # or a plain function (a single command).
 SUBCOMMANDS: list[tuple[str, str, str]] = [
-    ("delta", "deltarl.services.weightsync.cli", "app"),
+    ("delta", "deltarl.weightsync.cli", "app"),
     ("env", "deltarl.env_server.cli", "serve"),
     ("coordinator", "deltarl.services.coordinator.cli", "coordinator"),
     ("status", "deltarl.services.coordinator.cli", "status"),
@@ -36,7 +36,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("teacher", "deltarl.teacher.cli", "teacher"),
     ("demo", "deltarl.demo.cli", "demo"),
     ("run", "deltarl.run.cli", "run"),
-    ("spaces", "deltarl.services.spaces.cli", "app"),
+    ("spaces", "deltarl.spaces.cli", "app"),
 ]
 
 app = typer.Typer(

@@ -56,7 +56,7 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "Bucket",
-        "deltarl.services.buckets.settings",
+        "deltarl.buckets.settings",
         "BucketSettings",
         "every process that reads or writes the bucket ([docs/buckets.md](buckets.md))",
     ),

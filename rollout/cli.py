@@ -63,7 +63,7 @@ def rollout(
     from deltarl.rollout.http import BindError
     from deltarl.rollout.worker import RolloutWorker
     from deltarl.services.coordinator.client import CoordinatorError
-    from deltarl.services.weightsync.errors import StateMismatchError
+    from deltarl.weightsync.errors import StateMismatchError
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info(

@@ -26,7 +26,7 @@ Shape of the arrangement:
       .decode(data, base_digests, context=ctx)   # a chained delta (if .holds(ctx))
       .close()
 
-* Chained deltas need the :class:`~deltarl.services.weightsync.codec.context.DeltaContext` of the
+* Chained deltas need the :class:`~deltarl.weightsync.codec.context.DeltaContext` of the
   delta applied before them (~10 bytes per changed element). It does not cross the pipe: after
   each decode the child builds the context of the delta it just decoded itself, from the mirror
   (still at the delta's base, the parent patches it only after verification), keeps the latest
@@ -35,8 +35,8 @@ Shape of the arrangement:
   (when not, e.g. after a restart, the parent decodes in process).
 
 Guarantees: :meth:`DecodeProcess.decode` returns exactly what
-:func:`~deltarl.services.weightsync.codec.decode_delta` returns in process (same checks, same
-errors: a :class:`~deltarl.services.weightsync.errors.DeltaError` raised in the child is raised
+:func:`~deltarl.weightsync.codec.decode_delta` returns in process (same checks, same
+errors: a :class:`~deltarl.weightsync.errors.DeltaError` raised in the child is raised
 again in the parent with its class and message). If the child dies or answers nonsense, the
 call raises :class:`DecodeProcessError` (not a ``DeltaError``: the object is not at fault) and
 the next call starts a fresh child; the caller may decode in process meanwhile.
@@ -60,10 +60,10 @@ import msgpack
 import numpy as np
 import torch
 
-from deltarl.services.weightsync import errors as delta_errors
-from deltarl.services.weightsync.codec.bits import float_format
-from deltarl.services.weightsync.codec.context import DeltaContext
-from deltarl.services.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch
+from deltarl.weightsync import errors as delta_errors
+from deltarl.weightsync.codec.bits import float_format
+from deltarl.weightsync.codec.context import DeltaContext
+from deltarl.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class DecodeProcess:
         ``context``: the context of the delta that brought the mirror to its state, for a
         chained delta (only its digest is sent: the child must :meth:`hold <holds>` it, else
         :class:`DecodeProcessError`). As in process, a chained delta whose context is not the
-        one given raises :class:`~deltarl.services.weightsync.errors.ContextMismatchError`.
+        one given raises :class:`~deltarl.weightsync.errors.ContextMismatchError`.
         """
         if self._mirror is None:
             raise RuntimeError("attach() a mirror before decoding")
@@ -425,7 +425,7 @@ def _context_of(delta: Delta, mirror: Mapping[str, torch.Tensor]) -> DeltaContex
 
 
 def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
-    from deltarl.services.weightsync.codec.formats import decode_delta
+    from deltarl.weightsync.codec.formats import decode_delta
 
     shm: shared_memory.SharedMemory | None = None
     mirror: dict[str, torch.Tensor] = {}

@@ -32,7 +32,7 @@ from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
 
 if TYPE_CHECKING:
-    from deltarl.services.weightsync.signing import Verifier
+    from deltarl.weightsync.signing import Verifier
 
 DEFAULT_PORT = 8702
 """Port of the worker's /health and /metrics (the coordinator's default is 8700, the env's 8001)."""
@@ -461,7 +461,7 @@ class RolloutSettings(TLSServerSettings):
         """The bucket reader's trusted keys (None: unsigned versions accepted)."""
         if not self.trusted_keys:
             return None
-        from deltarl.services.weightsync.signing import Verifier
+        from deltarl.weightsync.signing import Verifier
 
         return Verifier(k for k in self.trusted_keys.split(",") if k.strip())
 

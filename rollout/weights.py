@@ -1,7 +1,7 @@
 """Keep an engine's weights bit-identical to the trainer's, pausing generation only to apply.
 
 :class:`WeightSync` owns an engine's weights. It reads versions from the bucket
-(:class:`~deltarl.services.weightsync.writer.BucketReader`), plans with the planner, and is the
+(:class:`~deltarl.weightsync.writer.BucketReader`), plans with the planner, and is the
 :class:`~deltarl.rollout.engines.base.WeightsGate` the engine enters around every forward step.
 
 Order of calls in :meth:`WeightSync.sync_to` (one sync at a time; generation runs concurrently
@@ -23,7 +23,7 @@ in other threads)::
     later plans if it fails again after a fresh anchor.
 
 Chained deltas (``ObjectRef.context_version`` set) decode only against the
-:class:`~deltarl.services.weightsync.codec.context.DeltaContext` of the delta applied just before
+:class:`~deltarl.weightsync.codec.context.DeltaContext` of the delta applied just before
 them. The sync keeps that context of the last delta it applied and verified (built from the host
 state after decoding, before the apply: ~10 bytes per changed element), plans with it (the
 planner then uses chained objects only where they are valid) and drops it on an anchor load or
@@ -50,10 +50,10 @@ Guarantees:
   has held (verified) aims at that version instead (a healthy engine does nothing; an
   unhealthy one reloads at least it), and a plan from verified weights uses no object of
   their version or older (no anchor of an older version). The reader under it refuses an
-  older ``latest.json`` than one it accepted (``RollbackError``, services/weightsync/reader.py):
+  older ``latest.json`` than one it accepted (``RollbackError``, weightsync/reader.py):
   the sync fails, the weights stay, the caller reports it and retries.
 * The paused window is one store kernel launch per value bit width on CUDA (``apply_kernel``,
-  addresses built at staging; see services/weightsync/apply_kernel.py), else one
+  addresses built at staging; see weightsync/apply_kernel.py), else one
   ``index_copy_`` per changed tensor, plus a device synchronize on CUDA; download, decode,
   staging and verification run while generation continues.
 
@@ -92,11 +92,11 @@ from deltarl.rollout.sync_records import (
     Verdict,
     WeightsUnhealthyError,
 )
-from deltarl.services.weightsync.anchor import decode_anchor
-from deltarl.services.weightsync.codec.bits import bits_view
-from deltarl.services.weightsync.codec.context import DeltaContext
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, decode_delta
-from deltarl.services.weightsync.delta import (
+from deltarl.weightsync.anchor import decode_anchor
+from deltarl.weightsync.codec.bits import bits_view
+from deltarl.weightsync.codec.context import DeltaContext
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, decode_delta
+from deltarl.weightsync.delta import (
     APPLY_KERNELS,
     UNKNOWN_DIGEST,
     Delta,
@@ -104,8 +104,8 @@ from deltarl.services.weightsync.delta import (
     scatter_patch,
     stage_delta,
 )
-from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-from deltarl.services.weightsync.errors import (
+from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.errors import (
     BaseMismatchError,
     ContextMismatchError,
     CorruptDeltaError,
@@ -113,11 +113,11 @@ from deltarl.services.weightsync.errors import (
     StateMismatchError,
     VerificationError,
 )
-from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
-from deltarl.services.weightsync.planner import CatchUpPlan, plan_catch_up
-from deltarl.services.weightsync.proof import ProofSpec, proof_answer
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.sharding import layout_view, merge_parts
+from deltarl.weightsync.manifest import ObjectRef, VersionManifest
+from deltarl.weightsync.planner import CatchUpPlan, plan_catch_up
+from deltarl.weightsync.proof import ProofSpec, proof_answer
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.sharding import layout_view, merge_parts
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class WeightSync:
         if apply_kernel not in APPLY_KERNELS:
             raise ValueError(f"apply_kernel must be one of {APPLY_KERNELS}, got {apply_kernel!r}")
         if apply_kernel == "triton":
-            from deltarl.services.weightsync import apply_kernel as kernel_module
+            from deltarl.weightsync import apply_kernel as kernel_module
 
             kernel_module.use_kernel("triton", engine.device)  # raises where it cannot run
         self.apply_kernel = apply_kernel
@@ -325,7 +325,7 @@ class WeightSync:
             )
 
     def prove(self, version: int, nonce: bytes, spec: ProofSpec) -> str | None:
-        """The answer to a weight challenge (:mod:`deltarl.services.weightsync.proof`), computed
+        """The answer to a weight challenge (:mod:`deltarl.weightsync.proof`), computed
         on the tensors the engine serves right now, without pausing generation (it only reads).
         None when the served weights are not verified weights of ``version`` or changed while
         they were read (an apply bumps the stamp): the next challenge is for the new version."""
@@ -898,7 +898,7 @@ class WeightSync:
         device = self.engine.device
         if self.apply_kernel == "torch" or device.type != "cuda":
             return
-        from deltarl.services.weightsync import apply_kernel as kernel_module
+        from deltarl.weightsync import apply_kernel as kernel_module
 
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -99,8 +99,6 @@ from deltarl.services.coordinator.schemas import (
     WorkerRegistration,
     encode_group,
 )
-from deltarl.services.weightsync.errors import StateMismatchError
-from deltarl.services.weightsync.proof import ProofSpec
 from deltarl.teacher.client import (
     TeacherClient,
     TeacherError,
@@ -108,6 +106,8 @@ from deltarl.teacher.client import (
     TeacherUnavailable,
 )
 from deltarl.teacher.wire import LogprobRequest, LogprobResponse
+from deltarl.weightsync.errors import StateMismatchError
+from deltarl.weightsync.proof import ProofSpec
 
 logger = logging.getLogger(__name__)
 
@@ -201,9 +201,9 @@ class RolloutWorker:
         """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
         from transformers import AutoTokenizer
 
+        from deltarl.buckets import open_bucket
         from deltarl.rollout.engines import make_engine
-        from deltarl.services.buckets import open_bucket
-        from deltarl.services.weightsync.reader import BucketReader
+        from deltarl.weightsync.reader import BucketReader
 
         model, gguf = settings.model_source()
         tokenizer = AutoTokenizer.from_pretrained(

@@ -1,2 +1,3 @@
-"""Shared parts of deltarl: wire schemas, the weight-sync library (delta codec, bucket backends,
-publication and catch-up planning), settings helpers, and the coordinator service."""
+"""The network services' shared scaffolding (``services/common``: the token header, TLS, the
+request guard, settings helpers, model sources) and the coordinator service. The weight-sync
+library is ``deltarl.weightsync`` (weightsync/), its storage ``deltarl.buckets`` (buckets/)."""

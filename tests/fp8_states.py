@@ -1,11 +1,11 @@
-"""Small model states in block fp8 (services/weightsync/fp8.py) and optimizer-like steps of
+"""Small model states in block fp8 (weightsync/fp8.py) and optimizer-like steps of
 their bf16 master weights, for the fp8 codec, publisher and worker tests."""
 
 from __future__ import annotations
 
 import torch
 
-from deltarl.services.weightsync import fp8
+from deltarl.weightsync import fp8
 
 # edge blocks everywhere (192 = 128 + 64, 320 = 2 x 128 + 64), a router, stacked experts
 SHAPES: dict[str, tuple[int, ...]] = {

@@ -61,8 +61,6 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-from deltarl.services.weightsync.model_state import fp32_names, publish_dtype, publishable_state
 from deltarl.trainer.checkpoint_files import (
     CheckpointError,
     FileRecord,
@@ -72,6 +70,8 @@ from deltarl.trainer.checkpoint_files import (
     write_safetensors,
 )
 from deltarl.trainer.settings import CHECKPOINT_POINTER
+from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.model_state import fp32_names, publish_dtype, publishable_state
 
 logger = logging.getLogger(__name__)
 

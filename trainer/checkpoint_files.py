@@ -21,8 +21,8 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
-from deltarl.services.weightsync.anchor import build_header, read_exact, read_header, tensor_bytes
-from deltarl.services.weightsync.errors import CorruptDeltaError
+from deltarl.weightsync.anchor import build_header, read_exact, read_header, tensor_bytes
+from deltarl.weightsync.errors import CorruptDeltaError
 
 __all__ = [
     "CheckpointError",

@@ -40,8 +40,6 @@ from typing import Any, cast
 import torch
 import torch.distributed as tdist
 
-from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-from deltarl.services.weightsync.model_state import fp32_names, publish_dtype
 from deltarl.trainer.checkpoint import (
     META_FILE,
     MODEL_FILE,
@@ -58,6 +56,8 @@ from deltarl.trainer.checkpoint import (
 from deltarl.trainer.checkpoint_files import FileRecord, read_safetensors, write_safetensors
 from deltarl.trainer.distributed import DistContext, broadcast
 from deltarl.trainer.sharded import local_rows
+from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.model_state import fp32_names, publish_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def gather_whole(ckpt_dir: Path, meta: CheckpointMeta) -> Checkpoint:
 def _header_dims(path: Path) -> dict[str, int]:
     """Tensor names and their number of dimensions, from a safetensors file's header (the file
     itself is checked whole when it is read)."""
-    from deltarl.services.weightsync.anchor import read_header
+    from deltarl.weightsync.anchor import read_header
 
     try:
         with open(path, "rb") as fh:

@@ -41,11 +41,11 @@ from deltarl.trainer.settings import (
 if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
 
-    from deltarl.services.weightsync.manifest import VersionManifest
     from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
     from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
     from deltarl.trainer.distributed import DistContext
     from deltarl.trainer.loop import GracefulStop
+    from deltarl.weightsync.manifest import VersionManifest
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
             else:  # rank 0 decides when to stop; a signal here only sets the exit code
                 publisher = None
                 if fsdp:
-                    from deltarl.services.buckets import open_bucket
+                    from deltarl.buckets import open_bucket
                     from deltarl.trainer.sharded import ShardedPublisher
 
                     publisher = ShardedPublisher(open_bucket(), settings.publish, ctx)
@@ -205,7 +205,7 @@ def _run_main(
     ref_model: torch.nn.Module | None,
 ) -> None:
     """Rank 0 (or the only process): coordinator client, publisher, reporter, the loop."""
-    from deltarl.services.buckets import open_bucket
+    from deltarl.buckets import open_bucket
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
     from deltarl.trainer.reporting import build_reporter

@@ -51,7 +51,6 @@ import torch
 
 from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.coordinator.schemas import LeasedBatch, ModelLimits, TrajectoryGroup
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import TrainBatch, collate
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
 from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
@@ -68,6 +67,7 @@ from deltarl.trainer.step import (
     train_step,
 )
 from deltarl.trainer.weights import PublishFailedError, VersionBook
+from deltarl.weightsync.reader import BucketReader
 
 logger = logging.getLogger(__name__)
 

@@ -327,7 +327,7 @@ class PublishSettings(_Settings):
         description="Publish every version in block fp8, as fp8 workers serve it: each linear "
         "layer's weight quantized from its bf16 cast to float8_e4m3fn with one float32 scale "
         "per 128x128 block (tensor '<name>_scale_inv'), the other tensors (embeddings, LM head, "
-        "routers, norms, biases) in bf16 (services/weightsync/fp8.py). Deltas then carry the "
+        "routers, norms, biases) in bf16 (weightsync/fp8.py). Deltas then carry the "
         "changed e4m3 bytes and scales, anchors 1 byte a quantized weight. The workers must "
         "serve a block-fp8 checkpoint of the same model (docs/vllm.md, fp8 workers); a bf16 "
         "worker refuses such a version. One process only (an FSDP trainer refuses it).",

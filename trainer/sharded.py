@@ -8,7 +8,7 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
       broadcast ("publish", (v, step, anchor))     -> publish_local(state, v, step, anchor)
       every rank, in parallel, one tensor at a time: bf16 cast of its rows (on its device) ->
         the changed elements against its bf16 snapshot of the last version and the encoder's
-        context scan of them (on its device, :mod:`~deltarl.services.weightsync.codec.device_scan`)
+        context scan of them (on its device, :mod:`~deltarl.weightsync.codec.device_scan`)
         -> the new rows overwrite the snapshot and start copying to the host to be hashed;
         the changes and scans are queued (one synchronization per tensor) and land in pinned
         host memory while the device works on the next tensors; then encode (on the host, from
@@ -20,9 +20,9 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
         must be an anchor (as WeightPublisher), which rebuilds the snapshot
 
 A part is an ordinary codec object (delta or anchor) whose tensors are the rank's row ranges,
-named by slice keys ``"name[lo:hi]"`` (:func:`~deltarl.services.weightsync.manifest.slice_key`);
+named by slice keys ``"name[lo:hi]"`` (:func:`~deltarl.weightsync.manifest.slice_key`);
 the version's digests are defined over those slice keys: tensor digests of the row ranges,
-combined by :func:`~deltarl.services.weightsync.digest.combine_digests` in key order. So the
+combined by :func:`~deltarl.weightsync.digest.combine_digests` in key order. So the
 state digest of a sharded version depends on the layout (world size), which the manifest records;
 a worker computes it the same way from the row views of its full tensors.
 
@@ -56,24 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from deltarl.services.buckets import Bucket
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.bits import float_format
-from deltarl.services.weightsync.codec.compact_chunks import ChunkScan
-from deltarl.services.weightsync.codec.device_scan import (
-    SCAN_BYTES_PER_CHANGE,
-    PendingScan,
-    PinnedStaging,
-    start_changes_and_scans,
-    warm_up,
-)
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import Delta, TensorPatch, changed_elements
-from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-from deltarl.services.weightsync.errors import StateMismatchError
-from deltarl.services.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
-from deltarl.services.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.buckets import Bucket
 from deltarl.trainer.distributed import DistContext, broadcast
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import (
@@ -85,6 +68,23 @@ from deltarl.trainer.weights import (
     VersionBook,
     pool_answer,
 )
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.codec.bits import float_format
+from deltarl.weightsync.codec.compact_chunks import ChunkScan
+from deltarl.weightsync.codec.device_scan import (
+    SCAN_BYTES_PER_CHANGE,
+    PendingScan,
+    PinnedStaging,
+    start_changes_and_scans,
+    warm_up,
+)
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.delta import Delta, TensorPatch, changed_elements
+from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.errors import StateMismatchError
+from deltarl.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
+from deltarl.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def delta_from_changes(
     base_version: int | None,
     version: int | None,
 ) -> Delta:
-    """The :class:`Delta` that :func:`~deltarl.services.weightsync.delta.compute_delta` returns
+    """The :class:`Delta` that :func:`~deltarl.weightsync.delta.compute_delta` returns
     for the same rows, from parts computed separately: ``changes`` (per tensor, from
     :func:`changed_elements`) and the digests (hashed in threads from the host copy)."""
     patches = {}
@@ -161,7 +161,7 @@ class _HostMirror:
     starts on a
     side stream as soon as its rows are final and is hashed as soon as it lands, while the
     device works on the next tensor. The delta's encoder does not read it (the O(n) context
-    scan runs on the device, :mod:`~deltarl.services.weightsync.codec.device_scan`). CPU rows
+    scan runs on the device, :mod:`~deltarl.weightsync.codec.device_scan`). CPU rows
     are their own mirror (no copy, no buffer)."""
 
     def __init__(self) -> None:
@@ -322,7 +322,7 @@ class ShardedPublisher(VersionBook):
         key_file = self.settings.signing_key_file
         signer = None
         if key_file is not None and ctx.is_main:
-            from deltarl.services.weightsync.signing import Signer
+            from deltarl.weightsync.signing import Signer
 
             signer = Signer.from_file(key_file)
         self._writer = BucketWriter(

@@ -5,11 +5,11 @@
 1. **snapshot** (caller's thread): cast every tensor to bf16 and copy it into a host buffer
    (pinned and asynchronous for CUDA tensors; buffers are reused from step to step, so host
    memory stays at two bf16 copies of the model); with ``publish.fp8`` the snapshot is then
-   quantized to block fp8 in the publishing thread (:func:`~deltarl.services.weightsync.fp8.
+   quantized to block fp8 in the publishing thread (:func:`~deltarl.weightsync.fp8.
    quantize_state`: e4m3 values + float32 block scales for linear weights, bf16 for the rest),
    and everything below works on that fp8 state (host memory: one bf16 snapshot and two fp8
    versions);
-2. **diff**: :func:`~deltarl.services.weightsync.delta.compute_delta` against the host mirror of
+2. **diff**: :func:`~deltarl.weightsync.delta.compute_delta` against the host mirror of
    the last published state, whose tensor digests are remembered (only the new state is hashed);
 3. **encode**: the delta in the configured format (``compact`` by default), and an anchor when
    due: the first version of this publisher (so always on resume), every ``anchor_every``
@@ -18,9 +18,9 @@
    With the compact format and ``chained_deltas``, a delta ``v -> w`` whose base ``v`` was
    itself published by a delta ``u -> v`` of this publisher (the previous publish succeeded)
    is also encoded *chained* on that delta (``context_version=u``, see
-   :mod:`~deltarl.services.weightsync.codec.context`): a second object next to the standalone one,
+   :mod:`~deltarl.weightsync.codec.context`): a second object next to the standalone one,
    for replicas whose last applied delta was ``u -> v``, published only if it is smaller;
-4. **upload**: :meth:`BucketWriter.publish <deltarl.services.weightsync.writer.BucketWriter.publish>`
+4. **upload**: :meth:`BucketWriter.publish <deltarl.weightsync.writer.BucketWriter.publish>`
    (objects, manifest, then the ``latest.json`` commit);
 5. **register**: the manifest is handed to ``register`` (``CoordinatorClient.publish_version``),
    after the bucket commit, so a worker that hears of ``v`` can always fetch it.
@@ -66,19 +66,19 @@ from typing import Any
 
 import torch
 
-from deltarl.services.buckets import Bucket
-from deltarl.services.weightsync.anchor import encode_anchor, write_anchor
-from deltarl.services.weightsync.codec.context import DeltaContext
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import combine_digests, state_digests
-from deltarl.services.weightsync.fp8 import quantize_state
-from deltarl.services.weightsync.manifest import VersionManifest
-from deltarl.services.weightsync.model_state import fp32_names, publish_dtype
-from deltarl.services.weightsync.model_state import publishable_state as publishable_state
-from deltarl.services.weightsync.proof import ProofSpec, make_challenges
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.buckets import Bucket
 from deltarl.trainer.settings import PublishSettings
+from deltarl.weightsync.anchor import encode_anchor, write_anchor
+from deltarl.weightsync.codec.context import DeltaContext
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import combine_digests, state_digests
+from deltarl.weightsync.fp8 import quantize_state
+from deltarl.weightsync.manifest import VersionManifest
+from deltarl.weightsync.model_state import fp32_names, publish_dtype
+from deltarl.weightsync.model_state import publishable_state as publishable_state
+from deltarl.weightsync.proof import ProofSpec, make_challenges
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class VersionBook:
 
     def follow_precision(self, model: torch.nn.Module) -> frozenset[str]:
         """Publish in float32 the tensors that ``model`` (a Hugging Face model) keeps in float32
-        when loaded in :attr:`dtype` (:func:`~deltarl.services.weightsync.model_state.fp32_names`:
+        when loaded in :attr:`dtype` (:func:`~deltarl.weightsync.model_state.fp32_names`:
         DeepSeek-V3's router; nothing for most models), so that a replica built by transformers
         in that dtype holds exactly what is published. Call before the first version (the
         training loop does); returns the names."""
@@ -287,7 +287,7 @@ class WeightPublisher(VersionBook):
     policy, background thread. ``register``: called with each committed manifest, e.g.
     ``CoordinatorClient.publish_version``; None: no coordinator. ``challenges``: called after
     ``register`` with fresh weight challenges of the version (nonces and the answers computed on
-    the published state, :mod:`deltarl.services.weightsync.proof`), e.g.
+    the published state, :mod:`deltarl.weightsync.proof`), e.g.
     :func:`coordinator_challenges`: ``publish.proof_challenges`` of them (or the pool size the
     coordinator aimed at for the version before, when larger), then as many more as its answer
     asks for (``wanted``), up to ``publish.proof_challenges_max`` per version; None: none.
@@ -323,7 +323,7 @@ class WeightPublisher(VersionBook):
         self.on_report = on_report
         signer = None
         if self.settings.signing_key_file is not None:
-            from deltarl.services.weightsync.signing import Signer
+            from deltarl.weightsync.signing import Signer
 
             signer = Signer.from_file(self.settings.signing_key_file)
         self._publisher = BucketWriter(

@@ -167,7 +167,7 @@ def rebuild_digest(bucket_uri: str, version: int) -> tuple[str, list[str]]:
     """Rebuild ``version`` from the bucket (planner from nothing: anchor, then deltas, each
     checked against its base and result digests by the codec) and return its state digest and
     the keys applied."""
-    from deltarl.services.weightsync.digest import state_digest
+    from deltarl.weightsync.digest import state_digest
 
     state, keys = rebuild_state(bucket_uri, version)
     return state_digest(state), keys
@@ -198,12 +198,12 @@ def export_version(bucket_uri: str, version: int, model_dir: Path, out: Path) ->
 def rebuild_state(bucket_uri: str, version: int) -> tuple[dict[str, Any], list[str]]:
     """The weights of ``version`` rebuilt from the bucket (see :func:`rebuild_digest`) and the
     keys applied."""
-    from deltarl.services.buckets import open_bucket
-    from deltarl.services.weightsync.anchor import decode_anchor
-    from deltarl.services.weightsync.codec.context import DeltaContext
-    from deltarl.services.weightsync.codec.formats import decode_delta
-    from deltarl.services.weightsync.delta import apply_delta
-    from deltarl.services.weightsync.reader import BucketReader
+    from deltarl.buckets import open_bucket
+    from deltarl.weightsync.anchor import decode_anchor
+    from deltarl.weightsync.codec.context import DeltaContext
+    from deltarl.weightsync.codec.formats import decode_delta
+    from deltarl.weightsync.delta import apply_delta
+    from deltarl.weightsync.reader import BucketReader
 
     reader = BucketReader(open_bucket(bucket_uri))
     plan = reader.plan(None, version)

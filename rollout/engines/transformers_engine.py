@@ -44,7 +44,7 @@ from deltarl.rollout.engines.base import (
     check_prompts,
     check_score_items,
 )
-from deltarl.services.weightsync.model_state import publishable_state
+from deltarl.weightsync.model_state import publishable_state
 
 logger = logging.getLogger(__name__)
 

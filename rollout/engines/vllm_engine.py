@@ -135,8 +135,8 @@ def hf_specs(model: str, dtype: str) -> list[TensorSpec]:
     ``quantization_config`` is (a trainer with ``publish.fp8``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from deltarl.services.weightsync.fp8 import is_block_fp8_config
-    from deltarl.services.weightsync.model_state import publishable_state
+    from deltarl.weightsync.fp8 import is_block_fp8_config
+    from deltarl.weightsync.model_state import publishable_state
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):

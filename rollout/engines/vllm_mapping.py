@@ -33,7 +33,7 @@ one staged apply (one store-kernel launch). Per-expert checkpoint names
 Parameters vLLM derives from checkpoint tensors after loading (:data:`DERIVED_AFTER_LOADING`:
 MLA's absorbed ``kv_b_proj``) are refused: an in-place patch would not reach them.
 
-Block fp8 (:mod:`deltarl.services.weightsync.fp8`): the specs of an fp8 version
+Block fp8 (:mod:`deltarl.weightsync.fp8`): the specs of an fp8 version
 (:func:`fp8_specs`: each quantized weight as ``float8_e4m3fn`` plus its ``*_scale_inv``
 float32 block scales) are probed the same way, and map where vLLM stores both verbatim: its
 CUTLASS block-fp8 path on Hopper (``VLLM_USE_DEEP_GEMM=0``), whose fused ``qkv_proj`` /
@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from deltarl.rollout.engines.vllm_shards import Box, box_of
-from deltarl.services.weightsync.codec.bits import dtype_name
-from deltarl.services.weightsync.fp8 import fp8_layout
+from deltarl.weightsync.codec.bits import dtype_name
+from deltarl.weightsync.fp8 import fp8_layout
 
 _PROBE_LOCK = threading.Lock()  # Tensor.copy_ is patched process-wide while probing
 
@@ -110,7 +110,7 @@ def specs_of(state: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
 
 def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     """The tensors of the block-fp8 version of a model whose bf16 tensors are ``specs``
-    (:func:`~deltarl.services.weightsync.fp8.fp8_layout`: quantized weights as
+    (:func:`~deltarl.weightsync.fp8.fp8_layout`: quantized weights as
     ``float8_e4m3fn``, each followed by its ``*_scale_inv`` float32 scales), i.e. what a trainer
     with ``publish.fp8`` publishes and what a block-fp8 checkpoint holds."""
     layout = fp8_layout({s.name: (getattr(torch, s.dtype), s.shape) for s in specs})

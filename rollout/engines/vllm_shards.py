@@ -50,16 +50,16 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from deltarl.services.weightsync.codec.bits import float_format
-from deltarl.services.weightsync.delta import (
+from deltarl.weightsync.codec.bits import float_format
+from deltarl.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,
     TensorPatch,
     apply_staged,
     stage_delta,
 )
-from deltarl.services.weightsync.digest import tensor_digest
-from deltarl.services.weightsync.errors import StateMismatchError
+from deltarl.weightsync.digest import tensor_digest
+from deltarl.weightsync.errors import StateMismatchError
 
 logger = logging.getLogger(__name__)
 

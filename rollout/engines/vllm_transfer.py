@@ -16,7 +16,7 @@ dev route ``/update_weights`` and process boundaries without pickle)::
      "payload": "<base64 safetensors: '{name}.idx' int64 [k], '{name}.val' int8|16|32 [k]>"}
 
 ``payload`` holds the changed tensors only: sorted flat indices and new bit patterns, i.e. a
-decoded :class:`~deltarl.services.weightsync.delta.Delta` (the compact codec's decode needs the
+decoded :class:`~deltarl.weightsync.delta.Delta` (the compact codec's decode needs the
 old weights on the host, which the sender has and the vLLM worker does not keep).
 
 Order in :meth:`DeltaReceiver.apply` (inside vLLM's worker; vLLM runs it between two engine
@@ -46,8 +46,8 @@ from safetensors.numpy import save as st_save
 
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, probe_shards, uncovered
 from deltarl.rollout.engines.vllm_shards import Box
-from deltarl.services.weightsync.codec.bits import float_format
-from deltarl.services.weightsync.delta import (
+from deltarl.weightsync.codec.bits import float_format
+from deltarl.weightsync.delta import (
     UNKNOWN_DIGEST,
     Delta,
     TensorPatch,
@@ -55,9 +55,9 @@ from deltarl.services.weightsync.delta import (
     stage_delta,
     verify_base,
 )
-from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-from deltarl.services.weightsync.errors import CorruptDeltaError, VerificationError
-from deltarl.services.weightsync.fp8 import is_block_fp8_config
+from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.errors import CorruptDeltaError, VerificationError
+from deltarl.weightsync.fp8 import is_block_fp8_config
 
 logger = logging.getLogger(__name__)
 

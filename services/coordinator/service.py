@@ -82,7 +82,7 @@ from deltarl.services.coordinator.store import (
     WorkerRejections,
 )
 from deltarl.services.coordinator.versions import VersionIndex, summarize
-from deltarl.services.weightsync.planner import UnreachableVersionError, plan_catch_up
+from deltarl.weightsync.planner import UnreachableVersionError, plan_catch_up
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from deltarl.services.coordinator.schemas import (
 )
 from deltarl.services.coordinator.store import NewSubmission
 from deltarl.services.coordinator.versions import summarize
-from deltarl.services.weightsync.manifest import version_tag
+from deltarl.weightsync.manifest import version_tag
 
 
 def digest(version: int) -> str:

@@ -16,20 +16,20 @@ import httpx
 import pytest
 import torch
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import (
     WeightChallenge,
     WorkerHeartbeat,
     WorkerRegistration,
 )
-from deltarl.services.weightsync.proof import ProofSpec, proof_answer
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import (
     WeightPublisher,
     coordinator_challenge_need,
     coordinator_challenges,
 )
+from deltarl.weightsync.proof import ProofSpec, proof_answer
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
 

@@ -18,7 +18,7 @@ from deltarl.services.coordinator.schemas import (
     WorkerHeartbeat,
     WorkerRegistration,
 )
-from deltarl.services.weightsync.proof import ProofSpec, make_challenges, proof_answer
+from deltarl.weightsync.proof import ProofSpec, make_challenges, proof_answer
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
 from .helpers import manifest

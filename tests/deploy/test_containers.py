@@ -47,9 +47,9 @@ from dockerfile_parse import DockerfileParser
 from pydantic_settings import BaseSettings
 from support import free_port
 
+from deltarl.buckets.settings import BucketSettings
 from deltarl.cli import SUBCOMMANDS
 from deltarl.env_server.settings import EnvSettings
-from deltarl.services.buckets.settings import BucketSettings
 from deltarl.services.common.tls import CA_BUNDLE_ENV
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
@@ -896,7 +896,7 @@ def test_wheel_packages_the_build_context(tmp_path: Path) -> None:
         "deltarl/cli.py",
         "deltarl/services/coordinator/app.py",
         "deltarl/services/coordinator/static/index.html",
-        "deltarl/services/weightsync/codec/compact.py",
+        "deltarl/weightsync/codec/compact.py",
         "deltarl/env_server/core/app.py",
         "deltarl/env_server/wordle/data/answers.txt",
         "deltarl/trainer/cli.py",

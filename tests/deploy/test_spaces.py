@@ -45,14 +45,14 @@ from pydantic_settings import BaseSettings
 from support import free_port
 from typer.testing import CliRunner
 
+from deltarl.buckets.hf import parse_hf_uri
+from deltarl.buckets.settings import BucketSettings
 from deltarl.cli import SUBCOMMANDS
 from deltarl.cli import app as root_app
 from deltarl.env_server.core.client import SyncEnvClient
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import VllmEngineSettings
 from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
-from deltarl.services.buckets.hf import parse_hf_uri
-from deltarl.services.buckets.settings import BucketSettings
 from deltarl.services.common.client_headers import (
     HF_PROXY_HEADER,
     HF_PROXY_TOKEN_ENV,
@@ -61,19 +61,19 @@ from deltarl.services.common.client_headers import (
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
 from deltarl.services.coordinator.settings import CoordinatorSettings
-from deltarl.services.spaces import cli as spaces_cli
-from deltarl.services.spaces import worker_space
-from deltarl.services.spaces.names import parse_bucket, space_app_url, space_subdomain
-from deltarl.services.spaces.templates import (
+from deltarl.spaces import cli as spaces_cli
+from deltarl.spaces import worker_space
+from deltarl.spaces.names import parse_bucket, space_app_url, space_subdomain
+from deltarl.spaces.templates import (
     APP_PORT,
     ROLLOUT,
     SOURCE_FOLDERS,
     VLLM_IMAGE,
     WORKER_PORT,
 )
-from deltarl.services.spaces.templates import dockerfile as space_dockerfile
-from deltarl.services.spaces.tokens import read_secrets_file
-from deltarl.services.spaces.worker_space import run_worker
+from deltarl.spaces.templates import dockerfile as space_dockerfile
+from deltarl.spaces.tokens import read_secrets_file
+from deltarl.spaces.worker_space import run_worker
 from deltarl.trainer.settings import ExperimentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -370,7 +370,7 @@ def test_source_snapshot_is_a_plain_tree(dry_run: tuple[Path, str]) -> None:
     assert (src / "setup.py").is_file()
     for folder in ("deltarl", "services", "env_server", "rollout", "trainer"):
         assert (src / folder / "__init__.py").is_file()
-    assert (src / "services/spaces/cli.py").is_file()
+    assert (src / "deltarl/spaces/cli.py").is_file()
     assert any((src / "env_server/wordle/data").iterdir())  # word lists: package data
     for path in src.rglob("*"):
         assert not path.is_symlink(), path
@@ -404,7 +404,7 @@ def test_space_source_builds_the_wheel(dry_run: tuple[Path, str], tmp_path: Path
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in (
         "deltarl/services/coordinator/static/index.html",
-        "deltarl/services/spaces/worker_space.py",
+        "deltarl/deltarl/spaces/worker_space.py",
         "deltarl/env_server/wordle/data/answers.txt",
         "deltarl/rollout/settings.py",
     ):
@@ -639,7 +639,7 @@ def test_default_model_is_the_trainers() -> None:
 
 def test_cli_module_imports_light() -> None:
     code = (
-        "import sys, deltarl.services.spaces.cli; "
+        "import sys, deltarl.spaces.cli; "
         "heavy = {'huggingface_hub', 'torch', 'transformers', 'fastapi'} & set(sys.modules); "
         "assert not heavy, heavy"
     )

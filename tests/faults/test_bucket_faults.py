@@ -1,7 +1,7 @@
 """Faults of the bucket and late workers.
 
 Versions are published from the test process with the library's
-:class:`~deltarl.services.weightsync.writer.BucketWriter` (the tiny model's bf16 weights, ~2% of
+:class:`~deltarl.weightsync.writer.BucketWriter` (the tiny model's bf16 weights, ~2% of
 the elements moved per version, compact deltas) and recorded with the coordinator by hand, so a
 test can damage an object *after* the bucket commit and *before* any worker hears of the
 version. Coordinator, env server and rollout workers are real processes.
@@ -31,15 +31,15 @@ from faults.harness import (
     sync_lines,
 )
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import combine_digests, state_digests
-from deltarl.services.weightsync.manifest import VersionManifest
-from deltarl.services.weightsync.proof import ProofSpec, make_challenges
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.weights import coordinator_challenges
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import combine_digests, state_digests
+from deltarl.weightsync.manifest import VersionManifest
+from deltarl.weightsync.proof import ProofSpec, make_challenges
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -28,11 +28,11 @@ from faults.harness import (
     wait_for,
 )
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.demo.report import rebuild_digest
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import WorkerInfo
-from deltarl.services.weightsync.planner import reachable_versions
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.planner import reachable_versions
+from deltarl.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ from episode_helpers import WordleServer
 from smollm2_helpers import smollm2_tokenizer
 from worker_helpers import CoordinatorServer
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import transformers
 
-from deltarl.services.weightsync.model_state import publishable_state
+from deltarl.weightsync.model_state import publishable_state
 
 VOCAB = 100  # padded to 128 in the vLLM-shaped models
 

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 import transformers
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.signing import Signer
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.signing import Signer
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 
 def tiny_config(layers: int = 2, *, tied: bool = False) -> transformers.LlamaConfig:

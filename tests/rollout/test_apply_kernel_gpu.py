@@ -1,4 +1,4 @@
-"""The one-launch store kernel (services/weightsync/apply_kernel.py) against ``index_copy_`` on
+"""The one-launch store kernel (weightsync/apply_kernel.py) against ``index_copy_`` on
 a CUDA GPU with Triton (marked ``gpu``: CI never runs it; vLLM brings Triton).
 
 Run on a GPU machine: ``pytest -m gpu -s tests/rollout/test_apply_kernel_gpu.py``. Random deltas
@@ -16,8 +16,8 @@ import pytest
 import torch
 from states import mixed_fused_state, perturb, state_to
 
-from deltarl.services.weightsync import compute_delta, tensor_digest, verify_result
-from deltarl.services.weightsync.delta import apply_staged, stage_delta
+from deltarl.weightsync import compute_delta, tensor_digest, verify_result
+from deltarl.weightsync.delta import apply_staged, stage_delta
 
 pytestmark = [pytest.mark.gpu]
 

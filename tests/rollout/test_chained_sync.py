@@ -9,19 +9,19 @@ import pytest
 import torch
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.codec.context import DeltaContext
-from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.manifest import ObjectRef
-from deltarl.services.weightsync.planner import CatchUpPlan
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.writer import NewObject
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.codec.context import DeltaContext
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.manifest import ObjectRef
+from deltarl.weightsync.planner import CatchUpPlan
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.writer import NewObject
 
 COMPACT = FORMAT_TAGS["compact"]
 PARAMS = SamplingParams(max_new_tokens=4, seed=0)

@@ -13,14 +13,14 @@ import pytest
 import torch
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.codec.formats import decode_delta, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import state_digests
-from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.codec.formats import decode_delta, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import state_digests
+from deltarl.weightsync.errors import BaseMismatchError, CorruptDeltaError
+from deltarl.weightsync.reader import BucketReader
 
 
 def _states(dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -16,6 +16,7 @@ import transformers
 from episode_helpers import ScriptedEngine, WordleServer
 from rollout_helpers import FakeTrainer, clone_state
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.env_server.core.client import AsyncEpisode, EnvClient
 from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
@@ -31,11 +32,10 @@ from deltarl.rollout.episodes import (
 )
 from deltarl.rollout.trajectories import idempotency_key, json_f32, payload_sizes, to_submission
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import decode_group, encode_group
 from deltarl.services.coordinator.schemas.common import ID_PATTERN
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.batch import collate
+from deltarl.weightsync.reader import BucketReader
 
 pytestmark = pytest.mark.network
 IM_END = 2  # SmolLM2's <|im_end|>: end of turn and EOS

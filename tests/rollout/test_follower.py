@@ -9,10 +9,10 @@ from pathlib import Path
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 from worker_helpers import wait_for
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.follower import VersionFollower
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.reader import BucketReader
 
 
 def make(

@@ -10,15 +10,15 @@ import torch
 from fp8_engine import KV, D, FakeFp8Engine, FusedFp8Model, Q, master_weights
 from fp8_states import adam_like_step, raw, same_bytes
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync import fp8
-from deltarl.services.weightsync.errors import StateMismatchError
-from deltarl.services.weightsync.proof import ProofSpec, make_challenges
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync import fp8
+from deltarl.weightsync.errors import StateMismatchError
+from deltarl.weightsync.proof import ProofSpec, make_challenges
+from deltarl.weightsync.reader import BucketReader
 
 PARAMS = SamplingParams(max_new_tokens=2, seed=0)
 
@@ -209,8 +209,8 @@ def test_fp8_deltas_cross_vllms_update_weights_route() -> None:
     """The backend's wire message (int8 patterns of e4m3 bytes) applied by ``DeltaReceiver``
     inside a vLLM-shaped fp8 model, as ``update_weights`` would."""
     from deltarl.rollout.engines.vllm_transfer import DeltaReceiver, decode_message, encode_message
-    from deltarl.services.weightsync.delta import compute_delta
-    from deltarl.services.weightsync.digest import state_digest
+    from deltarl.weightsync.delta import compute_delta
+    from deltarl.weightsync.digest import state_digest
 
     master = master_weights()
     v0 = fp8.quantize_state({n: t.to(torch.bfloat16) for n, t in master.items()})

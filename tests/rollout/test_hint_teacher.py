@@ -25,6 +25,7 @@ from worker_helpers import (
     worker_settings,
 )
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
@@ -32,7 +33,6 @@ from deltarl.rollout.episodes import Episode, Turn
 from deltarl.rollout.hints import Hint, WordleHinter, hinted_context, score_hints
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.teaching import TeacherMismatch, hint_maps, hint_request
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.teacher.client import SyncTeacherClient
 from deltarl.teacher.wire import LogprobResponse
 from deltarl.trainer.batch import collate

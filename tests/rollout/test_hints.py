@@ -21,6 +21,7 @@ from worker_helpers import (
     worker_settings,
 )
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.env_server.charset.environment import (
     CharsetEnvironment,
     CharsetRules,
@@ -44,7 +45,6 @@ from deltarl.rollout.hints import (
     score_hint,
     score_hints,
 )
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.trainer.batch import collate
 
 

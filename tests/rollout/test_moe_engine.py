@@ -15,14 +15,14 @@ import pytest
 import torch
 from moe_helpers import deepseek_v3_config, hf_moe_model, qwen3_moe_config
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.model_state import fp32_names, publishable_state
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.model_state import fp32_names, publishable_state
+from deltarl.weightsync.reader import BucketReader
 
 PROMPTS = [[5, 9, 2, 7], [11, 3], [40, 41, 42, 43, 44, 45]]
 CONFIGS = {"qwen3_moe": qwen3_moe_config, "deepseek_v3": deepseek_v3_config}

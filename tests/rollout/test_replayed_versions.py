@@ -11,13 +11,13 @@ import pytest
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 from worker_helpers import wait_for
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.follower import VersionFollower
 from deltarl.rollout.sync_records import SyncError
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.manifest import LATEST_KEY
-from deltarl.services.weightsync.reader import BucketReader, RollbackError
-from deltarl.services.weightsync.signing import Signer, Verifier, generate_key
+from deltarl.weightsync.manifest import LATEST_KEY
+from deltarl.weightsync.reader import BucketReader, RollbackError
+from deltarl.weightsync.signing import Signer, Verifier, generate_key
 
 
 @pytest.fixture

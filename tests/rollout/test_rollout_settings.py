@@ -32,11 +32,11 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
     from rollout.worker_helpers import tiny_model
     from smollm2_helpers import smollm2_tokenizer
 
+    from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines.transformers_engine import TransformersEngine
     from deltarl.rollout.weights import WeightSync
     from deltarl.rollout.worker import RolloutWorker
-    from deltarl.services.buckets.local import LocalBucket
-    from deltarl.services.weightsync.reader import BucketReader
+    from deltarl.weightsync.reader import BucketReader
 
     before = sys.getswitchinterval()
     try:

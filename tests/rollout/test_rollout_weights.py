@@ -10,13 +10,13 @@ import pytest
 import torch
 from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_engine
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout import weights as weights_module
 from deltarl.rollout.engines import Completion, SamplingParams, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.weights import SyncError, WeightsUnhealthyError, WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.errors import StateMismatchError
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.errors import StateMismatchError
+from deltarl.weightsync.reader import BucketReader
 
 PARAMS = SamplingParams(max_new_tokens=4, seed=0)
 

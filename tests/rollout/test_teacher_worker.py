@@ -25,8 +25,8 @@ from worker_helpers import (
     worker_settings,
 )
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.teaching import TeacherMismatch
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.teacher.app import create_app
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 from deltarl.teacher.settings import TeacherSettings

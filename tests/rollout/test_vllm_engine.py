@@ -61,14 +61,14 @@ from deltarl.rollout.engines.vllm_transfer import (
 )
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.errors import (
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.errors import (
     BaseMismatchError,
     CorruptDeltaError,
     VerificationError,
 )
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.reader import BucketReader
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_WHEEL = Path(

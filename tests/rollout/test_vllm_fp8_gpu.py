@@ -5,7 +5,7 @@ DeepGEMM decision per process)::
 
     VLLM_USE_DEEP_GEMM=0 pytest -m gpu -s tests/rollout/test_vllm_fp8_gpu.py
 
-* A tiny Llama and a tiny Qwen3 are quantized by ``services/weightsync/fp8.py`` and written as
+* A tiny Llama and a tiny Qwen3 are quantized by ``weightsync/fp8.py`` and written as
   DeepSeek-style block-fp8 checkpoints (``quantization_config`` with ``weight_block_size
   [128, 128]``); vLLM serves them with ``VLLM_USE_DEEP_GEMM=0`` (CUTLASS block kernels). Inside
   vLLM's worker the real probe (``vllm_mapping.probe_views`` on ``fp8_specs``) maps every e4m3
@@ -36,19 +36,19 @@ from safetensors.torch import save_file
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_mapping import fp8_specs, probe_views, specs_of
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync import fp8
-from deltarl.services.weightsync.delta import (
+from deltarl.teacher.engines.vllm_engine import shutdown_llm
+from deltarl.trainer.settings import PublishSettings
+from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync import fp8
+from deltarl.weightsync.delta import (
     apply_staged,
     compute_delta,
     stage_delta,
     verify_base,
     verify_result,
 )
-from deltarl.services.weightsync.digest import state_digest, tensor_digest
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.teacher.engines.vllm_engine import shutdown_llm
-from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.digest import state_digest, tensor_digest
+from deltarl.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

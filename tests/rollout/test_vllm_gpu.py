@@ -32,7 +32,7 @@ from rollout_helpers import FakeTrainer, same_bits
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

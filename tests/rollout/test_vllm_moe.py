@@ -53,14 +53,14 @@ from deltarl.rollout.engines.vllm_shards import (
 )
 from deltarl.rollout.engines.vllm_transfer import check_supported
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync.delta import (
+from deltarl.weightsync.delta import (
     _stage_batched,
     _store_plan,
     apply_staged,
     compute_delta,
     stage_delta,
 )
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.reader import BucketReader
 
 # distinct sizes (6 experts, 2I = 24, H = 32, I/4 = 3), so a confused dimension shows
 QWEN = {"experts": 6, "moe_inter": 12, "hidden": 32}
@@ -258,7 +258,7 @@ def test_a_delta_of_every_expert_is_one_staged_apply() -> None:
     patches = [p for p in delta.patches.values() if p.changed]
     parts, groups = _stage_batched(patches, torch.device("cpu"), pin=False)
     staged.parts = parts
-    from deltarl.services.weightsync.delta import _targets
+    from deltarl.weightsync.delta import _targets
 
     stores = _store_plan(groups, _targets(views, staged))
     assert len(stores) == 1 and int(stores[0][0].numel()) == delta.changed

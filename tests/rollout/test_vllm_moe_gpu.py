@@ -30,10 +30,10 @@ import transformers
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync.delta import compute_delta, stage_delta
-from deltarl.services.weightsync.model_state import publishable_state
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.delta import compute_delta, stage_delta
+from deltarl.weightsync.model_state import publishable_state
+from deltarl.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -41,10 +41,10 @@ from deltarl.rollout.engines.vllm_shards import (
     shard_delta,
 )
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.weightsync.delta import apply_staged, compute_delta, stage_delta
-from deltarl.services.weightsync.errors import StateMismatchError
-from deltarl.services.weightsync.proof import ProofSpec, proof_answer
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.delta import apply_staged, compute_delta, stage_delta
+from deltarl.weightsync.errors import StateMismatchError
+from deltarl.weightsync.proof import ProofSpec, proof_answer
+from deltarl.weightsync.reader import BucketReader
 
 VOCAB = 100  # padded to 128: the last rank holds fewer real rows than the others
 

@@ -33,6 +33,7 @@ from worker_helpers import (
     worker_settings,
 )
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.cli import app
 from deltarl.rollout.engines.base import Completion, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
@@ -40,10 +41,9 @@ from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.sync_records import Verdict
 from deltarl.rollout.worker import RolloutWorker
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -17,10 +17,10 @@ from tls_helpers import make_ca_and_server_cert
 from typer.testing import CliRunner
 from worker_helpers import CoordinatorServer, Trainer, WorkerThread, wait_for, worker_settings
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.cli import app
 from deltarl.rollout.http import BindError, WorkerHttpServer
 from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
-from deltarl.services.buckets.local import LocalBucket
 from deltarl.services.common.tls import client_verify
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]

@@ -23,7 +23,7 @@ import torch
 from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 import deltarl.trainer.checkpoint as ckpt_mod
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import (
     BatchItem,
     BatchLease,
@@ -31,13 +31,13 @@ from deltarl.services.coordinator.schemas import (
     Trajectory,
     TrajectoryGroup,
 )
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError
 from deltarl.trainer.loop import GracefulStop, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.reader import BucketReader
 
 VOCAB = 11
 HERE = Path(__file__).parent

@@ -13,8 +13,7 @@ from test_loop import FakeQueue
 from test_step import Bigram, steps_of, varied_groups
 from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.batch import TrainBatch, collate
 from deltarl.trainer.distributed import (
     DistContext,
@@ -32,6 +31,7 @@ from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.step import train_step
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.reader import BucketReader
 
 STEPS = 3
 

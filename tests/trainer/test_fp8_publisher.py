@@ -11,13 +11,13 @@ import torch
 from fp8_states import SHAPES, adam_like_step, bf16_model, same_bytes
 from test_weight_publisher import FakeCoordinator, FlakyBucket, rebuild
 
-from deltarl.services.weightsync import fp8
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.distributed import DistContext
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.sharded import ShardedPublisher
 from deltarl.trainer.weights import PublishReport, WeightPublisher
+from deltarl.weightsync import fp8
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.reader import BucketReader
 
 
 @pytest.mark.parametrize("background", [True, False])

@@ -18,13 +18,8 @@ from test_loop import FakeQueue
 from test_step import Bigram
 from test_weight_publisher import FakeCoordinator
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.weights import WeightSync
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.digest import combine_digests, tensor_digest
-from deltarl.services.weightsync.manifest import parse_slice_key
-from deltarl.services.weightsync.proof import ProofSpec, proof_answer
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.retention import RetentionPolicy, collect_garbage
 from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError, read_meta
 from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
 from deltarl.trainer.distributed import (
@@ -37,6 +32,11 @@ from deltarl.trainer.loop import train
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.sharded import ShardedPublisher
+from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.manifest import parse_slice_key
+from deltarl.weightsync.proof import ProofSpec, proof_answer
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.retention import RetentionPolicy, collect_garbage
 
 STEPS = 3
 

@@ -12,14 +12,14 @@ import torch
 from ranks import spawn_ranks
 from test_fsdp import follower, join, sharded_bigram
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.distributed import (
     broadcast,
     shutdown_distributed,
 )
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.weights import PublishFailedError
+from deltarl.weightsync.reader import BucketReader
 
 
 class FailOnce(LocalBucket):

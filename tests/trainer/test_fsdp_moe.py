@@ -23,9 +23,7 @@ from test_distributed import make_settings
 from test_fsdp import join
 from test_step import varied_groups
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.model_state import publishable_state
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.batch import collate
 from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
 from deltarl.trainer.distributed import DistContext, broadcast, shard_fsdp, shutdown_distributed
@@ -34,6 +32,8 @@ from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.step import train_step
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.model_state import publishable_state
+from deltarl.weightsync.reader import BucketReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from moe_helpers import deepseek_v3_config, hf_moe_model, qwen3_moe_config

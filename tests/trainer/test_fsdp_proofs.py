@@ -14,11 +14,11 @@ from ranks import spawn_ranks
 from test_fsdp import join, sharded_bigram
 from test_weight_publisher import FakePool
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.proof import ProofSpec, proof_answer
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.distributed import broadcast, shutdown_distributed
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.sharded import ShardedPublisher, local_rows
+from deltarl.weightsync.proof import ProofSpec, proof_answer
 
 TARGETS = (25, 25, 100)  # the pool size the coordinator aims at, per version
 

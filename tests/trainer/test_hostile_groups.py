@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_step import VOCAB, Bigram, rollout
 from test_weight_publisher import FakeCoordinator
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.errors import ApiError
 from deltarl.services.coordinator.schemas import (
     AdmissionRequest,

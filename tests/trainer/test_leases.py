@@ -11,7 +11,7 @@ import torch
 from coordinator.conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, coordinator_settings
 from test_step import Bigram, rollout
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import LeasedBatch, WorkerRegistration
 from deltarl.trainer.leases import LeaseKeeper

@@ -15,19 +15,19 @@ import torch
 from test_step import Bigram, rollout
 from test_weight_publisher import FakeCoordinator, assert_bit_identical
 
-from deltarl.services.buckets import ObjectInfo
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets import ObjectInfo
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.coordinator.schemas import BatchItem, BatchLease, LeasedBatch, TrajectoryGroup
-from deltarl.services.weightsync.anchor import decode_anchor
-from deltarl.services.weightsync.codec.formats import decode_delta
-from deltarl.services.weightsync.delta import apply_delta
-from deltarl.services.weightsync.manifest import version_tag
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.anchor import decode_anchor
+from deltarl.weightsync.codec.formats import decode_delta
+from deltarl.weightsync.delta import apply_delta
+from deltarl.weightsync.manifest import version_tag
+from deltarl.weightsync.reader import BucketReader
 
 
 class FakeQueue:

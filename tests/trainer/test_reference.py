@@ -23,9 +23,8 @@ from test_torchrun import fed_coordinator, tiny_llama, trainer_env
 from test_weight_publisher import FakeCoordinator
 from torch.distributed.tensor import DTensor
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.distributed import DistContext, shard_fsdp, shutdown_distributed
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import read_metrics
@@ -34,6 +33,7 @@ from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.sharded import ShardedPublisher
 from deltarl.trainer.step import frozen_reference
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.reader import BucketReader
 
 STEPS = 4
 

@@ -17,7 +17,7 @@ from test_step import Bigram
 from test_weight_publisher import FakeCoordinator
 from typer.testing import CliRunner
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import read_metrics
 from deltarl.trainer.reporting import build_reporter

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltarl.services.weightsync import compute_delta
-from deltarl.services.weightsync.codec.compact import encode_compact
-from deltarl.services.weightsync.delta import changed_elements
-from deltarl.services.weightsync.digest import state_digests, tensor_digest
 from deltarl.trainer.sharded import _HostMirror, default_codec_threads, delta_from_changes
+from deltarl.weightsync import compute_delta
+from deltarl.weightsync.codec.compact import encode_compact
+from deltarl.weightsync.delta import changed_elements
+from deltarl.weightsync.digest import state_digests, tensor_digest
 
 
 def _rows(

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.manifest import sha256_hex, xxh3_hex
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.signing import Verifier, generate_key
-from deltarl.services.weightsync.writer import NewObject
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.distributed import DistContext
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.sharded import ShardedPublisher
+from deltarl.weightsync.manifest import sha256_hex, xxh3_hex
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.signing import Verifier, generate_key
+from deltarl.weightsync.writer import NewObject
 
 
 def test_rank_0_signs_and_every_rank_hashes_its_part(tmp_path: Path) -> None:

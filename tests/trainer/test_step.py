@@ -11,9 +11,8 @@ import pytest
 import torch
 from test_weight_publisher import assert_bit_identical, rebuild
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer import step as step_module
 from deltarl.trainer.batch import TrainBatch, collate, filler, filter_stale, micro_batches
 from deltarl.trainer.distributed import DistContext, MicroBatch, rank_micro_batches
@@ -22,6 +21,7 @@ from deltarl.trainer.optim import build_optimizer
 from deltarl.trainer.settings import ExperimentSettings
 from deltarl.trainer.step import forward_logits, frozen_reference, train_step
 from deltarl.trainer.weights import WeightPublisher
+from deltarl.weightsync.reader import BucketReader
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3
 

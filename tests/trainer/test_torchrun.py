@@ -23,11 +23,11 @@ from coordinator.conftest import (
 )
 from test_step import tiny_llama_config
 
-from deltarl.services.buckets.local import LocalBucket
+from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup, WorkerRegistration
-from deltarl.services.weightsync.reader import BucketReader
 from deltarl.trainer.metrics import read_metrics
+from deltarl.weightsync.reader import BucketReader
 
 VOCAB = 16
 

@@ -11,15 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from deltarl.services.buckets import ObjectInfo
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.anchor import decode_anchor
-from deltarl.services.weightsync.codec.context import ContextMismatchError, DeltaContext
-from deltarl.services.weightsync.codec.formats import decode_delta
-from deltarl.services.weightsync.delta import apply_delta
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
-from deltarl.services.weightsync.reader import BucketReader
+from deltarl.buckets import ObjectInfo
+from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.settings import PublishSettings
 from deltarl.trainer.weights import (
     PublishFailedError,
@@ -27,6 +20,13 @@ from deltarl.trainer.weights import (
     WeightPublisher,
     publishable_state,
 )
+from deltarl.weightsync.anchor import decode_anchor
+from deltarl.weightsync.codec.context import ContextMismatchError, DeltaContext
+from deltarl.weightsync.codec.formats import decode_delta
+from deltarl.weightsync.delta import apply_delta
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.manifest import ObjectRef, VersionManifest
+from deltarl.weightsync.reader import BucketReader
 
 
 class FlakyBucket(LocalBucket):
@@ -513,7 +513,7 @@ def test_no_chained_delta_after_a_failure(bucket: FlakyBucket) -> None:
 def test_each_version_hands_over_weight_challenges(bucket: FlakyBucket) -> None:
     """After registration, ``proof_challenges`` fresh (nonce, answer) pairs computed on exactly
     the published state; a failing hand-over costs only the proofs, never the version."""
-    from deltarl.services.weightsync.proof import proof_answer
+    from deltarl.weightsync.proof import proof_answer
 
     model = TinyModel()
     got: list[tuple[int, Any, list[tuple[str, str]]]] = []
@@ -567,7 +567,7 @@ def test_the_challenge_pool_is_sized_by_the_coordinator(bucket: FlakyBucket) -> 
     """The first hand-over of a version has ``proof_challenges`` pairs (or the pool size the
     coordinator aimed at for the version before); then as many as its answer asks for, within
     ``proof_challenges_max`` per version; every pair is fresh and right."""
-    from deltarl.services.weightsync.proof import proof_answer
+    from deltarl.weightsync.proof import proof_answer
 
     model = TinyModel()
     pool = FakePool(target=25)
@@ -595,7 +595,7 @@ def test_the_challenge_pool_is_topped_up_from_the_held_state(bucket: FlakyBucket
     """Workers that join or retry after the publish: ``top_up`` (also every ``proof_topup_s``
     in a thread) hands over what the coordinator wants for the newest version, computed on the
     state the publisher still holds."""
-    from deltarl.services.weightsync.proof import proof_answer
+    from deltarl.weightsync.proof import proof_answer
 
     model = TinyModel()
     pool = FakePool(target=4)

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save
 
-from deltarl.services.weightsync import CorruptDeltaError, state_digests
-from deltarl.services.weightsync.anchor import (
+from deltarl.weightsync import CorruptDeltaError, state_digests
+from deltarl.weightsync.anchor import (
     decode_anchor,
     encode_anchor,
     read_anchor,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.errors import CorruptDeltaError
-from deltarl.services.weightsync.manifest import (
+from deltarl.buckets.local import LocalBucket
+from deltarl.weightsync.errors import CorruptDeltaError
+from deltarl.weightsync.manifest import (
     LATEST_KEY,
     VersionManifest,
     manifest_json,
@@ -24,14 +24,14 @@ from deltarl.services.weightsync.manifest import (
     sha256_hex,
     xxh3_hex,
 )
-from deltarl.services.weightsync.reader import BucketReader, RollbackError
-from deltarl.services.weightsync.signing import (
+from deltarl.weightsync.reader import BucketReader, RollbackError
+from deltarl.weightsync.signing import (
     Signer,
     UnhashedObjectError,
     Verifier,
     generate_key,
 )
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 # --- forging xxh3-128 -------------------------------------------------------------------------
 #
@@ -251,7 +251,7 @@ def test_an_old_signed_pointer_put_back_is_refused(
         reader.plan(2)
     assert reader.floor == 2 and reader.fetched_bytes == 0
     # the trainer does not believe it either: its next version replaces the old pointer
-    with caplog.at_level(logging.WARNING, "deltarl.services.weightsync"):
+    with caplog.at_level(logging.WARNING, "deltarl.weightsync"):
         publish(writer, 3)
     assert "points at version 1" in caplog.text
     assert reader.latest_version() == 3 and [s.version for s in reader.plan(2).steps] == [3]

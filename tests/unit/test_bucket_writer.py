@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from deltarl.services.buckets import Bucket, ObjectInfo
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.errors import BaseMismatchError, CorruptDeltaError
-from deltarl.services.weightsync.manifest import (
+from deltarl.buckets import Bucket, ObjectInfo
+from deltarl.buckets.local import LocalBucket
+from deltarl.weightsync.errors import BaseMismatchError, CorruptDeltaError
+from deltarl.weightsync.manifest import (
     LATEST_KEY,
     LatestPointer,
     VersionManifest,
     manifest_key,
     xxh3_hex,
 )
-from deltarl.services.weightsync.reader import BucketReader, VersionNotFoundError
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.weightsync.reader import BucketReader, VersionNotFoundError
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 
 def digest(v: int) -> str:
@@ -348,10 +348,10 @@ def test_should_anchor_policy(bucket: CrashingBucket) -> None:
 def test_end_to_end_with_the_codec(bucket: CrashingBucket) -> None:
     """Trainer publishes real codec output; a replica from nothing and one at v0 catch up."""
     torch = pytest.importorskip("torch")
-    from deltarl.services.weightsync.anchor import decode_anchor, encode_anchor
-    from deltarl.services.weightsync.codec.formats import FORMAT_TAGS, decode_delta, encode_delta
-    from deltarl.services.weightsync.delta import apply_delta, compute_delta
-    from deltarl.services.weightsync.digest import state_digest
+    from deltarl.weightsync.anchor import decode_anchor, encode_anchor
+    from deltarl.weightsync.codec.formats import FORMAT_TAGS, decode_delta, encode_delta
+    from deltarl.weightsync.delta import apply_delta, compute_delta
+    from deltarl.weightsync.digest import state_digest
 
     gen = torch.Generator().manual_seed(0)
     states = [{"w": torch.randn(64, 32, generator=gen).to(torch.bfloat16)}]
@@ -397,7 +397,7 @@ def test_reader_waits_for_a_lagging_latest_manifest(
     def lagging_get(key: str) -> bytes:
         if key == manifest_key(0) and misses[0] > 0:
             misses[0] -= 1
-            from deltarl.services.buckets import ObjectNotFoundError
+            from deltarl.buckets import ObjectNotFoundError
 
             raise ObjectNotFoundError(key)
         return real_get(key)

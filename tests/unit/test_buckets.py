@@ -17,7 +17,7 @@ import pytest
 from pydantic import SecretStr
 from support import free_port
 
-from deltarl.services.buckets import (
+from deltarl.buckets import (
     Bucket,
     BucketSettings,
     ObjectExistsError,
@@ -25,13 +25,13 @@ from deltarl.services.buckets import (
     open_bucket,
     validate_key,
 )
-from deltarl.services.buckets.hf import DryRunHfApi, HfBucket, parse_hf_uri
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.buckets.s3 import S3Bucket, make_s3_client
-from deltarl.services.weightsync.errors import CorruptDeltaError
-from deltarl.services.weightsync.manifest import xxh3_hex
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.buckets.hf import DryRunHfApi, HfBucket, parse_hf_uri
+from deltarl.buckets.local import LocalBucket
+from deltarl.buckets.s3 import S3Bucket, make_s3_client
+from deltarl.weightsync.errors import CorruptDeltaError
+from deltarl.weightsync.manifest import xxh3_hex
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 S3_BUCKET = "deltarl-test"
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
@@ -414,8 +414,8 @@ def test_secrets_never_printed_or_logged(
 def test_keys_and_buckets_are_torch_free() -> None:
     assert validate_key("objects/v000000000001/ab_c-1.safetensors.zst")
     code = (
-        "import sys; import deltarl.services.buckets, deltarl.services.weightsync.writer, "
-        "deltarl.services.weightsync.retention; assert 'torch' not in sys.modules"
+        "import sys; import deltarl.buckets, deltarl.weightsync.writer, "
+        "deltarl.weightsync.retention; assert 'torch' not in sys.modules"
     )
     import subprocess
 

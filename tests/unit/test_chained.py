@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltarl.services.weightsync import (
+from deltarl.weightsync import (
     BaseMismatchError,
     ContextMismatchError,
     CorruptDeltaError,
@@ -20,12 +20,12 @@ from deltarl.services.weightsync import (
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.codec.bits import FLOAT_FORMATS
-from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact
-from deltarl.services.weightsync.codec.compact_chunks import cluster_keys
-from deltarl.services.weightsync.codec.context import predict, skip_forbidden, unskip_forbidden
-from deltarl.services.weightsync.codec.entropy import entropy_bits
-from deltarl.services.weightsync.codec.formats import (
+from deltarl.weightsync.codec.bits import FLOAT_FORMATS
+from deltarl.weightsync.codec.compact import decode_compact, encode_compact
+from deltarl.weightsync.codec.compact_chunks import cluster_keys
+from deltarl.weightsync.codec.context import predict, skip_forbidden, unskip_forbidden
+from deltarl.weightsync.codec.entropy import entropy_bits
+from deltarl.weightsync.codec.formats import (
     decode_delta,
     describe,
     encode_delta,

@@ -9,14 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from states import perturb
 
-from deltarl.services.weightsync import (
+from deltarl.weightsync import (
     BaseMismatchError,
     CorruptDeltaError,
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.codec.compact import decode_compact, encode_compact, footer_summary
-from deltarl.services.weightsync.codec.entropy import (
+from deltarl.weightsync.codec.compact import decode_compact, encode_compact, footer_summary
+from deltarl.weightsync.codec.entropy import (
     ALPHABET,
     diff_to_symbols,
     rice_parameter,
@@ -176,7 +176,7 @@ def test_rice_parameter_is_an_integer_function():
 
 
 def test_composed_delta_with_elements_that_changed_back(state):
-    from deltarl.services.weightsync import compose
+    from deltarl.weightsync import compose
 
     mid = perturb(state, 0.2, seed=3)
     back = {k: v.clone() for k, v in state.items()}  # every change undone, plus a few new ones

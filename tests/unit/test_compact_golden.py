@@ -15,10 +15,10 @@ import pytest
 import torch
 import zstandard
 
-from deltarl.services.weightsync import compute_delta
-from deltarl.services.weightsync.codec import kernels
-from deltarl.services.weightsync.codec.compact import MAGIC, encode_compact, read_footer
-from deltarl.services.weightsync.codec.entropy import SMALL, TOP_BITS, diff_to_symbols
+from deltarl.weightsync import compute_delta
+from deltarl.weightsync.codec import kernels
+from deltarl.weightsync.codec.compact import MAGIC, encode_compact, read_footer
+from deltarl.weightsync.codec.entropy import SMALL, TOP_BITS, diff_to_symbols
 
 
 def _state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

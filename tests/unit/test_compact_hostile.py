@@ -17,16 +17,16 @@ from safetensors.torch import save_file
 from states import make_state, perturb
 from support import deltarl
 
-from deltarl.services.weightsync.anchor import decode_anchor, encode_anchor
-from deltarl.services.weightsync.codec.compact import (
+from deltarl.weightsync.anchor import decode_anchor, encode_anchor
+from deltarl.weightsync.codec.compact import (
     TRAILER,
     TRAILER_MAGIC,
     check_integrity,
     read_footer,
 )
-from deltarl.services.weightsync.codec.formats import describe, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
-from deltarl.services.weightsync.errors import CorruptDeltaError
+from deltarl.weightsync.codec.formats import describe, encode_delta
+from deltarl.weightsync.delta import compute_delta
+from deltarl.weightsync.errors import CorruptDeltaError
 
 GIB = 1 << 30
 

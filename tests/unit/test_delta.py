@@ -9,7 +9,7 @@ import pytest
 import torch
 from states import perturb
 
-from deltarl.services.weightsync import (
+from deltarl.weightsync import (
     BaseMismatchError,
     StateMismatchError,
     VerificationError,
@@ -158,7 +158,7 @@ def test_indices_are_sorted_int64(state):
 
 @pytest.mark.parametrize("bind", [False, True])
 def test_staged_apply_is_bit_exact(state, bind):
-    from deltarl.services.weightsync import apply_staged, stage_delta, verify_result
+    from deltarl.weightsync import apply_staged, stage_delta, verify_result
 
     new = perturb(state, 0.05)
     d = compute_delta(state, new, 0, 1)
@@ -172,7 +172,7 @@ def test_staged_apply_is_bit_exact(state, bind):
 def test_batched_staging_views_match_each_patch(state):
     """The CUDA path's layout (one index buffer, one value buffer per bit width), run on CPU:
     every part is exactly its patch, in order, across mixed dtypes."""
-    from deltarl.services.weightsync.delta import _stage_batched, iter_changed_tensors
+    from deltarl.weightsync.delta import _stage_batched, iter_changed_tensors
 
     mixed = dict(state) | {"fp32.extra": torch.randn(33, 7)}
     new = perturb(mixed, 0.05)
@@ -193,14 +193,14 @@ def test_batched_staging_views_match_each_patch(state):
         assert torch.equal(g.index, torch.cat([parts[i][1] for i in range(g.first, g.end)]))
         assert torch.equal(g.values, torch.cat([parts[i][2] for i in range(g.first, g.end)]))
     s = clone(mixed)
-    from deltarl.services.weightsync.delta import StagedDelta, apply_staged
+    from deltarl.weightsync.delta import StagedDelta, apply_staged
 
     apply_staged(s, StagedDelta(delta=d, device=torch.device("cpu"), parts=parts))
     assert bits_equal(s, new)
 
 
 def test_staged_apply_refuses_a_different_state(state):
-    from deltarl.services.weightsync import apply_staged, stage_delta
+    from deltarl.weightsync import apply_staged, stage_delta
 
     d = compute_delta(state, perturb(state, 0.05), 0, 1)
     staged = stage_delta(d, "cpu", clone(state))

@@ -1,4 +1,4 @@
-"""The paused window's store plan (services/weightsync/apply_kernel.py), checked on CPU.
+"""The paused window's store plan (weightsync/apply_kernel.py), checked on CPU.
 
 The Triton kernel itself runs only on a GPU (tests/rollout/test_apply_kernel_gpu.py); here the
 addresses it would store to are checked against ``data_ptr`` arithmetic and emulated, so that
@@ -13,10 +13,10 @@ import pytest
 import torch
 from states import mixed_fused_state, perturb
 
-from deltarl.services.weightsync import CorruptDeltaError, compute_delta
-from deltarl.services.weightsync import apply_kernel as kernel_module
-from deltarl.services.weightsync.codec.bits import bits_view
-from deltarl.services.weightsync.delta import (
+from deltarl.weightsync import CorruptDeltaError, compute_delta
+from deltarl.weightsync import apply_kernel as kernel_module
+from deltarl.weightsync.codec.bits import bits_view
+from deltarl.weightsync.delta import (
     StagedDelta,
     _check_bounds,
     _stage_batched,
@@ -150,7 +150,7 @@ def test_store_plan_refuses_a_width_mismatch(state):
     parts, groups = _stage_batched(patches, torch.device("cpu"), pin=False)
     targets = [bits_view(state[name]) for name, _, _ in parts]
     targets[0] = targets[0].view(torch.uint8)  # 1-byte elements under int16 values
-    from deltarl.services.weightsync import StateMismatchError
+    from deltarl.weightsync import StateMismatchError
 
     with pytest.raises(StateMismatchError, match="cannot store"):
         _store_plan(groups, targets)

@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 from states import make_state, perturb
 from support import deltarl
 
-from deltarl.services.weightsync import DeltaError, apply_delta, state_digest
-from deltarl.services.weightsync.codec.compact import TRAILER, TRAILER_MAGIC, read_footer
-from deltarl.services.weightsync.codec.formats import decode_delta, encode_delta
-from deltarl.services.weightsync.delta import compute_delta
+from deltarl.weightsync import DeltaError, apply_delta, state_digest
+from deltarl.weightsync.codec.compact import TRAILER, TRAILER_MAGIC, read_footer
+from deltarl.weightsync.codec.formats import decode_delta, encode_delta
+from deltarl.weightsync.delta import compute_delta
 
 OLD = make_state(seed=11)
 NEW = perturb(OLD, 0.03, seed=5)

@@ -9,18 +9,18 @@ import pytest
 import torch
 from test_compact_golden import _state
 
-from deltarl.services.weightsync import compute_delta
-from deltarl.services.weightsync.codec import kernels
-from deltarl.services.weightsync.codec.bits import bits_numpy, float_format
-from deltarl.services.weightsync.codec.compact import encode_compact
-from deltarl.services.weightsync.codec.compact_chunks import ChunkScan, context_layout
-from deltarl.services.weightsync.codec.device_scan import (
+from deltarl.weightsync import compute_delta
+from deltarl.weightsync.codec import kernels
+from deltarl.weightsync.codec.bits import bits_numpy, float_format
+from deltarl.weightsync.codec.compact import encode_compact
+from deltarl.weightsync.codec.compact_chunks import ChunkScan, context_layout
+from deltarl.weightsync.codec.device_scan import (
     PinnedStaging,
     changes_and_scans,
     start_changes_and_scans,
     warm_up,
 )
-from deltarl.services.weightsync.delta import changed_elements
+from deltarl.weightsync.delta import changed_elements
 
 CHUNK = 997  # several chunks per tensor, the last one short
 

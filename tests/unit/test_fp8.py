@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from deltarl.services.weightsync import fp8
+from deltarl.weightsync import fp8
 
 # ------------------------------------------------------------------------------- reference
 

@@ -18,17 +18,17 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 from states import perturb
 
-from deltarl.services.weightsync import fp8
-from deltarl.services.weightsync.anchor import decode_anchor, encode_anchor
-from deltarl.services.weightsync.codec.compact import read_footer
-from deltarl.services.weightsync.codec.context import DeltaContext
-from deltarl.services.weightsync.codec.formats import (
+from deltarl.weightsync import fp8
+from deltarl.weightsync.anchor import decode_anchor, encode_anchor
+from deltarl.weightsync.codec.compact import read_footer
+from deltarl.weightsync.codec.context import DeltaContext
+from deltarl.weightsync.codec.formats import (
     decode_delta,
     describe,
     encode_delta,
     squash_chain,
 )
-from deltarl.services.weightsync.delta import (
+from deltarl.weightsync.delta import (
     apply_delta,
     apply_staged,
     compute_delta,
@@ -36,8 +36,8 @@ from deltarl.services.weightsync.delta import (
     verify_base,
     verify_result,
 )
-from deltarl.services.weightsync.digest import state_digest, tensor_digest
-from deltarl.services.weightsync.errors import (
+from deltarl.weightsync.digest import state_digest, tensor_digest
+from deltarl.weightsync.errors import (
     BaseMismatchError,
     CorruptDeltaError,
     StateMismatchError,
@@ -270,7 +270,7 @@ def test_the_device_scan_finds_fp8_changes_like_the_host_encoder(
 ) -> None:
     """What an FSDP rank on a GPU runs (codec/device_scan.py), here on CPU tensors: the scans
     of e4m3 and scale tensors give the same compact bytes as the encoder reading the base."""
-    from deltarl.services.weightsync.codec.device_scan import changes_and_scans
+    from deltarl.weightsync.codec.device_scan import changes_and_scans
 
     old, new = versions[1], versions[2]
     delta = compute_delta(old, new, 1, 2)

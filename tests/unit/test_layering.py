@@ -4,7 +4,7 @@ From the bottom: the shared scaffolding of every service (``services/common``: h
 the request guard, model sources), the buckets, the weight-sync library; then the services (the
 coordinator; the env server and the teacher, which know nothing of the rest); the rollout worker
 (a client of the coordinator, the env server and the teacher); the trainer; and on top the
-``deltarl`` command and its tools (demo, run, eval) and the deploy tool (``services/spaces``),
+``deltarl`` command and its tools (demo, run, eval) and the deploy tool (``deltarl/spaces``),
 which may use anything. An import that is not on this list is a sideways one: this test names it.
 Imports inside functions count too (they are how heavy modules are loaded late).
 """
@@ -19,30 +19,39 @@ ROOT = Path(__file__).resolve().parents[2]
 # layer -> the layers it may import (besides itself and the ``deltarl`` package's root module)
 ALLOWED: dict[str, set[str]] = {
     "services.common": set(),
-    "services.buckets": {"services.common"},
-    "services.weightsync": {"services.common", "services.buckets"},
-    "services.coordinator": {"services.common", "services.buckets", "services.weightsync"},
+    "buckets": {"services.common"},
+    "weightsync": {"services.common", "buckets"},
+    "services.coordinator": {"services.common", "buckets", "weightsync"},
     "env_server": {"services.common"},
     "teacher": {"services.common"},
     "rollout": {
         "services.common",
-        "services.buckets",
-        "services.weightsync",
+        "buckets",
+        "weightsync",
         "services.coordinator",
         "env_server",
         "teacher",
     },
     "trainer": {
         "services.common",
-        "services.buckets",
-        "services.weightsync",
+        "buckets",
+        "weightsync",
         "services.coordinator",
         "env_server",
         "rollout",
     },
 }
-TOOLS = ("deltarl", "services.spaces")  # may import anything; nothing below imports them
-FOLDERS = ("services", "env_server", "teacher", "rollout", "trainer", "deltarl")
+TOOLS = ("deltarl",)  # may import anything; nothing below imports them
+FOLDERS = (
+    "services",
+    "weightsync",
+    "buckets",
+    "env_server",
+    "teacher",
+    "rollout",
+    "trainer",
+    "deltarl",
+)
 
 
 def layer_of_module(module: str) -> str | None:
@@ -52,7 +61,7 @@ def layer_of_module(module: str) -> str | None:
         return None
     if parts[1] == "services":
         return "services" if len(parts) == 2 else f"services.{parts[2]}"
-    if parts[1] in ("env_server", "teacher", "rollout", "trainer"):
+    if parts[1] in ("weightsync", "buckets", "env_server", "teacher", "rollout", "trainer"):
         return parts[1]
     return "deltarl"
 

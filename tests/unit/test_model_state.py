@@ -1,4 +1,4 @@
-"""What a model publishes (services/weightsync/model_state.py): tensors, tied ones once, on any
+"""What a model publishes (weightsync/model_state.py): tensors, tied ones once, on any
 device (meta included), and the ones transformers keeps in fp32."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from deltarl.services.weightsync.model_state import fp32_names, publish_dtype, publishable_state
+from deltarl.weightsync.model_state import fp32_names, publish_dtype, publishable_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from moe_helpers import deepseek_v3_config, qwen3_moe_config

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest, xxh3_hex
-from deltarl.services.weightsync.planner import (
+from deltarl.weightsync.manifest import ObjectRef, VersionManifest, xxh3_hex
+from deltarl.weightsync.planner import (
     CatchUpPlan,
     UnreachableVersionError,
     plan_catch_up,

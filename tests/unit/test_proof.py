@@ -1,4 +1,4 @@
-"""Weight proofs (services/weightsync/proof.py): the sampled answer equals a plain reference
+"""Weight proofs (weightsync/proof.py): the sampled answer equals a plain reference
 computed on the concatenated bytes, and any change a sampled chunk covers changes it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from deltarl.services.weightsync.proof import (
+from deltarl.weightsync.proof import (
     MAGIC,
     ProofError,
     ProofSpec,

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.manifest import MANIFESTS_PREFIX, OBJECTS_PREFIX, xxh3_hex
-from deltarl.services.weightsync.planner import plan_catch_up, reachable_versions
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.retention import RetentionPolicy, collect_garbage
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.buckets.local import LocalBucket
+from deltarl.weightsync.manifest import MANIFESTS_PREFIX, OBJECTS_PREFIX, xxh3_hex
+from deltarl.weightsync.planner import plan_catch_up, reachable_versions
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.retention import RetentionPolicy, collect_garbage
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 LATER = timedelta(days=1)
 

@@ -7,16 +7,16 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from deltarl.services.weightsync.delta import Delta, TensorPatch
-from deltarl.services.weightsync.errors import CorruptDeltaError, StateMismatchError
-from deltarl.services.weightsync.manifest import (
+from deltarl.weightsync.delta import Delta, TensorPatch
+from deltarl.weightsync.errors import CorruptDeltaError, StateMismatchError
+from deltarl.weightsync.manifest import (
     ObjectPart,
     ObjectRef,
     parse_slice_key,
     parts_digest,
     slice_key,
 )
-from deltarl.services.weightsync.sharding import layout_view, merge_parts
+from deltarl.weightsync.sharding import layout_view, merge_parts
 
 PREFIX = "objects/v000000000003/"
 

@@ -11,20 +11,20 @@ import pytest
 from states import make_state
 from support import deltarl
 
+from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.services.buckets.local import LocalBucket
-from deltarl.services.weightsync.anchor import encode_anchor
-from deltarl.services.weightsync.digest import state_digest
-from deltarl.services.weightsync.manifest import LATEST_KEY, manifest_key
-from deltarl.services.weightsync.reader import BucketReader
-from deltarl.services.weightsync.signing import (
+from deltarl.weightsync.anchor import encode_anchor
+from deltarl.weightsync.digest import state_digest
+from deltarl.weightsync.manifest import LATEST_KEY, manifest_key
+from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.signing import (
     BadSignatureError,
     Signer,
     UnsignedVersionError,
     Verifier,
     generate_key,
 )
-from deltarl.services.weightsync.writer import BucketWriter, NewObject
+from deltarl.weightsync.writer import BucketWriter, NewObject
 
 
 def publish(bucket: LocalBucket, version: int, signer: Signer | None) -> None:

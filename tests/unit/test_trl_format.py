@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from deltarl.services.weightsync import (
+from deltarl.weightsync import (
     BaseMismatchError,
     CorruptDeltaError,
     DeltaError,
@@ -19,7 +19,7 @@ from deltarl.services.weightsync import (
     apply_delta,
     compute_delta,
 )
-from deltarl.services.weightsync.codec.trl_format import (
+from deltarl.weightsync.codec.trl_format import (
     TensorSpec,
     decode_trl,
     encode_trl,

@@ -70,7 +70,7 @@ from deltarl.services.coordinator.schemas.workers import (
     WorkerRegistration,
     WorkerState,
 )
-from deltarl.services.weightsync.planner import CatchUpPlan
+from deltarl.weightsync.planner import CatchUpPlan
 
 __all__ = [
     "TRAJECTORY_FORMAT",

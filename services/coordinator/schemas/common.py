@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from deltarl.services.common.client_headers import TOKEN_HEADER as TOKEN_HEADER  # re-exported
-from deltarl.services.weightsync.manifest import INT64_MAX, MAX_VERSION
+from deltarl.weightsync.manifest import INT64_MAX, MAX_VERSION
 
 # Identifiers chosen by clients (worker ids, group ids, idempotency keys): printable, no spaces,
 # short enough to be used as Redis keys and Prometheus label values, and path-safe (no '/': a

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from deltarl.services.coordinator.schemas.common import Count, Version, WireModel
 from deltarl.services.coordinator.schemas.trajectories import ModelLimits
-from deltarl.services.weightsync.manifest import ObjectRef, VersionManifest
+from deltarl.weightsync.manifest import ObjectRef, VersionManifest
 
 VersionKind = Literal["anchor", "delta"]
 

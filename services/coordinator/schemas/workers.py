@@ -61,7 +61,7 @@ class WorkerHeartbeat(WireModel):
     weights_digest: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{16,128}$",
-        description="State digest (lowercase hex, deltarl.services.weightsync.digest) of the weights "
+        description="State digest (lowercase hex, deltarl.weightsync.digest) of the weights "
         "the engine serves at applied_version, as the worker verified them after applying; the "
         "coordinator compares it with the trainer's digest of that version. None: not reported.",
     )
@@ -136,7 +136,7 @@ HEX_NONCE = r"^[0-9a-f]{64}$"
 class WeightChallenge(WireModel):
     """A weight challenge (in a heartbeat answer): prove that the weights served at ``version``
     are the trainer's by answering ``POST /v1/workers/{id}/proof`` before ``expires_at`` with
-    :func:`deltarl.services.weightsync.proof.proof_answer` of the served tensors."""
+    :func:`deltarl.weightsync.proof.proof_answer` of the served tensors."""
 
     version: Version = Field(description="The version to prove (the one the worker reported).")
     nonce: str = Field(pattern=HEX_NONCE, description="32 random bytes (hex), used once.")

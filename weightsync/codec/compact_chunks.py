@@ -1,0 +1,506 @@
+"""Per-chunk coding of the compact format: analysis, entropy coding and decoding of one chunk.
+
+The container around the chunks (layout, footer, index, checksums, threads) is ``compact.py``;
+the entropy models both sides share are ``entropy.py``; the compiled loops are ``kernels.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deltarl.weightsync.codec import kernels
+from deltarl.weightsync.codec.bits import FloatFormat
+from deltarl.weightsync.codec.context import (
+    N_MOVE_BUCKETS,
+    predict,
+    skip_forbidden,
+    unskip_forbidden,
+)
+from deltarl.weightsync.codec.entropy import (
+    ALPHABET,
+    SMALL,
+    TOP_BITS,
+    VarintReader,
+    coding_cost_bits,
+    cumulative,
+    diff_to_symbols,
+    entropy_bits,
+    quantize_frequencies,
+    read_table,
+    rice_parameter,
+    symbol_extra_widths,
+    symbols_to_diff,
+    table_bytes,
+    varints,
+    wrapped_add,
+    wrapped_diff,
+)
+from deltarl.weightsync.errors import CorruptDeltaError
+
+
+@dataclass(slots=True)
+class ChunkAnalysis:
+    """Everything phase A learns about one chunk; phase B turns it into bytes."""
+
+    tensor: str
+    start: int
+    count: int
+    ctx_ids: np.ndarray  # int64 [C], position contexts (old exponents) with changes, ascending
+    kc: np.ndarray  # int64 [C], changes per position context
+    key: np.ndarray  # int64 [V], value contexts with changes, ascending (= shared-table keys)
+    counts: np.ndarray  # int64 [V, ALPHABET], symbol counts per value context
+    gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
+    kparams: np.ndarray  # uint8, Rice parameter of each gap
+    symbols: np.ndarray  # uint16, one per changed element in index order
+    sym_ctx: np.ndarray  # int32, position in ``key`` of each symbol's value context
+    extra: np.ndarray  # uint32 extra-bit values
+    widths: np.ndarray  # uint8 extra-bit widths
+    chained: bool = False  # values coded against a prediction from a context delta
+    own: np.ndarray | None = None  # bool [V]: value context codes with its own table
+
+
+def context_layout(fmt: FloatFormat) -> tuple[int, int]:
+    """(shift, mask) extracting the exponent field from a bit pattern."""
+    return fmt.mantissa_bits, fmt.exponent_mask
+
+
+def position_contexts(
+    old: np.ndarray, fmt: FloatFormat, prediction: Prediction | None
+) -> tuple[np.ndarray, int, int]:
+    """``(keys, shift, mask)`` such that ``(keys >> shift) & mask`` is each element's position
+    context: its old exponent, and in a chained chunk also whether the context delta moved it
+    (``2 exponent + moved``), which makes a change likelier."""
+    shift, emask = context_layout(fmt)
+    if prediction is None:
+        return old, shift, emask
+    keys = np.empty(old.size, np.int16 if emask < 1 << 14 else np.int32)
+    kernels.moved_keys(old, shift, emask, prediction.index, keys)
+    return keys, 0, (emask << 1) | 1
+
+
+def value_residuals(
+    old: np.ndarray,
+    index: np.ndarray,
+    ctx: np.ndarray,
+    fmt: FloatFormat,
+    prev: Prediction | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """What the values are coded against: ``(reference bits, forbidden residual, value context)``
+    per changed element. Standalone: the old value, no forbidden residual (None), the old
+    exponent. Chained: the prediction from the context delta, the residual of "unchanged", and
+    ``exponent * N_MOVE_BUCKETS + move bucket`` (``ctx`` holds ``2 exponent + moved``)."""
+    if prev is None:
+        return old[index], None, ctx
+    ref, forbidden, buckets = predict(old, index, prev.index, prev.before, fmt, prev.rho16)
+    return ref, forbidden, (ctx >> 1) * N_MOVE_BUCKETS + buckets
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """A chunk's slice of a :class:`~.context.DeltaContext` and the extrapolation factor."""
+
+    index: np.ndarray  # chunk-local sorted indices the context delta changed
+    before: np.ndarray  # their bit patterns before it
+    rho16: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkScan:
+    """What :func:`~.kernels.scan_contexts` finds in one chunk, computed where the weights live
+    (:func:`~.device_scan.changes_and_scans`: on a GPU, so only O(changed) data reaches the
+    host). With it :func:`analyse_chunk` reads no base element but the changed ones."""
+
+    count: int  # elements in the chunk
+    hist: np.ndarray  # int64 [contexts]: the chunk's elements per position context
+    ctx: np.ndarray  # integer [k] (int16 from the device): each change's context, index order
+    rank: np.ndarray  # integer [k] (int32): its rank among the chunk's earlier elements of it
+    old: np.ndarray  # [k]: the changed elements' bit patterns at the base
+
+
+def analyse_chunk(
+    tensor: str,
+    start: int,
+    old: np.ndarray | None,
+    index: np.ndarray,
+    value: np.ndarray,
+    fmt: FloatFormat,
+    prediction: Prediction | None = None,
+    scan: ChunkScan | None = None,
+) -> ChunkAnalysis:
+    """Phase A for one chunk: ``old`` (the chunk's base bit patterns), ``index`` (chunk-local,
+    increasing) and ``value`` (new bit patterns) of its changed elements. With ``scan`` (a
+    standalone delta only) ``old`` is not read and may be None."""
+    if scan is not None:
+        hist, ctx, rank, ref, count = _checked_scan(scan, index, value, fmt, prediction)
+        nctx = hist.size
+    else:
+        if old is None:
+            raise ValueError("analyse_chunk needs the chunk's base elements or its scan")
+        keys, shift, emask = position_contexts(old, fmt, prediction)
+        nctx = emask + 1
+        real = value != old[index]  # a composed delta may hold elements that changed back
+        if not bool(real.all()):
+            index, value = index[real], value[real]
+        k = index.size
+        hist = np.zeros(nctx, np.int64)
+        ctx = np.empty(k, np.int64)
+        rank = np.empty(k, np.int64)
+        kernels.scan_contexts(keys, index, shift, emask, hist, ctx, rank)
+        count, ref = old.size, None
+    kc_all = kernels.count_values(ctx, nctx)
+    present = np.flatnonzero(kc_all)
+    comp = 2 * kc_all > hist
+
+    coded = np.where(comp, hist - kc_all, kc_all)
+    gaps = np.empty(int(coded.sum()), np.uint32)  # < chunk size
+    kparams = np.empty(gaps.size, np.uint8)
+    kparam_of_ctx = rice_parameter(hist, coded).astype(np.uint8)
+    kernels.position_gaps(ctx, rank, hist, kc_all, comp, kparam_of_ctx, gaps, kparams)
+
+    if ref is None:
+        assert old is not None
+        ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+    else:
+        forbidden, vctx = None, ctx
+    # value contexts present, ascending (standalone they are the position contexts: each change
+    # is one symbol of its own context), and each symbol's row among them
+    vkeys = present if vctx is ctx else np.flatnonzero(np.bincount(vctx, minlength=1))
+    pos_of_key = np.zeros(int(vkeys[-1]) + 1 if vkeys.size else 1, np.int32)
+    pos_of_key[vkeys] = np.arange(vkeys.size, dtype=np.int32)
+    if forbidden is None:  # standalone: diff, symbols, rows and counts in one compiled pass
+        k = value.size
+        symbols = np.empty(k, np.uint16)
+        extra = np.empty(k, np.uint32)
+        widths = np.empty(k, np.uint8)
+        sym_ctx = np.empty(k, np.int32)
+        counts = np.zeros((vkeys.size, ALPHABET), np.int64)
+        kernels.value_symbols(
+            value,
+            ref,
+            fmt.width,
+            vctx,
+            pos_of_key,
+            TOP_BITS,
+            SMALL,
+            symbols,
+            extra,
+            widths,
+            sym_ctx,
+            counts,
+        )
+    else:
+        sym_ctx = pos_of_key[vctx]
+        d = skip_forbidden(wrapped_diff(value, ref, fmt.width), forbidden)
+        symbols, extra, widths = diff_to_symbols(d)
+        counts = np.bincount(
+            sym_ctx.astype(np.int64) * ALPHABET + symbols, minlength=vkeys.size * ALPHABET
+        )
+    return ChunkAnalysis(
+        tensor=tensor,
+        start=start,
+        count=count,
+        ctx_ids=present,
+        kc=kc_all[present],
+        key=vkeys,
+        counts=counts.reshape(vkeys.size, ALPHABET),
+        # compact dtypes: this is held for every changed element until the chunk is coded
+        gaps=gaps,
+        kparams=kparams,
+        symbols=symbols.astype(np.uint16, copy=False),
+        sym_ctx=sym_ctx,
+        extra=extra.astype(np.uint32, copy=False),
+        widths=widths.astype(np.uint8, copy=False),
+        chained=prediction is not None,
+    )
+
+
+def _checked_scan(
+    scan: ChunkScan,
+    index: np.ndarray,
+    value: np.ndarray,
+    fmt: FloatFormat,
+    prediction: Prediction | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(hist, ctx, rank, old values, count)`` of a precomputed scan, after checking that it
+    fits the chunk (a wrong scan would code wrong positions without any error)."""
+    if prediction is not None:
+        raise ValueError(
+            "a precomputed scan is for standalone deltas (a chained one needs the base)"
+        )
+    _, emask = context_layout(fmt)
+    k = index.size
+    if scan.hist.shape != (emask + 1,) or int(scan.hist.sum()) != scan.count:
+        raise ValueError(f"scan histogram does not fit a chunk of {scan.count} {fmt.name} elements")
+    if scan.ctx.shape != (k,) or scan.rank.shape != (k,) or scan.old.shape != (k,):
+        raise ValueError(f"scan lists {scan.ctx.size} changed elements, the delta {k}")
+    if k and (int(index[-1]) >= scan.count or bool((value == scan.old).any())):
+        raise ValueError(
+            "scan does not fit the delta: an index past the chunk or an unchanged value"
+        )
+    # the kernels take the scan's narrow dtypes as they are (int16 contexts, int32 ranks) and
+    # index with the contexts unchecked: they must lie in [0, emask]
+    ctx = np.ascontiguousarray(scan.ctx)
+    rank = np.ascontiguousarray(scan.rank)
+    if k and (int(ctx.min()) < 0 or int(ctx.max()) > emask):
+        raise ValueError(f"scan contexts outside [0, {emask}]")
+    return np.ascontiguousarray(scan.hist, np.int64), ctx, rank, scan.old, scan.count
+
+
+N_KEYS = 256  # shared tables are keyed by the old exponent (8 bits at most)
+N_KEYS_CHAINED = N_KEYS * N_MOVE_BUCKETS  # chained: (old exponent, previous move)
+
+
+def n_keys(chained: bool) -> int:
+    return N_KEYS_CHAINED if chained else N_KEYS
+
+
+TABLE_COST_BITS = (8, 18)  # ~bits of a serialized table: fixed + per non-zero symbol
+
+
+def shared_tables(
+    analyses: list[ChunkAnalysis], use_own: bool, chained: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Quantized shared tables of the value contexts, from all chunks that use them (the same
+    exponent behaves alike across tensors: its ULP is the same size).
+
+    Neighbouring exponents of the same move bucket share one table where that is cheaper,
+    the table's own size included (:func:`cluster_keys`).
+
+    Returns ``(table_of_key [n_keys(chained)], freq [S, ALPHABET])``.
+    """
+    nk = n_keys(chained)
+    counts = np.zeros((nk, ALPHABET), np.int64)
+    for a in analyses:
+        sel = ~a.own if (use_own and a.own is not None) else np.ones(a.key.size, bool)
+        counts[a.key[sel]] += a.counts[sel]  # a chunk's value contexts are distinct
+    families = N_MOVE_BUCKETS if chained else 1
+    table_of_key = np.full(nk, -1, np.int64)
+    pooled: list[np.ndarray] = []
+    for fam in range(families):
+        keys = np.arange(fam, nk, families)
+        keys = keys[counts[keys].sum(axis=1) > 0]
+        for seg in cluster_keys(counts[keys]):
+            table_of_key[keys[seg]] = len(pooled)
+            pooled.append(counts[keys[seg]].sum(axis=0))
+    freq = np.zeros((len(pooled), ALPHABET), np.int64)
+    for i, c in enumerate(pooled):
+        freq[i] = quantize_frequencies(c)
+    return table_of_key, freq
+
+
+def cluster_keys(counts: np.ndarray) -> list[slice]:
+    """Split consecutive rows of ``counts`` into runs that share a table, minimizing the coded
+    size (empirical entropy of each run's pooled counts plus its table's cost): an exact
+    dynamic program over run boundaries, with runs of at most 32 rows."""
+    n = counts.shape[0]
+    if n == 0:
+        return []
+    prefix = np.zeros((n + 1, counts.shape[1]), np.int64)
+    np.cumsum(counts, axis=0, out=prefix[1:])
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(n + 1, np.int64)
+    fixed, per_symbol = TABLE_COST_BITS
+    for j in range(1, n + 1):
+        i0 = max(0, j - 32)
+        pooled = prefix[j] - prefix[i0:j]  # runs [i, j) for i in i0..j-1
+        cost = entropy_bits(pooled) + fixed + per_symbol * (pooled > 0).sum(axis=1)
+        total = best[i0:j] + cost
+        i = int(np.argmin(total))
+        best[j], cut[j] = total[i], i0 + i
+    runs: list[slice] = []
+    j = n
+    while j > 0:
+        runs.append(slice(int(cut[j]), j))
+        j = int(cut[j])
+    return runs[::-1]
+
+
+OWN_TABLE_MIN = 16384
+
+
+def choose_own_tables(a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray) -> None:
+    """Give a context its own table where that costs fewer bits, table included (MDL).
+
+    Chunks with fewer than ``OWN_TABLE_MIN`` changes are not considered: their tables would
+    not pay for themselves, and the check costs time per chunk."""
+    if a.key.size == 0 or a.symbols.size < OWN_TABLE_MIN:
+        a.own = np.zeros(a.key.size, bool)
+        return
+    shared_cost = coding_cost_bits(a.counts, shared[table_of_key[a.key]])
+    nnz = (a.counts > 0).sum(axis=1)
+    n = a.counts.sum(axis=1)
+    own_cost = entropy_bits(a.counts) + 8 * (1 + 2 * nnz) + 0.002 * n * kernels.PROB_BITS
+    a.own = own_cost < shared_cost
+
+
+def code_chunk(
+    a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray
+) -> tuple[bytes, bytes, list[int]]:
+    """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
+
+    The header lists the position contexts with changes as varints ``(context gap, 2 k + own)``
+    followed by the chunk's own frequency tables; headers of all chunks are compressed
+    together. Standalone, value contexts are the position contexts, so ``own`` flags them; a
+    chained chunk has more value contexts: its ``own`` bits are 0 and a list
+    ``(count, value-context gaps...)`` of those with their own table precedes the tables.
+    """
+    assert a.own is not None
+    own_pos = np.flatnonzero(a.own)
+    own_freq = (
+        np.stack([quantize_frequencies(a.counts[i]) for i in own_pos])
+        if own_pos.size
+        else np.zeros((0, ALPHABET), np.int64)
+    )
+    header = [int(a.ctx_ids.size)]
+    prev = -1
+    own_flags = a.own.tolist() if not a.chained else [False] * a.ctx_ids.size
+    for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), own_flags, strict=True):
+        header += [c - prev - 1, 2 * kcount + int(own)]
+        prev = c
+    if a.chained:
+        header.append(int(own_pos.size))
+        prev = -1
+        for key in a.key[own_pos].tolist():
+            header.append(key - prev - 1)
+            prev = key
+    head = varints(header) + b"".join(table_bytes(f) for f in own_freq)
+
+    rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
+    kernels.rice_encode(a.gaps, a.kparams, rice)
+
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    ctx_table = table_of_key[a.key]
+    ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
+    rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
+    pos = kernels.rans_encode(a.symbols, a.sym_ctx, ctx_table, freq, cumulative(freq), rans)
+    extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
+    kernels.raw_bits_encode(a.extra, a.widths, extra)
+    parts = [rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]
+    return head, b"".join(parts), [len(p) for p in parts]
+
+
+@dataclass(slots=True)
+class ChunkRef:
+    tensor: str
+    start: int
+    count: int
+    header: bytes
+    body: memoryview
+    streams: tuple[int, int, int]  # rice, rans, extra bytes
+
+
+def decode_chunk(
+    ref: ChunkRef,
+    old: np.ndarray,
+    fmt: FloatFormat,
+    table_of_key: np.ndarray,
+    shared: np.ndarray,
+    prediction: Prediction | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    keys, shift, emask = position_contexts(old, fmt, prediction)
+    nctx = emask + 1
+    rice_len, rans_len, _ = ref.streams
+    raw = np.frombuffer(ref.body, np.uint8)
+    r = VarintReader(ref.header, f"{ref.tensor}: chunk header")
+    n_present = r.varint()
+    if n_present > nctx:
+        raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
+    ctx_ids = np.empty(n_present, np.int64)
+    kc_present = np.empty(n_present, np.int64)
+    own = np.zeros(n_present, bool)
+    c = -1
+    for i in range(n_present):
+        c += r.varint() + 1
+        v = r.varint()
+        if c >= nctx or v < 2:
+            raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
+        ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
+    own_keys = ctx_ids[own]
+    if prediction is not None:
+        if own.any():
+            raise CorruptDeltaError(f"{ref.tensor}: chained chunk header is malformed")
+        n_own = r.varint()
+        if n_own > N_KEYS_CHAINED:
+            raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_own} own tables")
+        own_keys = np.empty(n_own, np.int64)
+        key = -1
+        for i in range(n_own):
+            key += r.varint() + 1
+            if key >= (nctx >> 1) * N_MOVE_BUCKETS:
+                raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
+            own_keys[i] = key
+    n_own = int(own_keys.size)
+    own_freq = (
+        np.stack([read_table(r) for _ in range(n_own)])
+        if n_own
+        else np.zeros((0, ALPHABET), np.int64)
+    )
+    r.done()
+
+    hist = np.zeros(nctx, np.int64)
+    kernels.context_histogram(keys, shift, emask, hist)
+    kc = np.zeros(nctx, np.int64)
+    kc[ctx_ids] = kc_present
+    if np.any(kc > hist):
+        raise CorruptDeltaError(
+            f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
+        )
+    comp = 2 * kc > hist
+    coded = np.where(comp, hist - kc, kc)
+    coded[kc == 0] = 0
+    gap_ctx = np.repeat(np.arange(nctx), coded)
+    kparams = rice_parameter(hist, coded)[gap_ctx]
+    gaps = np.empty(gap_ctx.size, np.int64)
+    if kernels.rice_decode(raw[:rice_len], kparams, gaps) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
+    ends = np.cumsum(coded)
+    starts = ends - coded
+    csum = np.cumsum(gaps + 1)
+    seg_base = np.zeros(nctx, np.int64)
+    if csum.size:
+        nonempty = starts > 0
+        seg_base[nonempty] = csum[starts[nonempty] - 1]
+    ranks = csum - 1 - np.repeat(seg_base, coded)
+    if ranks.size and np.any((coded > 0) & (ranks[np.maximum(ends - 1, 0)] >= hist)):
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
+        )
+    k = int(kc.sum())
+    index = np.empty(k, np.int64)
+    ctx = np.empty(k, np.int64)
+    m = kernels.select_changed(keys, shift, emask, ranks, starts, ends, comp, index, ctx)
+    if m != k:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
+        )
+
+    ref_bits, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+    nv = (nctx >> 1) * N_MOVE_BUCKETS if prediction is not None else nctx
+    ctx_table = np.full(nv, -1, np.int64)
+    ctx_table[:] = table_of_key[:nv]
+    ctx_table[own_keys] = shared.shape[0] + np.arange(n_own)
+    tid = ctx_table[vctx]
+    if tid.size and tid.min() < 0:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: chunk refers to a frequency table the delta does not hold"
+        )
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    symbols = np.empty(k, np.int64)
+    rans = raw[rice_len : rice_len + rans_len]
+    if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
+        raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
+    widths = symbol_extra_widths(symbols)
+    if widths.size and int(widths.max()) + 1 + TOP_BITS > fmt.width:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: value stream holds a difference wider than the dtype"
+        )
+    extra = np.empty(k, np.int64)
+    if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
+    d = symbols_to_diff(symbols, extra)
+    if forbidden is not None:
+        d = unskip_forbidden(d, forbidden)
+    return index, wrapped_add(ref_bits, d, fmt)
