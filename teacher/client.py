@@ -3,9 +3,10 @@
 
 Both speak the binary format (docs/formats.md, "Teacher logprobs"), verify TLS like every
 deltarl client (``DELTARL_CA_BUNDLE``), and retry what may succeed later: connection errors,
-timeouts, 5xx answers and 429, with exponential back-off and full jitter (attempt ``a`` sleeps
-``uniform(0, min(max_backoff_s, backoff_s * 2**a))``), until ``retries`` retries or the
-``deadline_s`` budget is spent; then :class:`TeacherUnavailable` says how many attempts were
+timeouts, 5xx answers and 429, with the clients' one back-off policy
+(:class:`~deltarl.services.common.retry.Backoff`: attempt ``a`` sleeps ``uniform(0,
+min(max_backoff_s, backoff_s * 2**a))``), until ``retries`` retries or the ``deadline_s`` budget
+is spent; then :class:`TeacherUnavailable` says how many attempts were
 made and what the last failure was. A 4xx other than 429 is the caller's fault and is raised at
 once as :class:`TeacherRequestError` with the server's code and detail.
 
@@ -15,7 +16,6 @@ Only httpx, numpy and the wire module are imported (no torch, no server code).
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 
 from deltarl.services.common.client_headers import client_headers
+from deltarl.services.common.retry import Backoff
 from deltarl.services.common.tls import client_verify
 from deltarl.teacher.wire import (
     BINARY_MEDIA_TYPE,
@@ -66,29 +67,14 @@ def _refusal(response: httpx.Response) -> TeacherRequestError:
     return TeacherRequestError(response.status_code, code or "ERROR", detail)
 
 
-class _Policy:
-    def __init__(
-        self, retries: int, backoff_s: float, max_backoff_s: float, deadline_s: float | None
-    ) -> None:
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.deadline_s = deadline_s
-        self._rng = random.Random()
-
-    def delay(self, attempt: int, started: float, last: str) -> float:
-        """Seconds to sleep before retry ``attempt + 1``; raises when the budget is spent."""
-        spent = time.monotonic() - started
-        if attempt >= self.retries or (self.deadline_s is not None and spent >= self.deadline_s):
-            raise TeacherUnavailable(
-                f"the teacher did not answer after {attempt + 1} attempt(s) in {spent:.1f} s "
-                f"(last: {last})"
-            )
-        cap = min(self.max_backoff_s, self.backoff_s * 2**attempt)
-        wait = self._rng.uniform(0, cap)
-        if self.deadline_s is not None:
-            wait = min(wait, max(0.0, self.deadline_s - spent))
-        return wait
+def _wait(policy: Backoff, attempt: int, started: float, last: str) -> float:
+    """Seconds to sleep before retry ``attempt + 1``; raises when the budget is spent."""
+    if policy.gives_up(attempt, started):
+        raise TeacherUnavailable(
+            f"the teacher did not answer after {attempt + 1} attempt(s) in "
+            f"{time.monotonic() - started:.1f} s (last: {last})"
+        )
+    return policy.wait_before(attempt, started)
 
 
 def _outcome(response: httpx.Response, max_answer_bytes: int | None) -> LogprobResponse | str:
@@ -190,7 +176,7 @@ class TeacherClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._policy = _Policy(retries, backoff_s, max_backoff_s, deadline_s)
+        self._policy = Backoff(retries, backoff_s, max_backoff_s, deadline_s)
         self._max_answer = max_answer_bytes
         kwargs: dict[str, Any] = {} if transport is None else {"transport": transport}
         self._http = httpx.AsyncClient(
@@ -231,7 +217,7 @@ class TeacherClient:
                 outcome = f"{type(exc).__name__}: {exc}"
             if isinstance(outcome, LogprobResponse):
                 return outcome
-            await asyncio.sleep(self._policy.delay(attempt, started, outcome))
+            await asyncio.sleep(_wait(self._policy, attempt, started, outcome))
             attempt += 1
 
     async def logprobs(
@@ -263,7 +249,7 @@ class SyncTeacherClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._policy = _Policy(retries, backoff_s, max_backoff_s, deadline_s)
+        self._policy = Backoff(retries, backoff_s, max_backoff_s, deadline_s)
         self._max_answer = max_answer_bytes
         kwargs: dict[str, Any] = {} if transport is None else {"transport": transport}
         self._http = httpx.Client(
@@ -303,7 +289,7 @@ class SyncTeacherClient:
                 outcome = f"{type(exc).__name__}: {exc}"
             if isinstance(outcome, LogprobResponse):
                 return outcome
-            time.sleep(self._policy.delay(attempt, started, outcome))
+            time.sleep(_wait(self._policy, attempt, started, outcome))
             attempt += 1
 
     def logprobs(

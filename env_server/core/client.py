@@ -6,8 +6,9 @@ answer with ``model_validate_json`` and raise :class:`~.models.EnvError` with th
 :class:`~.models.ErrorCode` on failure.
 
 Retries: connection errors, time-outs and ``CAPACITY_REACHED`` are retried ``retries`` times with
-exponential back-off. ``step`` always sends a ``request_id`` (a fresh uuid4 unless given), so a
-retried step is applied once. A retried ``reset`` may leave an orphan session behind; the server
+the clients' one back-off policy (:class:`~deltarl.services.common.retry.Backoff`: exponential
+from ``backoff_s``, full jitter, at most 5 s a wait). ``step`` always sends a ``request_id`` (a
+fresh uuid4 unless given), so a retried step is applied once. A retried ``reset`` may leave an orphan session behind; the server
 frees it after its idle time-out.
 
 Example (rollout worker)::
@@ -48,6 +49,7 @@ from deltarl.env_server.core.models import (
 )
 from deltarl.env_server.wordle.models import WordleState
 from deltarl.services.common.client_headers import client_headers
+from deltarl.services.common.retry import Backoff
 from deltarl.services.common.tls import client_verify
 
 T = TypeVar("T", bound=BaseModel)
@@ -90,7 +92,7 @@ class _Calls:
         self.base_url = base_url.rstrip("/")
         self.headers = client_headers(self.base_url, token)
         self.retries = retries
-        self.backoff_s = backoff_s
+        self.backoff = Backoff(retries, backoff_s, cap_s=5.0)
 
     @staticmethod
     def _health() -> _Call[HealthResponse]:
@@ -142,7 +144,7 @@ class _Calls:
         return isinstance(exc, httpx.TransportError)
 
     def _delay(self, attempt: int) -> float:
-        return float(self.backoff_s * (2**attempt))
+        return self.backoff.delay(attempt)
 
 
 class EnvClient(_Calls):

@@ -5,7 +5,8 @@ Imports only httpx and the wire schemas (never the server modules, never fastapi
 Every answer's status code is checked: anything but the expected 2xx raises
 :class:`CoordinatorError` with the server's error code and message; bodies are validated with
 ``Model.model_validate``. Calls that are safe to repeat (everything except ``lease``) are retried
-on connection errors and 502/503/504, with a short backoff; ``submit`` is safe because of the
+on connection errors and 502/503/504, with the clients' one back-off policy
+(:class:`~deltarl.services.common.retry.Backoff`, from 0.1 s); ``submit`` is safe because of the
 group's idempotency key, ``publish_version`` because an identical re-publish is accepted.
 A *refused* connection (nothing listening: the coordinator is restarting) never reached a
 server, so every call, ``lease`` included, waits for it with backoff for up to
@@ -34,6 +35,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from deltarl.services.common.client_headers import client_headers
+from deltarl.services.common.retry import Backoff
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.schemas import (
     AckRequest,
@@ -84,9 +86,14 @@ def _refused(exc: BaseException) -> bool:
     return isinstance(exc, httpx.ConnectError) and "Connection refused" in str(exc)
 
 
+# Waits of the clients' one back-off policy (services/common/retry.py): after a failed attempt
+# (from 0.1 s, doubling, jittered), and between tries of a refused connection while the
+# coordinator restarts (from 0.1 s up to 1 s, until ``refused_wait_s``: those are not attempts).
+_REFUSED = Backoff(retries=0, base_s=0.1, cap_s=1.0)
+
+
 def _refused_delay(waited: int) -> float:
-    """Backoff between attempts on a refused connection (0.1 s doubling to 1 s)."""
-    return min(0.1 * 2**waited, 1.0)
+    return _REFUSED.delay(waited)
 
 
 class CoordinatorError(Exception):
@@ -326,6 +333,7 @@ class CoordinatorClient:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.refused_wait_s = refused_wait_s if retries > 0 else 0.0
+        self._backoff = Backoff(retries, base_s=0.1, cap_s=2.0)
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=client_headers(self.base_url, token),
@@ -364,11 +372,11 @@ class CoordinatorClient:
                     continue
                 if attempt + 1 >= attempts:
                     raise
-                time.sleep(0.1 * 2**attempt)
+                time.sleep(self._backoff.delay(attempt))
                 attempt += 1
                 continue
             if r.status_code in _RETRY_STATUS and attempt + 1 < attempts:
-                time.sleep(0.1 * 2**attempt)
+                time.sleep(self._backoff.delay(attempt))
                 attempt += 1
                 continue
             _raise_for(r, call.ok)
@@ -509,6 +517,7 @@ class AsyncCoordinatorClient:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.refused_wait_s = refused_wait_s if retries > 0 else 0.0
+        self._backoff = Backoff(retries, base_s=0.1, cap_s=2.0)
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=client_headers(self.base_url, token),
@@ -547,11 +556,11 @@ class AsyncCoordinatorClient:
                     continue
                 if attempt + 1 >= attempts:
                     raise
-                await asyncio.sleep(0.1 * 2**attempt)
+                await asyncio.sleep(self._backoff.delay(attempt))
                 attempt += 1
                 continue
             if r.status_code in _RETRY_STATUS and attempt + 1 < attempts:
-                await asyncio.sleep(0.1 * 2**attempt)
+                await asyncio.sleep(self._backoff.delay(attempt))
                 attempt += 1
                 continue
             _raise_for(r, call.ok)
