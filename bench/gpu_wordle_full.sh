@@ -194,7 +194,7 @@ EOF
 trap finish EXIT
 
 if want prep; then
-  stage model "$PY" -c "from pathlib import Path; from deltarl.demo.model import prepare_model; \
+  stage model "$PY" -c "from pathlib import Path; from deltarl.services.common.models import prepare_model; \
 print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
   BASE=$(tail -n 1 "$RES/logs/model.log")
   stage solver solver_games || exit 1

@@ -54,7 +54,7 @@ COPY . /src
 # readable by UID 1000 (safetensors writes its file 0600)
 RUN pip wheel --no-deps /src -w /wheels \
     && pip install "$(ls /wheels/deltarl-*.whl)" \
-    && python -c "from pathlib import Path; from deltarl.demo.model import prepare_model; prepare_model('smollm2', Path('/opt/deltarl/models'))" \
+    && python -c "from pathlib import Path; from deltarl.services.common.models import prepare_model; prepare_model('smollm2', Path('/opt/deltarl/models'))" \
     && chmod -R a+rX /opt/deltarl/models
 
 FROM python:3.11-slim

@@ -23,8 +23,8 @@ from typing import Literal
 
 from fastapi import Request
 
+from deltarl.services.common.client_headers import TOKEN_HEADER
 from deltarl.services.coordinator.errors import ApiError
-from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
 from deltarl.services.coordinator.settings import CoordinatorSettings
 
 Role = Literal["trainer", "worker", "reader"]

@@ -56,10 +56,10 @@ from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
 from deltarl.services.common.client_headers import (
     HF_PROXY_HEADER,
     HF_PROXY_TOKEN_ENV,
+    TOKEN_HEADER,
     client_headers,
 )
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.coordinator.schemas.common import TOKEN_HEADER
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.spaces import cli as spaces_cli
 from deltarl.spaces import worker_space
