@@ -404,7 +404,7 @@ def test_space_source_builds_the_wheel(dry_run: tuple[Path, str], tmp_path: Path
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in (
         "deltarl/services/coordinator/static/index.html",
-        "deltarl/deltarl/spaces/worker_space.py",
+        "deltarl/spaces/worker_space.py",
         "deltarl/env_server/wordle/data/answers.txt",
         "deltarl/rollout/settings.py",
     ):
