@@ -49,8 +49,8 @@ unit: $(STAMP) system-deps docker-deps
 
 test: lint typecheck unit
 
-# the edit loop: no multi-process runs, no servers, no containers (under 3 minutes on 2 cores; an
-# unmarked test over 5 s fails it: tests/conftest.py)
+# the edit loop: no multi-process runs, no containers (about 4 minutes on 2 cores; an unmarked
+# test over 5 s fails it: tests/conftest.py)
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
 	DELTARL_FAST_TIER=1 $(VENV)/bin/pytest -q -m "not slow and not network and not docker and not gpu" --durations=15

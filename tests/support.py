@@ -1,6 +1,6 @@
-"""Test helpers every suite shares: a free loopback port, an ASGI app served by uvicorn in a
-thread (real HTTP, SSE and WebSockets) for as long as a test needs it, and the ``deltarl``
-command run in this process.
+"""Test helpers every suite shares: a free loopback port (:func:`deltarl.cluster.free_port`), an
+ASGI app served by uvicorn in a thread (real HTTP, SSE and WebSockets) for as long as a test needs
+it, and the ``deltarl`` command run in this process.
 
 Helpers of one suite stay beside it (``coordinator/helpers.py``, ``env_server/env_helpers.py``,
 ...); what two suites need lives here."""
@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deltarl.cluster import free_port as free_port  # re-exported: the one the services use
+
 # A wall-clock bound that only a hang or a wait the code should not make breaks, never a slow or
 # loaded machine (the operations it bounds take well under a second on an idle 2-core one, and the
 # failures it catches take the tens of seconds to minutes of a retry loop or quadratic time).
@@ -20,14 +22,6 @@ from typing import Any
 GENEROUS_S = 15.0
 
 START_TIMEOUT_S = 10.0  # generous: a loaded 2-core machine starts uvicorn in well under a second
-
-
-def free_port() -> int:
-    """A port nobody listens on now (the OS picks it; a race with another process is possible
-    but has not been seen: prefer ``LiveServer``, which keeps its socket bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LiveServer:

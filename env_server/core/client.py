@@ -6,10 +6,10 @@ answer with ``model_validate_json`` and raise :class:`~.models.EnvError` with th
 :class:`~.models.ErrorCode` on failure.
 
 Retries: connection errors, time-outs and ``CAPACITY_REACHED`` are retried ``retries`` times with
-the clients' one back-off policy (:class:`~deltarl.services.common.retry.Backoff`: exponential
-from ``backoff_s``, full jitter, at most 5 s a wait). ``step`` always sends a ``request_id`` (a
-fresh uuid4 unless given), so a retried step is applied once. A retried ``reset`` may leave an orphan session behind; the server
-frees it after its idle time-out.
+the clients' one back-off policy (:class:`~deltarl.services.common.retry.Backoff`: exponential from
+``backoff_s``, full jitter, at most 5 s a wait). ``step`` always sends a ``request_id`` (a fresh
+uuid4 unless given), so a retried step is applied once. A retried ``reset`` may leave an orphan
+session behind; the server frees it after its idle time-out.
 
 Example (rollout worker)::
 

@@ -92,10 +92,6 @@ def _refused(exc: BaseException) -> bool:
 _REFUSED = Backoff(retries=0, base_s=0.1, cap_s=1.0)
 
 
-def _refused_delay(waited: int) -> float:
-    return _REFUSED.delay(waited)
-
-
 class CoordinatorError(Exception):
     """A non-2xx answer: ``status_code``, the server's ``code`` and ``message``, ``detail``."""
 
@@ -367,7 +363,7 @@ class CoordinatorClient:
                 )
             except httpx.TransportError as exc:
                 if _refused(exc) and time.monotonic() < refused_until:
-                    time.sleep(_refused_delay(refusals))  # a restart: not a failed attempt
+                    time.sleep(_REFUSED.delay(refusals))  # a restart: not a failed attempt
                     refusals += 1
                     continue
                 if attempt + 1 >= attempts:
@@ -551,7 +547,7 @@ class AsyncCoordinatorClient:
                 )
             except httpx.TransportError as exc:
                 if _refused(exc) and time.monotonic() < refused_until:
-                    await asyncio.sleep(_refused_delay(refusals))  # a restart: not an attempt
+                    await asyncio.sleep(_REFUSED.delay(refusals))  # a restart: not an attempt
                     refusals += 1
                     continue
                 if attempt + 1 >= attempts:
