@@ -330,7 +330,8 @@ class PublishSettings(_Settings):
         "routers, norms, biases) in bf16 (weightsync/fp8.py). Deltas then carry the "
         "changed e4m3 bytes and scales, anchors 1 byte a quantized weight. The workers must "
         "serve a block-fp8 checkpoint of the same model (docs/vllm.md, fp8 workers); a bf16 "
-        "worker refuses such a version. One process only (an FSDP trainer refuses it).",
+        "worker refuses such a version. Under FSDP2 every rank quantizes its rows (the amax of "
+        "blocks that straddle ranks all-reduced): the same bytes as one process.",
     )
 
 

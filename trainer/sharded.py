@@ -19,6 +19,11 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
       every rank: success -> the snapshot is the new version's; failure -> the next version
         must be an anchor (as WeightPublisher), which rebuilds the snapshot
 
+With ``publish.fp8`` every rank first quantizes its rows to block fp8 (e4m3 rows under its
+slice keys, the scale rows of the blocks whose first row it holds, one small all-reduce of the
+amax of blocks that straddle ranks: :mod:`~deltarl.trainer.sharded_fp8`); the rest is the same
+on that state, whose bytes are one process's fp8 version of the same weights.
+
 A part is an ordinary codec object (delta or anchor) whose tensors are the rank's row ranges,
 named by slice keys ``"name[lo:hi]"`` (:func:`~deltarl.weightsync.manifest.slice_key`);
 the version's digests are defined over those slice keys: tensor digests of the row ranges,
@@ -59,6 +64,7 @@ import torch.distributed as tdist
 from deltarl.buckets import Bucket
 from deltarl.trainer.distributed import DistContext, broadcast
 from deltarl.trainer.settings import PublishSettings
+from deltarl.trainer.sharded_fp8 import quantize_local_rows
 from deltarl.trainer.weights import (
     PROOF_ROUNDS,
     Challenges,
@@ -82,6 +88,7 @@ from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.weightsync.digest import combine_digests, tensor_digest
 from deltarl.weightsync.errors import StateMismatchError
+from deltarl.weightsync.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from deltarl.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
 from deltarl.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
 from deltarl.weightsync.writer import BucketWriter, NewObject
@@ -303,12 +310,6 @@ class ShardedPublisher(VersionBook):
         self.settings = settings if settings is not None else PublishSettings()
         if not ctx.enabled:
             raise ValueError("ShardedPublisher is for torchrun jobs; one process: WeightPublisher")
-        if self.settings.fp8:
-            raise ValueError(
-                "publish.fp8 is not supported under FSDP yet: a 128-row block of a weight can "
-                "straddle two ranks' rows, and its scale needs the amax of both (docs/trainer.md, "
-                "fp8 versions); publish fp8 from one process, or bf16 under FSDP"
-            )
         if self.settings.proof_challenges and self.settings.proof_chunks == 0:
             raise ValueError(
                 "publish.proof_chunks = 0 (whole-state weight proofs) is not supported under FSDP: "
@@ -341,6 +342,7 @@ class ShardedPublisher(VersionBook):
         self._mirror = _HostMirror()
         self._staging = PinnedStaging()  # the scans' results (rows on a GPU)
         self._scan_on_device = scan_on_device
+        self._fp8_names: frozenset[str] = frozenset()  # quantized tensors (publish.fp8)
         if self.settings.format == "compact":  # compile the encoder's kernels meanwhile
             self._pool.submit(_warm_up)
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
@@ -358,6 +360,17 @@ class ShardedPublisher(VersionBook):
 
     def request_anchor(self) -> None:
         self._writer.request_anchor()
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype tensor ``name`` (or a slice key of it) is published in; with
+        ``publish.fp8``: e4m3 for the quantized tensors, float32 for their scales."""
+        if self._fp8_names:
+            base = name[: name.rindex("[")] if name.endswith("]") and "[" in name else name
+            if base in self._fp8_names:
+                return FP8_DTYPE
+            if base.endswith(SCALE_SUFFIX) and base.removesuffix(SCALE_SUFFIX) in self._fp8_names:
+                return torch.float32
+        return super().dtype_of(name)
 
     def wait(self) -> PublishReport | None:
         return self._last_report  # publication is synchronous
@@ -408,6 +421,10 @@ class ShardedPublisher(VersionBook):
         new: dict[str, torch.Tensor] | None = None
         record = _Record(rank=self.ctx.rank)
         try:
+            if self.settings.fp8:  # a collective that every rank reaches (sharded_fp8.py)
+                state, self._fp8_names = quantize_local_rows(
+                    state, super().dtype_of, self.ctx.world_size
+                )
             new, record = self._encode_and_upload(state, version, anchor)
         except Exception as err:  # every rank must reach the gather below
             logger.exception("rank %d: publishing version %d failed", self.ctx.rank, version)

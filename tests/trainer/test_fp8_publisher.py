@@ -11,9 +11,7 @@ import torch
 from fp8_states import SHAPES, adam_like_step, bf16_model, same_bytes
 from test_weight_publisher import FakeCoordinator, FlakyBucket, rebuild
 
-from deltarl.trainer.distributed import DistContext
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.sharded import ShardedPublisher
 from deltarl.trainer.weights import PublishReport, WeightPublisher
 from deltarl.weightsync import fp8
 from deltarl.weightsync.digest import state_digest
@@ -54,12 +52,3 @@ def test_fp8_versions_are_the_quantized_bf16_cast_and_rebuild_bit_exactly(
     assert same_bytes(got, v6) and kinds == ["anchor"]
     got, kinds = rebuild(bucket, expected[1], at=1)  # from v1: deltas (chained after the first)
     assert same_bytes(got, v6) and kinds[0] == "delta" and "anchor" not in kinds
-
-
-def test_fsdp_publisher_refuses_fp8(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"publish\.fp8 is not supported under FSDP"):
-        ShardedPublisher(
-            FlakyBucket(tmp_path / "bucket"),
-            PublishSettings(fp8=True),
-            DistContext(rank=0, world_size=2),
-        )
