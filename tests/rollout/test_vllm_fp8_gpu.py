@@ -79,9 +79,12 @@ LAYOUTS = {
     "llama": lambda: transformers.LlamaConfig(
         vocab_size=4096, tie_word_embeddings=False, architectures=["LlamaForCausalLM"], **_common()
     ),
+    # k/v projections of 2 heads x 128 = 256 rows: at tensor parallelism 2 each rank holds one
+    # whole 128-row block of them (vLLM's loader cannot split a scale block between ranks;
+    # tests/rollout/test_fp8_shards.py checks the split on CPU)
     "qwen3-tied": lambda: transformers.Qwen3Config(
         vocab_size=4096,
-        head_dim=64,
+        head_dim=128,
         tie_word_embeddings=True,
         architectures=["Qwen3ForCausalLM"],
         **_common(),
