@@ -11,6 +11,7 @@ results (any hardware, any model) into Markdown lines, then run ``python bench/r
 from __future__ import annotations
 
 from report_format import Section, gpus
+from report_fp8 import fp8_1t
 from report_runs import (
     hints_capitals,
     hints_wordle,
@@ -57,6 +58,14 @@ SECTIONS = [
         "How much sparser a block-fp8 version's delta is than the bf16 one of the same steps: "
         "changed e4m3 bytes against changed bf16 values, and their deltas' bytes.",
         fp8,
+    ),
+    Section(
+        "fp8_1t",
+        "fp8 at 1T parameters (extrapolated)",
+        "A Kimi-K2-shaped model in block fp8 published by N FSDP2 GPUs and applied by a rollout "
+        "replica, computed from measured per-rank publish rates, apply rates and fp8 densities: "
+        "an extrapolation, with every input named.",
+        fp8_1t,
     ),
     Section(
         "codec_gpu",

@@ -64,7 +64,7 @@ import torch.distributed as tdist
 from deltarl.buckets import Bucket
 from deltarl.trainer.distributed import DistContext, broadcast
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.sharded_fp8 import quantize_local_rows
+from deltarl.trainer.sharded_fp8 import RowLayout, quantize_local_rows
 from deltarl.trainer.weights import (
     PROOF_ROUNDS,
     Challenges,
@@ -343,6 +343,7 @@ class ShardedPublisher(VersionBook):
         self._staging = PinnedStaging()  # the scans' results (rows on a GPU)
         self._scan_on_device = scan_on_device
         self._fp8_names: frozenset[str] = frozenset()  # quantized tensors (publish.fp8)
+        self._fp8_layout: RowLayout | None = None  # their row ranges on every rank
         if self.settings.format == "compact":  # compile the encoder's kernels meanwhile
             self._pool.submit(_warm_up)
         self._bucket_latest = self._writer.reader.latest_version() if ctx.is_main else None
@@ -422,9 +423,10 @@ class ShardedPublisher(VersionBook):
         record = _Record(rank=self.ctx.rank)
         try:
             if self.settings.fp8:  # a collective that every rank reaches (sharded_fp8.py)
-                state, self._fp8_names = quantize_local_rows(
-                    state, super().dtype_of, self.ctx.world_size
+                state, self._fp8_layout = quantize_local_rows(
+                    state, super().dtype_of, self.ctx.world_size, layout=self._fp8_layout
                 )
+                self._fp8_names = frozenset(self._fp8_layout)
             new, record = self._encode_and_upload(state, version, anchor)
         except Exception as err:  # every rank must reach the gather below
             logger.exception("rank %d: publishing version %d failed", self.ctx.rank, version)
