@@ -65,13 +65,14 @@ def env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def warm_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the warm-started student's directory, the model cache), built once per module."""
+def warm_model(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> tuple[Path, Path]:
+    """(the warm-started student's directory, the model cache), built once per module; the
+    session's model cache, whose ``tiny-bytes`` the other e2e runs built already."""
     root = tmp_path_factory.mktemp("hint-warm")
     data = root / "hints.jsonl"
     records = hint_transcripts(SFT["transcripts"], seed=0, data=HintData(targets=FAMILY))
     write_transcripts(data, records)
-    out, cache = root / "student", root / "cache"
+    out, cache = root / "student", model_cache
     t0 = time.monotonic()
     sets = {
         "model": "tiny-bytes",
