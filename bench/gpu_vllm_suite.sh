@@ -39,7 +39,13 @@
 #            serves the checkpoint's e4m3 bytes and scales, a delta applied in one pause and
 #            verified, the engine following a publish.fp8 bucket at TP=1 and on 2 GPUs TP=2)
 #   moe_scale  bench/moe_scale.py: Qwen3-30B-A3B's layer shapes (DELTARL_MOE_LAYERS layers,
-#            default 8), publication by 2 ranks and the apply into vLLM
+#            default 8; 48 is the whole model), publication by DELTARL_MOE_RANKS ranks (default
+#            2; ranks take the GPUs round-robin) over DELTARL_MOE_STEPS steps (default 4) and the
+#            apply into vLLM
+#   system_moe  system_fsdp with the mixture of experts upcycled from SmolLM2 (--model-kind
+#            smollm2-moe: 8 experts, top-2): FSDP2 trainer on GPUs 0-1, a vllm worker on each of
+#            GPUs 2 and 3; its summary holds the trainer-vs-worker logprob gap (beside
+#            system_fsdp's, the dense model's, for the same settings)
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -97,7 +103,11 @@ for step in "${steps[@]}"; do
     fp8) VLLM_USE_DEEP_GEMM=0 run fp8 timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
       -o faulthandler_timeout=200 tests/rollout/test_vllm_fp8_gpu.py ;;
     moe_scale) run moe_scale timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
-      --steps 4 --engine vllm ;;
+      --ranks "${DELTARL_MOE_RANKS:-2}" --steps "${DELTARL_MOE_STEPS:-4}" --engine vllm \
+      --gpu-memory-utilization "${DELTARL_MOE_GPU_MEM:-0.45}" ;;
+    system_moe) run system_moe python3 bench/wordle_gpu_run.py --engine vllm --model-kind smollm2-moe \
+      --trainer-nproc 2 --set 'trainer.parallel="fsdp"' --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
+      --run-dir "$RES/wordle-vllm-moe-fsdp" "${WORDLE[@]}" --result ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;

@@ -112,6 +112,7 @@ MODELS = {
     "qwen3-0.6b": "Qwen3-0.6B shape",
     "qwen3-0.6b-shape": "Qwen3-0.6B shape",
     "qwen3-0.6b-standalone": "Qwen3-0.6B shape, standalone deltas only",
+    "smollm2-moe-8x135m": "SmolLM2-135M upcycled to 8 experts, top-2",
     "tiny-bytes": "tiny byte-level Llama",
     "llama-44m": "random 4-layer Llama (44.6 M)",
 }

@@ -40,7 +40,11 @@ from common import cpu_tag, gpu_tag, meta, result_path, write_json
 
 from deltarl.run.experiment import build_parser, headline, parse_args, run
 
-MODEL_KINDS = {"smollm2": "smollm2-135m", "tiny-bytes": "tiny-bytes"}
+MODEL_KINDS = {
+    "smollm2": "smollm2-135m",
+    "smollm2-moe": "smollm2-moe-8x135m",
+    "tiny-bytes": "tiny-bytes",
+}
 
 
 def gpus_used(a: Any) -> int:

@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--window", type=int, default=10, help="steps per window in the summary")
     ap.add_argument("--task", choices=["wordle", "charset"], default="wordle")
-    ap.add_argument("--model-kind", choices=["smollm2", "tiny-bytes"], default="smollm2")
+    ap.add_argument(
+        "--model-kind", choices=["smollm2", "smollm2-moe", "tiny-bytes"], default="smollm2"
+    )
     ap.add_argument(
         "--model",
         type=Path,

@@ -232,6 +232,13 @@ def summarise(
         "time/step_s",
         "publish/density",
         "publish/delta_bytes",
+        # the trainer's logprobs against the workers' (behaviour) ones, and what the importance
+        # correction made of the difference
+        "mismatch/abs_logprob_diff/mean",
+        "mismatch/abs_logprob_diff/max",
+        "mismatch/kl",
+        "is/weight/mean",
+        "is/capped_frac",
     ):
         vals = [float(r[k]) for r in rows if isinstance(r.get(k), int | float)]
         if vals:

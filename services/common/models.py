@@ -13,6 +13,14 @@ its config and tokenizer (their weights come from the bucket's anchor). Three ki
   with its tokenizer and chat template;
 * ``tiny``: a random Llama of two layers and a small hidden size that keeps SmolLM2's tokenizer
   and chat template, saved in fp32 (for tests and quick looks: it learns nothing useful);
+* ``smollm2-moe``: SmolLM2-135M-Instruct *upcycled* into a mixture of experts (Qwen2-MoE layout,
+  which vLLM and transformers both serve): each decoder MLP becomes :data:`MOE_EXPERTS` experts,
+  copies of it with a small multiplicative noise (:data:`MOE_NOISE`, so that routing matters),
+  a random router choosing :data:`MOE_TOP_K` with renormalised weights, and a shared expert
+  whose output projection is zero; attention, norms and embeddings are SmolLM2's (zero q/k/v
+  biases). At initialisation it computes SmolLM2's function up to the noise: a real small MoE
+  that plays the tasks as SmolLM2 does, built offline (no MoE checkpoint can be downloaded
+  here). bf16, ~0.7 B parameters, ~0.14 B active per token;
 * ``tiny-bytes``: the same random Llama over a byte-level tokenizer (256 bytes + SmolLM2's three
   special tokens, SmolLM2's chat template; 259 ids instead of 49,152), saved in fp32: each
   token is one byte, so a reward over the characters of a reply is dense, and every forward
@@ -55,15 +63,23 @@ def smollm2_gguf(setting: str = "the service's model setting") -> tuple[str, str
     return str(directory), SMOLLM2_GGUF
 
 
-ModelKind = Literal["smollm2", "tiny", "tiny-bytes"]
+ModelKind = Literal["smollm2", "smollm2-moe", "tiny", "tiny-bytes"]
 DIRECTORIES: dict[str, str] = {
     "smollm2": "smollm2-135m-instruct",
+    "smollm2-moe": "smollm2-moe-8x135m-instruct",
     "tiny": "tiny-llama-fp32",
     "tiny-bytes": "tiny-llama-bytes-fp32",
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # SmolLM2's ids 0, 1, 2
 MARKER = ".deltarl-demo-model.json"
 TINY_SEED = 1234
+# the upcycled MoE: 8 experts, 2 per token (as Mixtral), each a copy of the dense MLP times
+# (1 + 0.02 * N(0, 1)) per weight: different enough that a routing flip changes the output,
+# close enough that the model still answers as SmolLM2 does
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
+MOE_NOISE = 0.02
+MOE_SHARED_INTERMEDIATE = 64
 
 
 def _smollm2_gguf() -> tuple[str, str]:
@@ -107,6 +123,12 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the demo's terminal shows its own progress
+    if kind == "smollm2-moe":
+        dense_dir = prepare_model("smollm2", cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(dense_dir)
+        dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+        moe = upcycle(dense, MOE_EXPERTS, MOE_TOP_K, MOE_NOISE, seed=TINY_SEED)
+        return _save(moe, tokenizer, tmp, out, kind, f"{dense_dir} (upcycled)")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     if kind == "tiny-bytes":
         tokenizer = byte_tokenizer(tokenizer.chat_template)
@@ -150,11 +172,16 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
         # even small updates flip some bf16 bits from the first step (weights that start on the
         # bf16 grid need many small steps before any published bit changes).
         model = LlamaForCausalLM(config)
+    return _save(model, tokenizer, tmp, out, kind, f"{gguf_dir}/{gguf_file}")
+
+
+def _save(model: Any, tokenizer: Any, tmp: Path, out: Path, kind: str, source: str) -> Path:
+    """Save into ``tmp``, mark it finished and rename it to ``out`` (the first build wins)."""
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     params = sum(p.numel() for p in model.parameters())
     (tmp / MARKER).write_text(
-        json.dumps({"kind": kind, "source": f"{gguf_dir}/{gguf_file}", "parameters": params}) + "\n"
+        json.dumps({"kind": kind, "source": source, "parameters": params}) + "\n"
     )
     try:
         tmp.rename(out)
@@ -166,6 +193,80 @@ def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:
         return out
     logger.info("model %s: %d parameters saved in %s", kind, params, out)
     return out
+
+
+def upcycle(dense: Any, experts: int, top_k: int, noise: float, *, seed: int) -> Any:
+    """A Qwen2-MoE model (bf16) from a dense Llama-architecture ``dense`` (sparse upcycling).
+
+    Every MLP becomes ``experts`` noisy copies of itself (each weight times ``1 + noise * z``,
+    ``z ~ N(0, 1)``; ``noise = 0`` gives exact copies), routed ``top_k`` per token with
+    renormalised weights (``norm_topk_prob``: with equal experts the layer then computes the
+    dense MLP exactly), a random router (``N(0, 0.02)``) and a shared expert whose output
+    projection is zero (Qwen2-MoE always has one). Everything else is copied as it is; the
+    attention's q/k/v biases, which Llama lacks, are zero.
+    """
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    c = dense.config
+    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
+        raise ValueError("upcycle: the dense model has attention or MLP biases")
+    config = Qwen2MoeConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters=dict(c.rope_parameters),
+        moe_intermediate_size=c.intermediate_size,
+        shared_expert_intermediate_size=MOE_SHARED_INTERMEDIATE,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        qkv_bias=True,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        pad_token_id=getattr(c, "pad_token_id", None),
+    )
+    if getattr(c, "head_dim", None) not in (None, c.hidden_size // c.num_attention_heads):
+        raise ValueError("upcycle: the dense model's head size is not hidden / heads")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("cpu"):
+        moe = Qwen2MoeForCausalLM(config)
+    src = {k: v.detach().float() for k, v in dense.state_dict().items()}
+
+    def noisy(t: torch.Tensor) -> torch.Tensor:
+        return t * (1 + noise * torch.randn(t.shape, generator=gen))
+
+    state: dict[str, torch.Tensor] = {}
+    for name, t in moe.state_dict().items():
+        layer, _, rest = name.partition(".mlp.")
+        if not rest:
+            state[name] = src[name] if name in src else torch.zeros_like(t)  # q/k/v biases
+            continue
+        mlp = {k: src[f"{layer}.mlp.{k}_proj.weight"] for k in ("gate", "up", "down")}
+        if rest == "experts.gate_up_proj":
+            gate_up = torch.cat([mlp["gate"], mlp["up"]])
+            state[name] = torch.stack([noisy(gate_up) for _ in range(experts)])
+        elif rest == "experts.down_proj":
+            state[name] = torch.stack([noisy(mlp["down"]) for _ in range(experts)])
+        elif rest == "gate.weight":
+            state[name] = torch.randn(t.shape, generator=gen) * 0.02
+        elif rest == "shared_expert.down_proj.weight":
+            state[name] = torch.zeros_like(t)
+        elif rest.startswith("shared_expert"):
+            state[name] = torch.randn(t.shape, generator=gen) * 0.02
+        else:
+            raise ValueError(f"upcycle: no rule for {name}")
+    missing, unexpected = moe.load_state_dict(state, strict=True)
+    if missing or unexpected:  # pragma: no cover - strict raises first
+        raise ValueError(f"upcycle: missing {missing}, unexpected {unexpected}")
+    return moe.bfloat16()
 
 
 def _remove_abandoned_builds(out: Path) -> None:
