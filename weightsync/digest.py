@@ -9,25 +9,91 @@ truncated download), not an adversary; signed manifests are the answer to untrus
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 
 import torch
 import xxhash
 
 from deltarl.weightsync.codec.bits import dtype_name
 
+# A device tensor larger than this is hashed in pieces of about this size, each copied into one of
+# two pinned host buffers while the previous piece is hashed: the copy overlaps the hash, and no
+# host copy (or device-side contiguous copy) of the whole tensor is made. A stacked expert tensor
+# of Qwen3-30B-A3B is 800 MB; .cpu() of it (pageable memory, one tensor after another) ran at
+# ~1.3 GB/s on an H200 host.
+STREAM_BYTES = 64 << 20
+
+_staging = threading.local()
+
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """xxh3-128 hex digest of ``t``'s dtype, shape and bytes (GPU tensors are copied to CPU)."""
+    """xxh3-128 hex digest of ``t``'s dtype, shape and bytes (device tensors are streamed
+    through pinned host memory: the same digest as a copy to the CPU)."""
     h = xxhash.xxh3_128()
     h.update(f"{dtype_name(t.dtype)}{list(t.shape)}".encode())
     data = t.detach()
+    if data.device.type == "cuda" and data.numel() * data.element_size() > STREAM_BYTES:
+        _stream(h, data, _buffers())
+        return h.hexdigest()
     if data.device.type != "cpu":
         data = data.cpu()
     data = data.contiguous().reshape(-1)
     if data.numel():
         h.update(data.view(torch.uint8).numpy().data)
     return h.hexdigest()
+
+
+def _buffers() -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's two pinned staging buffers (allocated once: pinning is slow)."""
+    bufs = getattr(_staging, "bufs", None)
+    if bufs is None:
+        bufs = tuple(torch.empty(STREAM_BYTES, dtype=torch.uint8, pin_memory=True) for _ in "ab")
+        _staging.bufs = bufs
+    return bufs
+
+
+def _pieces(data: torch.Tensor, piece_bytes: int) -> Iterator[torch.Tensor]:
+    """``data``'s bytes in C order as uint8 pieces of at most ``piece_bytes`` (whole rows of the
+    first dimension, recursively: a row larger than a piece is split by its own rows)."""
+    if data.dim() <= 1 or data.numel() * data.element_size() <= piece_bytes:
+        flat = data.contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), piece_bytes):
+            yield flat[start : start + piece_bytes]
+        return
+    row_bytes = data[0].numel() * data.element_size()
+    if row_bytes > piece_bytes:
+        for row in data:
+            yield from _pieces(row, piece_bytes)
+        return
+    rows = max(1, piece_bytes // row_bytes)
+    for start in range(0, data.shape[0], rows):
+        yield data[start : start + rows].contiguous().reshape(-1).view(torch.uint8)
+
+
+def _stream(h: xxhash.xxh3_128, data: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
+    """Feed ``data``'s bytes (C order) to ``h``: piece k is copied into ``bufs[k % 2]`` without
+    blocking while piece k - 1 is hashed (its copy waited for by its event)."""
+    piece_bytes = bufs[0].numel()
+    pending: tuple[torch.cuda.Event | None, torch.Tensor] | None = None
+    for k, piece in enumerate(_pieces(data, piece_bytes)):
+        dst = bufs[k % 2][: piece.numel()]
+        dst.copy_(piece, non_blocking=True)
+        event = None
+        if piece.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        if pending is not None:
+            _hash_when_done(h, *pending)
+        pending = (event, dst)
+    if pending is not None:
+        _hash_when_done(h, *pending)
+
+
+def _hash_when_done(h: xxhash.xxh3_128, event: torch.cuda.Event | None, buf: torch.Tensor) -> None:
+    if event is not None:
+        event.synchronize()
+    h.update(buf.numpy().data)
 
 
 def combine_digests(digests: Mapping[str, str]) -> str:
