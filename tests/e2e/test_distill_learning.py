@@ -14,6 +14,11 @@ preset of ``deltarl demo --tiny --task charset``: a random byte-level Llama, 2 w
 Asserted, per seed: the distilled student reaches the threshold (THRESHOLD x the teacher's
 reward, over a WINDOW-step running mean of the trained batches' reward) in fewer steps than
 GRPO alone, and every trained token had teacher data. Measured numbers: docs/distillation.md.
+
+Two runs at a time, each beside another one as the hint test's arms are: the teacher beside the
+GRPO runs (which do not need it), then the distilled students side by side. A run alone leaves
+part of 2 cores idle (process start-up, polls), so the pairs take less time than one after the
+other; every arm runs beside one other run, so the arms share the same conditions.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -46,32 +52,56 @@ THRESHOLD = 0.9
 DISTILL_COEF = 5.0
 
 
-def run(
-    root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str
-) -> tuple[list[float], Path]:
-    """One ``deltarl run examples/charset-tiny.toml`` run: the trained batches' mean reward per
-    step, and its run directory."""
+@dataclass
+class Run:
+    """One ``deltarl run examples/charset-tiny.toml`` run started in the background."""
+
+    name: str
+    run_dir: Path
+    proc: subprocess.Popen[bytes]
+    started: float
+    log: Path
+
+    def stop(self) -> None:
+        """Stop the run if it still runs (SIGTERM: ``deltarl run`` stops its services)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def rewards(self) -> list[float]:
+        """Wait for the run; the trained batches' mean reward per step."""
+        code = self.proc.wait(timeout=450)
+        assert code == 0, self.log.read_text()[-6000:]
+        summary = json.loads((self.run_dir / "summary.json").read_text())
+        rewards = [r for _, r in summary["reward"]["trained"]]
+        took = time.monotonic() - self.started
+        print(f"{self.name}: {took:.0f} s, rewards {[round(r, 2) for r in rewards]}")
+        return rewards
+
+
+def start(root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str) -> Run:
+    """Start one ``deltarl run examples/charset-tiny.toml`` run in the background."""
     run_dir = root / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
-    t0 = time.monotonic()
     overrides = [f"trainer.max_steps={steps}", f"run.seed={seed}", *sets]
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "deltarl", "run", str(ROOT / "examples" / "charset-tiny.toml")),
-            *(x for o in overrides for x in ("--set", o)),
-            *("--run-dir", str(run_dir), "--cache-dir", str(cache)),
-            *("--no-live", "--timeout", "400"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=450,
-        env=env,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rewards = [r for _, r in summary["reward"]["trained"]]
-    print(f"{name}: {time.monotonic() - t0:.0f} s, rewards {[round(r, 2) for r in rewards]}")
-    return rewards, run_dir
+    log = root / f"{name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "deltarl", "run"),
+                str(ROOT / "examples" / "charset-tiny.toml"),
+                *(x for o in overrides for x in ("--set", o)),
+                *("--run-dir", str(run_dir), "--cache-dir", str(cache)),
+                *("--no-live", "--timeout", "400"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    return Run(name, run_dir, proc, time.monotonic(), log)
 
 
 def steps_to(rewards: list[float], target: float) -> int:
@@ -93,39 +123,53 @@ def without_teacher(config: dict[str, Any]) -> dict[str, Any]:
 def test_a_charset_teacher_makes_the_student_learn_faster(
     tmp_path: Path, model_cache: Path, charset_grpo: Callable[[int, int], CharsetRun]
 ) -> None:
-    rewards, run_dir = run(tmp_path, model_cache, "teacher", TEACHER_STEPS, TEACHER_SEED)
-    teacher_reward = mean(rewards[-5:])
-    assert teacher_reward > 0.8, rewards  # the teacher learned the task
-    teacher_dir = export_version(
-        str(run_dir / "bucket"),
-        TEACHER_STEPS,
-        prepare_model("tiny-bytes", model_cache),
-        tmp_path / "teacher-model",
-    )
+    prepare_model("tiny-bytes", model_cache)  # before the runs, which would each build it
+    running: list[Run] = []
+    try:
+        teacher = start(tmp_path, model_cache, "teacher", TEACHER_STEPS, TEACHER_SEED)
+        running.append(teacher)
+        grpo_runs = {seed: charset_grpo(seed, STUDENT_STEPS) for seed in SEEDS}  # beside it
+        rewards = teacher.rewards()
+        teacher_reward = mean(rewards[-5:])
+        assert teacher_reward > 0.8, rewards  # the teacher learned the task
+        teacher_dir = export_version(
+            str(teacher.run_dir / "bucket"),
+            TEACHER_STEPS,
+            prepare_model("tiny-bytes", model_cache),
+            tmp_path / "teacher-model",
+        )
+        students = {
+            seed: start(
+                tmp_path,
+                model_cache,
+                f"distill-{seed}",
+                STUDENT_STEPS,
+                seed,
+                f'teacher.model="{teacher_dir}"',
+                'teacher.dtype="float32"',
+                'teacher.device="cpu"',
+                'trainer.loss.distill="jsd"',
+                f"trainer.loss.distill_coef={DISTILL_COEF}",
+            )
+            for seed in SEEDS
+        }
+        running += students.values()
+        distilled = {seed: run.rewards() for seed, run in students.items()}
+    finally:
+        for run in running:
+            run.stop()
     target = THRESHOLD * teacher_reward
     results = {}
     for seed in SEEDS:
-        grpo_run = charset_grpo(seed, STUDENT_STEPS)
+        grpo_run, student_dir = grpo_runs[seed], students[seed].run_dir
         grpo = grpo_run.rewards()
         print(f"grpo-{seed}: {grpo_run.seconds:.0f} s, rewards {[round(r, 2) for r in grpo]}")
-        distilled, student_dir = run(
-            tmp_path,
-            model_cache,
-            f"distill-{seed}",
-            STUDENT_STEPS,
-            seed,
-            f'teacher.model="{teacher_dir}"',
-            'teacher.dtype="float32"',
-            'teacher.device="cpu"',
-            'trainer.loss.distill="jsd"',
-            f"trainer.loss.distill_coef={DISTILL_COEF}",
-        )
         distilled_config = json.loads((student_dir / "summary.json").read_text())["config"]
         assert without_teacher(distilled_config) == without_teacher(grpo_run.summary()["config"])
         metrics = [json.loads(line) for line in (student_dir / "trainer" / "metrics.jsonl").open()]
         coverage = [m["distill/coverage"] for m in metrics if "distill/coverage" in m]
         assert len(coverage) == STUDENT_STEPS and min(coverage) == 1.0, coverage
-        results[seed] = (steps_to(grpo, target), steps_to(distilled, target))
+        results[seed] = (steps_to(grpo, target), steps_to(distilled[seed], target))
     print(
         f"teacher reward {teacher_reward:.3f}, target {target:.3f}; steps (grpo, distill) {results}"
     )
