@@ -25,7 +25,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from deltarl.services.coordinator.schemas import StatusSummary, VersionRecord, WorkerInfo
+from deltarl.services.coordinator.schemas import StatusSummary, VersionManifest, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -329,30 +329,39 @@ def plain_png(
     path.write_bytes(png + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
 
 
-def bytes_summary(versions: list[VersionRecord], workers: int) -> dict[str, Any]:
+def published_manifests(bucket_uri: str) -> list[VersionManifest]:
+    """Every manifest in the bucket (the one record of what each version stored), ascending."""
+    from deltarl.buckets import open_bucket
+    from deltarl.weightsync.reader import BucketReader
+
+    manifests = BucketReader(open_bucket(bucket_uri)).manifests()
+    return [manifests[v] for v in sorted(manifests)]
+
+
+def bytes_summary(versions: list[VersionManifest], workers: int) -> dict[str, Any]:
     """Bytes published, and what a follower that applies every version downloads, against full
-    syncs of every version.
+    syncs of every version; ``versions``: the bucket's manifests, ascending.
 
     A follower takes, per version, the cheapest delta from the version before (the chained one
-    where there is one), or else the cheapest anchor (the first version). ``published_bytes``
-    counts every object stored: anchors, standalone and chained deltas."""
-    published = sum(o.size for v in versions for o in v.manifest.objects)
-    anchors = sum(o.size for v in versions for o in v.manifest.objects if o.kind == "anchor")
+    where there is one), or else the cheapest object (the first version: its anchor).
+    ``published_bytes`` counts every object stored: anchors, standalone and chained deltas."""
+    published = sum(o.size for v in versions for o in v.objects)
+    anchors = sum(o.size for v in versions for o in v.anchors)
     follow_deltas = follow_anchors = delta_versions = 0
     for i, cur in enumerate(versions):
         prev = versions[i - 1].version if i else None
-        sizes = [o.size for o in cur.manifest.deltas if prev is not None and o.base_version == prev]
+        sizes = [o.size for o in cur.deltas if prev is not None and o.base_version == prev]
         if sizes:
             follow_deltas += min(sizes)
             delta_versions += 1
         else:
-            follow_anchors += min(o.size for o in cur.manifest.objects)
+            follow_anchors += min(o.size for o in cur.objects)
     follow = follow_anchors + follow_deltas
     full_model = versions[-1].full_bytes if versions else 0
     full_per_version = full_model * len(versions)
     return {
         "versions": len(versions),
-        "anchors": sum(1 for v in versions if v.kind == "anchor"),
+        "anchors": sum(1 for v in versions if v.has_anchor),
         "published_bytes": published,
         "anchor_bytes": anchors,
         "stored_delta_bytes": published - anchors,

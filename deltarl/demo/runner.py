@@ -22,6 +22,7 @@ from deltarl.demo.report import (
     draw_reward_curve,
     human_bytes,
     live_view,
+    published_manifests,
     rebuild_digest,
     reward_series,
     trainer_final,
@@ -347,7 +348,7 @@ def _summarize(
         "elapsed_s": round(elapsed(t0), 1),
         "config": config.model_dump(),
         "final_version": final,
-        "bytes": bytes_summary(versions, config.workers),
+        "bytes": bytes_summary(published_manifests(str(rd / "bucket")), config.workers),
         "received": {
             "per_worker": received,
             "objects_per_worker": applied_versions,

@@ -32,7 +32,6 @@ from deltarl.services.coordinator.routers import (
     batches,
     dead_letters,
     health,
-    plans,
     status,
     trajectories,
     versions,
@@ -176,8 +175,7 @@ def create_app(
         return _error(422, "validation_error", message, errors)
 
     routers = [
-        m.router
-        for m in (health, versions, workers, trajectories, batches, dead_letters, status, plans)
+        m.router for m in (health, versions, workers, trajectories, batches, dead_letters, status)
     ]
     api_routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
 

@@ -1,7 +1,7 @@
 """Bearer tokens per role, compared in constant time.
 
 Roles: ``trainer`` (publish versions, lease/ack batches), ``worker`` (register, heartbeat, submit,
-admission), ``reader`` (status, versions, plans, metrics, page: public unless
+admission), ``reader`` (status, versions, workers, metrics, page: public unless
 ``public_reads=false``, then any configured token). The token travels in ``X-Deltarl-Token``
 (which the Hugging Face Spaces proxy leaves alone) or ``Authorization: Bearer <token>``.
 

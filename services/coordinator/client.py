@@ -19,7 +19,7 @@ Example (a worker)::
         c.heartbeat("w1", WorkerHeartbeat(applied_version=ack.latest_version))
         c.submit(group)  # a TrajectoryGroup
         for record in c.iter_version_events(after=ack.latest_version):
-            plan = c.plan(from_version=current, to_version=record.version)
+            ...  # plan the catch-up to record.version from the bucket (weightsync/planner.py)
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from deltarl.services.coordinator.schemas import (
     AckResult,
     AdmissionRequest,
     AdmissionResponse,
-    CatchUpPlan,
     ChallengePool,
     ChallengePoolResult,
     ChallengePoolStatus,
@@ -290,24 +289,6 @@ class _Calls:
         )
 
     @staticmethod
-    def plan(
-        from_version: int | None,
-        to_version: int | None,
-        formats: list[str] | None,
-        context: int | None = None,
-    ) -> _Call[CatchUpPlan]:
-        params: dict[str, Any] = {}
-        if context is not None:
-            params["context"] = context
-        if from_version is not None:
-            params["from"] = from_version
-        if to_version is not None:
-            params["to"] = to_version
-        if formats:
-            params["format"] = formats
-        return _Call("GET", "/v1/plan", _model(CatchUpPlan), params=params)
-
-    @staticmethod
     def metrics_text() -> _Call[str]:
         return _Call("GET", "/metrics", lambda r: r.text)
 
@@ -399,15 +380,6 @@ class CoordinatorClient:
 
     def worker(self, worker_id: str) -> WorkerInfo:
         return self._run(_Calls.worker(worker_id))
-
-    def plan(
-        self,
-        from_version: int | None,
-        to_version: int | None = None,
-        formats: list[str] | None = None,
-        context: int | None = None,
-    ) -> CatchUpPlan:
-        return self._run(_Calls.plan(from_version, to_version, formats, context))
 
     def metrics_text(self) -> str:
         return self._run(_Calls.metrics_text())
@@ -582,15 +554,6 @@ class AsyncCoordinatorClient:
 
     async def worker(self, worker_id: str) -> WorkerInfo:
         return await self._run(_Calls.worker(worker_id))
-
-    async def plan(
-        self,
-        from_version: int | None,
-        to_version: int | None = None,
-        formats: list[str] | None = None,
-        context: int | None = None,
-    ) -> CatchUpPlan:
-        return await self._run(_Calls.plan(from_version, to_version, formats, context))
 
     async def metrics_text(self) -> str:
         return await self._run(_Calls.metrics_text())

@@ -40,7 +40,6 @@ from deltarl.services.coordinator.schemas import (
     AdmissionResponse,
     BatchItem,
     BatchLease,
-    CatchUpPlan,
     ChallengePool,
     ChallengePoolResult,
     ChallengePoolStatus,
@@ -65,6 +64,7 @@ from deltarl.services.coordinator.schemas import (
     WorkerRegistration,
     check_model_limits,
     decode_group,
+    manifest_digest,
 )
 from deltarl.services.coordinator.schemas.versions import MAX_CHALLENGES
 from deltarl.services.coordinator.settings import CoordinatorSettings
@@ -82,7 +82,6 @@ from deltarl.services.coordinator.store import (
     WorkerRejections,
 )
 from deltarl.services.coordinator.versions import VersionIndex, summarize
-from deltarl.weightsync.planner import UnreachableVersionError, plan_catch_up
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -131,12 +130,13 @@ class Coordinator:
         self, manifest: VersionManifest, limits: ModelLimits | None = None
     ) -> tuple[VersionRecord, bool]:
         """Record a version (trainer) with the model's limits (checked at every later
-        submission). Returns ``(record, created)``; a retry of an identical publish returns the
-        stored record with ``created=False``."""
+        submission). Returns ``(record, created)``; a retry of an identical publish (same
+        :func:`manifest_digest`, same limits) returns the stored record with ``created=False``.
+        The manifest is checked, summarized and dropped: the bucket keeps it."""
         self.versions.refresh()  # publishes are rare: see versions other processes recorded
         known = self.versions.get(manifest.version)
         if known is not None:
-            if known.manifest == manifest and known.limits == limits:
+            if known.manifest_digest == manifest_digest(manifest) and known.limits == limits:
                 return known, False
             raise conflict(
                 "version_conflict",
@@ -208,35 +208,6 @@ class Coordinator:
     def min_version(self) -> int | None:
         latest = self.latest_number()
         return None if latest is None else latest - self.settings.max_staleness
-
-    def plan(
-        self,
-        from_version: int | None,
-        to_version: int | None,
-        formats: list[str] | None,
-        context: int | None = None,
-    ) -> CatchUpPlan:
-        target = self.latest_number() if to_version is None else to_version
-        if target is None:
-            raise not_found("no_version", "no version has been recorded yet")
-        if self.versions.get(target) is None:
-            raise not_found("unknown_version", f"version {target} was never recorded")
-        if from_version is not None and from_version > target:
-            raise invalid(
-                "bad_range", f"from={from_version} is newer than to={target}: cannot go back"
-            )
-        if context is not None and (from_version is None or context >= from_version):
-            raise invalid(
-                "bad_context",
-                f"context={context} must be older than from={from_version} (it is the base "
-                "version of the delta the replica applied last)",
-            )
-        try:
-            return plan_catch_up(
-                self.versions.manifests(), from_version, target, formats=formats, context=context
-            )
-        except UnreachableVersionError as exc:
-            raise conflict("unreachable_version", str(exc)) from exc
 
     # -- workers ----------------------------------------------------------------------------
     def _info(

@@ -74,7 +74,7 @@ class CoordinatorSettings(TLSServerSettings):
     )
     public_reads: bool = Field(
         default=True,
-        description="Read-only endpoints (status, versions, plans, metrics, page) need no token.",
+        description="Read-only endpoints (status, versions, workers, metrics, page) need no token.",
     )
     insecure: bool = Field(
         default=False,

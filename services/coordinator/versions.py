@@ -1,7 +1,8 @@
 """In-memory index of recorded versions, kept in step with the store.
 
-The store is the source of truth; this index holds every recorded :class:`VersionRecord` in
-version order so that heartbeats, staleness checks, lag and catch-up plans need no store query.
+The store is the source of truth for records; this index holds every recorded
+:class:`VersionRecord` (a summary, never the manifest: that stays in the bucket) in version
+order so that heartbeats, staleness checks, lag and proofs need no store query.
 :meth:`VersionIndex.refresh` pulls versions newer than the newest known one (other coordinator
 processes may have recorded them); :meth:`VersionIndex.add` inserts one this process recorded.
 Both are thread-safe. A reader may therefore see a version recorded by another process up to one
@@ -12,9 +13,13 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Mapping
 
-from deltarl.services.coordinator.schemas import ModelLimits, VersionManifest, VersionRecord
+from deltarl.services.coordinator.schemas import (
+    ModelLimits,
+    VersionManifest,
+    VersionRecord,
+    manifest_digest,
+)
 from deltarl.services.coordinator.store import CoordinatorStore
 
 
@@ -54,7 +59,7 @@ def summarize(
         anchor_version=anchor_version,
         published_at=manifest.created_at.timestamp(),
         recorded_at=now,
-        manifest=manifest,
+        manifest_digest=manifest_digest(manifest),
         limits=limits,
     )
 
@@ -65,7 +70,6 @@ class VersionIndex:
         self._lock = threading.Lock()
         self._numbers: list[int] = []
         self._records: dict[int, VersionRecord] = {}
-        self._manifests: dict[int, VersionManifest] = {}
 
     def refresh(self) -> list[VersionRecord]:
         """Load versions recorded since the last refresh; returns them (ascending)."""
@@ -85,7 +89,6 @@ class VersionIndex:
                 return False
             bisect.insort(self._numbers, record.version)
             self._records[record.version] = record
-            self._manifests[record.version] = record.manifest
             return True
 
     def latest(self) -> VersionRecord | None:
@@ -109,8 +112,3 @@ class VersionIndex:
         with self._lock:
             i = bisect.bisect_right(self._numbers, version)
             return self._records[self._numbers[i]] if i < len(self._numbers) else None
-
-    def manifests(self) -> Mapping[int, VersionManifest]:
-        """A snapshot copy (the planner iterates over it)."""
-        with self._lock:
-            return dict(self._manifests)

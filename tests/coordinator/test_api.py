@@ -12,7 +12,13 @@ from pydantic import ValidationError
 from support import GENEROUS_S
 
 from deltarl.services.coordinator.client import CoordinatorClient, CoordinatorError
-from deltarl.services.coordinator.schemas import WorkerHeartbeat, WorkerRegistration, encode_group
+from deltarl.services.coordinator.schemas import (
+    VersionRecord,
+    WorkerHeartbeat,
+    WorkerRegistration,
+    encode_group,
+    manifest_digest,
+)
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
 from .helpers import digest, group, manifest
@@ -260,12 +266,6 @@ def test_bad_input_is_4xx_json_and_data_stays_intact(server: LiveServer) -> None
             "bad_batch_size",
             "1..1024",
         ),
-        (
-            httpx.get(url + "/v1/plan", params={"from": 1, "to": 0}),
-            422,
-            "bad_range",
-            "cannot go back",
-        ),
     ]
     for r, status, code, message in cases:
         got = error_of(r)
@@ -485,42 +485,30 @@ def test_admission(server: LiveServer) -> None:
     assert (a.grant, a.reason) == (0, "update_weights")
 
 
-def test_plan_uses_the_weightsync_planner(server: LiveServer) -> None:
+def test_a_version_is_recorded_as_a_summary_and_the_manifest_stays_in_the_bucket(
+    server: LiveServer,
+) -> None:
+    """The record holds the manifest's digest, never the manifest; a re-publish that differs
+    only where the summary does not look (an object's checksum) is still refused."""
     trainer, _, anon = clients(server)
-    trainer.publish_version(manifest(0, anchor_size=50_000))
-    for v in range(1, 4):
-        trainer.publish_version(manifest(v, delta_size=1000))
-    trainer.publish_version(manifest(4, anchor=True, delta_size=1000))
-    trainer.publish_version(manifest(5, bases=(4, 2), delta_size=1000))  # 2->5 squashed
-    p = anon.plan(from_version=3)
-    assert p.target == 5 and [s.base_version for s in p.steps] == [3, 4]
-    assert p.total_bytes == 2000
-    p = anon.plan(from_version=2, to_version=5)
-    assert len(p.steps) == 1 and p.steps[0].base_version == 2 and p.total_bytes == 3000
-    p = anon.plan(from_version=None)
-    assert p.steps[0].kind == "anchor" and p.steps[0].version == 4 and p.total_bytes == 51_000
-    assert anon.plan(from_version=5).steps == ()
+    m0 = manifest(0)
+    trainer.publish_version(m0)
+    body = httpx.get(server.url + "/v1/versions/0").json()
+    assert "manifest" not in body and body["manifest_digest"] == manifest_digest(m0)
+    assert anon.latest_version() == VersionRecord.model_validate(body)
+    m1 = manifest(1)
+    trainer.publish_version(m1)
+    other = m1.objects[0].model_copy(update={"xxh3_128": "2" * 32})  # same size, same bases
     with pytest.raises(CoordinatorError) as e:
-        anon.plan(from_version=0, to_version=9)
-    assert e.value.code == "unknown_version"
-
-
-def test_plan_uses_chained_deltas_only_with_the_context(server: LiveServer) -> None:
-    trainer, _, anon = clients(server)
-    trainer.publish_version(manifest(0))
-    trainer.publish_version(manifest(1))
-    m2 = manifest(2)
-    chained = m2.objects[0].model_copy(
-        update={"key": "objects/v000000000002/c1.dlt", "size": 600, "context_version": 0}
+        trainer.publish_version(m1.model_copy(update={"objects": (other,)}))
+    assert (e.value.status_code, e.value.code) == (409, "version_conflict")
+    other_json = json.dumps(m1.model_dump(mode="json"), sort_keys=True, indent=3)
+    r = httpx.post(  # the same manifest written as other JSON: an identical retry
+        server.url + "/v1/versions",
+        content='{"manifest": ' + other_json + "}",
+        headers={"X-Deltarl-Token": TRAINER_TOKEN, "Content-Type": "application/json"},
     )
-    trainer.publish_version(m2.model_copy(update={"objects": (*m2.objects, chained)}))
-    assert anon.plan(from_version=1).total_bytes == 1000  # no context: the standalone delta
-    p = anon.plan(from_version=1, context=0)
-    assert p.total_bytes == 600 and p.steps[0].context_version == 0
-    assert anon.plan(from_version=0).total_bytes == 1600  # 0 -> 1, then chained on it
-    with pytest.raises(CoordinatorError) as e:
-        anon.plan(from_version=1, context=1)
-    assert e.value.code == "bad_context"
+    assert r.status_code == 200 and r.json()["manifest_digest"] == manifest_digest(m1)
 
 
 def test_openapi_lists_every_route(server: LiveServer) -> None:
@@ -542,8 +530,8 @@ def test_openapi_lists_every_route(server: LiveServer) -> None:
         "/v1/batches/{batch_id}/extend",
         "/v1/admission",
         "/v1/status",
-        "/v1/plan",
     } <= set(spec["paths"])
+    assert "/v1/plan" not in spec["paths"]  # workers plan from the bucket's manifests
 
 
 def test_msgpack_batch_has_raw_arrays(server: LiveServer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -17,11 +18,13 @@ from deltarl.services.coordinator.schemas import (
     TeacherLogprobs,
     Trajectory,
     TrajectoryGroup,
+    VersionManifest,
     VersionPublish,
     decode_group,
     decode_leased_batch,
     encode_group,
     encode_leased_batch,
+    manifest_digest,
 )
 
 from .helpers import group, manifest
@@ -168,6 +171,19 @@ def test_version_publish_carries_the_bucket_manifest() -> None:
     assert again == body and again.manifest.has_anchor
     with pytest.raises(ValidationError, match="Extra inputs"):
         TrajectoryGroup.model_validate({**group("x").model_dump(), "typo": 1})
+
+
+def test_manifest_digest_is_of_the_content_not_of_its_json() -> None:
+    """What tells a retried publish from a different one: the same manifest in any JSON gives
+    the same digest, any change to it another."""
+    m = manifest(3, anchor=True)
+    d = manifest_digest(m)
+    text = json.dumps(m.model_dump(mode="json"), sort_keys=True, indent=2)
+    assert len(d) == 64 and manifest_digest(VersionManifest.model_validate_json(text)) == d
+    assert manifest_digest(m.model_copy(update={"step": 4})) != d
+    moved = m.objects[1].model_copy(update={"size": m.objects[1].size + 1})
+    assert manifest_digest(m.model_copy(update={"objects": (m.objects[0], moved)})) != d
+    assert manifest_digest(m.model_copy(update={"objects": m.objects[::-1]})) != d  # order counts
 
 
 def test_every_wire_field_is_documented() -> None:

@@ -40,9 +40,6 @@ def _huge_requests(url: str) -> list[tuple[str, httpx.Response]]:
             "Last-Event-ID",
             httpx.get(f"{url}/v1/versions/events", headers={"Last-Event-ID": str(HUGE)}),
         ),
-        ("GET /plan?from", httpx.get(f"{url}/v1/plan", params={"from": HUGE})),
-        ("GET /plan?to", httpx.get(f"{url}/v1/plan", params={"to": HUGE})),
-        ("GET /plan?context", httpx.get(f"{url}/v1/plan", params={"from": 0, "context": HUGE})),
         ("GET /status?workers", httpx.get(f"{url}/v1/status", params={"workers": HUGE})),
         (
             "heartbeat in_flight",

@@ -11,8 +11,8 @@ version. Coordinator, env server and rollout workers are real processes.
   it as its last error, plans around it through the version's anchor and ends verified;
 * scenario 5: one worker frozen (SIGSTOP) while 50 versions are published and one started
   after them: both catch up through the planner, downloading exactly the bytes their plans
-  promised (the worker logs planned and downloaded bytes of every sync; the coordinator's
-  ``/v1/plan`` gives the same totals).
+  promised (the worker logs planned and downloaded bytes of every sync; the planner run on the
+  bucket's manifests from this process gives the same totals).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import combine_digests, state_digests
 from deltarl.weightsync.manifest import VersionManifest
 from deltarl.weightsync.proof import ProofSpec, make_challenges
+from deltarl.weightsync.reader import BucketReader
 from deltarl.weightsync.writer import BucketWriter, NewObject
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -225,7 +226,7 @@ def test_workers_fifty_versions_late_download_what_the_plan_promised(
 ) -> None:
     """b1 is frozen at an anchored version while 50 more are published, then thawed: it
     follows the delta chain. b2 starts after them from nothing: anchor + 50 deltas. Both
-    download exactly the bytes of the coordinator's plan and end verified."""
+    download exactly the bytes of the bucket's plan and end verified."""
     c, versions = published
     base = versions.next(anchor=True).version
     c.wait_verified("b1", base, timeout=60)
@@ -243,8 +244,9 @@ def test_workers_fifty_versions_late_download_what_the_plan_promised(
         w = c.wait_verified(wid, final, timeout=90)
         c.wait_submitted(wid, w.submitted)  # and plays with those weights
 
-    chain = c.client.plan(base, final)  # b1: the 50 deltas
-    fresh = c.client.plan(None, final)  # b2: the anchor at `base` + the 50 deltas
+    reader = BucketReader(versions.bucket)  # the plan a worker makes, from the manifests
+    chain = reader.plan(base, final)  # b1: the 50 deltas
+    fresh = reader.plan(None, final)  # b2: the anchor at `base` + the 50 deltas
     assert len(chain.steps) == LATE and not chain.uses_anchor, chain
     assert len(fresh.steps) == LATE + 1 and fresh.steps[0].version == base, fresh
     # b1's syncs past `base` (its heartbeat may report `base` verified before the sync to it

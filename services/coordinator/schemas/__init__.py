@@ -11,8 +11,8 @@ Modules:
 * :mod:`.trajectories` — trajectory groups and their compact binary (msgpack) wire format.
 * :mod:`.batches` — submission results, leased batches, acks, admission control.
 * :mod:`.status` — the ``GET /v1/status`` summary.
-* catch-up plans and version manifests are the weight-sync library's own torch-free records
-  (:class:`CatchUpPlan`, :class:`VersionManifest`, :class:`ObjectRef`), re-exported here.
+* version manifests are the weight-sync library's own torch-free records
+  (:class:`VersionManifest`, :class:`ObjectRef`), re-exported here for ``POST /v1/versions``.
 """
 
 from deltarl.services.coordinator.schemas.batches import (
@@ -59,6 +59,7 @@ from deltarl.services.coordinator.schemas.versions import (
     VersionManifest,
     VersionPublish,
     VersionRecord,
+    manifest_digest,
 )
 from deltarl.services.coordinator.schemas.workers import (
     HeartbeatAck,
@@ -70,7 +71,6 @@ from deltarl.services.coordinator.schemas.workers import (
     WorkerRegistration,
     WorkerState,
 )
-from deltarl.weightsync.planner import CatchUpPlan
 
 __all__ = [
     "TRAJECTORY_FORMAT",
@@ -81,7 +81,6 @@ __all__ = [
     "AdmissionResponse",
     "BatchItem",
     "BatchLease",
-    "CatchUpPlan",
     "ChallengePair",
     "ChallengePool",
     "ChallengePoolResult",
@@ -121,4 +120,5 @@ __all__ = [
     "decode_leased_batch",
     "encode_group",
     "encode_leased_batch",
+    "manifest_digest",
 ]

@@ -1,10 +1,14 @@
 """Weight versions as the coordinator records them.
 
-A version is described by the weight-sync library's :class:`VersionManifest` (the very record
-the trainer wrote to ``manifests/v….json`` in the bucket): its anchors and incoming deltas with
-sizes, digests and bases. Order of calls for the trainer: write the objects, the manifest and the
-``latest`` pointer to the bucket, *then* ``POST /v1/versions`` with the manifest; so a worker
-that learns of version ``v`` here can always fetch it.
+The trainer publishes a version with the weight-sync library's :class:`VersionManifest` (the very
+record it wrote to ``manifests/v….json`` in the bucket). Order of calls for the trainer: write
+the objects, the manifest and the ``latest`` pointer to the bucket, *then* ``POST /v1/versions``
+with the manifest; so a worker that learns of version ``v`` here can always fetch it.
+
+The bucket is the one source of truth for manifests: the coordinator checks the manifest, keeps a
+:class:`VersionRecord` (a summary: kind, digests, sizes, anchors, times, the model's limits and
+:func:`manifest_digest`) and drops the manifest itself. Workers plan their catch-up from the
+bucket's manifests (``weightsync/planner.py``).
 
 Versions are strictly increasing (gaps allowed, as in the bucket); the first must carry an
 anchor; every delta's base must be a recorded version whose state digest matches.
@@ -12,6 +16,8 @@ anchor; every delta's base must be a recorded version whose state digest matches
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal
 
 from pydantic import Field
@@ -32,9 +38,19 @@ __all__ = [
     "VersionManifest",
     "VersionPublish",
     "VersionRecord",
+    "manifest_digest",
 ]
 
 MAX_CHALLENGES = 4096  # pairs per request and per version's pool
+
+
+def manifest_digest(manifest: VersionManifest) -> str:
+    """SHA-256 (hex) of the manifest's canonical JSON: ``model_dump(mode="json")`` (no
+    signature), keys sorted, no spaces. Equal manifests give equal digests whatever the JSON they
+    arrived as; the coordinator compares it to tell a retried publish from a different one."""
+    doc = manifest.model_dump(mode="json")
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class VersionPublish(WireModel):
@@ -51,7 +67,8 @@ class VersionPublish(WireModel):
 
 
 class VersionRecord(WireModel):
-    """A recorded version: the manifest plus a summary derived from it at acceptance."""
+    """A recorded version: a summary of its manifest, derived at acceptance. The manifest itself
+    stays in the bucket (``manifests/v….json``), the one source of truth for its objects."""
 
     version: Version = Field(description="Policy version number.")
     kind: VersionKind = Field(
@@ -79,7 +96,11 @@ class VersionRecord(WireModel):
     )
     published_at: float = Field(description="Manifest creation time (Unix s).")
     recorded_at: float = Field(description="Coordinator's wall clock at acceptance (Unix s).")
-    manifest: VersionManifest = Field(description="The manifest as published (objects, digests).")
+    manifest_digest: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 of the published manifest's canonical JSON (manifest_digest()): "
+        "a re-publish of this version is accepted only with the same digest.",
+    )
     limits: ModelLimits | None = Field(
         default=None,
         description="The model's limits the trainer registered with this version; None: none.",

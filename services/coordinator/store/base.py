@@ -27,12 +27,19 @@ and does not count as a delivery.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
+from deltarl.services.coordinator.schemas import (
+    VersionManifest,
+    VersionRecord,
+    WorkerHeartbeat,
+    WorkerRegistration,
+    manifest_digest,
+)
 
 
 class StoreError(ValueError):
@@ -432,3 +439,17 @@ def same_version_content(a: VersionRecord, b: VersionRecord) -> bool:
     """True when two records describe the same publish (bookkeeping times ignored)."""
     skip = {"recorded_at"}
     return a.model_dump(exclude=skip) == b.model_dump(exclude=skip)
+
+
+def load_version_record(raw: str | bytes) -> VersionRecord:
+    """A stored version record. Coordinators before ``manifest_digest`` kept the whole manifest
+    in each record; such a record reads as the summary it holds, its manifest replaced by that
+    manifest's digest (the bucket keeps the manifest itself), so an old store still opens and a
+    retried publish of an old version is still told apart from a different one."""
+    text = raw if isinstance(raw, str) else raw.decode()
+    if '"manifest"' not in text:  # the key alone: "manifest_digest" does not match
+        return VersionRecord.model_validate_json(text)
+    doc = json.loads(text)
+    legacy = VersionManifest.model_validate(doc.pop("manifest"))
+    doc.setdefault("manifest_digest", manifest_digest(legacy))
+    return VersionRecord.model_validate(doc)

@@ -58,6 +58,7 @@ from deltarl.services.coordinator.store.base import (
     VersionConflict,
     WorkerRecord,
     WorkerRejections,
+    load_version_record,
     same_version_content,
 )
 
@@ -565,7 +566,7 @@ class RedisStore(CoordinatorStore):
         )
         code = int(res[0])
         if code == 1:
-            old = VersionRecord.model_validate_json(res[1])
+            old = load_version_record(res[1])
             if same_version_content(old, record):
                 return old, False
             raise VersionConflict(
@@ -580,13 +581,13 @@ class RedisStore(CoordinatorStore):
 
     def get_version(self, version: int) -> VersionRecord | None:
         raw = self._r.hget(self._k("v"), str(version))
-        return None if raw is None else VersionRecord.model_validate_json(raw)
+        return None if raw is None else load_version_record(raw)
 
     def _records(self, numbers: list[bytes]) -> list[VersionRecord]:
         if not numbers:
             return []
         raws = self._r.hmget(self._k("v"), numbers)
-        return [VersionRecord.model_validate_json(r) for r in raws if r is not None]
+        return [load_version_record(r) for r in raws if r is not None]
 
     def _latest_number(self, key: str) -> int | None:
         raw = self._r.get(self._k(key))

@@ -40,6 +40,7 @@ from deltarl.services.coordinator.store.base import (
     VersionConflict,
     WorkerRecord,
     WorkerRejections,
+    load_version_record,
     same_version_content,
 )
 
@@ -184,7 +185,7 @@ class SQLiteStore(CoordinatorStore):
             row = db.execute("SELECT body FROM versions WHERE version = ?", (record.version,))
             existing = row.fetchone()
             if existing is not None:
-                old = VersionRecord.model_validate_json(existing[0])
+                old = load_version_record(existing[0])
                 if same_version_content(old, record):
                     return old, False
                 raise VersionConflict(
@@ -203,7 +204,7 @@ class SQLiteStore(CoordinatorStore):
             return record, True
 
     def _versions(self, sql: str, args: tuple[Any, ...] = ()) -> list[VersionRecord]:
-        return [VersionRecord.model_validate_json(r[0]) for r in self._read(sql, args)]
+        return [load_version_record(r[0]) for r in self._read(sql, args)]
 
     def get_version(self, version: int) -> VersionRecord | None:
         found = self._versions("SELECT body FROM versions WHERE version = ?", (version,))
