@@ -63,6 +63,17 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def smollm2_tok() -> Any:
+    """SmolLM2's tokenizer (smollm2_helpers.smollm2_tokenizer, one per process), loaded in a
+    fixture's setup: its GGUF parse (5-15 s) would otherwise fall in the call of whichever test
+    of the process asks first, which the fast tier's time limit counts (with several workers, any
+    of them). Tests that call ``smollm2_tokenizer()`` in their body use this fixture."""
+    from smollm2_helpers import smollm2_tokenizer
+
+    return smollm2_tokenizer()
+
+
 @pytest.fixture
 def state() -> dict[str, torch.Tensor]:
     from states import make_state

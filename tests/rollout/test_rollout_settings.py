@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deltarl.rollout.settings import RolloutSettings
 
 
@@ -25,6 +27,7 @@ def test_vllm_memory_share_reaches_the_engine_settings() -> None:
         assert isinstance(es, VllmEngineSettings) and es.gpu_memory_utilization == want
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
     """Decoding next to a Python-heavy generation thread needs a short switch interval."""
     import sys

@@ -62,6 +62,7 @@ def test_transcripts_have_the_episode_shape(tmp_path: Path) -> None:
     assert "You have 2 attempts" in three["messages"][1]["content"]
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_bad_transcripts_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
@@ -75,6 +76,7 @@ def test_bad_transcripts_are_refused(tmp_path: Path) -> None:
         encode_transcript(fmt, [{"role": "assistant", "content": "[crane]"}])
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_mask_covers_exactly_the_assistant_replies() -> None:
     tok = smollm2_tokenizer()
     (record,) = solver_transcripts(1, seed=5)

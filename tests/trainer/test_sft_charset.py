@@ -74,6 +74,7 @@ def test_a_family_of_targets_and_no_system_prompt() -> None:
         HintData(recover=1.5)
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_a_hinted_transcript_is_what_the_env_hinter_scores() -> None:
     """The hint is CharsetHinter's for the recorded random reply, and ``deltarl sft`` trains the
     reply after exactly the tokens the worker scores a hinted turn after (``hinted_context``)."""
@@ -99,6 +100,7 @@ def test_a_hinted_transcript_is_what_the_env_hinter_scores() -> None:
         assert all(enc.mask[len(context) + len(prefill) :])
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_several_user_turns_only_before_the_first_reply() -> None:
     fmt = ChatFormat(smollm2_tokenizer())
     u, a = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}

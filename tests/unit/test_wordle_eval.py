@@ -53,6 +53,7 @@ class Scripted(torch.nn.Module):
         return torch.tensor(rows)
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_scripted_games_are_counted_as_the_env_scores_them() -> None:
     a = WordleEval(games=5, batch_size=2, max_invalid=0, seed_start=10)
     report, records = evaluate(Scripted(smollm2_tokenizer()), smollm2_tokenizer(), a)
@@ -78,6 +79,7 @@ def test_scripted_games_are_counted_as_the_env_scores_them() -> None:
     assert report["consistent_rate"] == pytest.approx(sum(fits) / 5)
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_consistent_rate_counts_later_guesses_that_fit_the_feedback() -> None:
     REPLIES[1] = "[posit]"  # no c, r, a, n, e: fits "soppy"'s XXXXX after crane, not the others
     try:
@@ -91,6 +93,7 @@ def test_consistent_rate_counts_later_guesses_that_fit_the_feedback() -> None:
     assert report["consistent_rate"] == pytest.approx(sum(fits) / 5)
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_feedback_summary_is_rendered_to_the_model() -> None:
     seen: list[str] = []
 
@@ -106,6 +109,7 @@ def test_feedback_summary_is_rendered_to_the_model() -> None:
         assert any("Known so far:" in text for text in seen) == flag
 
 
+@pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_the_winning_reply_wins() -> None:
     words = WordLists.load()
     answer = answer_for_seed(words, 7)
