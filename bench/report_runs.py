@@ -163,6 +163,7 @@ def system(results: list[Result]) -> Lines:
                 mb(sync.get("bytes_per_version_downloaded_p50")),
                 f"{num(reward[0])} -> {num(reward[-1])}" if reward else "-",
                 f"{pct(valid[0], 0)} -> {pct(valid[-1], 0)}" if valid else "-",
+                _gap(d.get("trainer_p50") or {}),
                 f"v{status.get('final_version')}: "
                 + ("yes" if status.get("all_workers_verified_at_final") else "no"),
             ]
@@ -179,6 +180,7 @@ def system(results: list[Result]) -> Lines:
         "downloaded per version p50",
         "reward, first -> last window of steps",
         "valid moves, first -> last window",
+        "trainer vs worker logprobs: mean / max abs difference; importance weight (p50 of steps)",
         "every worker verified at the final version",
     ]
     return table(
@@ -193,9 +195,23 @@ def system(results: list[Result]) -> Lines:
             "(the default) pays only valid new guesses and their feedback. In 150 s neither "
             "teaches a game a user would accept: valid moves rise, but the games end by "
             "forfeit (a valid first guess, then repeats); the warm-started recipe below is what "
-            "wins games. Charset: a tiny byte-level Llama at lr 1e-2."
+            "wins games. Charset: a tiny byte-level Llama at lr 1e-2. The upcycled mixture of "
+            "experts (SmolLM2's MLP copied into 8 experts with 2% noise, top-2, random router: "
+            "`--model-kind smollm2-moe`) is served by vLLM in bf16 like the dense model; its "
+            "trainer-vs-worker logprob difference is several times the dense model's under the "
+            "same settings; routing decisions that differ between the two (a random router's "
+            "scores are close to ties) are the likely cause, not yet separated from others."
         ),
     )
+
+
+def _gap(p50: dict[str, float]) -> str:
+    """The per-step medians of the trainer's logprob mismatch against the workers."""
+    mean, top = p50.get("mismatch/abs_logprob_diff/mean"), p50.get("mismatch/abs_logprob_diff/max")
+    if mean is None or top is None:
+        return "-"
+    w = p50.get("is/weight/mean")
+    return f"{num(mean, 3)} / {num(top)}" + (f"; {num(w, 3)}" if w is not None else "")
 
 
 def trainer_memory(results: list[Result]) -> Lines:

@@ -330,8 +330,16 @@ def fsdp_publish(results: list[Result]) -> Lines:
     )
 
 
+def _apply_median(r: Result, key: str) -> float | None:
+    applies = (r.data.get("apply") or {}).get("applies") or []
+    vals = [a[key] for a in applies if isinstance(a.get(key), int | float)]
+    return statistics.median(vals) if vals else None
+
+
 def moe_scale(results: list[Result]) -> Lines:
     rows = []
+    # an extrapolation to the whole model is shown only while the whole model is not measured
+    whole = any(r.data["settings"]["layers"] == 48 for r in results)
     for r in results:
         s, st = r.data["summary"], r.data["settings"]
         row = [
@@ -345,11 +353,14 @@ def moe_scale(results: list[Result]) -> Lines:
             f"{num(1e3 * s['paused_apply_s_median'])} / {num(1e3 * s['paused_apply_s_max'])}"
             if "paused_apply_s_median" in s
             else "-",
+            num(s.get("fetch_to_applied_s_median")),
+            num(_apply_median(r, "decode_s")),
+            num(_apply_median(r, "verify_s")),
             num(s.get("publish_to_applied_s_median")),
         ]
         rows.append(row)
         x = s.get("extrapolated_to_48_layers")
-        if x:
+        if x and not whole:
             rows.append(
                 [
                     "scaled to 48 layers (extrapolated, not measured)",
@@ -360,6 +371,9 @@ def moe_scale(results: list[Result]) -> Lines:
                     "",
                     "",
                     num(1e3 * x["paused_apply_s_median"]) if "paused_apply_s_median" in x else "-",
+                    num(x.get("fetch_to_applied_s_median")),
+                    "",
+                    "",
                     num(x.get("publish_to_applied_s_median")),
                 ]
             )
@@ -372,6 +386,9 @@ def moe_scale(results: list[Result]) -> Lines:
         "bits per changed element",
         "follower",
         "paused apply median / max ms",
+        "fetch to applied s",
+        "of which decode s",
+        "verify after resuming s",
         "publish to applied s",
     ]
     return table(header, rows)
