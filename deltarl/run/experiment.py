@@ -278,7 +278,9 @@ def start_all(
             wait_logged(child, "vllm engine:", 600.0)
     launcher: list[str] = []
     if a.trainer_nproc > 1:
+        # a port of its own: torchrun's default (29500) is taken by any other run on the host
         launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(a.trainer_nproc)]
+        launcher += ["--master-port", str(free_port(HOST))]
     t = layout.trainer()
     group.start(t.name, t.args, common | t.env, python_args=launcher)
     return group, curl, metrics, (endpoints.env_url, tokens.env)
