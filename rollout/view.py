@@ -61,8 +61,12 @@ class WorkerView(Protocol):
     sync: WeightSync  # status() and timings
     follower: VersionFollower  # wanted, syncs, failures
     stats: WorkerStats
-    teacher_stats: TeacherStats
-    hint_stats: HintStats
+
+    @property
+    def teacher_stats(self) -> TeacherStats: ...
+
+    @property
+    def hint_stats(self) -> HintStats: ...
 
     @property
     def metrics(self) -> MetricsText: ...

@@ -58,28 +58,17 @@ import httpx
 from deltarl.env_server.core.client import EnvClient
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Engine
-from deltarl.rollout.episodes import Episode, EpisodeGroup, EpisodeRunner
+from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
 from deltarl.rollout.follower import VersionFollower
+from deltarl.rollout.group_targets import GroupTargets, TeacherRefused
 from deltarl.rollout.hints import (
-    ChatHinter,
-    EnvHinter,
-    Hint,
-    Hinter,
     HintStats,
-    hint_episodes,
-    score_hints,
 )
 from deltarl.rollout.http import WorkerHttpServer, create_app
 from deltarl.rollout.metrics import RolloutMetrics
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.teaching import (
-    TeacherMismatch,
     TeacherStats,
-    check_vocab,
-    group_request,
-    hint_maps,
-    hint_request,
-    teacher_maps,
 )
 from deltarl.rollout.trajectories import to_submission
 from deltarl.rollout.view import WorkerStats
@@ -93,19 +82,11 @@ from deltarl.services.coordinator.client import (
 from deltarl.services.coordinator.schemas import (
     HeartbeatAck,
     SubmitResult,
-    TeacherLogprobs,
     WeightChallenge,
     WorkerHeartbeat,
     WorkerRegistration,
     encode_group,
 )
-from deltarl.teacher.client import (
-    TeacherClient,
-    TeacherError,
-    TeacherRequestError,
-    TeacherUnavailable,
-)
-from deltarl.teacher.wire import LogprobRequest, LogprobResponse
 from deltarl.weightsync.errors import StateMismatchError
 from deltarl.weightsync.proof import ProofSpec
 
@@ -182,12 +163,9 @@ class RolloutWorker:
         # weight proofs run in their own thread (a whole-state proof of a large model takes
         # seconds: heartbeats go on meanwhile); at most one at a time
         self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
-        self.hint_stats = HintStats()
-        self._hinter = self._make_hinter()
-        self.teacher_stats = TeacherStats()
-        self._teacher: TeacherClient | None = None
-        self._teacher_checked = False
-        self._fatal: BaseException | None = None
+        self.targets = GroupTargets(
+            settings, self.format, self.sync, on_error=self._error, stop=self.request_stop
+        )
         self._proving: Future[None] | None = None
         self._proving_nonce: str | None = None
         self.metrics = metrics if metrics is not None else RolloutMetrics()
@@ -242,6 +220,14 @@ class RolloutWorker:
             self._stop_requested = True
             return
         loop.call_soon_threadsafe(self._begin_stop)
+
+    @property
+    def hint_stats(self) -> HintStats:
+        return self.targets.hint_stats
+
+    @property
+    def teacher_stats(self) -> TeacherStats:
+        return self.targets.teacher_stats
 
     @property
     def in_flight(self) -> int:
@@ -350,18 +336,14 @@ class RolloutWorker:
                 return
             self.follower.start()
             await self._episode_loop()
-            if self._fatal is not None:
-                raise self._fatal
+            if self.targets.fatal is not None:
+                raise self.targets.fatal
         finally:
             if handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
             await asyncio.to_thread(self._shutdown_threads)
-            if isinstance(self._hinter, ChatHinter):
-                await self._hinter.aclose()
-            if self._teacher is not None:
-                await self._teacher.aclose()
-                self._teacher = None
+            await self.targets.aclose()
             await self.http.stop()
             self._loop = None
         logger.info("rollout worker %s stopped: %s", self.worker_id, self.stats)
@@ -547,7 +529,7 @@ class RolloutWorker:
         assert self._stop is not None
         settings = self.settings
         submits: set[asyncio.Task[None]] = set()
-        await self._open_teacher()
+        await self.targets.open()
         async with (
             AsyncCoordinatorClient(
                 settings.coordinator_url, _secret(settings.worker_token), verify=self._verify
@@ -621,148 +603,10 @@ class RolloutWorker:
                 return True
             await asyncio.sleep(_VERDICT_POLL_S)
 
-    def _make_hinter(self) -> Hinter | None:
-        cfg = self.settings
-        if cfg.hint_mode == "env":
-            return EnvHinter()
-        if cfg.hint_mode == "chat":
-            assert cfg.hint_url is not None
-            token = cfg.hint_token.get_secret_value() if cfg.hint_token else None
-            return ChatHinter(
-                cfg.hint_url, cfg.hint_model, token=token, timeout_s=cfg.hint_timeout_s
-            )
-        return None
-
-    async def _hints(self, group: EpisodeGroup) -> dict[int, tuple[TeacherLogprobs, str]]:
-        """Hinted self-distillation targets for the group's failed episodes (module
-        :mod:`deltarl.rollout.hints`), scored by the policy's engine or the teacher service
-        (``hint_scorer``); failures are counted and skipped. Raises :class:`_TeacherRefused`
-        when the teacher cannot score this policy at all (another vocabulary)."""
-        if self._hinter is None:
-            return {}
-        cfg = self.settings
-
-        async def by_policy(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
-            temperature = hinted[0][0].temperature or 1.0
-            return await asyncio.to_thread(
-                score_hints,
-                hinted,
-                self.format,
-                self.sync.engine,
-                k=cfg.hint_top_k,
-                temperature=temperature,
-                gate=self.sync,
-            )
-
-        async def by_teacher(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
-            request, spans = hint_request(hinted, self.format, cfg.hint_top_k)
-            answer = await self._ask_teacher(request, f"the hints of {group.group_id}")
-            if answer is None:
-                raise TeacherUnavailable("no answer within the retry budget")
-            return hint_maps(answer, hinted, request, spans)
-
-        score = by_teacher if cfg.hint_scorer == "teacher" else by_policy
-        found = await hint_episodes(
-            group.episodes, self._hinter, score, self.hint_stats, cfg.hint_below
-        )
-        if self._fatal is not None:
-            raise _TeacherRefused(str(self._fatal))
-        return found
-
-    # ------------------------------------------------------------------ teacher
-
-    async def _open_teacher(self) -> None:
-        """Open the teacher client (with a teacher_url) and check its vocabulary once if it
-        answers now; if not, the first group's request checks it (:meth:`_teacher_scores`)."""
-        cfg = self.settings
-        if cfg.teacher_url is None or self._teacher is not None:
-            return
-        self._teacher = TeacherClient(
-            cfg.teacher_url,
-            _secret(cfg.teacher_token),
-            timeout_s=cfg.teacher_timeout_s,
-            # the retry budget of one request: half the group's submit budget (the worker's
-            # own loop retries past it while teacher data is required)
-            deadline_s=min(cfg.submit_timeout_s / 2, 120.0),
-            ca_bundle=cfg.ca_bundle,
-        )
-        try:
-            await self._check_teacher()
-        except (httpx.TransportError, TeacherError) as exc:
-            logger.warning("the teacher at %s does not answer yet (%s)", cfg.teacher_url, exc)
-
-    async def _check_teacher(self) -> None:
-        assert self._teacher is not None
-        if self._teacher_checked:
-            return
-        try:
-            info = await self._teacher.info()
-        except TeacherRequestError as exc:
-            if exc.status in (429, 500, 502, 503, 504):  # loading or overloaded: later
-                raise TeacherUnavailable(str(exc)) from None
-            raise
-        check_vocab(info, getattr(self.engine, "vocab_size", None), self._teacher.base_url)
-        self._teacher_checked = True
-        logger.info(
-            "teacher %s at %s (vocabulary %s)",
-            info.get("model"),
-            self._teacher.base_url,
-            info.get("vocab_size"),
-        )
-
-    async def _teacher_scores(self, group: EpisodeGroup) -> list[TeacherLogprobs] | None:
-        """The teacher's map of each trajectory of ``group`` (None: no teacher configured or
-        teacher_distill off, or it failed and teacher_required is false: counted missing)."""
-        if self._teacher is None or not self.settings.teacher_distill:
-            return None
-        request = group_request(group.episodes, self.settings.teacher_top_k)
-        answer = await self._ask_teacher(request, group.group_id)
-        if answer is None:
-            self.teacher_stats.missing += 1
-            return None
-        return teacher_maps(answer, group.episodes)
-
-    async def _ask_teacher(self, request: LogprobRequest, what: str) -> LogprobResponse | None:
-        """The teacher's answer to ``request`` (None: it failed after the client's retry budget
-        and teacher_required is false). With teacher_required, retries until it answers (the
-        submit task's submit_timeout_s ends the wait: the group is dropped). Raises
-        :class:`_TeacherRefused` when the teacher refuses the request (or cannot score this
-        policy at all: then the worker stops)."""
-        assert self._teacher is not None
-        cfg, stats = self.settings, self.teacher_stats
-        stats.waiting += 1
-        delay = 0.5
-        try:
-            while True:
-                try:
-                    await self._check_teacher()
-                    answer = await self._teacher.score(request)
-                except TeacherMismatch as exc:
-                    self._fatal = exc
-                    self._error(str(exc))
-                    self.request_stop()
-                    raise _TeacherRefused(str(exc)) from None
-                except TeacherRequestError as exc:
-                    stats.refused += 1
-                    raise _TeacherRefused(str(exc)) from None
-                except (httpx.TransportError, TeacherError) as exc:
-                    stats.requests_failed += 1
-                    self._error(f"teacher for {what}: {exc}")
-                    if not cfg.teacher_required:
-                        return None
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-                    continue
-                stats.requests_ok += 1
-                return answer
-        finally:
-            stats.waiting -= 1
-
     async def _send(self, group: EpisodeGroup) -> SubmitResult | None:
         try:
-            hints = await self._hints(group)
-            teacher = await self._teacher_scores(group)
-        except _TeacherRefused as exc:
+            hints, teacher = await self.targets.of(group)
+        except TeacherRefused as exc:
             self.stats.dropped_refused += 1
             self._error(f"group {group.group_id} dropped: the teacher refused it: {exc}")
             return None
@@ -801,10 +645,6 @@ class RolloutWorker:
                 return result
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
-
-
-class _TeacherRefused(Exception):
-    """The teacher refused a group's request (or cannot score this policy at all)."""
 
 
 def _secret(value: Any) -> str | None:

@@ -185,7 +185,7 @@ def hint_worker(
     settings = worker_settings(coordinator, env.url, **(values | kw))
     runner = WorkerThread(settings, bucket, tok, len(tok))
     recording = Recording()
-    runner.worker._hinter = recording
+    runner.worker.targets._hinter = recording
     return runner, recording
 
 
