@@ -1,5 +1,7 @@
-"""``deltarl demo`` end to end: the whole system as processes on loopback (tiny model, 2 steps),
-and the demo's process handling (a child that dies is reported with its log)."""
+"""``deltarl demo`` end to end: the whole system as processes on loopback (tiny model, Wordle, one
+step: the anchor and a delta; a Wordle step of this model takes ~40 s of CPU, and long delta
+chains followed bit-exactly are tests/e2e/test_learning.py's, 20 versions), and the demo's
+process handling (a child that dies is reported with its log)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from deltarl.demo.report import WorkerLog, plain_png, rebuild_digest
 
 pytestmark = pytest.mark.network
 
-STEPS = 2
+STEPS = 1
 WORKERS = 2
 
 
