@@ -61,12 +61,15 @@ unit: $(STAMP) system-deps docker-deps
 
 test: lint typecheck unit
 
-# the edit loop: no multi-process runs, no containers, on PYTEST_WORKERS processes (3.7 min on a
-# 2-core machine busy with other jobs, 4.6 min there in one process; an unmarked test over 5 s
-# fails it: tests/conftest.py)
+# the edit loop: no multi-process runs, no containers (~4.2 min in one process on 2 cores; an
+# unmarked test over 5 s fails it: tests/conftest.py). FAST_WORKERS=2 runs it on two processes
+# (2.7 min in CI's run of the same tests), but each test then has a core, not two, and on a
+# machine busy with other jobs several went over the 5 s; hence one process by default.
+FAST_WORKERS ?= 0
+
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	DELTARL_FAST_TIER=1 $(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "$(FAST_TIER)" --durations=15
+	DELTARL_FAST_TIER=1 $(VENV)/bin/pytest -q -n $(FAST_WORKERS) --dist loadscope -m "$(FAST_TIER)" --durations=15
 
 demo: $(STAMP)
 	# The whole system on this machine (coordinator, env server, 2 rollout workers, trainer, bucket) on SmolLM2-135M, CPU.
