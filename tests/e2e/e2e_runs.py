@@ -33,6 +33,36 @@ class CharsetRun:
         return [r for _, r in self.summary()["reward"]["trained"]]
 
 
+@dataclass
+class BackgroundRun:
+    """One ``deltarl run`` started in the background (its output in ``log``)."""
+
+    name: str
+    run_dir: Path
+    proc: subprocess.Popen[bytes]
+    started: float
+    log: Path
+
+    def stop(self) -> None:
+        """Stop the run if it still runs (SIGTERM: ``deltarl run`` stops its services)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def rewards(self) -> list[float]:
+        """Wait for the run; the trained batches' mean reward per step."""
+        code = self.proc.wait(timeout=450)
+        assert code == 0, self.log.read_text()[-6000:]
+        summary = json.loads((self.run_dir / "summary.json").read_text())
+        rewards = [r for _, r in summary["reward"]["trained"]]
+        took = time.monotonic() - self.started
+        print(f"{self.name}: {took:.0f} s, rewards {[round(r, 2) for r in rewards]}")
+        return rewards
+
+
 def run_charset_demo(root: Path, cache: Path, seed: int, steps: int) -> CharsetRun:
     """``deltarl demo --tiny --task charset`` with WORKERS workers, in a subprocess."""
     run_dir = root / "run"

@@ -29,13 +29,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 import pytest
-from e2e_runs import CharsetRun
+from e2e_runs import BackgroundRun, CharsetRun
 
 from deltarl.demo.report import export_version
 from deltarl.services.common.models import prepare_model
@@ -52,37 +51,7 @@ THRESHOLD = 0.9
 DISTILL_COEF = 5.0
 
 
-@dataclass
-class Run:
-    """One ``deltarl run examples/charset-tiny.toml`` run started in the background."""
-
-    name: str
-    run_dir: Path
-    proc: subprocess.Popen[bytes]
-    started: float
-    log: Path
-
-    def stop(self) -> None:
-        """Stop the run if it still runs (SIGTERM: ``deltarl run`` stops its services)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-    def rewards(self) -> list[float]:
-        """Wait for the run; the trained batches' mean reward per step."""
-        code = self.proc.wait(timeout=450)
-        assert code == 0, self.log.read_text()[-6000:]
-        summary = json.loads((self.run_dir / "summary.json").read_text())
-        rewards = [r for _, r in summary["reward"]["trained"]]
-        took = time.monotonic() - self.started
-        print(f"{self.name}: {took:.0f} s, rewards {[round(r, 2) for r in rewards]}")
-        return rewards
-
-
-def start(root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str) -> Run:
+def start(root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str) -> BackgroundRun:
     """Start one ``deltarl run examples/charset-tiny.toml`` run in the background."""
     run_dir = root / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTARL_")}
@@ -101,7 +70,7 @@ def start(root: Path, cache: Path, name: str, steps: int, seed: int, *sets: str)
             stderr=subprocess.STDOUT,
             env=env,
         )
-    return Run(name, run_dir, proc, time.monotonic(), log)
+    return BackgroundRun(name, run_dir, proc, time.monotonic(), log)
 
 
 def steps_to(rewards: list[float], target: float) -> int:
@@ -124,7 +93,7 @@ def test_a_charset_teacher_makes_the_student_learn_faster(
     tmp_path: Path, model_cache: Path, charset_grpo: Callable[[int, int], CharsetRun]
 ) -> None:
     prepare_model("tiny-bytes", model_cache)  # before the runs, which would each build it
-    running: list[Run] = []
+    running: list[BackgroundRun] = []
     try:
         teacher = start(tmp_path, model_cache, "teacher", TEACHER_STEPS, TEACHER_SEED)
         running.append(teacher)

@@ -35,11 +35,11 @@ import string
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
 import pytest
+from e2e_runs import BackgroundRun
 
 from deltarl.trainer.sft_charset import HintData, hint_transcripts, write_transcripts
 
@@ -102,7 +102,7 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> t
     return out, cache
 
 
-def start(root: Path, name: str, model: Path, cache: Path, seed: int, *sets: str) -> Run:
+def start(root: Path, name: str, model: Path, cache: Path, seed: int, *sets: str) -> BackgroundRun:
     """Start one ``deltarl run examples/charset-tiny.toml`` run from ``model`` (in the
     background: the two arms of a seed run side by side, as measured)."""
     run_dir = root / name
@@ -128,35 +128,7 @@ def start(root: Path, name: str, model: Path, cache: Path, seed: int, *sets: str
         stderr=subprocess.STDOUT,
         env=env(),
     )
-    return Run(name, run_dir, proc, time.monotonic(), root / f"{name}.log")
-
-
-@dataclass
-class Run:
-    name: str
-    run_dir: Path
-    proc: subprocess.Popen[bytes]
-    started: float
-    log: Path
-
-    def stop(self) -> None:
-        """Stop the run if it still runs (SIGTERM: ``deltarl run`` stops its services)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-    def rewards(self) -> list[float]:
-        """Wait for the run; the trained batches' mean reward per step."""
-        code = self.proc.wait(timeout=450)
-        assert code == 0, self.log.read_text()[-6000:]
-        summary = json.loads((self.run_dir / "summary.json").read_text())
-        rewards = [r for _, r in summary["reward"]["trained"]]
-        took = time.monotonic() - self.started
-        print(f"{self.name}: {took:.0f} s, rewards {[round(r, 2) for r in rewards]}")
-        return rewards
+    return BackgroundRun(name, run_dir, proc, time.monotonic(), root / f"{name}.log")
 
 
 def steps_to(rewards: list[float], target: float) -> int:
