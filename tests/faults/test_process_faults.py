@@ -152,13 +152,23 @@ def _trainer_at_safe_point(c: Cluster) -> dict[str, object] | None:
     """Freeze the trainer (SIGSTOP); keep it frozen if it holds a lease of a step that is not
     acked yet and its newest checkpoint covers every acked group, else thaw it (None)."""
     assert c.trainer is not None
+
+    def safe() -> dict[str, object] | None:
+        led = c.ledger()
+        meta = checkpoint_meta(c.trainer_dir)
+        if meta is not None and led.leased > 0 and meta["groups_trained"] == led.acked:
+            return {"ledger": led, "checkpoint": meta}
+        return None
+
+    # look first without stopping it: freezing it on every poll left it too little time to
+    # reach a lease on a slow machine
+    if safe() is None:
+        return None
     os.killpg(c.trainer.proc.pid, signal.SIGSTOP)
-    led = c.ledger()
-    meta = checkpoint_meta(c.trainer_dir)
-    if meta is not None and led.leased > 0 and meta["groups_trained"] == led.acked:
-        return {"ledger": led, "checkpoint": meta}
-    os.killpg(c.trainer.proc.pid, signal.SIGCONT)
-    return None
+    found = safe()
+    if found is None:
+        os.killpg(c.trainer.proc.pid, signal.SIGCONT)
+    return found
 
 
 def chain_check(c: Cluster) -> dict[str, list[int]]:
@@ -188,7 +198,7 @@ def test_trainer_killed_and_resumed(cluster: Cluster, fault_report: FaultReport)
     assert c.trainer is not None
     c.wait_accepted(c.ledger().accepted + 1, timeout=60)
     frozen = wait_for(
-        lambda: c.check_alive() or _trainer_at_safe_point(c), 60, "the trainer never held a lease"
+        lambda: c.check_alive() or _trainer_at_safe_point(c), 120, "the trainer never held a lease"
     )
     v_killed = c.latest()
     assert c.kill(c.trainer, signal.SIGKILL) == -signal.SIGKILL
