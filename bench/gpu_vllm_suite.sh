@@ -46,6 +46,8 @@
 #            smollm2-moe: 8 experts, top-2): FSDP2 trainer on GPUs 0-1, a vllm worker on each of
 #            GPUs 2 and 3; its summary holds the trainer-vs-worker logprob gap (beside
 #            system_fsdp's, the dense model's, for the same settings)
+#   system_moe_r3  system_moe with routing replay (run.routing_replay: the workers return each
+#            token's experts, the trainer routes through them); its gap beside system_moe's
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -108,6 +110,10 @@ for step in "${steps[@]}"; do
     system_moe) run system_moe python3 bench/wordle_gpu_run.py --engine vllm --model-kind smollm2-moe \
       --trainer-nproc 2 --set 'trainer.parallel="fsdp"' --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
       --run-dir "$RES/wordle-vllm-moe-fsdp" "${WORDLE[@]}" --result ;;
+    system_moe_r3) run system_moe_r3 python3 bench/wordle_gpu_run.py --engine vllm --model-kind smollm2-moe \
+      --trainer-nproc 2 --set 'trainer.parallel="fsdp"' --set 'run.routing_replay=true' \
+      --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
+      --run-dir "$RES/wordle-vllm-moe-fsdp-r3" "${WORDLE[@]}" --result ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;

@@ -59,6 +59,8 @@ def default_result(a: Any) -> Path:
         config += "-fsdp" if any('"fsdp"' in o for o in a.overrides) else "-ddp"
     if a.task != "wordle":
         config += f"-{a.task}"
+    if any(o.replace(" ", "") == "run.routing_replay=true" for o in a.overrides):
+        config += "-r3"  # routing replay
     hardware = cpu_tag() if a.device == "cpu" else gpu_tag(gpus_used(a))
     return result_path("system", hardware, config)
 

@@ -68,6 +68,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltarl.env_server.core.models import StepResult
@@ -190,6 +191,11 @@ class EpisodeSettings(BaseModel):
         description="Guesses per group (the reset option max_guesses, over env_options'); "
         "None: env_options' or the server's.",
     )
+    routing_replay: bool = Field(
+        default=False,
+        description="Record each token's experts (mixture-of-experts models) and send them with "
+        "the trajectory, for the trainer to replay (docs/rollout.md).",
+    )
 
     @model_validator(mode="after")
     def _turns_cover_guesses(self) -> EpisodeSettings:
@@ -223,7 +229,11 @@ class TokenGenerator(Protocol):
     Called from a worker thread, one call at a time."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        routing_from: Sequence[int] | None = None,
     ) -> list[Completion]: ...
 
 
@@ -333,6 +343,8 @@ class Episode:
     truncated: Truncation | None = None
     temperature: float | None = None  # sampling temperature of its turns (None: greedy)
     options: dict[str, Any] | None = None  # the environment's reset options (None: none sent)
+    # [len(tokens) - 1, moe layers, top_k] experts of each position (routing_replay), else None
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_turns(self) -> int:
@@ -408,6 +420,7 @@ def new_group_id(prefix: str = "g") -> str:
 class _Request:
     prompt: list[int]
     limit: int
+    routing_from: int | None
     future: asyncio.Future[_Sampled]
     queued_at: float
 
@@ -447,9 +460,11 @@ class _Batcher:
     def nudge(self) -> None:
         self._wake.set()
 
-    async def generate(self, prompt: list[int], limit: int) -> _Sampled:
+    async def generate(
+        self, prompt: list[int], limit: int, routing_from: int | None = None
+    ) -> _Sampled:
         future: asyncio.Future[_Sampled] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(prompt, limit, future, time.monotonic()))
+        self._pending.append(_Request(prompt, limit, routing_from, future, time.monotonic()))
         self._wake.set()
         return await future
 
@@ -478,10 +493,19 @@ class _Batcher:
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         return batch
 
-    def _call(self, prompts: list[list[int]], limit: int, seed: int | None) -> list[_Sampled]:
+    def _call(
+        self,
+        prompts: list[list[int]],
+        limit: int,
+        seed: int | None,
+        routing_from: list[int] | None = None,
+    ) -> list[_Sampled]:
         params = self.sampling.model_copy(update={"max_new_tokens": limit, "seed": seed})
         before = self.policy_version() if self.policy_version is not None else None
-        completions = self.generator.generate(prompts, params)
+        if routing_from is None:
+            completions = self.generator.generate(prompts, params)
+        else:
+            completions = self.generator.generate(prompts, params, routing_from=routing_from)
         after = self.policy_version() if self.policy_version is not None else None
         if len(completions) != len(prompts):
             raise RuntimeError(
@@ -510,9 +534,11 @@ class _Batcher:
             self.batch_sizes.append(len(batch))
             limit = max(r.limit for r in batch)
             t0 = time.perf_counter()
+            starts = [r.routing_from for r in batch]
+            routing = None if any(x is None for x in starts) else [int(x) for x in starts]  # type: ignore[arg-type]
             try:
                 results = await asyncio.to_thread(
-                    self._call, [r.prompt for r in batch], limit, seed
+                    self._call, [r.prompt for r in batch], limit, seed, routing
                 )
             except Exception as exc:  # every episode of the call sees the engine's error
                 for r in batch:
@@ -523,16 +549,26 @@ class _Batcher:
                 self.metrics.generated([s.completion for s in results], time.perf_counter() - t0)
             for r, s in zip(batch, results, strict=True):
                 if not r.future.done():
-                    r.future.set_result(_cut(s, r.limit))
+                    r.future.set_result(_cut(s, r.limit, len(r.prompt), r.routing_from))
 
 
-def _cut(sampled: _Sampled, limit: int) -> _Sampled:
-    """The completion cut to ``limit`` tokens (finish reason "length" if anything was cut)."""
+def _cut(
+    sampled: _Sampled, limit: int, prompt_len: int = 0, routing_from: int | None = None
+) -> _Sampled:
+    """The completion cut to ``limit`` tokens (finish reason "length" if anything was cut), its
+    routing record (rows from ``routing_from``) to the positions left."""
     c = sampled.completion
     if len(c.token_ids) <= limit:
         return sampled
+    routed = c.routed_experts
+    if routed is not None and routing_from is not None:
+        routed = routed[: max(0, prompt_len + limit - 1 - routing_from)]
     cut = dataclasses.replace(
-        c, token_ids=c.token_ids[:limit], logprobs=c.logprobs[:limit], finish_reason="length"
+        c,
+        token_ids=c.token_ids[:limit],
+        logprobs=c.logprobs[:limit],
+        finish_reason="length",
+        routed_experts=routed,
     )
     return _Sampled(cut, sampled.version_min, sampled.version_max)
 
@@ -791,6 +827,8 @@ class EpisodeRunner:
                 "raise max_tokens or shorten the system prompt"
             )
         previous = result
+        routing: list[np.ndarray] | None = [] if cfg.routing_replay else None
+        rows = 0  # positions whose routing the episode holds
         while not result.done:
             if ep.num_turns >= cfg.max_turns:
                 ep.truncated = "max_turns"
@@ -799,10 +837,28 @@ class EpisodeRunner:
             limit = min(self.sampling.max_new_tokens, budget)
             if abort.is_set():
                 raise GroupAborted(f"episode {ep.group_id}/{ep.index}: its group failed")
-            sampled = await self._batcher.generate(list(ep.tokens), limit)
+            sampled = await self._batcher.generate(
+                list(ep.tokens), limit, None if routing is None else rows
+            )
             if abort.is_set():
                 raise GroupAborted(f"episode {ep.group_id}/{ep.index}: its group failed")
             c = sampled.completion
+            if routing is not None:
+                want = len(ep.tokens) + len(c.token_ids) - 1 - rows
+                got = c.routed_experts
+                if got is None or len(got) != want:
+                    logger.warning(
+                        "episode %s/%s: the engine returned %s routing rows for %d positions; "
+                        "the episode goes without routing",
+                        ep.group_id,
+                        ep.index,
+                        None if got is None else len(got),
+                        want,
+                    )
+                    routing = None
+                else:
+                    routing.append(got)
+                    rows += want
             start = len(ep.tokens)
             ep._append(c.token_ids, sampled=c.logprobs)
             stopped = c.finish_reason == "stop" and bool(c.token_ids)
@@ -839,6 +895,8 @@ class EpisodeRunner:
             ep.messages.append({"role": "user", "content": feedback})
         ep.done = result.done
         ep.reward = math.fsum(t.reward for t in ep.turns)
+        if routing and rows == len(ep.tokens) - 1:
+            ep.routed_experts = np.concatenate(routing, axis=0)
         logger.debug(
             "episode %s/%s: %d turns, %d tokens, reward %.3f, truncated %s",
             ep.group_id,

@@ -178,6 +178,11 @@ class RolloutSettings(TLSServerSettings):
         description="vllm engine, mixture-of-experts models with tensor_parallel_size > 1: "
         "vLLM's expert parallelism (each GPU holds whole experts; docs/vllm.md).",
     )
+    routing_replay: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: record each token's experts and send them with "
+        "the trajectory, for a trainer with sampling.routing_replay to replay (docs/rollout.md).",
+    )
     system_prompt: str | None = Field(
         default=None,
         description=(
@@ -492,6 +497,7 @@ class RolloutSettings(TLSServerSettings):
                 prefix_caching=self.prefix_caching,
                 tensor_parallel_size=self.tensor_parallel_size,
                 expert_parallel=self.expert_parallel,
+                return_routed_experts=self.routing_replay,
             )
         return TransformersEngineSettings(
             model=model,
@@ -518,4 +524,5 @@ class RolloutSettings(TLSServerSettings):
             ),
             env_options=self.env_options,
             curriculum=self.curriculum(),
+            routing_replay=self.routing_replay,
         )

@@ -26,6 +26,7 @@ import zstandard
 
 from deltarl.rollout.episodes import Episode, EpisodeGroup
 from deltarl.services.coordinator.schemas import (
+    RoutedExperts,
     TeacherLogprobs,
     Trajectory,
     TrajectoryGroup,
@@ -117,6 +118,7 @@ def to_trajectory(
         hint=None if hint is None else hint[0],
         hint_text=None if hint is None else hint[1],
         teacher=teacher,
+        routed_experts=None if ep.routed_experts is None else RoutedExperts.of(ep.routed_experts),
     )
 
 

@@ -363,10 +363,16 @@ class WeightSync:
             return "pending" if hi > self._verified_seq else "verified"
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        routing_from: Sequence[int] | None = None,
     ) -> list[Completion]:
         """``engine.generate`` gated by this sync (raises :class:`WeightsUnhealthyError`)."""
-        return self.engine.generate(prompts, params, gate=self)
+        if routing_from is None:
+            return self.engine.generate(prompts, params, gate=self)
+        return self.engine.generate(prompts, params, gate=self, routing_from=routing_from)
 
     # ------------------------------------------------------------------ sync
 

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -84,6 +85,9 @@ class TrainBatch:
     teacher: TeacherBatch | None = None  # a teacher's top-k at trained positions, if any
     hint: TeacherBatch | None = None  # hinted self-distillation targets (one turn), if any
     turn_credit: Tensor | None = None  # [B] bool: credited per turn (None: episode credit)
+    # [B, T, moe layers, top_k] int64 experts of each position where it was sampled, -1 where
+    # not recorded (routing replay); None: no trajectory carries a record
+    routing: Tensor | None = None
 
     def temperatures(self, default: float) -> Tensor:
         """[B] float32: each trajectory's reported sampling temperature, ``default`` where
@@ -121,6 +125,7 @@ class TrainBatch:
             teacher=None if self.teacher is None else self.teacher.select(rows, width),
             hint=None if self.hint is None else self.hint.select(rows, width),
             turn_credit=None if self.turn_credit is None else self.turn_credit[rows],
+            routing=None if self.routing is None else self.routing[rows, :width],
         )
 
 
@@ -190,6 +195,7 @@ def collate(
     elif credit != "episode":
         raise ValueError(f"credit must be 'episode' or 'turn', got {credit!r}")
     return TrainBatch(
+        routing=_collate_routing([t for _, t in trajs], width),
         teacher=_collate_teacher([t.teacher for _, t in trajs], [t for _, t in trajs], width),
         hint=_collate_teacher([t.hint for _, t in trajs], [t for _, t in trajs], width),
         tokens=tokens,
@@ -263,6 +269,25 @@ def turn_advantages(
     # 0 on the environment's tokens between the turns
     adv = torch.where(credited[:, None] & ~loss_mask, torch.zeros(()), adv)
     return adv, credited
+
+
+def _collate_routing(trajs: Sequence[Trajectory], width: int) -> Tensor | None:
+    """[B, T, layers, top_k] experts of the trajectories' recorded positions (-1 elsewhere:
+    the last token of each, the padding, trajectories without a record); None if none has
+    one. Records of different shapes cannot come from one model: ``ValueError``."""
+    records = [t.routed_experts for t in trajs]
+    present = [r for r in records if r is not None]
+    if not present:
+        return None
+    shapes = {(r.layers, r.top_k) for r in present}
+    if len(shapes) > 1:
+        raise ValueError(f"routing records of several shapes in one batch: {sorted(shapes)}")
+    ((layers, top_k),) = shapes
+    out = torch.full((len(trajs), width, layers, top_k), -1, dtype=torch.int64)
+    for i, r in enumerate(records):
+        if r is not None and r.rows:
+            out[i, : r.rows] = torch.from_numpy(r.array().astype(np.int64))
+    return out
 
 
 def _collate_teacher(
@@ -378,6 +403,8 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     }
     if batch.turn_credit is not None and len(batch):
         out["batch/turn_credit_frac"] = float(batch.turn_credit.double().mean())
+    if batch.routing is not None:  # trajectories that carry a routing record (routing replay)
+        out["batch/routed_trajectories"] = float((batch.routing[:, 0, 0, 0] >= 0).sum())
     for name, values in batch.signals.items():
         present = values[~values.isnan()]
         if present.numel():

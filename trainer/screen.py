@@ -22,12 +22,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from deltarl.services.common.moe_routing import UnsupportedRoutingError, routers
 from deltarl.services.coordinator.schemas import (
     GroupRejection,
     ModelLimits,
+    RoutingShape,
     TrajectoryGroup,
     check_model_limits,
 )
@@ -110,7 +113,24 @@ def model_limits(model: torch.nn.Module) -> ModelLimits | None:
         rows = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)][:1]
     if not rows:
         return None
-    return ModelLimits(vocab_size=min(min(rows), MAX_VOCAB_SIZE), max_tokens=_max_tokens(model))
+    return ModelLimits(
+        vocab_size=min(min(rows), MAX_VOCAB_SIZE),
+        max_tokens=_max_tokens(model),
+        routing=routing_shape(model),
+    )
+
+
+def routing_shape(model: torch.nn.Module) -> RoutingShape | None:
+    """The MoE routing a routing record must fit (:mod:`~deltarl.services.common.moe_routing`);
+    None for a dense model or a router that routing replay does not support."""
+    try:
+        found = routers(model)
+    except UnsupportedRoutingError:
+        return None
+    if not found:
+        return None
+    first: Any = found[0]
+    return RoutingShape(layers=len(found), top_k=int(first.top_k), experts=int(first.num_experts))
 
 
 def _max_tokens(model: torch.nn.Module) -> int | None:

@@ -200,6 +200,13 @@ class SamplingSettings(_Settings):
         "T=1 gives ~0.045). Every on-policy group of a step over it, from two workers or more: "
         "SamplingMismatchError. None: no check.",
     )
+    routing_replay: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: the forward routes each token to the experts "
+        "the worker's engine routed it to (the trajectory's routed_experts; the workers record "
+        "them with the same setting), instead of the trainer's own top-k; tokens without a "
+        "record route as usual. Removes routing flips from the trainer/engine logprob gap.",
+    )
 
 
 class BatchSettings(_Settings):

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from deltarl.services.common.moe_routing import replay_routing
 from deltarl.trainer.batch import TrainBatch, batch_metrics, without_groups
 from deltarl.trainer.distill import jsd_loss, teacher_advantages, teacher_stats
 from deltarl.trainer.distributed import (
@@ -209,7 +210,9 @@ def _micro_step(
     )
     tokens, attn = _on(device, part.tokens), _on(device, part.attention_mask)
     behaviour, mask = _on(device, part.behaviour_logprobs), _on(device, part.loss_mask)
-    with _autocast(device, settings.precision):
+    replay = settings.sampling.routing_replay and part.routing is not None
+    routing = _on(device, part.routing) if replay else None  # type: ignore[arg-type]
+    with _autocast(device, settings.precision), replay_routing(model, routing):
         logits = forward_logits(model, tokens, attn)
         ref_lp = None
         if ref_model is not None:
@@ -384,6 +387,9 @@ def train_step(
             advantage_metrics(batch.rewards, batch.group_index, batch.advantages, batch.loss_mask)
         )
     metrics.update(batch_metrics(batch))
+    if settings.sampling.routing_replay and "batch/routed_trajectories" in metrics:
+        # trained with the recorded experts (the others routed by the trainer's own router)
+        metrics["routing/replayed_trajectories"] = metrics["batch/routed_trajectories"]
     metrics["batch/rejected_mismatch"] = float(len(bad))
     metrics.update(
         {

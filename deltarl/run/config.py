@@ -46,6 +46,7 @@ SHARED_FIELDS: dict[str, dict[str, str]] = {
         "temperature": "temperature",
         "group_size": "group_size",
         "engine_seed": "seed",
+        "routing_replay": "routing_replay",
     },
     "trainer": {
         "model": "model",
@@ -53,6 +54,7 @@ SHARED_FIELDS: dict[str, dict[str, str]] = {
         "sampling.temperature": "temperature",
         "batch.group_size": "group_size",
         "batch.max_staleness": "max_staleness",
+        "sampling.routing_replay": "routing_replay",
     },
     "env": {},
     "teacher": {},
@@ -140,6 +142,11 @@ class SharedSettings(BaseModel):
         ge=0,
         le=MAX_SEED,
         description="Trainer seed; worker i samples with seed * workers + i.",
+    )
+    routing_replay: bool = Field(
+        default=False,
+        description="Mixture-of-experts models: workers record each token's experts, the "
+        "trainer's forward routes through them (docs/rollout.md).",
     )
 
 

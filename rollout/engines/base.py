@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 EngineType = Literal["transformers", "vllm"]
@@ -108,6 +109,9 @@ class Completion:
     finish_reason: FinishReason  # "stop": a stop token was sampled; "length": max_new_tokens
     first: WeightsStamp  # weights that sampled the first token
     last: WeightsStamp  # weights that sampled the last token (differs if a sync happened)
+    # MoE routing of the positions ``routing_from .. len(prompt) + len(token_ids) - 2`` as
+    # [rows, moe layers, top_k] expert ids (generate(routing_from=...)); None: not recorded
+    routed_experts: np.ndarray | None = None
 
     @property
     def version_min(self) -> int | None:
@@ -150,12 +154,16 @@ class Engine(ABC):
         params: SamplingParams,
         *,
         gate: WeightsGate | None = None,
+        routing_from: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt (token ids), in prompt order.
 
         ``gate`` is entered around every forward step (see the module docstring); without one,
-        every stamp is :data:`UNMANAGED`. Raises ``ValueError`` for an empty prompt or a token
-        id outside the vocabulary, and whatever the gate raises.
+        every stamp is :data:`UNMANAGED`. ``routing_from`` (one start per prompt): record which
+        experts a mixture-of-experts model routed each position to, from that position on,
+        into :attr:`Completion.routed_experts` (:mod:`deltarl.services.common.moe_routing`);
+        an engine that cannot raises ``NotImplementedError``. Raises ``ValueError`` for an
+        empty prompt or a token id outside the vocabulary, and whatever the gate raises.
         """
 
     def score(
@@ -327,6 +335,12 @@ class VllmEngineSettings(BaseModel):
         description="vLLM's expert parallelism for mixture-of-experts models (with "
         "tensor_parallel_size > 1): each GPU holds whole experts, a contiguous range of them, "
         "instead of every expert's tensor-parallel slice; the engine maps either (docs/vllm.md).",
+    )
+    return_routed_experts: bool = Field(
+        default=False,
+        description="Start vLLM with enable_return_routed_experts, so that generate() can "
+        "return each token's experts (routing replay, docs/rollout.md); set by the worker when "
+        "routing_replay is on.",
     )
 
 

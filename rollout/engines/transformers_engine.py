@@ -29,6 +29,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltarl.rollout.engines.base import (
@@ -44,6 +45,7 @@ from deltarl.rollout.engines.base import (
     check_prompts,
     check_score_items,
 )
+from deltarl.services.common.moe_routing import RoutingRecorder
 from deltarl.weightsync.model_state import publishable_state
 
 logger = logging.getLogger(__name__)
@@ -243,8 +245,16 @@ class TransformersEngine(Engine):
         params: SamplingParams,
         *,
         gate: WeightsGate | None = None,
+        routing_from: Sequence[int] | None = None,
     ) -> list[Completion]:
         ids, mask = self._batch(prompts)
+        if routing_from is not None and len(routing_from) != len(prompts):
+            raise ValueError(
+                f"routing_from has {len(routing_from)} starts for {len(prompts)} prompts"
+            )
+        recorder = (
+            RoutingRecorder(self._model) if routing_from is not None else contextlib.nullcontext()
+        )
         if params.seed is None:
             generator = self._generator
         else:
@@ -259,7 +269,7 @@ class TransformersEngine(Engine):
         active = list(range(n))
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         step_ids, cache = ids, None
-        with self._busy, torch.inference_mode():
+        with self._busy, torch.inference_mode(), recorder:
             for _ in range(params.max_new_tokens):
                 ctx = gate.forward() if gate is not None else contextlib.nullcontext(UNMANAGED)
                 with ctx as stamp:
@@ -291,4 +301,32 @@ class TransformersEngine(Engine):
                 mask = torch.cat([mask, mask.new_ones((n, 1))], dim=-1)
                 positions = positions[:, -1:] + 1
         assert first is not None
-        return [Completion(tokens[i], logprobs[i], reasons[i], first, last[i]) for i in range(n)]
+        routed: list[np.ndarray | None] = [None] * n
+        if isinstance(recorder, RoutingRecorder) and recorder.layers:
+            assert routing_from is not None
+            routed = _routing_rows(recorder.calls, prompts, tokens, ids.shape[1], routing_from)
+        return [
+            Completion(tokens[i], logprobs[i], reasons[i], first, last[i], routed[i])
+            for i in range(n)
+        ]
+
+
+def _routing_rows(
+    calls: list[torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    tokens: list[list[int]],
+    width: int,
+    starts: Sequence[int],
+) -> list[np.ndarray | None]:
+    """Each prompt's routing record from the recorder's calls (the first: the left-padded
+    prefill [n * width, ...]; then one row per prompt per decode step): positions
+    ``starts[i] .. len(prompt) + len(completion) - 2``."""
+    n = len(prompts)
+    prefill = calls[0].view(n, width, *calls[0].shape[1:])
+    out: list[np.ndarray | None] = []
+    for i, p in enumerate(prompts):
+        rows = [prefill[i, width - len(p) :]]
+        # decode step j fed completion token j - 1: the row of position len(p) + j - 1
+        rows += [calls[j][i : i + 1] for j in range(1, len(tokens[i]))]
+        out.append(torch.cat(rows).numpy().astype(np.uint16)[starts[i] :])
+    return out

@@ -81,6 +81,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from deltarl.rollout.engines.base import (
@@ -157,6 +158,7 @@ def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
         "seed": settings.seed,
         "tensor_parallel_size": settings.tensor_parallel_size,
         "enable_expert_parallel": settings.expert_parallel,
+        "enable_return_routed_experts": settings.return_routed_experts,
         "model_impl": settings.model_impl,
         "load_format": settings.load_format,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
@@ -174,10 +176,15 @@ def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
     }
 
 
-def request_params(params: SamplingParams, index: int) -> dict[str, Any]:
+def request_params(
+    params: SamplingParams, index: int, routing_from: Sequence[int] | None = None
+) -> dict[str, Any]:
     """Keyword arguments of vLLM's ``SamplingParams`` for prompt ``index`` of a call (the same
-    for every index unless the call has a seed)."""
-    return {
+    for every index unless the call has a seed or records routing)."""
+    extra = (
+        {} if routing_from is None else {"routed_experts_prompt_start": int(routing_from[index])}
+    )
+    return extra | {
         "n": 1,
         "max_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -218,8 +225,10 @@ class VllmEngine(Engine):
         vocab_size: int,
         make_params: Callable[..., Any],
         shards: ShardedWeights | None = None,
+        routes: bool = False,
     ) -> None:
         self._shards = shards
+        self._routes = routes  # vLLM started with enable_return_routed_experts
         if shards is not None:
             if views:
                 raise ValueError("a sharded engine has no views of its own")
@@ -287,7 +296,14 @@ class VllmEngine(Engine):
             # stamp is the request's last); DELTA would build an output per request per step
             return vllm.SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **kwargs)
 
-        return cls(llm, views, vocab_size=vocab, make_params=make_params, shards=shards)
+        return cls(
+            llm,
+            views,
+            vocab_size=vocab,
+            make_params=make_params,
+            shards=shards,
+            routes=settings.return_routed_experts,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -320,8 +336,19 @@ class VllmEngine(Engine):
         params: SamplingParams,
         *,
         gate: WeightsGate | None = None,
+        routing_from: Sequence[int] | None = None,
     ) -> list[Completion]:
         check_prompts(prompts, self._vocab)
+        if routing_from is not None:
+            if not self._routes:
+                raise NotImplementedError(
+                    "routing replay needs vLLM started with return_routed_experts"
+                )
+            if len(routing_from) != len(prompts):
+                raise ValueError(
+                    f"routing_from has {len(routing_from)} starts for {len(prompts)} prompts"
+                )
+        routed: list[np.ndarray | None] = [None] * len(prompts)
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons: list[FinishReason] = ["length"] * len(prompts)
@@ -336,19 +363,23 @@ class VllmEngine(Engine):
                 reasons[i] = "stop"
             if out.finished:
                 cached[i] = getattr(out, "num_cached_tokens", None)
+                if routing_from is not None and out.outputs:
+                    got = out.outputs[0].routed_experts
+                    routed[i] = None if got is None else np.asarray(got).astype(np.uint16)
 
-        if params.seed is None:  # one vLLM SamplingParams for all (vLLM clones it per request)
+        if params.seed is None and routing_from is None:
+            # one vLLM SamplingParams for all (vLLM clones it per request)
             shared = self._make_params(**request_params(params, 0))
             requests = [(list(p), shared) for p in prompts]
-        else:  # request i samples with seed + i
+        else:  # request i samples with seed + i, its routing from routing_from[i]
             requests = [
-                (list(p), self._make_params(**request_params(params, i)))
+                (list(p), self._make_params(**request_params(params, i, routing_from)))
                 for i, p in enumerate(prompts)
             ]
         first = self._run(requests, gate, take)[0]
         self.last_cached_tokens = cached
         return [
-            Completion(tokens[i], logprobs[i], reasons[i], first, last[i])
+            Completion(tokens[i], logprobs[i], reasons[i], first, last[i], routed[i])
             for i in range(len(prompts))
         ]
 

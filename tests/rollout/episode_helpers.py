@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from support import LiveServer
 
 from deltarl.env_server.core.app import create_app
@@ -80,7 +81,11 @@ class ScriptedEngine:
         return WeightsStamp(self.version if self.managed else None, self._seq)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        routing_from: Sequence[int] | None = None,
     ) -> list[Completion]:
         self.calls.append((len(prompts), params))
         first = self._stamp()
@@ -89,7 +94,7 @@ class ScriptedEngine:
             self.bump_during_call = False
         last = self._stamp()
         out = []
-        for raw in prompts:
+        for i, raw in enumerate(prompts):
             prompt = list(raw)
             self.prompts.append(prompt)
             key = self._episode(prompt)
@@ -98,6 +103,19 @@ class ScriptedEngine:
             ids = ids[: params.max_new_tokens]
             self._open.append(([*prompt, *ids], key))
             reason: FinishReason = "stop" if ids[-1] in params.stop_token_ids else "length"
-            logprobs = [-0.25 * (i + 1) for i in range(len(ids))]
-            out.append(Completion(ids, logprobs, reason, first, last))
+            logprobs = [-0.25 * (j + 1) for j in range(len(ids))]
+            routed = None
+            if routing_from is not None:
+                positions = range(routing_from[i], len(prompt) + len(ids) - 1)
+                routed = np.array([scripted_route(p) for p in positions], np.uint16)
+                routed = routed.reshape(len(positions), *ROUTE_SHAPE)
+            out.append(Completion(ids, logprobs, reason, first, last, routed))
         return out
+
+
+ROUTE_SHAPE = (2, 2)  # the scripted engine's MoE layers and top_k
+
+
+def scripted_route(position: int) -> list[list[int]]:
+    """The experts :class:`ScriptedEngine` reports for ``position``: distinct per row."""
+    return [[position % 5, 5 + position % 3], [position % 7, 7 + position % 2]]

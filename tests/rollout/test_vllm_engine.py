@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 from rollout_helpers import (
@@ -1128,3 +1129,53 @@ def test_vllm_engine_end_to_end_on_a_gpu(tmp_path: Path, bucket: Any) -> None:
         assert all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for c in out)
     finally:
         engine.close()
+
+
+class FakeRoutingLLMEngine(FakeLLMEngine):
+    """vLLM started with ``enable_return_routed_experts``: a finished request's output carries
+    ``routed_experts`` [prompt + output - 1 - routed_experts_prompt_start, layers, top_k]."""
+
+    def step(self) -> list[Any]:
+        starts = {
+            rid: getattr(r.p, "routed_experts_prompt_start", 0) for rid, r in self.requests.items()
+        }
+        lengths = {rid: len(r.prompt) for rid, r in self.requests.items()}
+        outs = super().step()
+        for out in outs:
+            if out.finished:
+                r = starts[out.request_id]
+                n = lengths[out.request_id] + self.done[out.request_id]
+                rows = [[[p % 3, 3 + p % 2]] for p in range(r, n - 1)]
+                out.outputs[0].routed_experts = np.array(rows, np.int32).reshape(-1, 1, 2)
+        return outs
+
+    @property
+    def done(self) -> dict[str, int]:
+        return self._done
+
+    def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
+        super().add_request(rid, prompt, params)
+        self._done = getattr(self, "_done", {})
+        self._done[rid] = params.max_tokens  # the fake always runs to max_tokens (no stops)
+
+
+def test_routing_is_requested_per_prompt_and_returned() -> None:
+    model = FusedLlama(tiny_config())
+    views = probe_views(model, specs_of(hf_state()))
+    core = FakeRoutingLLMEngine()
+    llm = SimpleNamespace(llm_engine=core)
+    engine = VllmEngine(llm, views, vocab_size=128, make_params=SimpleNamespace, routes=True)
+    params = SamplingParams(max_new_tokens=3)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    out = engine.generate(prompts, params, routing_from=[2, 0])
+    for p, c, start in zip(prompts, out, [2, 0], strict=True):
+        n = len(p) + len(c.token_ids)
+        want = np.array([[[q % 3, 3 + q % 2]] for q in range(start, n - 1)], np.uint16)
+        assert c.routed_experts is not None and np.array_equal(c.routed_experts, want)
+    assert engine.generate(prompts, params)[0].routed_experts is None  # not asked: not kept
+
+    plain = VllmEngine(llm, views, vocab_size=128, make_params=SimpleNamespace)
+    with pytest.raises(NotImplementedError, match="return_routed_experts"):
+        plain.generate(prompts, params, routing_from=[0, 0])
+    with pytest.raises(ValueError, match="2 prompts"):
+        engine.generate(prompts, params, routing_from=[0])

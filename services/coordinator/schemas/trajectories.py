@@ -17,6 +17,7 @@ Wire format ``deltarl-traj-v1`` (``Content-Type: application/msgpack``), one msg
          "temperature": float64,   # optional: the sampling temperature (absent: unknown)
          "turn_ends": bin,         # optional int32 [k]: where each model turn's tokens end
          "turn_rewards": bin,      # optional float64 [k]: the environment's reward per turn
+         "routed_experts": {...},  # optional: MoE routing of each position (below)
          "teacher": {...}}, ...]}  # optional, only in deltarl-traj-v2 (below)
 
 ``turn_ends``/``turn_rewards`` (both or neither) split a multi-turn episode into its model turns:
@@ -24,6 +25,12 @@ turn ``j`` owns the trained tokens (mask 1) at positions ``turn_ends[j-1] <= t <
 (``turn_ends[-1]`` = ``prompt_len``; the ends never decrease), none lies at or after the last end,
 and the rewards add up to ``reward``. The trainer's per-turn credit (``loss.credit = "turn"``)
 uses them; readers older than these fields refuse them by name.
+
+``routed_experts`` (routing replay) is ``{"layers": int, "top_k": int, "ids": bin}``: uint16
+little-endian ``[n - 1, layers, top_k]`` expert ids, row ``t`` the experts the position-``t``
+token went to in each MoE layer where it was sampled (the last token was never fed to the
+model). The coordinator checks it against the routing the trainer registers with its model
+limits (:func:`check_model_limits`).
 
 ``deltarl-traj-v2`` is the same map with ``"format": "deltarl-traj-v2"``, written when some
 trajectory carries a teacher's logprobs (on-policy distillation): its ``teacher`` map holds, for
@@ -64,12 +71,15 @@ from __future__ import annotations
 import math
 import sys
 from array import array
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 from pydantic import Field, model_validator
 
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, Version, WireModel
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TRAJECTORY_FORMAT = "deltarl-traj-v1"
 TRAJECTORY_FORMAT_TEACHER = "deltarl-traj-v2"
@@ -82,6 +92,9 @@ MIN_LOGPROB = -1e4
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 100.0
 MAX_VOCAB_SIZE = (1 << 31) - 1
+MAX_ROUTING_LAYERS = 1024
+MAX_ROUTING_TOP_K = 64
+MAX_EXPERTS = 1 << 16  # expert ids travel as uint16
 _LITTLE = sys.byteorder == "little"
 
 
@@ -108,6 +121,50 @@ def _check_logprobs(values: list[float] | array[Any], what: str) -> None:
         raise ValueError(f"{what} must be finite logprobs within [{MIN_LOGPROB:g}, 0]")
 
 
+class RoutingShape(WireModel):
+    """MoE layers, experts each token is routed to, and experts per layer."""
+
+    layers: int = Field(ge=1, le=MAX_ROUTING_LAYERS, description="MoE layers, in forward order.")
+    top_k: int = Field(ge=1, le=MAX_ROUTING_TOP_K, description="Experts per token per layer.")
+    experts: int = Field(ge=1, le=MAX_EXPERTS, description="Experts in each MoE layer.")
+
+
+class RoutedExperts(WireModel):
+    """Which experts a mixture-of-experts model routed each position to where it was sampled
+    (routing replay): ``ids`` holds ``[rows, layers, top_k]`` expert ids as little-endian
+    uint16, row ``t`` for position ``t``; ``rows`` is the trajectory's length minus one (the
+    last token was never fed to the model)."""
+
+    layers: int = Field(ge=1, le=MAX_ROUTING_LAYERS, description="MoE layers, in forward order.")
+    top_k: int = Field(ge=1, le=MAX_ROUTING_TOP_K, description="Experts per token per layer.")
+    ids: bytes = Field(description="uint16 little-endian [rows * layers * top_k].")
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids) // (2 * self.layers * self.top_k)
+
+    def array(self) -> np.ndarray:
+        """``[rows, layers, top_k]`` uint16 (a read-only view of ``ids``)."""
+        import numpy as np  # not at import: the coordinator's schemas stay light
+
+        return np.frombuffer(self.ids, dtype="<u2").reshape(self.rows, self.layers, self.top_k)
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> RoutedExperts:
+        """From a ``[rows, layers, top_k]`` array of expert ids (below 65536)."""
+        import numpy as np
+
+        if ids.ndim != 3:
+            raise ValueError(f"a routing record is [rows, layers, top_k], got shape {ids.shape}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF):
+            raise ValueError("routing record: expert ids must lie in [0, 65535]")
+        return cls(
+            layers=int(ids.shape[1]),
+            top_k=int(ids.shape[2]),
+            ids=np.ascontiguousarray(ids, dtype="<u2").tobytes(),
+        )
+
+
 class ModelLimits(WireModel):
     """What the trained model can take, registered by the trainer with each version
     (``POST /v1/versions``): the coordinator refuses a group outside them at submission, and the
@@ -125,6 +182,11 @@ class ModelLimits(WireModel):
         le=MAX_TOKENS_PER_TRAJECTORY,
         description="Longest trajectory (tokens) the model can take (e.g. its learned position "
         "embeddings); None: no bound beyond the wire's.",
+    )
+    routing: RoutingShape | None = Field(
+        default=None,
+        description="A mixture-of-experts model's routing (what a routing record must fit); "
+        "None: a dense model, or one whose routing the trainer does not replay.",
     )
 
 
@@ -229,6 +291,11 @@ class Trajectory(WireModel):
         description="The environment's reward for each turn (same length as turn_ends, finite, "
         "summing to reward).",
     )
+    routed_experts: RoutedExperts | None = Field(
+        default=None,
+        description="Mixture-of-experts models: each position's experts where it was sampled "
+        "(routing replay); None: not recorded.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
@@ -250,6 +317,12 @@ class Trajectory(WireModel):
         if n and min(self.tokens) < 0:
             raise ValueError("tokens: negative token id")
         self._check_turns()
+        r = self.routed_experts
+        if r is not None and len(r.ids) != 2 * max(n - 1, 0) * r.layers * r.top_k:
+            raise ValueError(
+                f"routed_experts: {len(r.ids)} bytes, want {max(n - 1, 0)} rows (the tokens but "
+                f"the last) x {r.layers} layers x top_k {r.top_k} x 2 bytes"
+            )
         if self.hint_text is not None and self.hint is None:
             raise ValueError("hint_text without hint: the hinted turn's scores must come with it")
         if self.hint is not None and self.hint.positions is None:
@@ -369,6 +442,36 @@ def check_model_limits(group: TrajectoryGroup, limits: ModelLimits) -> None:
                     f"trajectories[{i}].{name}.ids: token id {max(view.ids)} is outside the "
                     f"model's vocabulary of {vocab}",
                 )
+        _check_routing(i, t.routed_experts, limits.routing)
+
+
+def _check_routing(i: int, r: RoutedExperts | None, shape: RoutingShape | None) -> None:
+    """A routing record must fit the model's routing: its layers, top_k, expert ids below the
+    expert count, no expert twice in one row (a record the trainer could not replay)."""
+    if r is None:
+        return
+    what = f"trajectories[{i}].routed_experts"
+    if shape is None:
+        raise OutsideLimitsError(
+            "bad_routing", f"{what}: the trained model has no routing to replay it in"
+        )
+    if (r.layers, r.top_k) != (shape.layers, shape.top_k):
+        raise OutsideLimitsError(
+            "bad_routing",
+            f"{what}: {r.layers} layers x top_k {r.top_k}, the model routes {shape.layers} "
+            f"layers x top_k {shape.top_k}",
+        )
+    ids = r.array()
+    if ids.size and int(ids.max()) >= shape.experts:
+        raise OutsideLimitsError(
+            "bad_routing",
+            f"{what}: expert id {int(ids.max())} is outside the model's {shape.experts} experts",
+        )
+    if r.top_k > 1 and ids.size:
+        ordered = ids.copy()
+        ordered.sort(axis=-1)
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise OutsideLimitsError("bad_routing", f"{what}: an expert twice in one row")
 
 
 def _pack_array(code: str, values: list[int] | list[float], what: str) -> bytes:
@@ -454,6 +557,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
                 "version_max": t.version_max,
                 **({} if t.temperature is None else {"temperature": float(t.temperature)}),
                 **_encode_turns(t, f"trajectories[{i}]"),
+                **_encode_routing(t),
                 **teacher,
             }
         )
@@ -474,6 +578,26 @@ def _encode_turns(t: Trajectory, what: str) -> dict[str, bytes]:
         "turn_ends": _pack_array("i", t.turn_ends, f"{what}.turn_ends"),
         "turn_rewards": _pack_array("d", t.turn_rewards, f"{what}.turn_rewards"),
     }
+
+
+def _encode_routing(t: Trajectory) -> dict[str, Any]:
+    r = t.routed_experts
+    if r is None:
+        return {}
+    return {"routed_experts": {"layers": r.layers, "top_k": r.top_k, "ids": r.ids}}
+
+
+def _decode_routing(raw: Any, what: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be a map")
+    extra = set(raw) - {"layers", "top_k", "ids"}
+    if extra:
+        raise ValueError(f"{what}: unknown fields {sorted(extra)}")
+    if not isinstance(raw.get("ids"), bytes):
+        raise ValueError(f"{what}.ids must be msgpack bin (raw bytes)")
+    return {"layers": raw.get("layers"), "top_k": raw.get("top_k"), "ids": raw["ids"]}
 
 
 def _decode_turns(raw: dict[str, Any], what: str) -> dict[str, list[Any] | None]:
@@ -512,6 +636,7 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
         "temperature",
         "turn_ends",
         "turn_rewards",
+        "routed_experts",
         *(("teacher", "hint", "hint_text") if teacher_ok else ()),
     }
     if extra:
@@ -536,6 +661,9 @@ def _decode_trajectory(i: int, raw: Any, teacher_ok: bool = False) -> Trajectory
             "hint": None if hint is None else _decode_teacher(hint, f"trajectories[{i}].hint"),
             "hint_text": raw.get("hint_text"),
             **_decode_turns(raw, f"trajectories[{i}]"),
+            "routed_experts": _decode_routing(
+                raw.get("routed_experts"), f"trajectories[{i}].routed_experts"
+            ),
         },
         strict=False,
     )
