@@ -28,6 +28,7 @@ from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordLists
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
+from deltarl.env_server.wordle.prompt import system_prompt
 
 Outcome = Literal["won", "lost", "forfeit"]
 TaskName = Literal["wordle", "charset"]
@@ -63,6 +64,8 @@ class TaskSpec:
     observation: type[BaseModel]  # for /schema
     state: type[BaseModel]  # for /schema, and the empty state of GET /state without a session
     empty_state: Callable[[], BaseModel]
+    max_turns: int  # for /metadata: most replies an episode can take
+    system_prompt: str | None = None  # for /metadata: a chat model's instructions, if any
 
 
 def make_task(settings: EnvSettings, words: WordLists | None = None) -> TaskSpec:
@@ -78,6 +81,7 @@ def make_task(settings: EnvSettings, words: WordLists | None = None) -> TaskSpec
             observation=CharsetObservation,
             state=CharsetState,
             empty_state=CharsetState,
+            max_turns=1,  # the observation states the task; no system turn
         )
     words = words if words is not None else WordLists.load()
     wordle = settings.rules()
@@ -95,4 +99,9 @@ def make_task(settings: EnvSettings, words: WordLists | None = None) -> TaskSpec
         empty_state=lambda: WordleState(
             max_guesses=wordle.max_guesses, guesses_left=wordle.max_guesses
         ),
+        # every guess, and every tolerated invalid move that does not use one up (the move
+        # after the last tolerated one forfeits: it ends the game in place of a guess)
+        max_turns=wordle.max_guesses
+        + (0 if wordle.invalid_costs_guess else wordle.max_invalid_moves),
+        system_prompt=system_prompt(wordle.max_guesses),
     )

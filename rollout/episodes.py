@@ -66,9 +66,8 @@ from collections.abc import (
 )
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltarl.env_server.core.models import StepResult
@@ -76,10 +75,12 @@ from deltarl.rollout import fault_points
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Completion, SamplingParams
 
+if TYPE_CHECKING:
+    import numpy as np
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "WORDLE_SYSTEM_PROMPT",
     "ChatFormat",
     "ChatTokenizer",
     "EnvSession",
@@ -97,15 +98,6 @@ __all__ = [
     "new_group_id",
     "observation_text",
 ]
-
-WORDLE_SYSTEM_PROMPT = (
-    "You are an expert Wordle player. Guess the secret 5-letter English word in at most 6 "
-    "guesses. After each guess you get feedback per letter: G = right letter in the right "
-    "place, Y = letter in the word but elsewhere, X = letter not in the word. Use the "
-    "feedback to narrow down the word. Reply with your next guess as one 5-letter word in "
-    "square brackets, for example [crane], and nothing else."
-)
-"""Default system prompt (in the spirit of TRL's Wordle example: guesses in square brackets)."""
 
 Truncation = Literal["max_turns", "max_tokens"]
 
@@ -166,7 +158,9 @@ class EpisodeSettings(BaseModel):
         "the n-th generate call of the runner uses seed + n (reproducible given the batching).",
     )
     system_prompt: str | None = Field(
-        default=WORDLE_SYSTEM_PROMPT, description="System turn; None: no system message."
+        default=None,
+        description="System turn; None: no system message (the worker passes the env "
+        "server's, docs/rollout-episodes.md).",
     )
     stop_at_end_of_turn: bool = Field(
         default=True,
@@ -896,6 +890,8 @@ class EpisodeRunner:
         ep.done = result.done
         ep.reward = math.fsum(t.reward for t in ep.turns)
         if routing and rows == len(ep.tokens) - 1:
+            import numpy as np  # not at import: the light services import these settings
+
             ep.routed_experts = np.concatenate(routing, axis=0)
         logger.debug(
             "episode %s/%s: %d turns, %d tokens, reward %.3f, truncated %s",

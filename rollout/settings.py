@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.env_server.core.wire import ResetOptions
+from deltarl.env_server.core.wire import EnvMetadata, ResetOptions
 from deltarl.rollout.engines.base import (
     SamplingParams,
     TransformersEngineSettings,
     VllmEngineSettings,
 )
-from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, EpisodeSettings, GuessCurriculum
+from deltarl.rollout.episodes import EpisodeSettings, GuessCurriculum
 from deltarl.services.common.models import smollm2_gguf
 from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
@@ -131,7 +131,14 @@ class RolloutSettings(TLSServerSettings):
 
     # -- episodes -----------------------------------------------------------------------------
     group_size: int = Field(default=8, ge=1, description="Episodes per group (GRPO's G).")
-    max_turns: int = Field(default=6, ge=1, description="Model replies per episode at most.")
+    max_turns: int | None = Field(
+        default=None,
+        ge=1,
+        description="Model replies per episode at most. Unset: what the env server's /metadata "
+        "says its episodes can take (Wordle: its guesses and tolerated invalid moves; charset: "
+        "1), raised to the most guesses env_options or the guess curriculum allow; 6 if the "
+        "server does not say.",
+    )
     max_tokens: int = Field(
         default=2048, ge=2, description="Longest flat sequence of an episode (tokens)."
     )
@@ -186,9 +193,9 @@ class RolloutSettings(TLSServerSettings):
     system_prompt: str | None = Field(
         default=None,
         description=(
-            "System turn of every episode. Unset: the built-in Wordle player prompt; an empty "
-            "string: no system turn (the environment's own instructions only, e.g. for "
-            "DELTARL_ENV_TASK=charset); any other text is used as it is."
+            "System turn of every episode. Unset: the env server's (its /metadata "
+            "system_prompt: Wordle's player instructions, none for charset); an empty string: "
+            "no system turn; any other text is used as it is."
         ),
     )
     env_options: dict[str, Any] | None = Field(
@@ -411,6 +418,21 @@ class RolloutSettings(TLSServerSettings):
             raise ValueError(err.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return self
 
+    def turn_limit(self, task: EnvMetadata | None) -> int:
+        """``max_turns``, or when unset the env server's (``task``; 6 without it), raised to the
+        most guesses a game may allow here (env_options, the guess curriculum)."""
+        if self.max_turns is not None:
+            return self.max_turns
+        served = task.max_turns if task is not None and task.max_turns is not None else 6
+        most = [served]
+        curriculum = self.curriculum()
+        if curriculum is not None:
+            most += [curriculum.start, curriculum.end]
+        guesses = (self.env_options or {}).get("max_guesses")
+        if isinstance(guesses, int):
+            most.append(guesses)
+        return max(most)
+
     def curriculum(self) -> GuessCurriculum | None:
         """The guess curriculum these settings select (None: none)."""
         if self.guesses_start is None:
@@ -508,13 +530,17 @@ class RolloutSettings(TLSServerSettings):
             seed=self.engine_seed,
         )
 
-    def episode_settings(self) -> EpisodeSettings:
-        """How episodes are played (defaults for everything not configurable here)."""
-        prompt = WORDLE_SYSTEM_PROMPT if self.system_prompt is None else self.system_prompt
+    def episode_settings(self, task: EnvMetadata | None = None) -> EpisodeSettings:
+        """How episodes are played (defaults for everything not configurable here). ``task``:
+        the env server's ``/metadata``, which gives the system prompt and the turn limit these
+        settings leave unset."""
+        prompt = self.system_prompt
+        if prompt is None:
+            prompt = task.system_prompt if task is not None else None
         return EpisodeSettings(
             system_prompt=prompt or None,
             group_size=self.group_size,
-            max_turns=self.max_turns,
+            max_turns=self.turn_limit(task),
             max_tokens=self.max_tokens,
             sampling=SamplingParams(
                 max_new_tokens=self.max_new_tokens,

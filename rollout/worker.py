@@ -56,6 +56,8 @@ from typing import Any
 import httpx
 
 from deltarl.env_server.core.client import EnvClient
+from deltarl.env_server.core.models import EnvError
+from deltarl.env_server.core.wire import EnvMetadata
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Engine
 from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
@@ -537,46 +539,78 @@ class RolloutWorker:
             EnvClient(
                 settings.env_url, token=_secret(settings.env_token), verify=self._verify
             ) as env,
-            EpisodeRunner(
-                self.sync, self.format, env, settings.episode_settings(), metrics=self.metrics
-            ) as runner,
         ):
-            stream = runner.stream_groups(
-                self._admitted_seeds(), in_flight=settings.in_flight_groups
-            )
+            episodes = settings.episode_settings(await self._task_of(env))
+            async with EpisodeRunner(
+                self.sync, self.format, env, episodes, metrics=self.metrics
+            ) as runner:
+                await self._play(runner, submits)
+
+    async def _task_of(self, env: EnvClient) -> EnvMetadata | None:
+        """The env server's ``/metadata`` (its system prompt and turn limit), when the settings
+        leave either to it, asked until the server answers (None: the settings set both, or
+        a stop came first). A server that answers without them (another OpenEnv server) leaves
+        the defaults: no system turn, 6 turns."""
+        settings = self.settings
+        if settings.system_prompt is not None and settings.max_turns is not None:
+            return None
+        delay = 0.2
+        while True:
             try:
-                async with asyncio.timeout(None) as self._drain, contextlib.aclosing(stream):
-                    if self._stopping:  # stopped before the loop began
-                        loop = asyncio.get_running_loop()
-                        self._drain.reschedule(loop.time() + settings.shutdown_grace_s)
-                    async for item in stream:
-                        self._in_flight -= 1
-                        if isinstance(item, Exception):
-                            self.stats.group_errors += 1
-                            self._failures_in_a_row += 1
-                            self._error(
-                                f"group failed: {item!r} ({self._failures_in_a_row} in a row; "
-                                f"next group in {self._failure_backoff_s():.1f} s)"
-                            )
-                            continue
-                        self._failures_in_a_row = 0
-                        task = asyncio.create_task(self._submit(item))
-                        submits.add(task)
-                        task.add_done_callback(submits.discard)
-            except TimeoutError:
-                self.stats.abandoned += self._in_flight
-                logger.warning(
-                    "shutdown deadline: %d group(s) in flight abandoned", self._in_flight
-                )
-            finally:
-                self._drain = None
-                self._in_flight = 0
-            if submits:
-                logger.info("waiting for %d submission(s)", len(submits))
-                _, late = await asyncio.wait(submits, timeout=settings.submit_timeout_s)
-                for task in late:
-                    task.cancel()
-                await asyncio.gather(*late, return_exceptions=True)
+                task = await env.metadata()
+                break
+            except EnvError as err:  # answered, but not with metadata
+                logger.warning("env server's /metadata: %s; playing with the defaults", err)
+                return None
+            except httpx.TransportError as err:  # not up yet, or unreachable for now
+                if self._stopping:
+                    return None
+                logger.warning("env server's /metadata: %r; asking again in %.1f s", err, delay)
+                await self._sleep(delay)
+                delay = min(2 * delay, 5.0)
+        logger.info(
+            "env task %s: %s turns at most, %s system prompt",
+            task.name,
+            task.max_turns,
+            "its" if task.system_prompt else "no",
+        )
+        return task
+
+    async def _play(self, runner: EpisodeRunner, submits: set[asyncio.Task[None]]) -> None:
+        settings = self.settings
+        assert self._stop is not None
+        stream = runner.stream_groups(self._admitted_seeds(), in_flight=settings.in_flight_groups)
+        try:
+            async with asyncio.timeout(None) as self._drain, contextlib.aclosing(stream):
+                if self._stopping:  # stopped before the loop began
+                    loop = asyncio.get_running_loop()
+                    self._drain.reschedule(loop.time() + settings.shutdown_grace_s)
+                async for item in stream:
+                    self._in_flight -= 1
+                    if isinstance(item, Exception):
+                        self.stats.group_errors += 1
+                        self._failures_in_a_row += 1
+                        self._error(
+                            f"group failed: {item!r} ({self._failures_in_a_row} in a row; "
+                            f"next group in {self._failure_backoff_s():.1f} s)"
+                        )
+                        continue
+                    self._failures_in_a_row = 0
+                    task = asyncio.create_task(self._submit(item))
+                    submits.add(task)
+                    task.add_done_callback(submits.discard)
+        except TimeoutError:
+            self.stats.abandoned += self._in_flight
+            logger.warning("shutdown deadline: %d group(s) in flight abandoned", self._in_flight)
+        finally:
+            self._drain = None
+            self._in_flight = 0
+        if submits:
+            logger.info("waiting for %d submission(s)", len(submits))
+            _, late = await asyncio.wait(submits, timeout=settings.submit_timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
     async def _submit(self, group: EpisodeGroup) -> None:
         """Wait for the group's verdict, then submit it (see the module docstring)."""

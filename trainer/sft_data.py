@@ -32,8 +32,9 @@ from typing import Any
 from deltarl.env_server.core.wire import ResetOptions
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordleRules, WordLists
+from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
 from deltarl.env_server.wordle.solver import Solver
-from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT, observation_text
+from deltarl.rollout.episodes import observation_text
 
 __all__ = ["solver_transcript", "solver_transcripts", "write_transcripts"]
 

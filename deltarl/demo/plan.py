@@ -143,17 +143,17 @@ class DemoPlan:
         rollout: dict[str, Any] = {
             "workers": self.workers,
             "device": "cpu",
-            "max_turns": self.max_turns,
             "max_new_tokens": self.max_new_tokens,
             "in_flight_groups": 1,
             "shutdown_grace_s": 2.0,
             "submit_timeout_s": 10.0,
         }
+        # the system prompt and turn limit: the env server's (charset: none, one reply)
         if self.task != "wordle":  # full marks from 8 characters of the target set
-            rollout["system_prompt"] = ""  # the env's own instructions, not the Wordle prompt
             if self.task == "capitals":
                 env["charset_target"] = CAPITALS
         else:
+            rollout["max_turns"] = self.max_turns
             env |= {
                 "max_guesses": self.env_max_guesses,
                 "max_invalid_moves": self.max_turns - 1,

@@ -226,8 +226,8 @@ def evaluate(
     """Play ``settings.games`` games with ``model``; the summary and every game's record."""
     from deltarl.env_server.wordle.environment import WordleEnvironment
     from deltarl.env_server.wordle.game import WordleRules, WordLists
+    from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
     from deltarl.rollout.chat_format import ChatFormat
-    from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT
 
     words = WordLists.load()
     dictionary = frozenset(words.allowed)

@@ -265,6 +265,8 @@ def create_app(settings: EnvSettings | None = None, words: WordLists | None = No
             version=__version__,
             author="deltarl",
             documentation_url="docs/env_server.md",
+            system_prompt=task.system_prompt,
+            max_turns=task.max_turns,
         )
 
     @app.get("/schema", response_model=SchemaResponse, tags=["info"])

@@ -247,6 +247,17 @@ class EnvMetadata(WireModel):
     version: str | None = None
     author: str | None = None
     documentation_url: str | None = None
+    # deltarl's additions (absent from an older server or another OpenEnv server: None)
+    system_prompt: str | None = Field(
+        default=None,
+        description="The instructions a chat model needs to play, as a system turn; None: the "
+        "observations say everything.",
+    )
+    max_turns: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most replies an episode can take with this server's settings.",
+    )
 
 
 class SchemaResponse(WireModel):

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from deltarl.env_server.core.client import EnvClient
 from deltarl.env_server.wordle.game import WordleRules, WordLists, answer_for_seed, score_guess
+from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.episodes import (
     ChatFormat,
@@ -134,6 +135,8 @@ def test_rollout_settings_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
         RolloutSettings()
     monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", "{}")
     monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_END", "7")
+    assert RolloutSettings().episode_settings().max_turns == 7  # unset: covers the guesses
+    monkeypatch.setenv("DELTARL_ROLLOUT_MAX_TURNS", "6")
     with pytest.raises(ValidationError, match="max_turns"):
         RolloutSettings()
 
@@ -146,7 +149,10 @@ def test_solver_transcript_is_what_an_episode_holds(server: WordleServer, tok: A
     assert record["seed"] == SEED and guesses[0] == "[crane]"
     engine = ScriptedEngine(tok, lambda key, turn: guesses[turn], stop=IM_END)
     settings = EpisodeSettings(
-        group_size=1, max_turns=6, sampling=SamplingParams(max_new_tokens=12)
+        group_size=1,
+        max_turns=6,
+        sampling=SamplingParams(max_new_tokens=12),
+        system_prompt=SYSTEM_PROMPT,  # what a worker gets from the server's /metadata
     )
     (ep,) = run(server, engine, tok, settings).episodes
     assert ep.done and ep.messages == record["messages"]

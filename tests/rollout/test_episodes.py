@@ -20,6 +20,7 @@ from deltarl.buckets.local import LocalBucket
 from deltarl.env_server.core.client import AsyncEpisode, EnvClient
 from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
+from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes import (
@@ -106,7 +107,9 @@ def check_bookkeeping(ep: Episode) -> None:
 def test_multi_turn_tokens_are_the_chat_template(server: WordleServer, tok: Any) -> None:
     guesses = [*wrong(SEED)[:2], answer(SEED)]
     engine = ScriptedEngine(tok, lambda row, turn: f"I pick [{guesses[turn]}]", stop=IM_END)
-    settings = EpisodeSettings(group_size=1, sampling=SamplingParams(max_new_tokens=32))
+    settings = EpisodeSettings(
+        group_size=1, sampling=SamplingParams(max_new_tokens=32), system_prompt=SYSTEM_PROMPT
+    )
     [group], _ = play(server, tok, engine, settings, [SEED], policy_version=None)
     ep = group.episodes[0]
     check_bookkeeping(ep)
@@ -145,7 +148,10 @@ def test_group_shares_the_game_and_batches_across_episodes(server: WordleServer,
 
     engine = ScriptedEngine(tok, reply, stop=IM_END, version=5)
     settings = EpisodeSettings(
-        group_size=g, sampling=SamplingParams(max_new_tokens=16), batch_wait_s=1.0
+        group_size=g,
+        sampling=SamplingParams(max_new_tokens=16),
+        batch_wait_s=1.0,
+        system_prompt=SYSTEM_PROMPT,  # messages[3]: the feedback on the first guess
     )
     groups, runner = play(server, tok, engine, settings, [SEED, SEED + 1])
     assert [grp.seed for grp in groups] == [SEED, SEED + 1]
@@ -179,7 +185,9 @@ def test_group_shares_the_game_and_batches_across_episodes(server: WordleServer,
 
 def test_invalid_replies_follow_the_env_policy(server: WordleServer, tok: Any) -> None:
     engine = ScriptedEngine(tok, lambda row, turn: "hmm, no idea", stop=IM_END)
-    settings = EpisodeSettings(group_size=2, sampling=SamplingParams(max_new_tokens=16))
+    settings = EpisodeSettings(
+        group_size=2, sampling=SamplingParams(max_new_tokens=16), system_prompt=SYSTEM_PROMPT
+    )
     [group], _ = play(server, tok, engine, settings, [SEED])
     for ep in group.episodes:
         check_bookkeeping(ep)

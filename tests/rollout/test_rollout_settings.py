@@ -7,15 +7,35 @@ import pytest
 from deltarl.rollout.settings import RolloutSettings
 
 
-def test_system_prompt_setting() -> None:
-    """Unset: the Wordle player prompt; empty: no system turn; text: used as it is."""
-    from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT
+def test_the_env_server_gives_what_the_settings_leave_unset() -> None:
+    """Unset: the env server's system prompt and turn limit (its /metadata: Wordle's player
+    prompt and guesses + tolerated invalid moves; charset: none and 1), raised to the most
+    guesses a game may allow here; empty: no system turn; text: used as it is."""
+    from fastapi.testclient import TestClient
 
-    assert RolloutSettings().episode_settings().system_prompt == WORDLE_SYSTEM_PROMPT
-    assert RolloutSettings(system_prompt="").episode_settings().system_prompt is None
-    assert RolloutSettings(system_prompt="Be brief.").episode_settings().system_prompt == (
-        "Be brief."
-    )
+    from deltarl.env_server.core.app import create_app
+    from deltarl.env_server.core.wire import EnvMetadata
+    from deltarl.env_server.settings import EnvSettings
+
+    def metadata(**env: object) -> EnvMetadata:
+        with TestClient(create_app(EnvSettings.model_validate(env))) as client:
+            return EnvMetadata.model_validate(client.get("/metadata").json())
+
+    wordle, charset = metadata(max_guesses=8), metadata(task="charset")
+    eps = RolloutSettings().episode_settings(wordle)
+    assert wordle.system_prompt is not None and "at most 8 guesses" in wordle.system_prompt
+    assert (eps.system_prompt, eps.max_turns) == (wordle.system_prompt, 8 + 1)
+    eps = RolloutSettings().episode_settings(charset)
+    assert (eps.system_prompt, eps.max_turns) == (None, 1)
+    curriculum = RolloutSettings(guesses_start=3, guesses_end=12, guesses_over_versions=5)
+    assert curriculum.episode_settings(wordle).max_turns == 12
+    # set here: the settings win over the server's
+    eps = RolloutSettings(system_prompt="Be brief.", max_turns=4).episode_settings(wordle)
+    assert (eps.system_prompt, eps.max_turns) == ("Be brief.", 4)
+    assert RolloutSettings(system_prompt="").episode_settings(wordle).system_prompt is None
+    # a server that says nothing (another OpenEnv server): no system turn, 6 turns
+    eps = RolloutSettings().episode_settings(None)
+    assert (eps.system_prompt, eps.max_turns) == (None, 6)
 
 
 def test_vllm_memory_share_reaches_the_engine_settings() -> None:

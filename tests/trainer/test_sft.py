@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from deltarl.cli import app
 from deltarl.env_server.wordle.game import WordleRules
+from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
 from deltarl.rollout.chat_format import ChatFormat
-from deltarl.rollout.episodes import WORDLE_SYSTEM_PROMPT
 from deltarl.trainer.sft import (
     SftSettings,
     _transcripts,
