@@ -114,6 +114,8 @@ def test_worker_submits_follows_a_new_version_and_shuts_down(
             assert 0 <= t.version_min <= t.version_max <= v1
             assert sum(t.mask) > 0
             spans.add((t.version_min, t.version_max))
+            # the system turn is the one the env server's /metadata gives
+            assert "expert Wordle player" in tok.decode(t.tokens[: t.prompt_len])
     assert (0, 0) in spans and (v1, v1) in spans
 
 
