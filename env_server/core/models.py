@@ -39,10 +39,10 @@ from deltarl.env_server.core.wire import (
     SchemaResponse,
     ShapingOptions,
     StepRequest,
+    TextAction,
     TextArenaObservation,
     TextMessage,
     WireModel,
-    WordleAction,
 )
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
 
@@ -66,9 +66,9 @@ __all__ = [
     "StateResponse",
     "StepRequest",
     "StepResult",
+    "TextAction",
     "TextArenaObservation",
     "TextMessage",
-    "WordleAction",
 ]
 
 

@@ -71,18 +71,16 @@ class ErrorResponse(WireModel):
 # --- requests ---------------------------------------------------------------------------------
 
 
-class WordleAction(BaseModel):
-    """One move: free text that should contain the guess in square brackets, e.g. ``"[crane]"``.
-
-    Only the first bracketed run of letters counts (``"I'd say [Crane]."`` guesses ``crane``).
-    ``metadata`` exists for OpenEnv's ``Action`` base class; it is accepted and ignored.
+class TextAction(BaseModel):
+    """One move: the player's reply as free text; the task reads what it needs from it (Wordle:
+    the first bracketed run of letters, ``"I'd say [Crane]."`` guesses ``crane``; charset: every
+    character). ``metadata`` exists for OpenEnv's ``Action`` base class; it is accepted and
+    ignored.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    message: str = Field(
-        description="Model output holding the guess as [word]; any text, any case."
-    )
+    message: str = Field(description="The model's reply; any text.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Ignored (OpenEnv field).")
 
 
@@ -192,7 +190,7 @@ class ResetRequest(WireModel):
 class StepRequest(WireModel):
     """``POST /step`` body. OpenEnv's fields plus ``session_id`` (required over HTTP)."""
 
-    action: WordleAction = Field(description="The move.")
+    action: TextAction = Field(description="The move.")
     session_id: str | None = Field(
         default=None, max_length=64, description="Session returned by /reset (or the header)."
     )

@@ -349,4 +349,4 @@ def test_openapi_documents_request_bodies(client: TestClient) -> None:
     body = openapi["paths"]["/step"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"] == {"$ref": "#/components/schemas/StepRequest"}
     schemas = set(openapi["components"]["schemas"])
-    assert {"StepRequest", "WordleAction", "ResetRequest", "StepResult", "ErrorResponse"} <= schemas
+    assert {"StepRequest", "TextAction", "ResetRequest", "StepResult", "ErrorResponse"} <= schemas
