@@ -458,20 +458,17 @@ def decode_chunk(
         raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
     ends = np.cumsum(coded)
     starts = ends - coded
-    csum = np.cumsum(gaps + 1)
-    seg_base = np.zeros(nctx, np.int64)
-    if csum.size:
-        nonempty = starts > 0
-        seg_base[nonempty] = csum[starts[nonempty] - 1]
-    ranks = csum - 1 - np.repeat(seg_base, coded)
-    if ranks.size and np.any((coded > 0) & (ranks[np.maximum(ends - 1, 0)] >= hist)):
-        raise CorruptDeltaError(
-            f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
-        )
+    with_gaps = coded > 0
+    if gaps.size:  # each context's last coded rank (the sum of its gaps + 1, minus 1)
+        last = np.add.reduceat(gaps + 1, starts[with_gaps]) - 1
+        if np.any(last >= hist[with_gaps]):
+            raise CorruptDeltaError(
+                f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
+            )
     k = int(kc.sum())
     index = np.empty(k, np.int64)
     ctx = np.empty(k, np.int64)
-    m = kernels.select_changed(keys, shift, emask, ranks, starts, ends, comp, index, ctx)
+    m = kernels.select_changed(keys, shift, emask, gaps, starts, ends, comp, index, ctx)
     if m != k:
         raise CorruptDeltaError(
             f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"

@@ -166,53 +166,62 @@ def context_histogram(old, shift, emask, hist):  # pragma: no cover - jit
 
 @njit(nogil=True, cache=True)
 def select_changed(
-    old, shift, emask, ranks, starts, ends, complement, out_index, out_ctx
+    old, shift, emask, gaps, starts, ends, complement, out_index, out_ctx
 ):  # pragma: no cover
-    """Inverse of :func:`scan_contexts`: turn per-context ranks back into flat indices.
+    """Inverse of :func:`scan_contexts` and :func:`position_gaps`: turn each context's coded
+    gaps back into flat indices.
 
-    ``ranks[starts[c]:ends[c]]`` are the strictly increasing coded ranks of context ``c``; where
-    ``complement[c]`` they name the *unchanged* elements. Returns the number of changed elements
-    written, or -1 if the ranks do not fit the tensor (corrupt input).
+    ``gaps[starts[c]:ends[c]]`` are context ``c``'s coded gaps (``rank - previous rank - 1``,
+    the first from rank -1); where ``complement[c]`` they name its *unchanged* elements.
+    Returns the number of changed elements written, or -1 if the gaps do not fit the tensor
+    (corrupt input, or another base).
 
-    The loop runs once per element of the chunk (~100 per change at 1% density), so its common
-    case is one load, one count and one compare against the context's next coded rank
-    (``target``); only a hit, or an element of a complement context (``target`` 0), takes the
-    slow path. Half the time of checking the rank list on every element.
+    The loop runs once per element of the chunk (~100 per change at 1% density). Its common
+    case is one load, one compare and one store: ``left[c]``, the elements of context ``c`` still
+    to pass before its next coded one, counts down; only the coded element (``left`` 0), or an
+    element of a complement context (``left`` -1), takes the slow path.
     """
     nctx = starts.size
     ptr = starts.copy()
-    cnt = np.zeros(nctx, np.int64)
     never = np.int64(1) << 62
-    target = np.empty(nctx, np.int64)
+    left = np.empty(nctx, np.int64)
     for c in range(nctx):
         if complement[c]:
-            target[c] = 0
+            left[c] = -1
         elif ptr[c] < ends[c]:
-            target[c] = ranks[ptr[c]]
+            left[c] = gaps[ptr[c]]
         else:
-            target[c] = never
+            left[c] = never
+    passed = np.zeros(nctx, np.int64)  # complement contexts: elements since the last coded one
     m = 0
     cap = out_index.size
     for i in range(old.size):
         c = (np.int64(old[i]) >> shift) & emask
-        r = cnt[c]
-        cnt[c] = r + 1
-        if r < target[c]:
+        ahead = left[c]
+        if ahead > 0:
+            left[c] = ahead - 1
             continue
-        p = ptr[c]
-        hit = p < ends[c] and ranks[p] == r
-        if hit:
-            ptr[c] = p + 1
-        if hit != complement[c]:
+        if ahead == 0:  # the next coded element of a plain context: it changed
             if m >= cap:
                 return -1
             out_index[m] = i
             out_ctx[m] = c
             m += 1
-        if not complement[c]:
-            if not hit:  # passed a coded rank without meeting it: ranks not increasing
-                return -1
-            target[c] = ranks[p + 1] if p + 1 < ends[c] else never
+            p = ptr[c] + 1
+            ptr[c] = p
+            left[c] = gaps[p] if p < ends[c] else never
+            continue
+        p = ptr[c]  # a complement context: its coded elements are the unchanged ones
+        if p < ends[c] and passed[c] == gaps[p]:
+            ptr[c] = p + 1
+            passed[c] = 0
+            continue
+        passed[c] += 1
+        if m >= cap:
+            return -1
+        out_index[m] = i
+        out_ctx[m] = c
+        m += 1
     for c in range(nctx):
         if ptr[c] != ends[c]:
             return -1
