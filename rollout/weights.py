@@ -95,7 +95,7 @@ from deltarl.rollout.sync_records import (
 from deltarl.weightsync.anchor import decode_anchor
 from deltarl.weightsync.codec.bits import bits_view
 from deltarl.weightsync.codec.context import DeltaContext
-from deltarl.weightsync.codec.formats import FORMAT_TAGS, decode_delta
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, READ_ONLY_TAGS, decode_delta
 from deltarl.weightsync.delta import (
     APPLY_KERNELS,
     UNKNOWN_DIGEST,
@@ -122,8 +122,9 @@ from deltarl.weightsync.sharding import layout_view, merge_parts
 logger = logging.getLogger(__name__)
 
 ANCHOR_FORMATS = ("safetensors", "safetensors+zstd")
-DEFAULT_FORMATS: tuple[str, ...] = (*FORMAT_TAGS.values(), *ANCHOR_FORMATS)
-"""Object formats a worker can load: every delta format of the codec and both anchor formats."""
+DEFAULT_FORMATS: tuple[str, ...] = (*FORMAT_TAGS.values(), *READ_ONLY_TAGS, *ANCHOR_FORMATS)
+"""Object formats a worker can load: every delta format of the codec (those it writes and those
+of older trainers it still decodes) and both anchor formats."""
 
 __all__ = [
     "DEFAULT_FORMATS",

@@ -54,6 +54,7 @@ _MANIFEST_KEY = re.compile(rf"^manifests/v(\d{{{VERSION_DIGITS}}})\.json$")
 #: unknown formats get ``.bin``.
 FORMAT_EXTENSIONS: dict[str, str] = {
     "deltarl-compact-v1": "dlt",
+    "deltarl-compact-v2": "dlt",
     "trl-sparse-raw": "safetensors",
     "trl-sparse-gap_delta": "safetensors",
     "safetensors": "safetensors",
@@ -181,7 +182,7 @@ class ObjectRef(BaseModel):
     Example::
 
         ObjectRef(key="objects/v000000000012/3f2a...e1.dlt", kind="delta",
-                  format="deltarl-compact-v1", size=1_830_112, xxh3_128="9c1f...", version=12,
+                  format="deltarl-compact-v2", size=1_830_112, xxh3_128="9c1f...", version=12,
                   base_version=11, base_digest="aa01...", result_digest="5b7e...", changed=161_802)
     """
 
@@ -193,7 +194,7 @@ class ObjectRef(BaseModel):
     )
     format: str = Field(
         pattern=_FORMAT,
-        description="Encoding of the bytes: a delta format tag of the codec ('deltarl-compact-v1', "
+        description="Encoding of the bytes: a delta format tag of the codec ('deltarl-compact-v2', "
         "'trl-sparse-raw', 'trl-sparse-gap_delta') or an anchor format ('safetensors', "
         "'safetensors+zstd'); readers filter plans by the formats they decode.",
     )

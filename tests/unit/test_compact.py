@@ -188,3 +188,32 @@ def test_composed_delta_with_elements_that_changed_back(state):
     apply_delta(s, d)
     assert all(torch.equal(s[k].view(torch.int16), back[k].view(torch.int16)) for k in s)
     assert d.changed < squashed.changed  # the no-op entries were dropped
+
+
+def test_malformed_version_2_chunk_headers_are_refused():
+    """A chunk header whose checksums hold (a hostile encoder) but whose counts cannot be:
+    a Rice parameter past any gap a chunk holds, a complement context whose element count does
+    not fit its changes, more changes than the chunk has elements."""
+    from deltarl.weightsync.codec.bits import FLOAT_FORMATS
+    from deltarl.weightsync.codec.compact_chunks import ChunkRef, decode_chunk
+    from deltarl.weightsync.codec.entropy import varints
+
+    old = np.zeros(100, np.int16)  # bf16 zeros: one context (exponent 0)
+    shared = np.zeros((0, 1), np.int64)
+    table_of_key = np.full(256, -1, np.int64)
+
+    def decode(header: list[int]) -> None:
+        ref = ChunkRef("t", 0, old.size, varints(header), memoryview(b""), (0, 0, 0))
+        decode_chunk(ref, old, FLOAT_FORMATS["bfloat16"], table_of_key, shared)
+
+    # one listed context (gap 0 -> context 0) with 3 changes, not own: 2 * 3 = 6
+    for header, message in (
+        ([1, 0, 6, 2 * 99 + 0], "header is malformed"),  # a Rice parameter of 99
+        ([1, 0, 6, 2 * 1 + 1, 7], "header is malformed"),  # complement: 7 elements, 3 changed
+        ([1, 0, 6, 2 * 1 + 1, 2], "header is malformed"),  # complement: 2 elements, 3 changed
+        ([1, 0, 2 * 101, 2 * 1 + 0], "more changes than it has elements"),
+    ):
+        with pytest.raises(CorruptDeltaError, match=message):
+            decode(header)
+    with pytest.raises(CorruptDeltaError, match="position stream ends early"):
+        decode([1, 0, 6, 2 * 1 + 0])  # a well-formed header: only the empty body is wrong

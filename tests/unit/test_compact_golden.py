@@ -1,23 +1,24 @@
 """The compact encoder's bytes do not change when its internals are sped up.
 
-The digests below were computed with the encoder as of commit 2b68646 (before the compiled
-position stream and symbol mapping); a faster encoder must produce the same bytes for the same
-delta, so receivers and stored deltas are unaffected. The two kernels are also checked against
+The digests below pin the bytes of format version 2; a faster encoder must produce the same
+bytes for the same delta, so receivers and stored deltas are unaffected. An object of version 1
+(kept in ``data/``) must still decode. The two kernels are also checked against
 the numpy code they replaced, kept below as the specification."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import zstandard
 
-from deltarl.weightsync import compute_delta
+from deltarl.weightsync import apply_delta, compute_delta
 from deltarl.weightsync.codec import kernels
-from deltarl.weightsync.codec.compact import MAGIC, encode_compact, read_footer
+from deltarl.weightsync.codec.compact import MAGIC, decode_compact, encode_compact, read_footer
 from deltarl.weightsync.codec.entropy import SMALL, TOP_BITS, diff_to_symbols
 
 
@@ -39,10 +40,12 @@ def _state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return old, new
 
 
-GOLDEN = {
-    1 << 24: "e0799c103077611359eba84f7621f1919ed47842162773b33c07269d55a10320",
-    1000: "1a5596f8bfb30c1dc4dde52f9e1863b95a2469dc835d9145f1a38dfaa8cdb570",
+GOLDEN = {  # format version 2 (chunk headers carry each context's Rice parameter)
+    1 << 24: "322a1c75a6dd6aa91b2fbb7b04953d308e9bb8a22d3ebf5b029a910b52840497",
+    1000: "7f3b9d2362d8d1563170faf6264fe59e8836787ea3de8e543c8fd421910009c0",
 }
+V1_OBJECT = Path(__file__).parent / "data" / "compact-v1.dlt"  # the same delta at 1000-element
+# chunks, written by the version-1 encoder (the same state and versions as below)
 
 
 def content_digest(blob: bytes) -> str:
@@ -65,6 +68,23 @@ def test_encoder_bytes_are_unchanged(chunk_elems: int) -> None:
     d = compute_delta(old, new, 3, 4)
     blob = encode_compact(d, old, chunk_elems=chunk_elems, threads=2)
     assert content_digest(blob) == GOLDEN[chunk_elems]
+
+
+def test_version_1_objects_still_decode() -> None:
+    """An object of format version 1 (no Rice parameters in its chunk headers: the decoder
+    counts the base's elements per context to derive them) decodes to the same delta."""
+    old, new = _state()
+    blob = V1_OBJECT.read_bytes()
+    assert read_footer(blob)["format_version"] == 1
+    got = decode_compact(blob, old)
+    want = decode_compact(encode_compact(compute_delta(old, new, 3, 4), old), old)
+    assert (got.base_version, got.version) == (3, 4)
+    for name, p in want.patches.items():
+        q = got.patches[name]
+        assert np.array_equal(p.index, q.index) and np.array_equal(p.value, q.value), name
+    state = {k: v.clone() for k, v in old.items()}
+    apply_delta(state, got)
+    assert all(torch.equal(state[k].view(torch.uint8), new[k].view(torch.uint8)) for k in new)
 
 
 def _reference_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -485,6 +485,7 @@ def decode_compact(
     for name, p in patches.items():
         p.base_digest = have[name] if is_base else UNKNOWN_DIGEST
 
+    version = int(footer["format_version"])
     olds: dict[str, np.ndarray] = {}
     for name in {r.tensor for r in refs}:
         tt = base[name]
@@ -500,7 +501,7 @@ def decode_compact(
             if rho16 is not None
             else None
         )
-        idx, val = decode_chunk(ref, old, fmt, table_of_key, shared, prev)
+        idx, val = decode_chunk(ref, old, fmt, table_of_key, shared, prev, version)
         return idx + ref.start, val
 
     with ThreadPoolExecutor(threads or default_threads()) as pool:
@@ -544,7 +545,7 @@ def footer_summary(data: bytes | memoryview) -> dict[str, Any]:
     """Versions, digests and per-tensor change counts of a compact delta, without decoding it."""
     f = read_footer(data)
     return {
-        "format": f"{FORMAT_NAME}-v{FORMAT_VERSION}",
+        "format": f"{FORMAT_NAME}-v{f.get('format_version')}",
         "base_version": f.get("base_version"),
         "version": f.get("version"),
         "context": context_of(f),

@@ -49,6 +49,8 @@ class ChunkAnalysis:
     count: int
     ctx_ids: np.ndarray  # int64 [C], position contexts (old exponents) with changes, ascending
     kc: np.ndarray  # int64 [C], changes per position context
+    hist: np.ndarray  # int64 [C], the chunk's elements of each of those contexts
+    rice_k: np.ndarray  # int64 [C], the Rice parameter of each of those contexts' gaps
     key: np.ndarray  # int64 [V], value contexts with changes, ascending (= shared-table keys)
     counts: np.ndarray  # int64 [V, ALPHABET], symbol counts per value context
     gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
@@ -203,6 +205,8 @@ def analyse_chunk(
         count=count,
         ctx_ids=present,
         kc=kc_all[present],
+        hist=hist[present],
+        rice_k=kparam_of_ctx[present].astype(np.int64),
         key=vkeys,
         counts=counts.reshape(vkeys.size, ALPHABET),
         # compact dtypes: this is held for every changed element until the chunk is coded
@@ -248,6 +252,7 @@ def _checked_scan(
     return np.ascontiguousarray(scan.hist, np.int64), ctx, rank, scan.old, scan.count
 
 
+MAX_RICE = 40  # a Rice parameter above this names gaps no chunk holds (a malformed header)
 N_KEYS = 256  # shared tables are keyed by the old exponent (8 bits at most)
 N_KEYS_CHAINED = N_KEYS * N_MOVE_BUCKETS  # chained: (old exponent, previous move)
 
@@ -341,9 +346,12 @@ def code_chunk(
 ) -> tuple[bytes, bytes, list[int]]:
     """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
 
-    The header lists the position contexts with changes as varints ``(context gap, 2 k + own)``
-    followed by the chunk's own frequency tables; headers of all chunks are compressed
-    together. Standalone, value contexts are the position contexts, so ``own`` flags them; a
+    The header lists the position contexts with changes as varints ``(context gap, 2 k + own,
+    2 rice + complement[, elements of the context in the chunk if complement])`` (``rice``: the
+    Rice parameter of its gaps; ``complement``: its gaps name the unchanged elements, because
+    more than half changed) followed by the chunk's own frequency tables; headers of all chunks
+    are compressed together. Format version 1 had neither: its decoder derived both from the
+    context's element count, counted from the base in a pass of its own. Standalone, value contexts are the position contexts, so ``own`` flags them; a
     chained chunk has more value contexts: its ``own`` bits are 0 and a list
     ``(count, value-context gaps...)`` of those with their own table precedes the tables.
     """
@@ -357,8 +365,18 @@ def code_chunk(
     header = [int(a.ctx_ids.size)]
     prev = -1
     own_flags = a.own.tolist() if not a.chained else [False] * a.ctx_ids.size
-    for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), own_flags, strict=True):
-        header += [c - prev - 1, 2 * kcount + int(own)]
+    for c, kcount, n, rice, own in zip(
+        a.ctx_ids.tolist(),
+        a.kc.tolist(),
+        a.hist.tolist(),
+        a.rice_k.tolist(),
+        own_flags,
+        strict=True,
+    ):
+        comp = 2 * kcount > n
+        header += [c - prev - 1, 2 * kcount + int(own), 2 * rice + int(comp)]
+        if comp:
+            header.append(n)
         prev = c
     if a.chained:
         header.append(int(own_pos.size))
@@ -399,7 +417,11 @@ def decode_chunk(
     table_of_key: np.ndarray,
     shared: np.ndarray,
     prediction: Prediction | None = None,
+    version: int = 2,
 ) -> tuple[np.ndarray, np.ndarray]:
+    """Decode one chunk against ``old`` (its base elements): ``(chunk-local indices, new bit
+    patterns)`` of its changed elements. ``version``: the object's format version (1: the
+    header holds no element counts; they are counted from the base)."""
     keys, shift, emask = position_contexts(old, fmt, prediction)
     nctx = emask + 1
     rice_len, rans_len, _ = ref.streams
@@ -411,6 +433,9 @@ def decode_chunk(
     ctx_ids = np.empty(n_present, np.int64)
     kc_present = np.empty(n_present, np.int64)
     own = np.zeros(n_present, bool)
+    rice_present = np.zeros(n_present, np.int64)  # version 2
+    comp_present = np.zeros(n_present, bool)
+    n_comp = np.zeros(n_present, np.int64)  # a complement context's elements
     c = -1
     for i in range(n_present):
         c += r.varint() + 1
@@ -418,6 +443,15 @@ def decode_chunk(
         if c >= nctx or v < 2:
             raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
         ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
+        if version >= 2:
+            w = r.varint()
+            rice_present[i], comp_present[i] = w >> 1, bool(w & 1)
+            if comp_present[i]:
+                n_comp[i] = r.varint()
+            if rice_present[i] > MAX_RICE or (
+                comp_present[i] and not kc_present[i] <= n_comp[i] < 2 * kc_present[i]
+            ):
+                raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
     own_keys = ctx_ids[own]
     if prediction is not None:
         if own.any():
@@ -440,19 +474,31 @@ def decode_chunk(
     )
     r.done()
 
-    hist = np.zeros(nctx, np.int64)
-    kernels.context_histogram(keys, shift, emask, hist)
     kc = np.zeros(nctx, np.int64)
     kc[ctx_ids] = kc_present
-    if np.any(kc > hist):
-        raise CorruptDeltaError(
-            f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
-        )
-    comp = 2 * kc > hist
-    coded = np.where(comp, hist - kc, kc)
-    coded[kc == 0] = 0
+    if int(kc_present.sum()) > old.size:
+        raise CorruptDeltaError(f"{ref.tensor}: chunk claims more changes than it has elements")
+    hist = np.full(nctx, old.size, np.int64)  # version 2: a bound, but where complement
+    if version >= 2:
+        comp = np.zeros(nctx, bool)
+        comp[ctx_ids] = comp_present
+        hist[ctx_ids[comp_present]] = n_comp[comp_present]
+        coded = np.where(comp, hist - kc, kc)
+        rice_of_ctx = np.zeros(nctx, np.int64)
+        rice_of_ctx[ctx_ids] = rice_present
+    else:  # counted from the base, and the rest derived from the counts as the encoder did
+        hist[:] = 0
+        kernels.context_histogram(keys, shift, emask, hist)
+        if np.any(kc > hist):
+            raise CorruptDeltaError(
+                f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
+            )
+        comp = 2 * kc > hist
+        coded = np.where(comp, hist - kc, kc)
+        coded[kc == 0] = 0
+        rice_of_ctx = rice_parameter(hist, coded)
     gap_ctx = np.repeat(np.arange(nctx), coded)
-    kparams = rice_parameter(hist, coded)[gap_ctx]
+    kparams = rice_of_ctx[gap_ctx]
     gaps = np.empty(gap_ctx.size, np.int64)
     if kernels.rice_decode(raw[:rice_len], kparams, gaps) < 0:
         raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")

@@ -25,7 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from deltarl.weightsync.errors import CorruptDeltaError
 
 FORMAT_NAME = "deltarl-compact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by the encoder. 2: each chunk header also counts the elements of the contexts it
+lists (the decoder's pass that counted them from the base is gone). 1 is still decoded."""
+READ_VERSIONS = (1, 2)
 MAX_FOOTER = 256 << 20  # bytes of a decompressed footer or index, whatever the object claims
 FOOTER_RATIO = 64  # a footer's JSON never expands more than this from its zstd frame
 MAX_TENSOR_ELEMENTS = 1 << 36  # 64 G elements: far beyond any tensor a delta patches
@@ -67,7 +70,7 @@ class Footer(_Checked):
     """The fields of a compact delta's footer that the decoder relies on."""
 
     format: Literal["deltarl-compact"]
-    format_version: Literal[1]
+    format_version: Literal[1, 2]
     base_version: Version | None
     version: Version | None
     prob_bits: Count
@@ -114,7 +117,7 @@ def parse_footer(packed: bytes | memoryview) -> dict[str, Any]:
         raise CorruptDeltaError("deltarl-compact footer is not a JSON object")
     if footer.get("format") != FORMAT_NAME:
         raise CorruptDeltaError("deltarl-compact footer has the wrong format tag")
-    if footer.get("format_version") != FORMAT_VERSION:
+    if footer.get("format_version") not in READ_VERSIONS:
         raise CorruptDeltaError(
             f"unsupported deltarl-compact version {footer.get('format_version')!r}"
         )

@@ -33,6 +33,8 @@ FORMAT_TAGS = {
     "trl-raw": "trl-sparse-raw",
     "trl-gap": "trl-sparse-gap_delta",
 }
+READ_ONLY_TAGS = (f"{compact.FORMAT_NAME}-v1",)
+"""Delta format tags no longer written but still decoded (objects of an older trainer)."""
 
 
 def encode_delta(
