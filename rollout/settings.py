@@ -255,15 +255,6 @@ class RolloutSettings(TLSServerSettings):
         gt=0,
         description="Seconds between heartbeats; unset: the interval the coordinator asks for.",
     )
-    gil_switch_interval_ms: float = Field(
-        default=0.2,
-        ge=0,
-        description="Python's thread switch interval in this process (milliseconds; 0: keep "
-        "Python's 5 ms). Decoding a delta hands the GIL over at every compiled or numpy call, "
-        "and a Python-heavy generation thread then keeps it for up to this long each time: "
-        "with 5 ms, decoding a SmolLM2 delta next to a busy thread took 14-19 s on 2 cores, "
-        "with 0.2 ms 0.8-1.5 s.",
-    )
     sync_poll_s: float = Field(
         default=5.0,
         gt=0,

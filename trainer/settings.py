@@ -270,16 +270,6 @@ class PublishSettings(_Settings):
     codec_threads: int | None = Field(
         default=None, ge=1, description="Threads of the delta encoder; None: its default."
     )
-    pinned_change_fraction: float = Field(
-        default=0.05,
-        ge=0.0,
-        le=1.0,
-        description="FSDP ranks on GPUs: pinned host memory reserved with the first version for "
-        "the changes' scan results, as the share of the rank's elements expected to change in a "
-        "version (18 bytes per change: 0.05 of a 7B rank's 1.9 G elements is 1.7 GB). It grows "
-        "when a version needs more. 0: none (torch's caching host allocator, whose first "
-        "allocations slow the first delta by about a second).",
-    )
     signing_key_file: Path | None = Field(
         default=None,
         description="Ed25519 private key file (64 hex digits; 'deltarl delta keygen' writes one): "

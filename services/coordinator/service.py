@@ -84,6 +84,12 @@ from deltarl.services.coordinator.store import (
 from deltarl.services.coordinator.versions import VersionIndex, summarize
 
 logger = logging.getLogger(__name__)
+
+# Fixed here rather than settings (nobody had a reason to change them):
+PROOF_POOL_VERSIONS = 64  # weight-challenge pools kept for the newest versions: a worker answers
+# a challenge of the version it holds, at most max_staleness (4 by default) behind the newest
+STATUS_WORKERS = 1000  # workers /v1/status lists (laggiest first); ?workers= asks for fewer
+STATUS_HISTORY = 500  # versions and reward points /v1/status lists: a page's worth of curve
 T = TypeVar("T")
 
 
@@ -369,7 +375,7 @@ class Coordinator:
         answer says how many more the fleet needs now (``wanted``)."""
         self._known_version(version)
         latest = self.latest_number()
-        keep_from = (version if latest is None else latest) - self.settings.proof_pool_versions + 1
+        keep_from = (version if latest is None else latest) - PROOF_POOL_VERSIONS + 1
         added, size = self.store.add_challenges(
             version,
             pool.chunk_bytes,
@@ -671,7 +677,7 @@ class Coordinator:
         return self._status_view(workers_limit)[1]
 
     def _status_view(self, workers_limit: int | None) -> tuple[StatusSummary, bytes]:
-        limit = self.settings.status_workers if workers_limit is None else workers_limit
+        limit = STATUS_WORKERS if workers_limit is None else workers_limit
         now = time.monotonic()
         with self._status_lock:
             cached = self._status
@@ -731,11 +737,11 @@ class Coordinator:
                     full_bytes=r.full_bytes,
                     recorded_at=r.recorded_at,
                 )
-                for r in self.versions.recent(self.settings.status_history)
+                for r in self.versions.recent(STATUS_HISTORY)
             ],
             rewards=[
                 RewardPoint(version=v, groups=n, mean_reward=total / n)
-                for v, n, total in self.store.reward_curve(self.settings.status_history)
+                for v, n, total in self.store.reward_curve(STATUS_HISTORY)
                 # rewards are bounded at submission; a store written before that is skipped
                 if n and math.isfinite(total / n)
             ],

@@ -97,11 +97,6 @@ class CoordinatorSettings(TLSServerSettings):
         le=86400,
         description="Seconds a worker has to answer a weight challenge (docs/security.md).",
     )
-    proof_pool_versions: int = Field(
-        default=64,
-        ge=1,
-        description="Weight-challenge pools are kept for this many newest versions.",
-    )
     proof_attempts: int = Field(
         default=3,
         ge=1,
@@ -155,12 +150,6 @@ class CoordinatorSettings(TLSServerSettings):
     )
     status_cache_s: float = Field(
         default=0.5, ge=0, description="Seconds a computed /v1/status answer is reused."
-    )
-    status_workers: int = Field(
-        default=1000, ge=0, description="Workers listed in /v1/status (laggiest first)."
-    )
-    status_history: int = Field(
-        default=500, ge=1, description="Versions and reward points listed in /v1/status."
     )
     event_poll_s: float = Field(
         default=0.25,
