@@ -23,6 +23,7 @@ Qwen2-MoE and Qwen3-MoE, the layout of Qwen3-30B-A3B and Qwen3-235B-A22B). Other
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -71,12 +72,15 @@ class RoutingRecorder:
     ``with RoutingRecorder(model) as rec: model(...)`` then ``rec.calls`` holds, for each forward
     call, a ``[tokens, layers, top_k]`` int64 CPU tensor in the order the model flattened its
     input (``[B, T]`` row-major). Calls without routers record nothing (``rec.layers == 0``).
+    Only the thread that entered the block is recorded: a forward another thread runs on the
+    same model meanwhile (the engine scoring a hint while it generates) is not.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._routers = routers(model)
         self._hooks: list[Any] = []
         self._pending: list[torch.Tensor | None] = [None] * len(self._routers)
+        self._owner = 0  # the recording thread
         self.calls: list[torch.Tensor] = []
 
     @property
@@ -84,6 +88,7 @@ class RoutingRecorder:
         return len(self._routers)
 
     def __enter__(self) -> RoutingRecorder:
+        self._owner = threading.get_ident()
         for i, router in enumerate(self._routers):
             self._hooks.append(router.register_forward_hook(self._hook(i)))
         return self
@@ -95,6 +100,8 @@ class RoutingRecorder:
 
     def _hook(self, layer: int) -> Any:
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+            if threading.get_ident() != self._owner:
+                return
             self._pending[layer] = output[2].detach()
             if layer == len(self._routers) - 1:  # the last MoE layer ends the call
                 self.flush()

@@ -234,3 +234,18 @@ def test_train_step_replays_with_the_setting(tmp_path: Path) -> None:
         return metrics["mismatch/abs_logprob_diff/mean"]
 
     assert mismatch(True) < mismatch(False)
+
+
+def test_the_recorder_ignores_forwards_of_other_threads() -> None:
+    """The engine may score a hint on another thread while it generates: that forward's routes
+    are not the generation's."""
+    import threading
+
+    m = model()
+    ids = torch.tensor([[5, 9, 14]])
+    with torch.no_grad(), RoutingRecorder(m) as rec:
+        other = threading.Thread(target=lambda: m(input_ids=torch.tensor([[1, 2, 3, 4, 5]])))
+        other.start()
+        other.join()
+        m(input_ids=ids)
+    assert len(rec.calls) == 1 and rec.calls[0].shape == (3, LAYERS, TOP_K)
