@@ -824,8 +824,10 @@ def test_rollout_image_defaults_validate(
     assert settings.engine == engine and engine in engines, (settings.engine, engines)
     assert settings.port == int(env[ROLLOUT_PORT_VAR]) and settings.host == "127.0.0.1"
     if image == "rollout-gpu":
-        # vLLM needs a Hugging Face model id (no GGUF): the trainer's default model
-        assert settings.model == ExperimentSettings.model_fields["model"].default
+        # vLLM needs a Hugging Face model id (no GGUF): the trainer's default model,
+        # SmolLM2-135M-Instruct, by its Hub id
+        assert ExperimentSettings.model_fields["model"].default == "smollm2"
+        assert settings.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert env.get("VLLM_NO_USAGE_STATS") == "1", "keep vLLM's usage statistics off"
         assert settings.engine_settings().type == "vllm"
         monkeypatch.setenv("DELTARL_ROLLOUT_ENGINE", "transformers")
