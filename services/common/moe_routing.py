@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -171,22 +170,3 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None) -> Iter
     finally:
         for router in patched:
             del router.forward  # the class's forward again
-
-
-def check_record(ids: np.ndarray, layers: int, top_k: int, num_experts: int) -> None:
-    """Raise ``ValueError`` unless ``ids`` is a ``[rows, layers, top_k]`` record of expert ids
-    below ``num_experts``, without a repeated expert in a row."""
-    if ids.ndim != 3 or ids.shape[1:] != (layers, top_k):
-        raise ValueError(
-            f"routing record of shape {ids.shape}, want [rows, {layers} layers, top_k {top_k}]"
-        )
-    if ids.size and int(ids.max()) >= num_experts:
-        raise ValueError(f"routing record names expert {int(ids.max())} of {num_experts}")
-
-
-def stack_rows(parts: Sequence[np.ndarray]) -> np.ndarray | None:
-    """Concatenate per-turn routing records along their rows (None if there are none)."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        return None
-    return np.concatenate(parts, axis=0)
