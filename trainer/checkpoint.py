@@ -38,7 +38,7 @@ The data cursor lives in the coordinator: a group is gone from its queue once th
 its lease after the step, so a resumed trainer simply leases the next groups. Groups acked after
 the last checkpoint were trained on by steps that the crash lost; they are not trained on again
 (asynchronous RL tolerates that: they are old rollouts by then). The checkpoint keeps the
-trainer's own counters (``groups_trained``) so that they continue.
+trainer's own counters (``groups_trained``, ``groups_acked``) so that they continue.
 """
 
 from __future__ import annotations
@@ -111,6 +111,13 @@ class CheckpointMeta(BaseModel):
     )
     bucket_digest: str | None = Field(description="That version's state digest.")
     groups_trained: int = Field(ge=0, description="Groups trained on since the run began.")
+    groups_acked: int = Field(
+        default=0,
+        ge=0,
+        description="Groups the coordinator acknowledged to this lineage since the run began: "
+        "trained, refused (dead letters) or too stale; equals the coordinator's acked total "
+        "when one trainer lineage acked them all. 0 in checkpoints that predate it.",
+    )
     created_at: datetime = Field(description="When the checkpoint was written (UTC).")
     param_groups: list[dict[str, Any]] = Field(
         description="Optimizer param groups: hyperparameters, and 'params' as parameter names."
@@ -423,6 +430,7 @@ class Checkpointer:
         bucket_version: int | None = None,
         bucket_digest: str | None = None,
         groups_trained: int = 0,
+        groups_acked: int = 0,
         settings: Mapping[str, Any] | None = None,
         publish_dtype: torch.dtype = torch.bfloat16,
     ) -> Path:
@@ -460,6 +468,7 @@ class Checkpointer:
                 bucket_version=bucket_version,
                 bucket_digest=bucket_digest,
                 groups_trained=groups_trained,
+                groups_acked=groups_acked,
                 created_at=datetime.now(UTC),
                 param_groups=groups,
                 optimizer_scalars=opt_scalars,

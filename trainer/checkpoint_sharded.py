@@ -394,6 +394,7 @@ class ShardedCheckpointer(Checkpointer):
         bucket_version: int | None = None,
         bucket_digest: str | None = None,
         groups_trained: int = 0,
+        groups_acked: int = 0,
         settings: dict[str, Any] | None = None,
         publish_dtype: torch.dtype = torch.bfloat16,
     ) -> Path:
@@ -403,6 +404,7 @@ class ShardedCheckpointer(Checkpointer):
             "bucket_version": bucket_version,
             "bucket_digest": bucket_digest,
             "groups_trained": groups_trained,
+            "groups_acked": groups_acked,
             "settings": dict(settings or {}),
         }
         broadcast(("checkpoint", step), self.ctx)

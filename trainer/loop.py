@@ -106,6 +106,7 @@ class Pulled:
 
     entries: list[LeasedGroup] = field(default_factory=list)
     batch_ids: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)  # groups per lease
     refusals: Refusals = field(default_factory=Refusals)  # payloads that did not decode
     dropped_by_coordinator: int = 0  # groups beyond the staleness bound at lease time
     dropped_by_trainer: int = 0  # groups that became too stale after the lease
@@ -204,6 +205,7 @@ def pull_groups(
             _nack(source, batch_id)
             break
         out.batch_ids.append(batch_id)
+        out.sizes[batch_id] = len(leased.lease.items)
         if keeper is not None:
             keeper.hold(batch_id)
         workers = {i.submission_id: i.worker_id for i in leased.lease.items}
@@ -267,10 +269,13 @@ def prepare_batch(
     return collate_checked(kept, collate_groups, pulled.refusals)
 
 
-def _ack_all(source: BatchSource, keeper: LeaseKeeper, pulled: Pulled, refusals: Refusals) -> int:
+def _ack_all(
+    source: BatchSource, keeper: LeaseKeeper, pulled: Pulled, refusals: Refusals
+) -> tuple[int, int]:
     """Ack every lease of a step, naming its refused groups; returns the failed acks (an
-    expired lease: its groups went back to the queue, to be pulled again)."""
-    failures = 0
+    expired lease: its groups went back to the queue, to be pulled again) and the groups the
+    successful ones acknowledged."""
+    failures = acked = 0
     for bid in pulled.batch_ids:
         keeper.release(bid)
         rejected = refusals.by_batch.get(bid, [])
@@ -282,7 +287,9 @@ def _ack_all(source: BatchSource, keeper: LeaseKeeper, pulled: Pulled, refusals:
         except Exception as err:
             failures += 1
             logger.warning("ack of batch %s failed: %s", bid, err)
-    return failures
+        else:
+            acked += pulled.sizes.get(bid, 0)
+    return failures, acked
 
 
 def _check_trainer_mismatch(
@@ -443,13 +450,14 @@ def train(
     publisher.follow_precision(model)  # tensors the model keeps in fp32 are published in fp32
     opt, sched = build_optimizer(model.parameters(), settings.optimizer, settings.max_steps)
     failures = 0  # consecutive failed publications
-    step = groups_trained = 0
+    step = groups_trained = groups_acked = 0
     if resume is not None:
         changed = _changed_settings(resume.meta.settings, settings.model_dump(mode="json"))
         if changed:
             logger.warning("resuming with settings that differ from the checkpoint's: %s", changed)
         resume.restore(model, opt, sched, publish_dtype=publisher.dtype)
         step, groups_trained = resume.meta.step, resume.meta.groups_trained
+        groups_acked = resume.meta.groups_acked
         version = publisher.publish(
             publisher.state_of(model), _resume_version(publisher, resume), step=step, anchor=True
         )
@@ -476,6 +484,7 @@ def train(
             bucket_version=None if latest is None else latest.version,
             bucket_digest=None if latest is None else latest.state_digest,
             groups_trained=groups_trained,
+            groups_acked=groups_acked,
             settings=settings.model_dump(mode="json"),
             publish_dtype=publisher.dtype,
         )
@@ -516,7 +525,7 @@ def train(
                     len(pulled.entries) + len(refusals),
                     version,
                 )
-                _ack_all(source, keeper, pulled, refusals)
+                groups_acked += _ack_all(source, keeper, pulled, refusals)[1]
                 continue
             step += 1
             broadcast(("step", (batch, version)), ctx)
@@ -552,8 +561,9 @@ def train(
                 logger.exception("publication failed; re-anchoring with the current weights")
                 failed = True
                 version = publisher.publish(publisher.state_of(model), step=step, anchor=True)
-            ack_failures = _ack_all(source, keeper, pulled, refusals)
+            ack_failures, acked = _ack_all(source, keeper, pulled, refusals)
             groups_trained += len(kept) - len(dropped)
+            groups_acked += acked
             report = publisher.last_report  # the previous version's, committed by now
             if report is not None:
                 metrics.update(report.metrics())

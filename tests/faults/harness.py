@@ -521,8 +521,8 @@ def assert_nothing_lost(report: FaultReport, name: str, values: dict[str, Any]) 
         "unverified_submissions",
         "accepted_went_backwards",
         "acked_went_backwards",
-        "acked_but_untrained",
-        "trained_twice",
+        "acked_not_in_lineage",
+        "acked_twice",
         "workers_not_identical",
         "chain_inconsistent",
     ):

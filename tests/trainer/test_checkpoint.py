@@ -247,6 +247,29 @@ def test_resume_continues_bit_exactly_and_reanchors(tmp_path: Path) -> None:
     assert steps == [1, 2, 3, 4, 5, 5, 6]  # step 5 ran twice: once lost to the crash
 
 
+class ExpiringSource(ScriptedSource):
+    """The ack of lease ``b1`` fails as the coordinator's does for a lease that expired."""
+
+    def ack(self, batch_id: str) -> None:
+        if batch_id == "b1":
+            raise RuntimeError(f"batch {batch_id} is expired: its groups went back to the queue")
+        super().ack(batch_id)
+
+
+def test_checkpoint_counts_the_groups_its_acks_acknowledged(tmp_path: Path) -> None:
+    """``groups_trained`` counts every group trained; ``groups_acked`` only those whose ack the
+    coordinator took (what its acked total counts): a lease that expired mid-step is trained
+    but not acked, and its groups come back to be trained again."""
+    settings = make_settings(tmp_path, max_steps=4, every=2)
+    ckpt = Checkpointer(settings.checkpoint_dir(), keep=settings.checkpoint.keep)
+    source = ExpiringSource()
+    with WeightPublisher(LocalBucket(tmp_path / "bucket"), settings.publish) as pub:
+        train(Tiny(), settings, source, pub, poll_s=0.0, checkpointer=ckpt)
+    meta = ckpt.load().meta
+    assert source.acked == ["b0", "b2", "b3"]
+    assert (meta.step, meta.groups_trained, meta.groups_acked) == (4, 8, 6)
+
+
 def test_stop_finishes_the_step_then_checkpoints(tmp_path: Path) -> None:
     stopper = GracefulStop()
 
