@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from deltarl.env_server.charset.environment import CharsetRules
 from deltarl.env_server.core.wire import MAX_SHAPING_WEIGHT
+from deltarl.env_server.tasks import TASKS
 from deltarl.env_server.wordle.game import Shaping, WordleRules
 from deltarl.services.common.settings import validate_token
 from deltarl.services.common.tls import TLSServerSettings
@@ -46,10 +47,11 @@ class EnvSettings(TLSServerSettings):
     max_message_chars: int = Field(
         default=32_768, ge=16, description="Longest action message accepted, in characters."
     )
-    task: Literal["wordle", "charset"] = Field(
+    task: str = Field(
         default="wordle",
-        description="Task served: 'wordle', or 'charset' (one reply, scored by the share of its "
-        "characters in charset_target; a small learnable task for end-to-end tests).",
+        description="Task served, one of the env server's task folders: "
+        + "; ".join(f"'{name}' ({task.summary})" for name, task in TASKS.items())
+        + ".",
     )
     max_guesses: int = Field(default=6, ge=1, le=100, description="Guesses per episode.")
     max_invalid_moves: int = Field(
@@ -154,6 +156,13 @@ class EnvSettings(TLSServerSettings):
     debug_reveal_answer: bool = Field(
         default=False, description="Put the answer in every observation and state (debug only)."
     )
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, value: str) -> str:
+        if value not in TASKS:
+            raise ValueError(f"unknown task {value!r}; the tasks are {', '.join(TASKS)}")
+        return value
 
     @field_validator("token")
     @classmethod

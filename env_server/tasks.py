@@ -1,107 +1,111 @@
-"""The tasks this server can play, and the one interface the server uses for all of them.
+"""The tasks this server can play, found by folder: every package of ``env_server/`` (besides
+``core``) with a ``task.py`` that defines ``TASK`` (a :class:`~.core.task.Task`).
 
-The server (``app.py``, ``sessions.py``) is generic: it holds one :class:`TextEnvironment` per
-session and never looks inside it. ``DELTARL_ENV_TASK`` picks the task; :func:`make_task` turns
-the settings into a :class:`TaskSpec` (a factory of fresh environments plus what ``/metadata``
-and ``/schema`` describe). Adding a task: an environment class with the methods of
-:class:`TextEnvironment`, its observation and state models in ``models.py`` (with a ``task``
-tag, added to the :data:`~.models.Observation` and :data:`~.models.EnvState` unions), a branch
-in :func:`make_task` and its settings in ``settings.py``.
+Adding a task is adding a folder: its environment (the methods of
+:class:`~.core.task.TextEnvironment`), its observation and state models (extending
+:class:`~.core.wire.TextArenaObservation`, with a ``task`` tag equal to its name) and its
+``task.py``; its settings are fields of :class:`~.settings.EnvSettings`. ``DELTARL_ENV_TASK``
+picks one; :func:`make_task` builds it.
+
+The tagged unions :data:`Observation` and :data:`EnvState` of every task found, and
+:data:`AnyStepResult` and :class:`StateResponse` over them, are what a client validates a
+server's answers with (the server itself answers with its one task's models).
 
 Wire contract shared by every task: the action is free text (``action.message``), each answer a
-:class:`~.models.StepResult` (observation, reward, done), rewards are computed here, never by the
-client.
+:class:`~.core.models.StepResult` (observation, reward, done), rewards are computed here, never
+by the client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, Protocol
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Discriminator, RootModel, Tag
 
-from deltarl.env_server.charset.environment import CharsetEnvironment
-from deltarl.env_server.charset.models import CharsetObservation, CharsetState
-from deltarl.env_server.core.models import ResetOptions, StepResult
-from deltarl.env_server.settings import EnvSettings
-from deltarl.env_server.wordle.environment import WordleEnvironment
-from deltarl.env_server.wordle.game import WordLists
-from deltarl.env_server.wordle.models import WordleObservation, WordleState
-from deltarl.env_server.wordle.prompt import system_prompt
+from deltarl.env_server.core.models import StepResult
+from deltarl.env_server.core.task import Task, TaskSpec
+from deltarl.env_server.core.wire import TextArenaObservation
 
-Outcome = Literal["won", "lost", "forfeit"]
-TaskName = Literal["wordle", "charset"]
+if TYPE_CHECKING:
+    from deltarl.env_server.settings import EnvSettings
 
-
-class TextEnvironment(Protocol):
-    """One session's environment: text in, observation + reward out."""
-
-    def reset(
-        self,
-        seed: int | None = None,
-        episode_id: str | None = None,
-        options: ResetOptions | None = None,
-    ) -> StepResult: ...
-
-    def step(self, message: str) -> StepResult: ...
-
-    def state(self) -> BaseModel: ...
-
-    @property
-    def outcome(self) -> Outcome | None:
-        """How the episode ended (for the ``games`` metric); None while it runs."""
-        ...
+PACKAGE = "deltarl.env_server"
+NOT_TASKS = frozenset({"core"})
+UNTAGGED = "wordle"  # the task of a body without a tag (servers older than the tag played Wordle)
 
 
-@dataclass(frozen=True)
-class TaskSpec:
-    """A task as the server sees it."""
+def discover(package: str = PACKAGE) -> dict[str, Task]:
+    """``{name: TASK}`` of every task folder of ``package``, sorted by name. A ``task.py``
+    without a ``TASK``, or two folders claiming one name, is an error that names the folder."""
+    found: dict[str, Task] = {}
+    root = importlib.import_module(package)
+    for info in sorted(pkgutil.iter_modules(root.__path__), key=lambda i: i.name):
+        if not info.ispkg or info.name in NOT_TASKS:
+            continue
+        name = f"{package}.{info.name}.task"
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:
+                continue  # a folder that is not a task
+            raise
+        task = getattr(module, "TASK", None)
+        if not isinstance(task, Task):
+            raise TypeError(f"{name} defines no TASK (a deltarl.env_server.core.task.Task)")
+        if task.name in found:
+            raise ValueError(f"{name}: task {task.name!r} is declared twice")
+        found[task.name] = task
+    return dict(sorted(found.items()))
 
-    name: TaskName
-    description: str  # for /metadata
-    factory: Callable[[], TextEnvironment]  # a fresh environment per session
-    observation: type[BaseModel]  # for /schema
-    state: type[BaseModel]  # for /schema, and the empty state of GET /state without a session
-    empty_state: Callable[[], BaseModel]
-    max_turns: int  # for /metadata: most replies an episode can take
-    system_prompt: str | None = None  # for /metadata: a chat model's instructions, if any
+
+TASKS = discover()
 
 
-def make_task(settings: EnvSettings, words: WordLists | None = None) -> TaskSpec:
-    """The task ``settings.task`` selects. ``words``: Wordle's lists (default: the shipped ones)."""
-    if settings.task == "charset":
-        rules = settings.charset_rules()
-        return TaskSpec(
-            name="charset",
-            description=f"Charset: one reply, scored by the share of its characters in "
-            f"{rules.target!r} (replies under {rules.min_chars} characters count as "
-            f"{rules.min_chars} long).",
-            factory=lambda: CharsetEnvironment(rules),
-            observation=CharsetObservation,
-            state=CharsetState,
-            empty_state=CharsetState,
-            max_turns=1,  # the observation states the task; no system turn
-        )
-    words = words if words is not None else WordLists.load()
-    wordle = settings.rules()
-    reveal = settings.debug_reveal_answer
-    shaping = settings.shaping()
-    return TaskSpec(
-        name="wordle",
-        description=f"Wordle: {wordle.max_guesses} guesses, feedback G/Y/X"
-        + (" and a summary of all the feedback so far" if wordle.feedback_summary else "")
-        + f"; answer list of {len(words.answers)} words, {len(words.allowed)} allowed guesses "
-        "(SCOWL).",
-        factory=lambda: WordleEnvironment(wordle, words, reveal_answer=reveal, shaping=shaping),
-        observation=WordleObservation,
-        state=WordleState,
-        empty_state=lambda: WordleState(
-            max_guesses=wordle.max_guesses, guesses_left=wordle.max_guesses
-        ),
-        # every guess, and every tolerated invalid move that does not use one up (the move
-        # after the last tolerated one forfeits: it ends the game in place of a guess)
-        max_turns=wordle.max_guesses
-        + (0 if wordle.invalid_costs_guess else wordle.max_invalid_moves),
-        system_prompt=system_prompt(wordle.max_guesses),
-    )
+def task_names() -> list[str]:
+    return list(TASKS)
+
+
+def make_task(settings: EnvSettings) -> TaskSpec:
+    """The task ``settings.task`` selects, built from the settings."""
+    try:
+        task = TASKS[settings.task]
+    except KeyError:
+        raise ValueError(
+            f"unknown task {settings.task!r}; this server plays {task_names()}"
+        ) from None
+    return task.build(settings)
+
+
+def _task_tag(value: Any) -> str:
+    """The ``task`` tag of an observation or state (a dict or a model); :data:`UNTAGGED` when
+    absent, so bodies of servers older than the tag still parse."""
+    if isinstance(value, dict):
+        return str(value.get("task", UNTAGGED))
+    return str(getattr(value, "task", UNTAGGED))
+
+
+def _tagged(models: list[tuple[str, type[BaseModel]]]) -> Any:
+    """The tagged union of ``models`` (a single model stands alone)."""
+    if len(models) == 1:
+        return models[0][1]
+    members = tuple(Annotated[model, Tag(name)] for name, model in models)
+    union = members[0]
+    for member in members[1:]:
+        union = union | member
+    return Annotated[union, Discriminator(_task_tag)]
+
+
+Observation: Any = _tagged([(n, t.observation) for n, t in TASKS.items()])
+"""The observation of any task, told apart by its ``task`` tag."""
+
+EnvState: Any = _tagged([(n, t.state) for n, t in TASKS.items()])
+"""The state of any task, told apart by its ``task`` tag."""
+
+AnyStepResult = cast(type[StepResult[TextArenaObservation]], StepResult[Observation])
+"""A :class:`~.core.models.StepResult` of any task (what a client validates)."""
+
+
+class StateResponse(RootModel[EnvState]):
+    """``GET /state`` of any task (what :class:`~.core.client.EnvClient` validates)."""

@@ -1,7 +1,7 @@
 """FastAPI app of the environment server: OpenEnv routes, stateful HTTP sessions, WS.
 
-Generic over the task (``DELTARL_ENV_TASK``: Wordle or charset, see :mod:`~deltarl.env_server.
-tasks`): every session holds a fresh environment of the task, and the routes only call its
+Generic over the task (``DELTARL_ENV_TASK``: one of the task folders that
+:mod:`~deltarl.env_server.tasks` finds): every session holds a fresh environment of the task, and the routes only call its
 reset/step/state. The pieces: :mod:`.routes` (the info and HTTP session routes over one
 :class:`~.routes.EnvService`), :mod:`.ws` (the WebSocket protocol), :mod:`.http` (request
 parsing and the error handlers), :mod:`.sessions` (the session store and its reaper).
@@ -34,16 +34,15 @@ from deltarl.env_server.core.sessions import SessionStore
 from deltarl.env_server.core.ws import add_ws_route, quiet_bad_frames
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.tasks import make_task
-from deltarl.env_server.wordle.game import WordLists
 from deltarl.services.common.guard import GuardMiddleware
 
 
-def create_app(settings: EnvSettings | None = None, words: WordLists | None = None) -> FastAPI:
-    """Build the app; ``settings`` default to the ``DELTARL_ENV_*`` environment variables,
-    ``words`` (Wordle's lists) to the shipped ones."""
+def create_app(settings: EnvSettings | None = None) -> FastAPI:
+    """Build the app of the task ``settings.task`` names; ``settings`` default to the
+    ``DELTARL_ENV_*`` environment variables."""
     settings = settings if settings is not None else EnvSettings()
     quiet_bad_frames()
-    task = make_task(settings, words)
+    task = make_task(settings)
     store = SessionStore(
         task.factory,
         max_sessions=settings.max_sessions,

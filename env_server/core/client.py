@@ -35,7 +35,6 @@ from typing import Any, Generic, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from deltarl.env_server.charset.models import CharsetState
 from deltarl.env_server.core.models import (
     SESSION_HEADER,
     CloseResponse,
@@ -44,15 +43,16 @@ from deltarl.env_server.core.models import (
     ErrorCode,
     ErrorResponse,
     HealthResponse,
-    StateResponse,
     StepResult,
+    TextArenaObservation,
 )
-from deltarl.env_server.wordle.models import WordleState
+from deltarl.env_server.tasks import AnyStepResult, StateResponse
 from deltarl.services.common.client_headers import client_headers
 from deltarl.services.common.retry import Backoff
 from deltarl.services.common.tls import client_verify
 
 T = TypeVar("T", bound=BaseModel)
+Result = StepResult[TextArenaObservation]  # the served task's observation (AnyStepResult)
 _RETRY_CODES = frozenset({ErrorCode.CAPACITY_REACHED})
 
 
@@ -108,7 +108,7 @@ class _Calls:
         episode_id: str | None,
         session_id: str | None,
         options: Mapping[str, Any] | None = None,
-    ) -> _Call[StepResult]:
+    ) -> _Call[Result]:
         body = {
             "seed": seed,
             "episode_id": episode_id,
@@ -116,17 +116,17 @@ class _Calls:
             "options": dict(options) if options else None,
         }
         return _Call(
-            "POST", "/reset", StepResult, json={k: v for k, v in body.items() if v is not None}
+            "POST", "/reset", AnyStepResult, json={k: v for k, v in body.items() if v is not None}
         )
 
     @staticmethod
-    def _step(session_id: str, message: str, request_id: str | None) -> _Call[StepResult]:
+    def _step(session_id: str, message: str, request_id: str | None) -> _Call[Result]:
         body = {
             "session_id": session_id,
             "action": {"message": message},
             "request_id": request_id or uuid.uuid4().hex,
         }
-        return _Call("POST", "/step", StepResult, json=body)
+        return _Call("POST", "/step", AnyStepResult, json=body)
 
     @staticmethod
     def _state(session_id: str) -> _Call[StateResponse]:
@@ -202,19 +202,17 @@ class EnvClient(_Calls):
         episode_id: str | None = None,
         session_id: str | None = None,
         options: Mapping[str, Any] | None = None,
-    ) -> StepResult:
+    ) -> Result:
         """Open a session (or reset ``session_id``); the result carries ``session_id``.
         ``options``: the episode's reset options (``ResetOptions``: max_guesses, reward
         shaping), validated by the server."""
         return await self._send(self._reset(seed, episode_id, session_id, options))
 
-    async def step(
-        self, session_id: str, message: str, *, request_id: str | None = None
-    ) -> StepResult:
+    async def step(self, session_id: str, message: str, *, request_id: str | None = None) -> Result:
         """Play ``message`` (text holding ``[guess]``) in the session."""
         return await self._send(self._step(session_id, message, request_id))
 
-    async def state(self, session_id: str) -> WordleState | CharsetState:
+    async def state(self, session_id: str) -> BaseModel:
         return (await self._send(self._state(session_id))).root
 
     async def close_session(self, session_id: str) -> bool:
@@ -253,12 +251,12 @@ class AsyncEpisode:
 
     client: EnvClient
     session_id: str
-    first: StepResult
+    first: Result
 
-    async def step(self, message: str) -> StepResult:
+    async def step(self, message: str) -> Result:
         return await self.client.step(self.session_id, message)
 
-    async def state(self) -> WordleState | CharsetState:
+    async def state(self) -> BaseModel:
         return await self.client.state(self.session_id)
 
 
@@ -312,13 +310,13 @@ class SyncEnvClient(_Calls):
         episode_id: str | None = None,
         session_id: str | None = None,
         options: Mapping[str, Any] | None = None,
-    ) -> StepResult:
+    ) -> Result:
         return self._send(self._reset(seed, episode_id, session_id, options))
 
-    def step(self, session_id: str, message: str, *, request_id: str | None = None) -> StepResult:
+    def step(self, session_id: str, message: str, *, request_id: str | None = None) -> Result:
         return self._send(self._step(session_id, message, request_id))
 
-    def state(self, session_id: str) -> WordleState | CharsetState:
+    def state(self, session_id: str) -> BaseModel:
         return self._send(self._state(session_id)).root
 
     def close_session(self, session_id: str) -> bool:
@@ -355,10 +353,10 @@ class SyncEpisode:
 
     client: SyncEnvClient
     session_id: str
-    first: StepResult
+    first: Result
 
-    def step(self, message: str) -> StepResult:
+    def step(self, message: str) -> Result:
         return self.client.step(self.session_id, message)
 
-    def state(self) -> WordleState | CharsetState:
+    def state(self) -> BaseModel:
         return self.client.state(self.session_id)

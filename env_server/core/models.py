@@ -9,20 +9,18 @@ HTTP ``POST /reset`` and ``POST /step`` answer a :class:`StepResult`; ``WS /ws``
 ``{"type": "observation", "data": StepResult}``. Errors carry an :class:`ErrorCode` (HTTP body
 :class:`ErrorResponse`; WS ``{"type": "error", "data": {"code", "message"}}``).
 
-Tasks: the server plays one task (``DELTARL_ENV_TASK``): ``wordle`` (:class:`WordleObservation`,
-:class:`WordleState`) or ``charset`` (:class:`CharsetObservation`, :class:`CharsetState`). Both
-observations extend OpenEnv's TextArena observation (:class:`TextArenaObservation`: prompt and
-transcript) and carry a ``task`` tag; :data:`Observation` and :data:`EnvState` are the tagged
-unions that :class:`StepResult` and the client use (a body without the tag is Wordle's).
+Tasks: the server plays one task (``DELTARL_ENV_TASK``), whose observation extends OpenEnv's
+TextArena observation (:class:`TextArenaObservation`: prompt and transcript) with a ``task`` tag;
+:class:`StepResult` is generic in it. The task folders and the unions of every task's models
+are in :mod:`deltarl.env_server.tasks`; this module names none.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Generic, TypeVar
 
-from pydantic import Discriminator, Field, RootModel, Tag
+from pydantic import Field, SerializeAsAny
 
-from deltarl.env_server.charset.models import CharsetObservation, CharsetState
 from deltarl.env_server.core.wire import (
     HTTP_STATUS,
     SESSION_HEADER,
@@ -44,7 +42,6 @@ from deltarl.env_server.core.wire import (
     TextMessage,
     WireModel,
 )
-from deltarl.env_server.wordle.models import WordleObservation, WordleState
 
 __all__ = [
     "HTTP_STATUS",
@@ -54,16 +51,13 @@ __all__ = [
     "CloseResponse",
     "EnvError",
     "EnvMetadata",
-    "EnvState",
     "ErrorCode",
     "ErrorResponse",
     "HealthResponse",
-    "Observation",
     "ResetOptions",
     "ResetRequest",
     "SchemaResponse",
     "ShapingOptions",
-    "StateResponse",
     "StepRequest",
     "StepResult",
     "TextAction",
@@ -72,41 +66,19 @@ __all__ = [
 ]
 
 
-def _task_tag(value: Any) -> str:
-    """The ``task`` tag of an observation or state (a dict or a model); Wordle when absent, so
-    bodies of servers older than the tag still parse."""
-    if isinstance(value, dict):
-        return str(value.get("task", "wordle"))
-    return str(getattr(value, "task", "wordle"))
+ObsT = TypeVar("ObsT", bound=TextArenaObservation)
 
 
-Observation = Annotated[
-    Annotated[WordleObservation, Tag("wordle")] | Annotated[CharsetObservation, Tag("charset")],
-    Discriminator(_task_tag),
-]
-"""The observation of any task, told apart by its ``task`` tag."""
+class StepResult(WireModel, Generic[ObsT]):
+    """Answer to reset and step (OpenEnv ``ResetResponse`` / ``StepResponse`` + ``session_id``),
+    generic in the task's observation (serialized as the task's model, whatever the parameter)."""
 
-
-class StepResult(WireModel):
-    """Answer to reset and step (OpenEnv ``ResetResponse`` / ``StepResponse`` + ``session_id``)."""
-
-    observation: Observation
+    observation: SerializeAsAny[ObsT]
     reward: float | None = Field(
-        description="Wordle: 0.0 until the game ends, then the final reward (see "
-        "WordleGame.final_reward). Charset: 0.0 at reset, then the reply's score."
+        description="The step's reward, computed by the task (a task that rewards the whole "
+        "episode answers 0.0 until it ends: see its observation's model)."
     )
     done: bool = Field(description="The episode ended (win, out of guesses or forfeit).")
     session_id: str | None = Field(
         default=None, description="HTTP: the session to pass to step/state/close. WS: None."
     )
-
-
-EnvState = Annotated[
-    Annotated[WordleState, Tag("wordle")] | Annotated[CharsetState, Tag("charset")],
-    Discriminator(_task_tag),
-]
-"""The state of any task, told apart by its ``task`` tag."""
-
-
-class StateResponse(RootModel[EnvState]):
-    """``GET /state`` of any task (what :class:`~.client.EnvClient` validates)."""

@@ -30,14 +30,13 @@ from deltarl.env_server.core.models import (
     HealthResponse,
     ResetRequest,
     SchemaResponse,
-    StateResponse,
     StepRequest,
     StepResult,
     TextAction,
 )
 from deltarl.env_server.core.sessions import Session, SessionStore
+from deltarl.env_server.core.task import TaskSpec
 from deltarl.env_server.settings import EnvSettings
-from deltarl.env_server.tasks import TaskSpec
 
 
 @dataclass
@@ -59,7 +58,7 @@ class EnvService:
             )
         return action.message
 
-    def finish(self, session: Session, result: StepResult, transport: str) -> None:
+    def finish(self, session: Session, result: StepResult[Any], transport: str) -> None:
         """Count a step; a step that ended the game counts its outcome and stops the session."""
         if result.done:
             outcome = session.env.outcome
@@ -109,10 +108,11 @@ def add_info_routes(app: FastAPI, service: EnvService) -> None:
 def add_session_routes(app: FastAPI, service: EnvService) -> None:
     """``POST /reset``, ``POST /step``, ``GET /state``, ``POST /close``: sessions over HTTP."""
     store, metrics, task = service.store, service.metrics, service.task
+    result_model = StepResult[task.observation]  # type: ignore[name-defined]
 
     @app.post(
         "/reset",
-        response_model=StepResult,
+        response_model=result_model,
         responses=ERROR_RESPONSES,
         tags=["env"],
         openapi_extra=body_doc(ResetRequest),
@@ -139,7 +139,7 @@ def add_session_routes(app: FastAPI, service: EnvService) -> None:
 
     @app.post(
         "/step",
-        response_model=StepResult,
+        response_model=result_model,
         responses=ERROR_RESPONSES,
         tags=["env"],
         openapi_extra=body_doc(StepRequest),
@@ -166,7 +166,7 @@ def add_session_routes(app: FastAPI, service: EnvService) -> None:
         metrics.step_seconds.observe(time.perf_counter() - started)
         return Response(body, media_type="application/json")
 
-    @app.get("/state", response_model=StateResponse, responses=ERROR_RESPONSES, tags=["env"])
+    @app.get("/state", response_model=task.state, responses=ERROR_RESPONSES, tags=["env"])
     async def state(
         request: Request, session_id: Annotated[str | None, Query(max_length=64)] = None
     ) -> Response:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 from deltarl.env_server.core.models import EnvError, ErrorCode
 
 if TYPE_CHECKING:
-    from deltarl.env_server.tasks import TextEnvironment
+    from deltarl.env_server.core.task import TextEnvironment
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,14 @@ over the last LATE steps is at least LATE_GAP above GRPO alone's, and they reach
 WINDOW-step running mean of the trained batches' reward) in fewer steps (a run that never reaches
 it counts as STEPS + 1); per seed, every step of the hinted run with a failed reply trained on
 hints (``hint/loss`` logged) while GRPO's had none. Measured in this setting over 5-6 runs of
-seeds 0 and 1: steps 7-10 gap 0.27-0.56 (one arm of one seed varies by up to ~0.16 between
-runs), steps to the threshold 7-8 with hints against 9-11 without; seed 2: gaps 0.04 and 0.31.
-In one CI run seed 1's GRPO run reached the threshold at step 7 (gap -0.07) while seed
-0's gap was 0.43: a per-seed assertion was too strict for 10 steps of real processes, hence the
-means over three seeds. With the default reverse KL the gap was 0.21-0.52 (3 runs per seed),
-hence the forward KL here. Numbers and what
-they show: docs/distillation.md, docs/evidence.md.
+seeds 0 and 1 (an earlier warm start): steps 7-10 gap 0.27-0.56, steps to the threshold 7-8
+with hints against 9-11 without. The current warm start reads the hint less sharply (the hinted
+arm's hint/kl_teacher starts at 0.3-0.5, was 0.6-0.8) and the gap is smaller: per seed 0.10,
+0.15, 0.13 in one run (threshold at 10, 9, 10 with hints, never without), 0.10, -0.02, 0.17 in
+another; one arm of one seed varies by up to ~0.16 between runs, so a per-seed assertion is too
+strict for 10 steps of real processes, hence the means over three seeds and a LATE_GAP of 0.05.
+With the default reverse KL the gap was 0.21-0.52 (3 runs per seed, the earlier warm start),
+hence the forward KL here. Numbers and what they show: docs/distillation.md, docs/evidence.md.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ HINT_BETA = 0.0  # forward KL: the wider gap in the runs measured (docs/evidence
 WINDOW = 3
 THRESHOLD = 0.5
 LATE = 4  # steps 7-10
-LATE_GAP = 0.15
+LATE_GAP = 0.05
 
 
 def env() -> dict[str, str]:

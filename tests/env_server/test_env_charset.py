@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,8 +15,9 @@ from support import LiveServer
 from deltarl.env_server.charset.environment import CharsetEnvironment, CharsetRules, score_reply
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState
 from deltarl.env_server.core.client import EnvClient, SyncEnvClient
-from deltarl.env_server.core.models import EnvError, ErrorCode, StepResult
+from deltarl.env_server.core.models import EnvError, ErrorCode
 from deltarl.env_server.settings import EnvSettings
+from deltarl.env_server.tasks import AnyStepResult
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
 from deltarl.rollout.episodes import observation_text
 
@@ -147,7 +149,7 @@ def test_clients_parse_either_task(live_server: Callable[..., LiveServer]) -> No
         assert isinstance(ep.first.observation, WordleObservation)
         assert isinstance(ep.state(), WordleState)
 
-    async def play() -> StepResult:
+    async def play() -> Any:
         async with EnvClient(charset.url) as env, env.episode(seed=1) as ep:
             return await ep.step("zzzzzzzz")
 
@@ -168,7 +170,7 @@ def test_bodies_without_a_task_tag_are_wordle() -> None:
     """Bodies of a server older than the task tag still parse (as Wordle)."""
     env = CharsetEnvironment(RULES)
     body = env.reset().model_dump(mode="json")
-    assert StepResult.model_validate(body).observation.task == "charset"
+    assert AnyStepResult.model_validate(body).observation.task == "charset"
     wordle = {
         "prompt": "p",
         "messages": [],
@@ -180,5 +182,5 @@ def test_bodies_without_a_task_tag_are_wordle() -> None:
         "won": False,
         "answer": None,
     }
-    parsed = StepResult.model_validate({"observation": wordle, "reward": 0.0, "done": False})
+    parsed = AnyStepResult.model_validate({"observation": wordle, "reward": 0.0, "done": False})
     assert isinstance(parsed.observation, WordleObservation)

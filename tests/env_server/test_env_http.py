@@ -349,4 +349,5 @@ def test_openapi_documents_request_bodies(client: TestClient) -> None:
     body = openapi["paths"]["/step"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"] == {"$ref": "#/components/schemas/StepRequest"}
     schemas = set(openapi["components"]["schemas"])
-    assert {"StepRequest", "TextAction", "ResetRequest", "StepResult", "ErrorResponse"} <= schemas
+    assert {"StepRequest", "TextAction", "ResetRequest", "ErrorResponse"} <= schemas
+    assert any(name.startswith("StepResult") for name in schemas), schemas

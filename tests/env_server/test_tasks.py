@@ -1,0 +1,114 @@
+"""The task registry: tasks are found by folder, and the generic core names none."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deltarl.env_server import tasks
+from deltarl.env_server.core.task import Task
+from deltarl.env_server.settings import EnvSettings
+from deltarl.env_server.tasks import TASKS, discover, make_task
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DICE = """
+from pydantic import BaseModel
+from typing import Literal
+from deltarl.env_server.core.task import Task, TaskSpec
+from deltarl.env_server.core.wire import TextArenaObservation
+
+class DiceObservation(TextArenaObservation):
+    task: Literal["dice"] = "dice"
+
+class DiceState(BaseModel):
+    task: Literal["dice"] = "dice"
+
+def build(settings):
+    return TaskSpec(name="dice", description="roll", factory=lambda: None,
+                    observation=DiceObservation, state=DiceState, empty_state=DiceState,
+                    max_turns=1)
+
+TASK = Task(name="dice", summary="a die", observation=DiceObservation, state=DiceState,
+            build=build)
+"""
+
+
+@pytest.fixture
+def package(tmp_path: Path) -> Iterator[Path]:
+    """An empty package ``taskpkg`` on sys.path with a ``core`` folder (never a task)."""
+    root = tmp_path / "taskpkg"
+    for folder in (root, root / "core"):
+        folder.mkdir()
+        (folder / "__init__.py").write_text("")
+    (root / "core" / "task.py").write_text("raise AssertionError('core is not a task')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m.split(".")[0] == "taskpkg"]:
+            del sys.modules[name]
+
+
+def add_folder(root: Path, name: str, task_py: str | None) -> None:
+    (root / name).mkdir()
+    (root / name / "__init__.py").write_text("")
+    if task_py is not None:
+        (root / name / "task.py").write_text(task_py)
+
+
+def test_the_shipped_tasks_are_found_and_build() -> None:
+    assert list(TASKS) == ["charset", "wordle"]
+    for name in TASKS:
+        spec = make_task(EnvSettings(task=name))
+        assert spec.name == name and spec.max_turns >= 1
+        first = spec.factory().reset(seed=0)
+        assert first.observation.task == name  # type: ignore[attr-defined]
+
+
+def test_adding_a_task_is_adding_a_folder(package: Path) -> None:
+    add_folder(package, "dice", DICE)
+    add_folder(package, "helpers", None)  # a folder without task.py is not a task
+    found = discover("taskpkg")
+    assert list(found) == ["dice"] and isinstance(found["dice"], Task)
+    assert found["dice"].build(EnvSettings()).name == "dice"
+
+
+def test_a_task_file_without_a_task_is_named(package: Path) -> None:
+    add_folder(package, "broken", "X = 1\n")
+    with pytest.raises(TypeError, match=r"taskpkg\.broken\.task defines no TASK"):
+        discover("taskpkg")
+
+
+def test_two_folders_claiming_one_name_are_refused(package: Path) -> None:
+    add_folder(package, "dice", DICE)
+    add_folder(package, "dice2", DICE)
+    with pytest.raises(ValueError, match="task 'dice' is declared twice"):
+        discover("taskpkg")
+
+
+def test_an_unknown_task_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown task 'chess'; the tasks are charset, wordle"):
+        EnvSettings(task="chess")
+
+
+def test_the_generic_core_names_no_task() -> None:
+    """``env_server/core`` imports no task folder (it reaches tasks through the registry)."""
+    folders = {p.parent.name for p in (ROOT / "env_server").glob("*/task.py")} - {"core"}
+    assert folders == set(TASKS)
+    bad = []
+    for path in sorted((ROOT / "env_server" / "core").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                if parts[:2] == ["deltarl", "env_server"] and parts[2:3] and parts[2] in folders:
+                    bad.append(f"{path.name}: {node.module}")
+        text = path.read_text()
+        bad += [f"{path.name} names {name!r}" for name in folders if f'"{name}"' in text]
+    assert bad == []
+    assert tasks.UNTAGGED in TASKS
