@@ -12,10 +12,14 @@ message naming it (:func:`main`), not a traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -77,13 +81,55 @@ def command_help(doc: str | None) -> str | None:
     return " ".join(first.split()) + sep + rest
 
 
+# Services that take ``--run-config exp.toml``: the run config of ``deltarl run`` gives them their
+# section and the [run] values they share (deltarl/run/services.py)
+RUN_CONFIG_SERVICES = frozenset({"coordinator", "env", "rollout", "teacher", "train"})
+RUN_CONFIG_HELP = (
+    "A run config (the TOML of `deltarl run`): this service's section and the \\[run] values it "
+    "shares, as `deltarl run` gives them; deployment (URLs, tokens, ports) still comes from the "
+    "environment and the options."
+)
+
+
+def with_run_config(service: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` with a ``--run-config`` option that sets the service's settings from a run
+    config before it runs."""
+    option = inspect.Parameter(
+        "run_config",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(None, "--run-config", help=RUN_CONFIG_HELP),
+        annotation=Path | None,
+    )
+
+    @functools.wraps(func)
+    def command(*args: Any, run_config: Path | None = None, **kwargs: Any) -> Any:
+        if run_config is not None:
+            from deltarl.run.config import RunConfigError
+            from deltarl.run.services import start_service
+
+            try:
+                start_service(service, run_config, kwargs)
+            except RunConfigError as err:
+                raise typer.BadParameter(str(err), param_hint="--run-config") from None
+        return func(*args, **kwargs)
+
+    signature = inspect.signature(func)
+    command.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*signature.parameters.values(), option]
+    )
+    command.__annotations__ = {**func.__annotations__, "run_config": Path | None}
+    return command
+
+
 def _register() -> None:
     for name, module, attr in SUBCOMMANDS:
         obj = getattr(importlib.import_module(module), attr)
         if isinstance(obj, typer.Typer):
             app.add_typer(obj, name=name)
-        else:
-            app.command(name=name, help=command_help(obj.__doc__))(obj)
+            continue
+        if name in RUN_CONFIG_SERVICES:
+            obj = with_run_config(name, obj)
+        app.command(name=name, help=command_help(obj.__doc__))(obj)
 
 
 _register()

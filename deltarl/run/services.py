@@ -1,0 +1,141 @@
+"""One run config for services started one at a time: ``deltarl <service> --run-config exp.toml``.
+
+``deltarl run`` starts every service of a run on one machine from one TOML. Across machines each
+service is started on its own, and ``--run-config`` gives it what ``deltarl run`` would have:
+its section's experiment settings and the ``[run]`` values it shares (a worker's
+``temperature``, ``group_size``, ``model`` ...), as the same ``DELTARL_*`` variables (the trainer
+gets its experiment file). Deployment (URLs, tokens, ports, the bucket) still comes from the
+environment and the command line: a run config refuses it.
+
+A ``DELTARL_*`` variable already set to another value than the file's is an error naming both
+(one value, one place); set to the same value, it is fine.
+
+A worker's engine seed is ``[run] seed`` mixed with its worker id (SHA-256), so workers started
+from one file sample differently, and a worker restarted with its id samples as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from deltarl.run.config import RunConfig, RunConfigError, load_run_config
+from deltarl.run.derive import (
+    ROLLOUT_LAUNCH,
+    check_services,
+    experiment,
+    section_env,
+    shared_values,
+)
+
+SERVICES = ("coordinator", "env", "rollout", "teacher", "train")
+SEED_SPAN = 2**31  # engine seeds stay below it (every engine's generators take 32 bits)
+
+
+def worker_seed(run_seed: int, worker_id: str) -> int:
+    """The engine seed of ``worker_id`` in a run seeded ``run_seed``."""
+    digest = hashlib.sha256(f"{run_seed}:{worker_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % SEED_SPAN
+
+
+def service_env(config: RunConfig, service: str, *, worker_id: str | None = None) -> dict[str, str]:
+    """The ``DELTARL_*`` variables ``config`` gives ``service`` (not ``train``: see
+    :func:`trainer_config`); a worker needs its ``worker_id`` (its engine seed)."""
+    if service == "coordinator":
+        return section_env("coordinator", config.coordinator | shared_values(config, "coordinator"))
+    if service == "env":
+        return section_env("env", config.env)
+    if service == "teacher":
+        if config.teacher is None:
+            raise RunConfigError("the run config has no [teacher] section: no teacher to start")
+        return section_env("teacher", {"model": config.run.model} | config.teacher)
+    if service == "rollout":
+        if worker_id is None:
+            raise ValueError("a worker's settings need its worker id (its engine seed)")
+        values = {k: v for k, v in config.rollout.items() if k not in ROLLOUT_LAUNCH}
+        values |= shared_values(config, "rollout")
+        values["engine_seed"] = worker_seed(config.run.seed, worker_id)
+        return section_env("rollout", values)
+    raise ValueError(f"no service {service!r}; one of {', '.join(SERVICES)}")
+
+
+def trainer_config(config: RunConfig, out: Path, run_dir: Path) -> dict[str, str]:
+    """Write the trainer's experiment settings to ``out`` (``deltarl train --config``) and
+    return the deployment variables the file gives it (``[trainer] device``)."""
+    data = experiment(config, model=config.run.model, run_dir=run_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    device = config.trainer.get("device")
+    return {} if device is None else {"DELTARL_TRAINER_DEVICE": str(device)}
+
+
+def conflicts(values: Mapping[str, str], environ: Mapping[str, str]) -> list[str]:
+    """``NAME=env value`` of each variable the environment sets to another value."""
+    return [
+        f"{k}={environ[k]!r} (the file: {v!r})" for k, v in values.items() if environ.get(k, v) != v
+    ]
+
+
+def apply(
+    path: Path,
+    values_of: Any,
+    environ: MutableMapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Read and check the run config at ``path``, compute its variables with
+    ``values_of(config)`` and set them in ``environ`` (default: this process's); a
+    :class:`~deltarl.run.config.RunConfigError` when the file is invalid or the environment
+    already says otherwise."""
+    environ = os.environ if environ is None else environ
+    config = load_run_config(path)
+    try:
+        check_services(config)
+    except ValueError as err:
+        raise RunConfigError(f"{path}: {err}") from None
+    values: dict[str, str] = values_of(config)
+    clash = conflicts(values, environ)
+    if clash:
+        raise RunConfigError(
+            f"{path} sets what the environment already sets otherwise: {'; '.join(clash)}; "
+            "experiment settings come from the file: unset those variables"
+        )
+    environ.update(values)
+    return values
+
+
+def start_service(service: str, path: Path, kwargs: dict[str, Any]) -> dict[str, str]:
+    """What ``deltarl <service> --run-config path`` does before the command runs: set the
+    service's variables and, for ``train``, point ``kwargs["config"]`` at the experiment file;
+    for ``rollout``, pin the worker id its seed was drawn for. Returns the variables set."""
+    if service == "train":
+        if kwargs.get("config") is not None:
+            raise RunConfigError("--config and --run-config: give one or the other")
+        from deltarl.trainer.settings import ExperimentSettings
+
+        run_dir = Path(str(ExperimentSettings.model_fields["run_dir"].default))
+        out = _experiment_file()
+        values = apply(path, lambda c: trainer_config(c, out, run_dir))
+        kwargs["config"] = out
+        return values
+    if service == "rollout":
+        from deltarl.rollout.settings import default_worker_id
+
+        wid = kwargs.get("worker_id") or os.environ.get("DELTARL_ROLLOUT_WORKER_ID")
+        wid = wid or default_worker_id()
+        kwargs["worker_id"] = wid
+        return apply(path, lambda c: service_env(c, "rollout", worker_id=wid))
+    return apply(path, lambda c: service_env(c, service))
+
+
+def _experiment_file() -> Path:
+    """A private file for the trainer's experiment settings, removed when the process ends."""
+    import atexit
+    import tempfile
+
+    fd, name = tempfile.mkstemp(prefix="deltarl-experiment-", suffix=".json")
+    os.close(fd)
+    atexit.register(lambda: Path(name).unlink(missing_ok=True))
+    return Path(name)
