@@ -1,25 +1,26 @@
-"""Deployment settings of the environment server: ``DELTARL_ENV_*`` environment variables.
+"""Settings of the environment server: ``DELTARL_ENV_*`` environment variables (the run
+config's ``[env]``).
 
-``task`` picks what the server plays; the Wordle fields (``max_guesses`` ...) apply to ``wordle``,
-the ``charset_*`` fields to ``charset``.
+The server's own fields are declared here; each task's are declared in its folder
+(``wordle/settings.py``: ``max_guesses`` ...; ``charset/settings.py``: ``charset_*``) and
+:class:`EnvSettings` takes them all, so one variable sets one field whatever the task. ``task``
+picks what the server plays; the other tasks' fields are unused. A task folder's settings class
+is a base of :class:`EnvSettings` (a test checks every task found has its place here).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.env_server.charset.environment import CharsetRules
-from deltarl.env_server.core.wire import MAX_SHAPING_WEIGHT
+from deltarl.env_server.charset.settings import CharsetSettings
 from deltarl.env_server.tasks import TASKS
-from deltarl.env_server.wordle.game import Shaping, WordleRules
+from deltarl.env_server.wordle.settings import WordleSettings
 from deltarl.services.common.settings import validate_token
 from deltarl.services.common.tls import TLSServerSettings
 
 
-class EnvSettings(TLSServerSettings):
+class EnvSettings(WordleSettings, CharsetSettings, TLSServerSettings):
     """Single source of truth for ``deltarl env`` (listed by ``deltarl env --help``)."""
 
     model_config = SettingsConfigDict(
@@ -53,109 +54,6 @@ class EnvSettings(TLSServerSettings):
         + "; ".join(f"'{name}' ({task.summary})" for name, task in TASKS.items())
         + ".",
     )
-    max_guesses: int = Field(default=6, ge=1, le=100, description="Guesses per episode.")
-    max_invalid_moves: int = Field(
-        default=1, ge=0, description="Invalid moves tolerated per episode; one more forfeits."
-    )
-    invalid_costs_guess: bool = Field(
-        default=False, description="A tolerated invalid move also uses up a guess."
-    )
-    allow_non_words: bool = Field(
-        default=False, description="Accept any 5 letters as a guess (no dictionary check)."
-    )
-    allow_repeats: bool = Field(
-        default=False, description="Score repeated guesses instead of treating them as invalid."
-    )
-    feedback_summary: bool = Field(
-        default=False,
-        description="Each feedback also states what all the feedback so far shows: letters in "
-        "place, letters in the word but not in place, letters not in the word.",
-    )
-    partial_credit: float = Field(
-        default=1.0,
-        ge=0.0,
-        le=1.0,
-        description="Weight of (greens + 0.5 yellows)/5 of the last guess in the final reward on "
-        "a loss; 0 gives a 0/1 reward.",
-    )
-    format_credit: float = Field(
-        default=0.0,
-        ge=0.0,
-        lt=1.0,
-        description="Share of a lost or forfeited game's reward earned by valid moves "
-        "(format_credit * valid moves / moves; the rest is the partial credit); a win stays 1.0. "
-        "0: no format term.",
-    )
-    reward: Literal["final", "shaped"] = Field(
-        default="final",
-        description="Wordle reward: 'final' (0 on every step, the final reward on the last; "
-        "partial_credit and format_credit apply) or 'shaped' (a reward on every move, the "
-        "weighted sum of its signals with the shaping_* weights; the return is their sum). A "
-        "session may choose at reset (options.reward, options.shaping).",
-    )
-    shaping_win: float = Field(
-        default=1.0, ge=0, le=MAX_SHAPING_WEIGHT, description="Shaped reward of the winning move."
-    )
-    shaping_greens: float = Field(
-        default=0.0,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Shaped reward per guess: this weight times greens/5.",
-    )
-    shaping_yellows: float = Field(
-        default=0.0,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Shaped reward per guess: this weight times yellows/5.",
-    )
-    shaping_format: float = Field(
-        default=0.0,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Shaped reward of each valid move (a forfeit keeps what it earned).",
-    )
-    shaping_repetition: float = Field(
-        default=0.0,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Shaped penalty of a move repeating an earlier guess (subtracted).",
-    )
-    shaping_invalid: float = Field(
-        default=0.0,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Shaped penalty of an invalid move (subtracted).",
-    )
-    shaping_consistent: float = Field(
-        default=0.0,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Shaped reward of a valid guess that could still be the answer given every "
-        "earlier guess's feedback of the episode (the first guess, without feedback, earns "
-        "nothing): rewards using the feedback.",
-    )
-    shaping_fill_unplayed: bool = Field(
-        default=True,
-        description="Shaped reward: a win also earns, for each guess it left unplayed, what a "
-        "perfect move earns besides the win (shaping_greens + shaping_format + "
-        "shaping_consistent), so that no game pays more for lasting longer; false: unplayed "
-        "guesses earn nothing (a game that plays on can outscore a win).",
-    )
-    charset_target: str = Field(
-        default="abcdefghijklmnopqrstuvwxyz",
-        min_length=1,
-        description="Charset task: the characters that score.",
-    )
-    charset_min_chars: int = Field(
-        default=8,
-        ge=1,
-        le=10_000,
-        description="Charset task: replies shorter than this count as this long (full marks "
-        "need at least this many characters, all in the set).",
-    )
-    debug_reveal_answer: bool = Field(
-        default=False, description="Put the answer in every observation and state (debug only)."
-    )
 
     @field_validator("task")
     @classmethod
@@ -171,35 +69,3 @@ class EnvSettings(TLSServerSettings):
             return None
         checked = validate_token(value.get_secret_value(), "DELTARL_ENV_TOKEN")
         return None if checked is None else value
-
-    def charset_rules(self) -> CharsetRules:
-        """The charset task's rules these settings select."""
-        return CharsetRules(target=self.charset_target, min_chars=self.charset_min_chars)
-
-    def shaping(self) -> Shaping:
-        """The server's shaping weights (used when the reward is 'shaped', by default or by a
-        session's choice)."""
-        return Shaping(
-            win=self.shaping_win,
-            greens=self.shaping_greens,
-            yellows=self.shaping_yellows,
-            format=self.shaping_format,
-            repetition=self.shaping_repetition,
-            invalid=self.shaping_invalid,
-            consistent=self.shaping_consistent,
-            fill_unplayed=self.shaping_fill_unplayed,
-        )
-
-    def rules(self) -> WordleRules:
-        """The Wordle rules these settings select."""
-        return WordleRules(
-            max_guesses=self.max_guesses,
-            max_invalid_moves=self.max_invalid_moves,
-            invalid_costs_guess=self.invalid_costs_guess,
-            allow_non_words=self.allow_non_words,
-            allow_repeats=self.allow_repeats,
-            partial_credit=self.partial_credit,
-            format_credit=self.format_credit,
-            shaping=self.shaping() if self.reward == "shaped" else None,
-            feedback_summary=self.feedback_summary,
-        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deltarl.env_server.charset.models import CharsetObservation, CharsetState
+from deltarl.env_server.charset.settings import CharsetSettings
 from deltarl.env_server.core.task import Task, TaskSpec
 
 if TYPE_CHECKING:
@@ -35,5 +36,6 @@ TASK = Task(
     "learnable task for end-to-end tests",
     observation=CharsetObservation,
     state=CharsetState,
+    settings=CharsetSettings,
     build=build,
 )

@@ -58,10 +58,12 @@ class TaskSpec:
 class Task:
     """What a task folder declares as ``TASK`` in its ``task.py``: its name (the value of
     ``DELTARL_ENV_TASK`` and the ``task`` tag of its observations and states), its wire
-    models, and how it is built from the server's settings."""
+    models, its settings (a class of fields that the server's settings take, declared in the
+    folder) and how it is built from the server's settings."""
 
     name: str
     summary: str  # one line, for the settings' reference
     observation: type[TextArenaObservation]
     state: type[BaseModel]
+    settings: type[BaseModel]  # a base of EnvSettings
     build: Callable[[EnvSettings], TaskSpec]

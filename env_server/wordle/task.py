@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from deltarl.env_server.core.task import Task, TaskSpec
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
+from deltarl.env_server.wordle.settings import WordleSettings
 
 if TYPE_CHECKING:
     from deltarl.env_server.settings import EnvSettings
@@ -46,5 +47,6 @@ TASK = Task(
     summary="Wordle in max_guesses guesses with G/Y/X feedback",
     observation=WordleObservation,
     state=WordleState,
+    settings=WordleSettings,
     build=build,
 )

@@ -33,8 +33,11 @@ def build(settings):
                     observation=DiceObservation, state=DiceState, empty_state=DiceState,
                     max_turns=1)
 
+class DiceSettings(BaseModel):
+    dice_sides: int = 6
+
 TASK = Task(name="dice", summary="a die", observation=DiceObservation, state=DiceState,
-            build=build)
+            settings=DiceSettings, build=build)
 """
 
 
@@ -90,6 +93,19 @@ def test_two_folders_claiming_one_name_are_refused(package: Path) -> None:
     add_folder(package, "dice2", DICE)
     with pytest.raises(ValueError, match="task 'dice' is declared twice"):
         discover("taskpkg")
+
+
+def test_every_task_s_settings_are_the_server_s() -> None:
+    """Each task declares its settings in its folder; the server's settings take them all, so a
+    task found without its place in EnvSettings fails here, and no two tasks share a field."""
+    fields: dict[str, str] = {}
+    for name, task in TASKS.items():
+        assert issubclass(EnvSettings, task.settings), f"EnvSettings lacks {task.settings}"
+        for field in task.settings.model_fields:
+            assert field not in fields, f"{name} and {fields[field]} both declare {field}"
+            fields[field] = name
+    assert {"max_guesses", "charset_target"} <= set(fields)
+    assert EnvSettings(charset_target="xyz", max_guesses=3).charset_rules().target == "xyz"
 
 
 def test_an_unknown_task_is_refused_with_the_known_ones() -> None:
