@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 from enum import StrEnum
@@ -29,10 +28,10 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deltarl import __version__
+from deltarl.services.common.errors import install_error_handlers
 from deltarl.services.common.guard import GuardMiddleware
 from deltarl.teacher.batcher import Batcher, QueueFull
 from deltarl.teacher.engines.base import ScoreJob, Scores, TeacherEngine
@@ -54,7 +53,6 @@ from deltarl.teacher.wire import (
     encode_response,
 )
 
-logger = logging.getLogger(__name__)
 BINARY_TYPES = (BINARY_MEDIA_TYPE, "application/octet-stream")
 
 
@@ -206,19 +204,15 @@ def create_app(settings: TeacherSettings, engine: TeacherEngine | None = None) -
         body = ErrorResponse(code=code, detail=detail).model_dump_json()
         return Response(body, status_code=HTTP_STATUS[code], media_type=JSON_MEDIA_TYPE)
 
-    @app.exception_handler(TeacherError)
-    async def _teacher_error(_: Request, exc: TeacherError) -> Response:
-        return error_response(exc.code, exc.detail)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        code = _HTTP_CODES.get(exc.status_code, ErrorCode.INTERNAL_ERROR)
-        return error_response(code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return error_response(ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+    install_error_handlers(
+        app,
+        error_response,
+        error=TeacherError,
+        code_of=lambda exc: (exc.code, exc.detail),
+        http_codes=_HTTP_CODES,
+        internal=ErrorCode.INTERNAL_ERROR,
+        invalid=(ErrorCode.VALIDATION_ERROR, ErrorCode.VALIDATION_ERROR),
+    )
 
     @app.get("/health", tags=["info"])
     async def health() -> dict[str, str]:

@@ -4,15 +4,12 @@ handlers that answer every failure as ``{"code", "detail"}`` with the status of
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from deltarl.env_server.core.models import (
@@ -22,8 +19,8 @@ from deltarl.env_server.core.models import (
     ErrorCode,
     ErrorResponse,
 )
-
-logger = logging.getLogger(__name__)
+from deltarl.services.common.errors import install_error_handlers as install_service_errors
+from deltarl.services.common.errors import validation_text
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 422, 503)
@@ -70,16 +67,6 @@ def session_header(request: Request) -> str | None:
     return value[:64] if value else None
 
 
-def validation_text(errors: list[Any], limit: int = 5) -> str:
-    """``loc: msg`` of the first errors, never the (possibly huge) input itself."""
-    parts = []
-    for err in errors[:limit]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    more = f" (+{len(errors) - limit} more)" if len(errors) > limit else ""
-    return "; ".join(parts) + more
-
-
 def error_response(code: ErrorCode, detail: str) -> Response:
     body = ErrorResponse(code=code, detail=detail).model_dump_json().encode("utf-8")
     return Response(body, status_code=HTTP_STATUS[code], media_type="application/json")
@@ -94,23 +81,12 @@ def install_error_handlers(app: FastAPI, count: Callable[[str], None]) -> None:
         count(code.value)
         return error_response(code, detail)
 
-    @app.exception_handler(EnvError)
-    async def _env_error(_: Request, exc: EnvError) -> Response:
-        return answer(exc.code, exc.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
-        errors = list(exc.errors())
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return answer(ErrorCode.INVALID_JSON, "the body is not valid JSON")
-        return answer(ErrorCode.VALIDATION_ERROR, validation_text(errors))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        code = _HTTP_CODES.get(exc.status_code, ErrorCode.INTERNAL_ERROR)
-        return answer(code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return answer(ErrorCode.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+    install_service_errors(
+        app,
+        answer,
+        error=EnvError,
+        code_of=lambda exc: (exc.code, exc.message),
+        http_codes=_HTTP_CODES,
+        internal=ErrorCode.INTERNAL_ERROR,
+        invalid=(ErrorCode.INVALID_JSON, ErrorCode.VALIDATION_ERROR),
+    )

@@ -19,10 +19,10 @@ from pydantic_core import from_json
 from starlette.types import Message
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from deltarl.env_server.core.http import validation_text
 from deltarl.env_server.core.models import EnvError, ErrorCode, ResetRequest, TextAction
 from deltarl.env_server.core.routes import EnvService
 from deltarl.env_server.core.sessions import Session
+from deltarl.services.common.errors import validation_text
 
 logger = logging.getLogger(__name__)
 
