@@ -18,11 +18,13 @@ by the client.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
-from pydantic import BaseModel, Discriminator, RootModel, Tag
+from pydantic import BaseModel, Discriminator, RootModel, Tag, ValidationError
 
 from deltarl.env_server.core.models import StepResult
 from deltarl.env_server.core.task import Task, TaskSpec
@@ -75,7 +77,24 @@ def make_task(settings: EnvSettings) -> TaskSpec:
         raise ValueError(
             f"unknown task {settings.task!r}; this server plays {task_names()}"
         ) from None
-    return task.build(settings)
+    return dataclasses.replace(task.build(settings), options=task.options)
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Refuse (ValueError naming the field) reset ``options`` that no task takes: what a client
+    can check before it knows the served task (the server checks them against its own)."""
+    errors = []
+    for name, task in TASKS.items():
+        if task.options is None:
+            continue
+        try:
+            task.options.model_validate(dict(options))
+            return
+        except ValidationError as err:
+            e = err.errors(include_input=False)[0]
+            where = ".".join(str(p) for p in e["loc"]) or "options"
+            errors.append(f"{where}: {e['msg']} (as {name}'s options)")
+    raise ValueError("; ".join(errors) or "no task takes reset options")
 
 
 def _task_tag(value: Any) -> str:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.env_server.core.wire import EnvMetadata, ResetOptions
+from deltarl.env_server.core.wire import EnvMetadata
+from deltarl.env_server.tasks import check_options
 from deltarl.rollout.engines.base import (
     SamplingParams,
     TransformersEngineSettings,
@@ -200,8 +201,9 @@ class RolloutSettings(TLSServerSettings):
     )
     env_options: dict[str, Any] | None = Field(
         default=None,
-        description="Reset options of every episode, as JSON (the env server's ResetOptions, "
-        "checked here and by the server): max_guesses, reward ('final' | 'shaped') and shaping "
+        description="Reset options of every episode, as JSON (the served task's: checked here "
+        "against the tasks' options and by the server against its own; Wordle's: max_guesses, "
+        "reward ('final' | 'shaped') and shaping "
         "{win, greens, yellows, format, repetition, invalid, consistent}, e.g. "
         '{"shaping": {"format": 0.1, "greens": 0.5}}. Unset: the server\'s settings '
         "(docs/env_server.md).",
@@ -392,11 +394,9 @@ class RolloutSettings(TLSServerSettings):
         if not value:
             return None
         try:
-            ResetOptions.model_validate(value)
-        except ValidationError as err:
-            e = err.errors()[0]
-            where = ".".join(str(p) for p in e["loc"]) or "options"
-            raise ValueError(f"env_options.{where}: {e['msg']}") from None
+            check_options(value)
+        except ValueError as err:
+            raise ValueError(f"env_options.{err}") from None
         return value
 
     @model_validator(mode="after")

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from deltarl.env_server.core.wire import ResetOptions
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordleRules, WordLists
+from deltarl.env_server.wordle.options import ResetOptions
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
 from deltarl.env_server.wordle.solver import Solver
 from deltarl.rollout.episodes import observation_text

@@ -25,11 +25,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import BaseModel
+
 from deltarl.env_server.charset.models import CharsetObservation, CharsetSignals, CharsetState
 from deltarl.env_server.core.models import (
     EnvError,
     ErrorCode,
-    ResetOptions,
     StepResult,
     TextMessage,
 )
@@ -122,11 +123,11 @@ class CharsetEnvironment:
         self,
         seed: int | None = None,
         episode_id: str | None = None,
-        options: ResetOptions | None = None,
+        options: BaseModel | None = None,
     ) -> StepResult:
         """Start an episode. The seed is only recorded: every episode has the same task. The
-        charset task takes no options: any set is refused (``VALIDATION_ERROR``)."""
-        if options is not None and options.model_dump(exclude_none=True):
+        charset task takes no options (the server refuses them before a reset; so does this)."""
+        if options is not None:
             raise EnvError(
                 ErrorCode.VALIDATION_ERROR,
                 "options: the charset task takes no reset options (max_guesses and reward "

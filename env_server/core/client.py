@@ -204,7 +204,7 @@ class EnvClient(_Calls):
         options: Mapping[str, Any] | None = None,
     ) -> Result:
         """Open a session (or reset ``session_id``); the result carries ``session_id``.
-        ``options``: the episode's reset options (``ResetOptions``: max_guesses, reward
+        ``options``: the episode's reset options (the served task's; Wordle's: max_guesses, reward
         shaping), validated by the server."""
         return await self._send(self._reset(seed, episode_id, session_id, options))
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 
 from deltarl import __version__
 from deltarl.env_server.core.http import (
@@ -37,6 +38,7 @@ from deltarl.env_server.core.models import (
 from deltarl.env_server.core.sessions import Session, SessionStore
 from deltarl.env_server.core.task import TaskSpec
 from deltarl.env_server.settings import EnvSettings
+from deltarl.services.common.errors import validation_text
 
 
 @dataclass
@@ -57,6 +59,27 @@ class EnvService:
                 f"action.message has {len(action.message)} characters; the limit is {limit}",
             )
         return action.message
+
+    def reset_options(self, options: dict[str, Any] | None) -> BaseModel | None:
+        """A reset's ``options`` validated by the task's options model (None or empty: the
+        server's settings); refused with ``VALIDATION_ERROR`` naming the field, or the task,
+        when it takes none."""
+        if not options:
+            return None
+        model = self.task.options
+        if model is None:
+            raise EnvError(
+                ErrorCode.VALIDATION_ERROR,
+                f"options: the {self.task.name} task takes no reset options "
+                f"(got {', '.join(sorted(options)[:8])})",
+            )
+        try:
+            return model.model_validate(options)
+        except ValidationError as err:
+            errors = err.errors(include_input=False)
+            raise EnvError(
+                ErrorCode.VALIDATION_ERROR, "options." + validation_text(errors)
+            ) from None
 
     def finish(self, session: Session, result: StepResult[Any], transport: str) -> None:
         """Count a step; a step that ended the game counts its outcome and stops the session."""
@@ -97,6 +120,7 @@ def add_info_routes(app: FastAPI, service: EnvService) -> None:
             action=TextAction.model_json_schema(),
             observation=task.observation.model_json_schema(),
             state=task.state.model_json_schema(),
+            options=None if task.options is None else task.options.model_json_schema(),
         )
 
     @app.get("/metrics", tags=["info"], response_class=Response)
@@ -124,7 +148,9 @@ def add_session_routes(app: FastAPI, service: EnvService) -> None:
         with session.claim():
             try:
                 result = session.env.reset(
-                    seed=req.seed, episode_id=req.episode_id, options=req.options
+                    seed=req.seed,
+                    episode_id=req.episode_id,
+                    options=service.reset_options(req.options),
                 )
             except EnvError:
                 if not req.session_id:  # refused options: no half-opened session is left

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel
 
-from deltarl.env_server.core.wire import ResetOptions, TextArenaObservation
+from deltarl.env_server.core.wire import TextArenaObservation
 
 if TYPE_CHECKING:
     from deltarl.env_server.core.models import StepResult
@@ -23,11 +23,11 @@ Outcome = Literal["won", "lost", "forfeit"]
 class TextEnvironment(Protocol):
     """One session's environment: text in, observation + reward out."""
 
-    def reset(
+    def reset(  # options: the task's options model, validated by the server
         self,
         seed: int | None = None,
         episode_id: str | None = None,
-        options: ResetOptions | None = None,
+        options: Any = None,
     ) -> StepResult[TextArenaObservation]: ...
 
     def step(self, message: str) -> StepResult[TextArenaObservation]: ...
@@ -51,6 +51,7 @@ class TaskSpec:
     state: type[BaseModel]  # for /schema, and the empty state of GET /state without a session
     empty_state: Callable[[], BaseModel]
     max_turns: int  # for /metadata: most replies an episode can take
+    options: type[BaseModel] | None = None  # a reset's options; None: the task takes none
     system_prompt: str | None = None  # for /metadata: a chat model's instructions, if any
 
 
@@ -67,3 +68,4 @@ class Task:
     state: type[BaseModel]
     settings: type[BaseModel]  # a base of EnvSettings
     build: Callable[[EnvSettings], TaskSpec]
+    options: type[BaseModel] | None = None  # a reset's options; None: the task takes none

@@ -7,7 +7,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from deltarl.services.common.client_headers import TOKEN_HEADER as TOKEN_HEADER  # re-exported
 
@@ -84,87 +84,6 @@ class TextAction(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict, description="Ignored (OpenEnv field).")
 
 
-MAX_SHAPING_WEIGHT = 10.0  # = env_server.wordle.game.MAX_SHAPING_WEIGHT (a test checks)
-MAX_GUESSES_LIMIT = 100  # = EnvSettings.max_guesses' bound
-
-
-class ShapingOptions(BaseModel):
-    """Per-session reward-shaping weights (Wordle). Each weight left out takes the server's
-    default (``DELTARL_ENV_SHAPING_*``). The reward of a move is
-    ``win*correct + greens*greens + yellows*yellows + format*valid + consistent*consistent
-    - repetition*repetition - invalid*invalid`` of its reward signals (``consistent``: 1 for a
-    valid guess, not the first, that fits the feedback of every earlier guess); the episode's
-    return is the sum over its moves, a win also earning what its unplayed guesses would have at
-    best (``fill_unplayed``; docs/env_server.md, Rewards)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    win: float | None = Field(
-        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Reward of the winning move."
-    )
-    greens: float | None = Field(
-        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Weight of greens/5 per guess."
-    )
-    yellows: float | None = Field(
-        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Weight of yellows/5 per guess."
-    )
-    format: float | None = Field(
-        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Reward of each valid move."
-    )
-    repetition: float | None = Field(
-        default=None,
-        ge=0,
-        le=MAX_SHAPING_WEIGHT,
-        description="Penalty of a move repeating an earlier guess.",
-    )
-    invalid: float | None = Field(
-        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Penalty of an invalid move."
-    )
-    consistent: float | None = Field(
-        default=None, ge=0, le=MAX_SHAPING_WEIGHT, description="Reward of a consistent later guess."
-    )
-    fill_unplayed: bool | None = Field(
-        default=None,
-        description="A win also earns greens + format + consistent for each guess it left "
-        "unplayed (no game pays more for lasting longer).",
-    )
-
-
-class ResetOptions(BaseModel):
-    """Per-session options of a reset (Wordle; the charset task takes none). Every field left
-    out keeps the server's setting; unknown keys and out-of-range values are refused
-    (``VALIDATION_ERROR``) and leave the session as it was."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_guesses: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_GUESSES_LIMIT,
-        description="Guesses of this episode (a curriculum); None: the server's max_guesses.",
-    )
-    reward: Literal["final", "shaped"] | None = Field(
-        default=None,
-        description="'final': the server's final reward on the last step only; 'shaped': a "
-        "reward on every move (see shaping); None: 'shaped' when shaping is given, else the "
-        "server's DELTARL_ENV_REWARD.",
-    )
-    shaping: ShapingOptions | None = Field(
-        default=None, description="Shaping weights (implies reward='shaped')."
-    )
-    feedback_summary: bool | None = Field(
-        default=None,
-        description="Each feedback also states what all the feedback so far shows (letters in "
-        "place, in the word elsewhere, not in the word); None: the server's feedback_summary.",
-    )
-
-    @model_validator(mode="after")
-    def _shaping_needs_shaped(self) -> ResetOptions:
-        if self.shaping is not None and self.reward == "final":
-            raise ValueError("shaping weights need reward='shaped' (or no reward field)")
-        return self
-
-
 class ResetRequest(WireModel):
     """``POST /reset`` body (all optional) and ``WS reset`` data. Unknown fields are ignored,
     as OpenEnv does."""
@@ -180,10 +99,11 @@ class ResetRequest(WireModel):
         max_length=64,
         description="HTTP only: reset this existing session instead of opening a new one.",
     )
-    options: ResetOptions | None = Field(
+    options: dict[str, Any] | None = Field(
         default=None,
-        description="Per-session options of this episode (max_guesses, reward shaping); "
-        "None: the server's settings.",
+        description="Per-session options of this episode, as the served task defines them "
+        "(Wordle: max_guesses, reward shaping; /metadata names the model, /schema gives it); "
+        "None or empty: the server's settings.",
     )
 
 
@@ -264,6 +184,8 @@ class SchemaResponse(WireModel):
     action: dict[str, Any]
     observation: dict[str, Any]
     state: dict[str, Any]
+    # deltarl's addition: the served task's reset options (None: it takes none)
+    options: dict[str, Any] | None = None
 
 
 class CloseResponse(WireModel):

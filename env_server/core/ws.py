@@ -108,7 +108,11 @@ class WsProtocol:
         try:
             if kind == "reset":
                 req = ResetRequest.model_validate(data if data is not None else {})
-                result = env.reset(seed=req.seed, episode_id=req.episode_id, options=req.options)
+                result = env.reset(
+                    seed=req.seed,
+                    episode_id=req.episode_id,
+                    options=service.reset_options(req.options),
+                )
                 service.store.started(session)
                 service.metrics.reset["ws"].inc()
                 return (

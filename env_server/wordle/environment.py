@@ -14,7 +14,6 @@ from typing import Literal
 from deltarl.env_server.core.models import (
     EnvError,
     ErrorCode,
-    ResetOptions,
     StepResult,
     TextMessage,
 )
@@ -35,6 +34,7 @@ from deltarl.env_server.wordle.models import (
     WordleObservation,
     WordleState,
 )
+from deltarl.env_server.wordle.options import ResetOptions
 
 GAME_ID = -1
 PLAYER_ID = 0

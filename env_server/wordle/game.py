@@ -25,6 +25,8 @@ from enum import StrEnum
 from functools import cache
 from importlib import resources
 
+from deltarl.env_server.wordle.options import MAX_SHAPING_WEIGHT
+
 WORD_LENGTH = 5
 
 # First bracketed run of ASCII letters, spaces allowed inside the brackets. Possessive quantifiers
@@ -256,9 +258,6 @@ class Shaping:
         if not self.fill_unplayed:
             return 0.0
         return float(guesses_left * (self.greens + self.format + self.consistent))
-
-
-MAX_SHAPING_WEIGHT = 10.0
 
 
 @dataclass(slots=True)

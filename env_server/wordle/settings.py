@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from deltarl.env_server.core.wire import MAX_SHAPING_WEIGHT
+from deltarl.env_server.wordle.options import MAX_GUESSES_LIMIT, MAX_SHAPING_WEIGHT
 
 if TYPE_CHECKING:  # the game loads with the task, not with the client's wire models
     from deltarl.env_server.wordle.game import Shaping, WordleRules
@@ -16,7 +16,9 @@ if TYPE_CHECKING:  # the game loads with the task, not with the client's wire mo
 class WordleSettings(BaseModel):
     """Rules, reward and shaping of the games the server plays when ``task = "wordle"``."""
 
-    max_guesses: int = Field(default=6, ge=1, le=100, description="Guesses per episode.")
+    max_guesses: int = Field(
+        default=6, ge=1, le=MAX_GUESSES_LIMIT, description="Guesses per episode."
+    )
     max_invalid_moves: int = Field(
         default=1, ge=0, description="Invalid moves tolerated per episode; one more forfeits."
     )

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from deltarl.env_server.core.task import Task, TaskSpec
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
+from deltarl.env_server.wordle.options import ResetOptions
 from deltarl.env_server.wordle.settings import WordleSettings
 
 if TYPE_CHECKING:
@@ -49,4 +50,5 @@ TASK = Task(
     state=WordleState,
     settings=WordleSettings,
     build=build,
+    options=ResetOptions,
 )

@@ -13,9 +13,6 @@ from env_helpers import answer, settings, wrong_guesses
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from deltarl.env_server.core import wire
-from deltarl.env_server.core.models import ResetOptions
-from deltarl.env_server.wordle import game as game_mod
 from deltarl.env_server.wordle.environment import WordleEnvironment, apply_options
 from deltarl.env_server.wordle.game import (
     Shaping,
@@ -26,6 +23,7 @@ from deltarl.env_server.wordle.game import (
     score_guess,
 )
 from deltarl.env_server.wordle.models import WordleObservation
+from deltarl.env_server.wordle.options import ResetOptions
 
 SEED = 3
 
@@ -127,8 +125,7 @@ def test_no_shaping_is_unchanged() -> None:
     assert g.total_reward == last.reward
 
 
-def test_bounds_agree_with_the_wire() -> None:
-    assert wire.MAX_SHAPING_WEIGHT == game_mod.MAX_SHAPING_WEIGHT
+def test_a_weight_out_of_bounds_is_refused() -> None:
     with pytest.raises(ValueError, match="shaping weight win"):
         Shaping(win=-1.0)
 

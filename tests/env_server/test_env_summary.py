@@ -14,9 +14,9 @@ import pytest
 from env_helpers import answer, settings, wrong_guesses
 from fastapi.testclient import TestClient
 
-from deltarl.env_server.core.models import ResetOptions
 from deltarl.env_server.wordle.environment import WordleEnvironment, apply_options
 from deltarl.env_server.wordle.game import WordleRules, WordLists, known_summary, score_guess
+from deltarl.env_server.wordle.options import ResetOptions
 from deltarl.rollout.episodes import observation_text
 from deltarl.trainer import sft_data
 

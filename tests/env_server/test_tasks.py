@@ -128,3 +128,34 @@ def test_the_generic_core_names_no_task() -> None:
         bad += [f"{path.name} names {name!r}" for name in folders if f'"{name}"' in text]
     assert bad == []
     assert tasks.UNTAGGED in TASKS
+
+
+def test_reset_options_are_the_served_task_s() -> None:
+    """A reset's options are validated by the served task's model: Wordle's take max_guesses,
+    charset takes none (refused naming the task), and /schema gives the model."""
+    from fastapi.testclient import TestClient
+
+    from deltarl.env_server.core.app import create_app
+
+    with TestClient(create_app(EnvSettings(task="wordle"))) as wordle:
+        assert wordle.get("/schema").json()["options"]["title"] == "ResetOptions"
+        ok = wordle.post("/reset", json={"seed": 1, "options": {"max_guesses": 2}})
+        assert ok.status_code == 200 and ok.json()["observation"]["guesses_left"] == 2
+        bad = wordle.post("/reset", json={"options": {"max_guesses": 0}})
+        assert bad.status_code == 422 and bad.json()["detail"].startswith("options.max_guesses")
+    with TestClient(create_app(EnvSettings(task="charset"))) as charset:
+        assert charset.get("/schema").json()["options"] is None
+        bad = charset.post("/reset", json={"options": {"max_guesses": 2}})
+        assert bad.status_code == 422
+        assert bad.json()["detail"] == (
+            "options: the charset task takes no reset options (got max_guesses)"
+        )
+        assert charset.post("/reset", json={"options": {}}).status_code == 200
+
+
+def test_a_client_checks_options_against_every_task() -> None:
+    tasks.check_options({"max_guesses": 3, "shaping": {"greens": 0.5}})
+    with pytest.raises(
+        ValueError, match=r"shaping\.greenz: Extra inputs .* \(as wordle's options\)"
+    ):
+        tasks.check_options({"shaping": {"greenz": 0.5}})
