@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltarl.env_server.core.models import StepResult
+from deltarl.env_server.core.wire import TaskHint
 from deltarl.rollout import fault_points
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Completion, SamplingParams
@@ -337,6 +338,7 @@ class Episode:
     truncated: Truncation | None = None
     temperature: float | None = None  # sampling temperature of its turns (None: greedy)
     options: dict[str, Any] | None = None  # the environment's reset options (None: none sent)
+    env_hint: TaskHint | None = None  # the environment's hint after the last move (hint_mode env)
     # [len(tokens) - 1, moe layers, top_k] experts of each position (routing_replay), else None
     routed_experts: np.ndarray | None = None
 
@@ -874,6 +876,7 @@ class EpisodeRunner:
                 )
             )
             ep.messages.append({"role": "assistant", "content": reply})
+            ep.env_hint = result.observation.hint
             if result.done:
                 break
             if ep.num_turns >= cfg.max_turns:

@@ -14,16 +14,13 @@ SDPO, 2601.20802).
 
 Hinters:
 
-* :class:`EnvHinter` (``hint_mode = "env"``): the environment's own rules, by task (the
-  episode's prompt says which): :class:`CharsetHinter` and :class:`WordleHinter`.
-* :class:`CharsetHinter`: the charset task's scoring replayed on the reply; the hint names the
-  kinds of characters outside the set, or a reply too short, and shows a reply with full marks
-  ("Reply in CAPITAL LETTERS only, without lowercase letters or spaces, for example:
-  HELLOWORLD").
-* :class:`WordleHinter`: the environment's own feedback, replayed: the
-  first guess that ignores what earlier feedback established (a letter known absent, a green
-  moved, a yellow left out or put back where it was yellow, a repeated word), or the first
-  malformed move. Deterministic, instant, always right about the rules.
+* :class:`EnvHinter` (``hint_mode = "env"``): the environment's own hint, computed by the env
+  server from its rules and sent with every observation (``observation.hint``): Wordle's names
+  the first guess that ignores what earlier feedback established (a letter known absent, a
+  green moved, a yellow left out or put back where it was yellow, a repeated word) or the first
+  malformed move (``env_server/wordle/hints.py``); charset's names the kinds of characters
+  outside the set, or a reply too short, and shows a reply with full marks
+  (``env_server/charset/hints.py``). The worker knows no task's rules.
 * :class:`ChatHinter` (``hint_mode = "chat"``): any OpenAI-compatible chat endpoint (the teacher
   service, a vLLM server) asked for JSON ``{"failure_turn": int, "hint": str}``; a timeout, an
   HTTP error or an answer that is not that JSON (or names no real turn, or says more than three
@@ -41,14 +38,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-import string
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
 
-from deltarl.env_server.charset.environment import CharsetRules, parse_prompt, score_reply
+from deltarl.env_server.core.wire import MAX_HINT_CHARS
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import Engine, WeightsGate
 from deltarl.rollout.episodes import Episode
@@ -56,7 +52,6 @@ from deltarl.services.coordinator.schemas import TeacherLogprobs
 
 logger = logging.getLogger(__name__)
 
-MAX_HINT_CHARS = 600
 _SENTENCE_END = re.compile(r"[.!?](\s|$)")
 
 
@@ -107,194 +102,20 @@ def check_hint(raw: object, turns: int) -> Hint:
     return Hint(turn=turn, text=text)
 
 
-# -- the environment's own feedback (Wordle) ---------------------------------------------------
-
-_GUESS = re.compile(r"\[([A-Za-z]+)\]")
-
-
-def _parse_feedback(message: str) -> tuple[str, str] | None:
-    """(guess, pattern) from a Wordle feedback message ("You submitted [crane]. Feedback: C R A N
-    E / G X Y X X ..."), None when the move was not scored."""
-    if "Feedback:" not in message:
-        return None
-    m = _GUESS.search(message)
-    lines = [ln.strip() for ln in message.split("Feedback:", 1)[1].strip().splitlines()]
-    if m is None or len(lines) < 2:
-        return None
-    pattern = lines[1].replace(" ", "")
-    if len(pattern) != 5 or set(pattern) - set("GYX"):
-        return None
-    return m.group(1).lower(), pattern
-
-
-class WordleHinter:
-    """Replays the game's feedback and names the first move that ignored it (module docstring)."""
-
-    name = "env"
-
-    async def hint(self, episode: Episode) -> Hint | None:
-        users = [m["content"] for m in episode.messages if m["role"] == "user"]
-        # the user message after turn i holds the feedback to turn i
-        known_absent: set[str] = set()
-        greens: dict[int, str] = {}
-        yellows: dict[str, set[int]] = {}
-        seen: set[str] = set()
-        for i, turn in enumerate(episode.turns):
-            guess_m = _GUESS.search(turn.reply)
-            if guess_m is None or len(guess_m.group(1)) != 5:
-                return Hint(
-                    i,
-                    "Reply with exactly one 5-letter word in square brackets, like [crane], and "
-                    "nothing else.",
-                )
-            guess = guess_m.group(1).lower()
-            problem = self._contradiction(guess, known_absent, greens, yellows, seen)
-            if problem is not None:
-                return Hint(i, problem)
-            seen.add(guess)
-            feedback = _parse_feedback(users[i + 1]) if i + 1 < len(users) else None
-            if feedback is None:
-                continue
-            word, pattern = feedback
-            for pos, (ch, mark) in enumerate(zip(word, pattern, strict=True)):
-                if mark == "G":
-                    greens[pos] = ch
-                elif mark == "Y":
-                    yellows.setdefault(ch, set()).add(pos)
-            for ch, mark in zip(word, pattern, strict=True):
-                if mark == "X" and ch not in greens.values() and ch not in yellows:
-                    known_absent.add(ch)
-        return None
-
-    @staticmethod
-    def _contradiction(
-        guess: str,
-        absent: set[str],
-        greens: dict[int, str],
-        yellows: dict[str, set[int]],
-        seen: set[str],
-    ) -> str | None:
-        if guess in seen:
-            return f"[{guess}] was already guessed; every guess must be a new word."
-        for ch in sorted(set(guess) & absent):
-            return f"{ch.upper()} is not in the word (the feedback marked it X), yet this guess uses it."
-        for pos, ch in sorted(greens.items()):
-            if guess[pos] != ch:
-                return (
-                    f"Letter {pos + 1} is known to be {ch.upper()} (green); keep it there in "
-                    "every guess."
-                )
-        for ch, bad in sorted(yellows.items()):
-            if ch not in guess:
-                return f"{ch.upper()} is in the word (yellow); the guess must include it."
-            for pos in sorted(bad):
-                if guess[pos] == ch:
-                    return (
-                        f"{ch.upper()} was yellow at position {pos + 1}: it is in the word but "
-                        "not there; move it."
-                    )
-        return None
-
-
-# -- the charset task's rules -------------------------------------------------------------------
-
-_EXAMPLES = ("HELLOWORLD", "helloworld", "GOODMORNING", "goodmorning", "0123456789")
-
-
-def _kinds(chars: set[str]) -> list[str]:
-    """Names for the kinds of characters in ``chars``, e.g. ["lowercase letters", "spaces"]."""
-    kinds = [
-        ("lowercase letters", str.islower),
-        ("capital letters", str.isupper),
-        ("digits", str.isdigit),
-        ("spaces", lambda c: c == " "),
-        ("line breaks", lambda c: c in "\r\n"),
-    ]
-    names, left = [], set(chars)
-    for name, test in kinds:
-        hit = {c for c in left if test(c)}
-        if hit:
-            names.append(name)
-            left -= hit
-    if left:
-        shown = " ".join(sorted(left)[:8])
-        names.append(f"other characters ({shown})")
-    return names
-
-
-def _allowed(rules: CharsetRules) -> tuple[str, str]:
-    """(how to say the target set, an example reply that scores 1.0)."""
-    target = set(rules.target)
-    example = next((w for w in _EXAMPLES if set(w) <= target and len(w) >= rules.min_chars), None)
-    if example is None:
-        ordered = "".join(dict.fromkeys(rules.target))
-        example = (ordered * rules.min_chars)[: max(rules.min_chars, len(ordered))]
-    if target == set(string.ascii_uppercase):
-        return "CAPITAL LETTERS only", example
-    if target == set(string.ascii_lowercase):
-        return "lowercase letters only", example
-    return f"only these characters: {rules.target}", example
-
-
-class CharsetHinter:
-    """The charset task's scoring, replayed from the transcript: the rules are read back from
-    the environment's prompt (:func:`~deltarl.env_server.charset.environment.parse_prompt`), the
-    reply is scored as the environment scores it, and the hint, one imperative sentence, names
-    what cost points (the kinds of characters outside the set, or a reply too short) and shows a
-    reply with full marks. None when the episode is not the charset task, or the reply has full
-    marks. The wording is measured: SmolLM2-135M-Instruct, 24 samples after the hint as a second
-    user message, scores 0.33-0.41 with "Reply in CAPITAL LETTERS only, without lowercase letters
-    or spaces, for example: HELLOWORLD" against 0.08-0.12 without a hint, but only 0.16 with "Your
-    reply used characters that are not allowed: ... Reply in CAPITAL LETTERS only, ..." (it echoes
-    "Your reply ..."); docs/distillation.md."""
-
-    name = "env"
-
-    async def hint(self, episode: Episode) -> Hint | None:
-        rules = charset_rules(episode)
-        if rules is None or not episode.turns:
-            return None
-        text = charset_hint(episode.turns[0].reply, rules)
-        return Hint(0, text) if text is not None else None
-
-
-def charset_hint(reply: str, rules: CharsetRules) -> str | None:
-    """The hint :class:`CharsetHinter` gives for ``reply`` under ``rules``; None at full marks.
-    Also the wording of the synthetic hint-following transcripts
-    (:mod:`deltarl.trainer.sft_charset`)."""
-    reward, _ = score_reply(reply, rules)
-    if reward >= 1.0:
-        return None
-    allowed, example = _allowed(rules)
-    bad = set(reply) - set(rules.target)
-    if bad:
-        kinds = _kinds(bad)
-        said = ", ".join(kinds[:-1]) + " or " + kinds[-1] if len(kinds) > 1 else kinds[0]
-        return f"Reply in {allowed}, without {said}, for example: {example}"
-    return f"Reply with at least {rules.min_chars} characters, in {allowed}, for example: {example}"
-
-
-def charset_rules(episode: Episode) -> CharsetRules | None:
-    """The charset rules the episode's first user message states, None if it is not the charset
-    task's prompt."""
-    first = next((m["content"] for m in episode.messages if m["role"] == "user"), None)
-    return parse_prompt(first) if first is not None else None
-
-
 class EnvHinter:
-    """``hint_mode = "env"``: the environment's own rules, by task: :class:`CharsetHinter` for an
-    episode whose prompt is the charset task's, :class:`WordleHinter` for any other."""
+    """``hint_mode = "env"``: the environment's own hint, which the env server sends with every
+    observation (``observation.hint``: the first mistake of the episode so far by the task's
+    rules, e.g. a Wordle guess ignoring earlier feedback, a charset reply outside the set); the
+    episode keeps the last one. None when the environment found none (or sends none: another
+    OpenEnv server). A hint naming no turn of the episode is refused (``ValueError``)."""
 
     name = "env"
 
-    def __init__(self) -> None:
-        self.charset = CharsetHinter()
-        self.wordle = WordleHinter()
-
     async def hint(self, episode: Episode) -> Hint | None:
-        if charset_rules(episode) is not None:
-            return await self.charset.hint(episode)
-        return await self.wordle.hint(episode)
+        found = episode.env_hint
+        if found is None:
+            return None
+        return check_hint({"failure_turn": found.turn, "hint": found.text}, episode.num_turns)
 
 
 # -- a chat model --------------------------------------------------------------------------------

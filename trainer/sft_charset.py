@@ -1,5 +1,5 @@
 """Synthetic hint-following transcripts for the charset task: the material of a warm start that
-lets a tiny model read :class:`~deltarl.rollout.hints.CharsetHinter`'s hints, the way a
+lets a tiny model read :func:`~deltarl.env_server.charset.hints.charset_hint`'s hints, the way a
 pretrained instruct model reads an instruction, while it learns nothing about any one target.
 
 Each transcript draws a random target set (``set_min``-``set_max`` distinct characters of
@@ -8,7 +8,7 @@ Each transcript draws a random target set (``set_min``-``set_max`` distinct char
 rollout's system prompt. Then, at random:
 
 * **hinted** (a share ``hinted`` of them): a second user turn holding the hint
-  :func:`~deltarl.rollout.hints.charset_hint` gives for a random reply drawn from the alphabet
+  :func:`~deltarl.env_server.charset.hints.charset_hint` gives for a random reply drawn from the alphabet
   (what an untrained policy says; the exact wording the worker's ``env`` hinter produces), and
   an assistant reply of characters drawn from the target set only: the hinted context the worker
   scores (:func:`~deltarl.rollout.hints.hinted_context`), answered as the hint says. In a share
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from deltarl.env_server.charset.environment import CharsetRules, make_prompt
-from deltarl.rollout.hints import charset_hint
+from deltarl.env_server.charset.hints import charset_hint
 from deltarl.trainer.sft_data import write_transcripts
 
 __all__ = ["HintData", "hint_transcript", "hint_transcripts", "write_transcripts"]

@@ -34,6 +34,7 @@ from deltarl.env_server.core.models import (
     StepResult,
     TextMessage,
 )
+from deltarl.env_server.core.wire import TaskHint
 
 GAME_ID = -1
 PLAYER_ID = 0
@@ -73,25 +74,6 @@ def make_prompt(rules: CharsetRules) -> str:
         "Your score is the share of your reply's characters that are among them (a reply "
         f"shorter than {rules.min_chars} characters counts as {rules.min_chars} long)."
     )
-
-
-_PROMPT_HEAD = "Reply with at least "
-_PROMPT_MID = " characters, using only these: "
-_PROMPT_TAIL = "\nYour score is the share of your reply's characters that are among them"
-
-
-def parse_prompt(text: str) -> CharsetRules | None:
-    """The rules a :func:`make_prompt` text states (the inverse of it), None for any other text.
-    Lets a client that holds only the transcript (the rollout worker's env hinter) replay the
-    scoring exactly."""
-    if not text.startswith(_PROMPT_HEAD) or _PROMPT_TAIL not in text:
-        return None
-    head, _, rest = text[len(_PROMPT_HEAD) :].partition(_PROMPT_MID)
-    target = rest.rpartition(_PROMPT_TAIL)[0]
-    if not head.isdigit() or not target:
-        return None
-    rules = CharsetRules(target=target, min_chars=int(head))
-    return rules if make_prompt(rules) == text else None
 
 
 class CharsetEnvironment:
@@ -169,8 +151,15 @@ class CharsetEnvironment:
             min_chars=self.rules.min_chars,
             reply=self.reply,
             reward_signals=self.signals,
+            hint=self._hint(),
         )
         return StepResult(observation=obs, reward=self.reward or 0.0, done=self.done)
+
+    def _hint(self) -> TaskHint | None:
+        from deltarl.env_server.charset.hints import charset_hint  # it imports this module
+
+        text = None if self.reply is None else charset_hint(self.reply, self.rules)
+        return None if text is None else TaskHint(turn=0, text=text)
 
     def state(self) -> CharsetState:
         return CharsetState(

@@ -140,14 +140,36 @@ class TextMessage(WireModel):
     category: str = Field(description="PROMPT | PLAYER_ACTION | GAME_MESSAGE.")
 
 
+MAX_HINT_CHARS = 600
+
+
+class TaskHint(WireModel):
+    """Where the episode so far first went wrong, in the task's own terms, and how to do that
+    move right: the environment's hint for hinted self-distillation (``hint_mode = "env"``)."""
+
+    turn: int = Field(ge=0, description="The player's move (0-based) that went wrong.")
+    text: str = Field(
+        min_length=1,
+        max_length=MAX_HINT_CHARS,
+        description="What to do at that move instead (an imperative, at most three sentences).",
+    )
+
+
 class TextArenaObservation(WireModel):
-    """OpenEnv TextArena's observation fields, common to every task of this server."""
+    """OpenEnv TextArena's observation fields, common to every task of this server, and the
+    task's hint (deltarl's addition)."""
 
     prompt: str = Field(description="Task instructions (constant within an episode).")
     messages: list[TextMessage] = Field(description="Transcript so far, prompt first.")
     current_player_id: int = Field(default=0, description="Always 0 (single player).")
     legal_players: list[int] = Field(default_factory=lambda: [0], description="Always [0].")
     info: dict[str, Any] = Field(default_factory=dict, description="Reserved; empty.")
+    hint: TaskHint | None = Field(
+        default=None,
+        description="The first mistake of the episode so far and how to avoid it, by the "
+        "task's rules (never shown to the player: not in messages); None: none found, or a "
+        "task without hints.",
+    )
 
 
 class HealthResponse(WireModel):

@@ -17,6 +17,7 @@ from deltarl.env_server.core.models import (
     StepResult,
     TextMessage,
 )
+from deltarl.env_server.core.wire import TaskHint
 from deltarl.env_server.wordle.game import (
     WORD_LENGTH,
     InvalidReason,
@@ -27,6 +28,7 @@ from deltarl.env_server.wordle.game import (
     WordLists,
     known_summary,
 )
+from deltarl.env_server.wordle.hints import wordle_hint
 from deltarl.env_server.wordle.models import (
     GuessFeedback,
     LastMove,
@@ -136,6 +138,7 @@ class WordleEnvironment:
         # are untracked by the cyclic GC, so a mid-game session holds ~9 GC-tracked objects
         # instead of ~31 and full collections stay short with thousands of sessions
         self.messages: list[tuple[int, str, str]] = []
+        self.moves: list[tuple[str | None, str | None]] = []  # (guess, pattern): for the hint
         self.last_move: LastMove | None = None
         self.last_signals: RewardSignals | None = None
         self.last_reward = 0.0
@@ -163,6 +166,7 @@ class WordleEnvironment:
         self.game = WordleGame(rules, self.words, seed=seed)
         self.episode_id = episode_id if episode_id is not None else uuid.uuid4().hex
         self.messages = [(GAME_ID, self.prompt, "PROMPT")]
+        self.moves = []
         self.last_move = None
         self.last_signals = None
         self.last_reward = 0.0
@@ -178,6 +182,7 @@ class WordleEnvironment:
         shown = f"[{move.guess}]" if move.guess is not None else "(no bracketed guess)"
         self.messages.append((PLAYER_ID, shown, "PLAYER_ACTION"))
         self.messages.append((GAME_ID, self._feedback(move), "GAME_MESSAGE"))
+        self.moves.append((move.guess, move.pattern if move.invalid_reason is None else None))
         self.last_move = LastMove(
             guess=move.guess,
             valid=move.valid,
@@ -234,8 +239,13 @@ class WordleEnvironment:
             reward_signals=self.last_signals,
             won=game.won,
             answer=self._answer(),
+            hint=self._hint(),
         )
         return StepResult(observation=obs, reward=self.last_reward, done=game.done)
+
+    def _hint(self) -> TaskHint | None:
+        found = wordle_hint(self.moves)
+        return None if found is None else TaskHint(turn=found[0], text=found[1])
 
     def state(self) -> WordleState:
         game = self.game

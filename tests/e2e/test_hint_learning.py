@@ -5,7 +5,7 @@ can read the environment's hints learns the task in fewer steps with them (``rol
 A random tiny model cannot read a hint, so the student first gets that ability the way a real
 instruct model has it, from a short supervised warm start (``deltarl sft``) on synthetic
 hint-following conversations (:mod:`deltarl.trainer.sft_charset`): the charset prompt for one
-of FAMILY's sets, then either :class:`~deltarl.rollout.hints.CharsetHinter`'s hint as a second
+of FAMILY's sets, then either :func:`~deltarl.env_server.charset.hints.charset_hint`'s hint as a second
 user turn and a reply in that set, or no hint and a reply of random letters and digits. Its
 unhinted replies therefore ignore the target; hinted, it answers in the set the hint names.
 

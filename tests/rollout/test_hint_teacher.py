@@ -30,7 +30,7 @@ from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes import Episode, Turn
-from deltarl.rollout.hints import Hint, WordleHinter, hinted_context, score_hints
+from deltarl.rollout.hints import EnvHinter, Hint, hinted_context, score_hints
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.teaching import TeacherMismatch, hint_maps, hint_request
 from deltarl.teacher.client import SyncTeacherClient
@@ -156,12 +156,12 @@ def test_the_teacher_scorer_needs_a_teacher_and_the_vllm_engine_needs_it() -> No
 
 
 class Recording:
-    """The Wordle hinter, remembering each episode it hinted (by its tokens)."""
+    """The env hinter, remembering each episode it hinted (by its tokens)."""
 
     name = "env"
 
     def __init__(self) -> None:
-        self.inner = WordleHinter()
+        self.inner = EnvHinter()
         self.seen: dict[tuple[int, ...], tuple[Episode, Hint]] = {}
 
     async def hint(self, episode: Episode) -> Hint | None:

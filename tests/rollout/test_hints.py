@@ -1,6 +1,7 @@
-"""Hinted self-distillation on the worker (rollout/hints.py): the Wordle hinter finds the turn
-that ignored the feedback, the charset hinter names the characters that cost points, chat hints are validated (malformed ones skipped and counted), the
-hinted turn is scored once after the hint, and a worker attaches hints to what it submits."""
+"""Hinted self-distillation on the worker (rollout/hints.py): the env hinter passes on the
+environment's hint (the tasks' hints themselves: tests/env_server/test_env_hints.py), chat hints
+are validated (malformed ones skipped and counted), the hinted turn is scored once after the
+hint, and a worker attaches hints to what it submits."""
 
 from __future__ import annotations
 
@@ -22,23 +23,16 @@ from worker_helpers import (
 )
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.env_server.charset.environment import (
-    CharsetEnvironment,
-    CharsetRules,
-    make_prompt,
-    parse_prompt,
-)
+from deltarl.env_server.core.wire import TaskHint
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes import Episode, Turn
 from deltarl.rollout.hints import (
-    CharsetHinter,
     ChatHinter,
     EnvHinter,
     Hint,
     HintStats,
-    WordleHinter,
     check_hint,
     hint_episodes,
     hinted_context,
@@ -48,109 +42,29 @@ from deltarl.rollout.hints import (
 from deltarl.trainer.batch import collate
 
 
-def feedback(word: str, pattern: str, left: int) -> str:
-    return (
-        f"You submitted [{word}].\nFeedback:\n{' '.join(word.upper())}\n{' '.join(pattern)}\n"
-        f"\nYou have {left} guesses left."
-    )
-
-
-def episode(replies: list[str], patterns: list[str], reward: float = 0.0) -> Episode:
-    ep = Episode(group_id="g", index=0, seed=1, reward=reward)
+def episode(replies: list[str], hint: TaskHint | None = None, reward: float = 0.0) -> Episode:
+    """An episode as the worker records it, with the environment's last hint."""
+    ep = Episode(group_id="g", index=0, seed=1, reward=reward, env_hint=hint)
     ep.messages.append({"role": "user", "content": "You are Player 0 in Wordle. ..."})
     for i, reply in enumerate(replies):
         ep.messages.append({"role": "assistant", "content": reply})
-        word = reply.strip("[]")
-        if i < len(patterns):
-            ep.messages.append({"role": "user", "content": feedback(word, patterns[i], 5 - i)})
         c = Completion([1], [-0.1], "stop", UNMANAGED, UNMANAGED)
         ep.turns.append(Turn(i, i + 1, c, reply, 0, 0, 0.0, {}, False))
     return ep
 
 
-@pytest.mark.parametrize(
-    ("replies", "patterns", "turn", "says"),
-    [
-        (["[crane]", "[crane]"], ["XXXXX"], 1, "already guessed"),
-        (["[crane]", "[slate]"], ["XXXXX"], 1, "A is not in the word"),
-        (["[crane]", "[sloth]"], ["GXXXX"], 1, "Letter 1 is known to be C"),
-        (["[crane]", "[moist]"], ["XYXXX"], 1, "R is in the word"),
-        (["[crane]", "[prism]"], ["XYXXX"], 1, "R was yellow at position 2"),
-        (["crane", "[moist]"], [], 0, "square brackets"),
-        (["[crane]", "[cr]"], ["GXXXX"], 1, "5-letter word"),
-    ],
-)
-def test_wordle_hinter_names_the_turn_that_ignored_the_feedback(
-    replies: list[str], patterns: list[str], turn: int, says: str
-) -> None:
-    hint = asyncio.run(WordleHinter().hint(episode(replies, patterns)))
-    assert hint is not None and hint.turn == turn and says in hint.text, hint
-
-
-def test_wordle_hinter_is_silent_on_consistent_play() -> None:
-    ep = episode(["[crane]", "[chore]"], ["GYXXG", "GGGGG"], reward=1.0)
-    assert asyncio.run(WordleHinter().hint(ep)) is None
-
-
-CAPITALS = CharsetRules(target="ABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
-def charset_episode(reply: str, rules: CharsetRules = CAPITALS) -> Episode:
-    """A one-reply charset episode as the worker records it (the env's prompt as the user turn,
-    the reward the environment gives)."""
-    env = CharsetEnvironment(rules)
-    prompt = env.reset(seed=0).observation.prompt
-    reward = env.step(reply).reward
-    ep = Episode(group_id="g", index=0, seed=0, reward=reward)
-    ep.messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-    c = Completion([1], [-0.1], "stop", UNMANAGED, UNMANAGED)
-    ep.turns.append(Turn(0, 1, c, reply, 0, 0, reward, {}, True))
-    return ep
-
-
-@pytest.mark.parametrize(
-    "rules",
-    [CAPITALS, CharsetRules(), CharsetRules(target="ab c\n.", min_chars=3)],
-)
-def test_the_charset_prompt_gives_its_rules_back(rules: CharsetRules) -> None:
-    assert parse_prompt(make_prompt(rules)) == rules
-    assert parse_prompt("You are Player 0 in Wordle. ...") is None
-    assert parse_prompt(make_prompt(rules) + " and more") is None
-
-
-@pytest.mark.parametrize(
-    ("reply", "says"),
-    [
-        ("Hello world", "Reply in CAPITAL LETTERS only, without lowercase letters or spaces,"),
-        ("HI 42!\n", "without digits, spaces, line breaks or other characters (!),"),
-        ("HELLO", "Reply with at least 8 characters, in CAPITAL LETTERS only,"),
-        ("", "Reply with at least 8 characters"),
-    ],
-)
-def test_the_charset_hinter_names_what_cost_points(reply: str, says: str) -> None:
-    ep = charset_episode(reply)
-    assert ep.reward < 1.0
-    for hinter in (CharsetHinter(), EnvHinter()):
-        hint = asyncio.run(hinter.hint(ep))
-        assert hint is not None and hint.turn == 0 and says in hint.text, hint
-        assert hint.text.endswith("for example: HELLOWORLD")
-        assert check_hint({"failure_turn": 0, "hint": hint.text}, 1) == hint  # <= 3 sentences
-
-
-def test_the_charset_hinter_example_scores_full_marks_under_any_target() -> None:
-    for rules in (CharsetRules(), CharsetRules(target="xyz", min_chars=5)):
-        hint = asyncio.run(CharsetHinter().hint(charset_episode("Oops", rules)))
-        assert hint is not None
-        example = hint.text.rsplit("for example: ", 1)[1]
-        assert charset_episode(example, rules).reward == 1.0, hint
-
-
-def test_the_env_hinter_is_silent_on_full_marks_and_picks_the_task() -> None:
-    assert asyncio.run(EnvHinter().hint(charset_episode("HELLOWORLD"))) is None
-    assert asyncio.run(CharsetHinter().hint(episode(["[crane]"], ["XXXXX"]))) is None
-    # a Wordle episode goes to the Wordle hinter
-    hint = asyncio.run(EnvHinter().hint(episode(["[crane]", "[crane]"], ["XXXXX"])))
-    assert hint is not None and "already guessed" in hint.text
+def test_the_env_hinter_passes_on_the_environment_s_hint() -> None:
+    """The worker knows no task's rules: it uses the hint the env server sent with the last
+    observation, checked like any hinter's answer."""
+    hint = TaskHint(turn=1, text="[crane] was already guessed; every guess must be a new word.")
+    got = asyncio.run(EnvHinter().hint(episode(["[crane]", "[crane]"], hint)))
+    assert got == Hint(1, hint.text)
+    assert asyncio.run(EnvHinter().hint(episode(["[crane]"]))) is None  # none sent
+    with pytest.raises(ValueError, match=r"failure_turn must be an integer within 0\.\.0"):
+        asyncio.run(EnvHinter().hint(episode(["[crane]"], hint)))  # names no turn of it
+    long = TaskHint(turn=0, text="One. Two. Three. Four.")
+    with pytest.raises(ValueError, match="at most three sentences"):
+        asyncio.run(EnvHinter().hint(episode(["[crane]"], long)))
 
 
 def test_chat_hints_are_validated() -> None:
@@ -193,7 +107,7 @@ def test_chat_hinter_over_http_skips_and_counts_bad_answers() -> None:
     hinter = ChatHinter(
         "http://hints.test", "teacher", token="tok", transport=httpx.MockTransport(handler)
     )
-    eps = [episode(["[crane]", "[moist]"], ["XYXXX"]) for _ in range(5)]
+    eps = [episode(["[crane]", "[moist]"]) for _ in range(5)]
     eps[4].reward = 1.0  # not below: never asked
     stats = HintStats()
 

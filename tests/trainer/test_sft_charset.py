@@ -13,11 +13,16 @@ import pytest
 from smollm2_helpers import smollm2_tokenizer
 from test_sft import IM_END
 
-from deltarl.env_server.charset.environment import CharsetRules, make_prompt, score_reply
+from deltarl.env_server.charset.environment import (
+    CharsetEnvironment,
+    CharsetRules,
+    make_prompt,
+    score_reply,
+)
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.episodes import Episode, Turn
-from deltarl.rollout.hints import CharsetHinter, hinted_context
+from deltarl.rollout.hints import EnvHinter, hinted_context
 from deltarl.trainer.sft import encode_transcript, load_transcripts
 from deltarl.trainer.sft_charset import HintData, hint_transcripts, main, write_transcripts
 
@@ -76,19 +81,23 @@ def test_a_family_of_targets_and_no_system_prompt() -> None:
 
 @pytest.mark.usefixtures("smollm2_tok")  # loaded in setup, not in the timed call
 def test_a_hinted_transcript_is_what_the_env_hinter_scores() -> None:
-    """The hint is CharsetHinter's for the recorded random reply, and ``deltarl sft`` trains the
-    reply after exactly the tokens the worker scores a hinted turn after (``hinted_context``)."""
+    """The hint is the one the charset environment sends for the recorded random reply, and
+    ``deltarl sft`` trains the reply after exactly the tokens the worker scores a hinted turn
+    after (``hinted_context``)."""
     fmt = ChatFormat(smollm2_tokenizer())
     records = [r for r in hint_transcripts(20, seed=1, data=HintData(recover=0.5)) if r["hinted"]]
     assert any("prefill" in r["messages"][-1] for r in records)
     assert any("prefill" not in r["messages"][-1] for r in records)
     for r in records:
         system, prompt, hint_message, answer = r["messages"]
-        ep = Episode(group_id="g", index=0, seed=0, reward=0.0)
+        env = CharsetEnvironment(CharsetRules(target=r["target"], min_chars=HintData().min_chars))
+        assert env.reset(seed=0).observation.prompt == prompt["content"]
+        sent = env.step(r["hinted_reply"]).observation.hint
+        ep = Episode(group_id="g", index=0, seed=0, reward=0.0, env_hint=sent)
         ep.messages += [system, prompt, {"role": "assistant", "content": r["hinted_reply"]}]
         c = Completion([1], [-0.1], "stop", UNMANAGED, UNMANAGED)
         ep.turns.append(Turn(0, 1, c, r["hinted_reply"], 0, 0, 0.0, {}, True))
-        hint = asyncio.run(CharsetHinter().hint(ep))
+        hint = asyncio.run(EnvHinter().hint(ep))
         assert hint is not None and hint.text == hint_message["content"]
         enc = encode_transcript(fmt, r["messages"])
         context = hinted_context(ep, hint, fmt)

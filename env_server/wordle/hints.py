@@ -1,0 +1,68 @@
+"""Wordle's hint: the game's feedback replayed over the episode's moves, naming the first move
+that ignored what earlier feedback established (a letter known absent, a green moved, a yellow
+left out or put back where it was yellow, a repeated word), or the first move without a
+bracketed 5-letter word. Deterministic, instant, always right about the rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+FORMAT_HINT = (
+    "Reply with exactly one 5-letter word in square brackets, like [crane], and nothing else."
+)
+
+
+def wordle_hint(moves: Sequence[tuple[str | None, str | None]]) -> tuple[int, str] | None:
+    """(move index, hint) of the first move that went wrong; ``moves``: each move's guess (the
+    bracketed word, lowercase; None when the reply held none) and its feedback pattern (``GYX``
+    letters; None when the move was not scored). None: every move fits the feedback."""
+    known_absent: set[str] = set()
+    greens: dict[int, str] = {}
+    yellows: dict[str, set[int]] = {}
+    seen: set[str] = set()
+    for i, (guess, pattern) in enumerate(moves):
+        if guess is None or len(guess) != 5:
+            return i, FORMAT_HINT
+        problem = _contradiction(guess, known_absent, greens, yellows, seen)
+        if problem is not None:
+            return i, problem
+        seen.add(guess)
+        if pattern is None:
+            continue
+        for pos, (ch, mark) in enumerate(zip(guess, pattern, strict=True)):
+            if mark == "G":
+                greens[pos] = ch
+            elif mark == "Y":
+                yellows.setdefault(ch, set()).add(pos)
+        for ch, mark in zip(guess, pattern, strict=True):
+            if mark == "X" and ch not in greens.values() and ch not in yellows:
+                known_absent.add(ch)
+    return None
+
+
+def _contradiction(
+    guess: str,
+    absent: set[str],
+    greens: dict[int, str],
+    yellows: dict[str, set[int]],
+    seen: set[str],
+) -> str | None:
+    if guess in seen:
+        return f"[{guess}] was already guessed; every guess must be a new word."
+    for ch in sorted(set(guess) & absent):
+        return (
+            f"{ch.upper()} is not in the word (the feedback marked it X), yet this guess uses it."
+        )
+    for pos, ch in sorted(greens.items()):
+        if guess[pos] != ch:
+            return f"Letter {pos + 1} is known to be {ch.upper()} (green); keep it there in every guess."
+    for ch, bad in sorted(yellows.items()):
+        if ch not in guess:
+            return f"{ch.upper()} is in the word (yellow); the guess must include it."
+        for pos in sorted(bad):
+            if guess[pos] == ch:
+                return (
+                    f"{ch.upper()} was yellow at position {pos + 1}: it is in the word but not "
+                    "there; move it."
+                )
+    return None
