@@ -6,7 +6,7 @@
 #
 # Three GPUs visible (CUDA_VISIBLE_DEVICES set by the caller): the SFT and the GRPO trainer on
 # the first, two vLLM rollout workers on the second and third. About 20 minutes:
-#   1. solver games: python -m deltarl.trainer.sft_data, GAMES games in PAR processes; the
+#   1. solver games: python -m deltarl.env_server.wordle.transcripts, GAMES games in PAR processes; the
 #      solver's own win rate in 6 guesses over those seeds (pipeline.json)
 #   2. deltarl sft of SmolLM2 on them (first GPU), meanwhile `deltarl eval` plays EVAL_GAMES
 #      greedy games with the untrained model (second GPU)
@@ -127,7 +127,7 @@ stage() {  # stage NAME COMMAND...: log to logs/NAME.log, one line in status.txt
 solver_games() {  # PAR processes of GAMES/PAR games each, seeds 0..GAMES-1, then one file
   local per=$(((GAMES + PAR - 1) / PAR)) pids=() i
   for ((i = 0; i < PAR; i++)); do
-    "$PY" -m deltarl.trainer.sft_data --games "$per" --seed $((i * per)) --max-guesses 6 \
+    "$PY" -m deltarl.env_server.wordle.transcripts --games "$per" --seed $((i * per)) --max-guesses 6 \
       "${SUMMARY_ARG[@]}" --out "$WORK/solver.$i.jsonl" &
     pids+=($!)
   done

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltarl.env_server.core.models import StepResult
+from deltarl.env_server.core.render import observation_text
 from deltarl.env_server.core.wire import TaskHint
 from deltarl.rollout import fault_points
 from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
@@ -259,20 +260,6 @@ class EpisodeEnv(Protocol):
         """Open a session; a client that takes reset options also accepts ``options=`` (the
         runner passes it only when the settings ask for options)."""
         ...
-
-
-def observation_text(previous: StepResult | None, result: StepResult) -> str:
-    """Default rendering of an observation as the next user turn.
-
-    The transcript messages that ``result`` added since ``previous`` (all of them for the first
-    observation), leaving out the player's own moves (``sender_id == current_player_id``),
-    joined by blank lines; the observation's ``prompt`` if that leaves nothing. For Wordle: the
-    game's instructions first, then each step's feedback ("You submitted [crane]. ...").
-    """
-    obs = result.observation
-    start = len(previous.observation.messages) if previous is not None else 0
-    texts = [m.content for m in obs.messages[start:] if m.sender_id != obs.current_player_id]
-    return "\n\n".join(texts) if texts else obs.prompt
 
 
 def _signals_of(result: StepResult) -> dict[str, float]:

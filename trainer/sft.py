@@ -1,21 +1,21 @@
 """``deltarl sft``: a supervised warm start on chat transcripts (e.g. solver-played Wordle).
 
 Cross-entropy on the assistant tokens only: each transcript (JSONL, ``{"messages": [...]}``,
-as :mod:`.sft_data` writes) is tokenized exactly as a rollout episode would hold it
+as :mod:`deltarl.env_server.wordle.transcripts` writes) is tokenized exactly as a rollout episode would hold it
 (:class:`~deltarl.rollout.chat_format.ChatFormat`: the first prompt rendered with the generation
 prompt, each reply's tokens followed by the template's end-of-turn token, then the template text
 that closes the turn and opens the next user turn), and the loss mask is 1 on the reply tokens
 and their end-of-turn token (what the policy samples) and 0 on everything else (system, user,
 template text). An assistant message may also hold ``prefill``, text its reply starts with
 that is context, not trained (masked 0; the reply is ``prefill`` then ``content``): e.g. the
-start of a wrong reply that a hint should steer back on course (:mod:`.sft_charset`). The
+start of a wrong reply that a hint should steer back on course (:mod:`deltarl.env_server.charset.transcripts`). The
 model trains for ``steps`` AdamW steps (fp32 master weights) on batches of ``batch_size``
 transcripts drawn in a seeded random order, and is saved with its tokenizer as a
 Hugging Face directory (``save_pretrained``): use it as the run's model (``[run] model =
 "<out>"``, or the trainer's ``model``) and the trainer's first published anchor (version 0) is
 the warm-started weights, which the workers load.
 
-Without ``data``, ``games`` solver games are generated first (:func:`.sft_data.solver_transcripts`).
+Without ``data``, ``games`` solver games are generated first (:func:`deltarl.env_server.wordle.transcripts.solver_transcripts`).
 SmolLM2-135M at scale (a few thousand games, a few hundred steps) wants a GPU (minutes there);
 on 2 CPU cores expect a step to take seconds.
 """
@@ -64,7 +64,7 @@ class SftSettings(BaseSettings):
     )
     data: Path | None = Field(
         default=None,
-        description="Transcripts (JSONL of {messages: [...]}, python -m deltarl.trainer.sft_data "
+        description="Transcripts (JSONL of {messages: [...]}, python -m deltarl.env_server.wordle.transcripts "
         "writes them); unset: generate `games` solver games.",
     )
     games: int = Field(default=1000, ge=1, description="Solver games to generate without data.")
@@ -181,7 +181,7 @@ def _transcripts(settings: SftSettings) -> list[list[dict[str, str]]]:
     if settings.data is not None:
         return load_transcripts(settings.data)
     from deltarl.env_server.wordle.game import WordleRules
-    from deltarl.trainer.sft_data import solver_transcripts
+    from deltarl.env_server.wordle.transcripts import solver_transcripts
 
     records = solver_transcripts(
         settings.games,

@@ -52,7 +52,7 @@ def _allowed(rules: CharsetRules) -> tuple[str, str]:
 
 def charset_hint(reply: str, rules: CharsetRules) -> str | None:
     """The hint for ``reply`` under ``rules``; None at full marks. Also the wording of the
-    synthetic hint-following transcripts (:mod:`deltarl.trainer.sft_charset`)."""
+    synthetic hint-following transcripts (:mod:`deltarl.env_server.charset.transcripts`)."""
     reward, _ = score_reply(reply, rules)
     if reward >= 1.0:
         return None

@@ -4,7 +4,7 @@ can read the environment's hints learns the task in fewer steps with them (``rol
 
 A random tiny model cannot read a hint, so the student first gets that ability the way a real
 instruct model has it, from a short supervised warm start (``deltarl sft``) on synthetic
-hint-following conversations (:mod:`deltarl.trainer.sft_charset`): the charset prompt for one
+hint-following conversations (:mod:`deltarl.env_server.charset.transcripts`): the charset prompt for one
 of FAMILY's sets, then either :func:`~deltarl.env_server.charset.hints.charset_hint`'s hint as a second
 user turn and a reply in that set, or no hint and a reply of random letters and digits. Its
 unhinted replies therefore ignore the target; hinted, it answers in the set the hint names.
@@ -42,7 +42,8 @@ from statistics import mean
 import pytest
 from e2e_runs import BackgroundRun
 
-from deltarl.trainer.sft_charset import HintData, hint_transcripts, write_transcripts
+from deltarl.env_server.charset.transcripts import HintData, hint_transcripts
+from deltarl.env_server.core.render import write_transcripts
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -14,11 +14,11 @@ import pytest
 from env_helpers import answer, settings, wrong_guesses
 from fastapi.testclient import TestClient
 
+from deltarl.env_server.wordle import transcripts
 from deltarl.env_server.wordle.environment import WordleEnvironment, apply_options
 from deltarl.env_server.wordle.game import WordleRules, WordLists, known_summary, score_guess
 from deltarl.env_server.wordle.options import ResetOptions
 from deltarl.rollout.episodes import observation_text
-from deltarl.trainer import sft_data
 
 SEED = 3
 HEAD = "Known so far:"
@@ -173,7 +173,7 @@ def test_charset_refuses_the_option(make_client: Callable[..., TestClient]) -> N
 
 def test_solver_transcripts_carry_it(tmp_path: Path) -> None:
     out = tmp_path / "games.jsonl"
-    sft_data.main(["--games", "3", "--out", str(out), "--feedback-summary"])
+    transcripts.main(["--games", "3", "--out", str(out), "--feedback-summary"])
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(records) == 3
     for r in records:
@@ -184,5 +184,5 @@ def test_solver_transcripts_carry_it(tmp_path: Path) -> None:
         history = [(g, score_guess(g, answer(r["seed"]))) for g in guesses]
         assert known_summary(history[:1]) in users[1]
     plain = tmp_path / "plain.jsonl"
-    sft_data.main(["--games", "2", "--out", str(plain)])
+    transcripts.main(["--games", "2", "--out", str(plain)])
     assert HEAD not in plain.read_text()

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from deltarl.env_server.core.client import EnvClient
 from deltarl.env_server.wordle.game import WordleRules, WordLists, answer_for_seed, score_guess
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
+from deltarl.env_server.wordle.transcripts import solver_transcripts
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.episodes import (
     ChatFormat,
@@ -26,7 +27,6 @@ from deltarl.rollout.episodes import (
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.trajectories import episode_signals
 from deltarl.trainer.sft import encode_transcript
-from deltarl.trainer.sft_data import solver_transcripts
 
 IM_END = 2
 SEED = 11
@@ -142,7 +142,7 @@ def test_rollout_settings_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_solver_transcript_is_what_an_episode_holds(server: WordleServer, tok: Any) -> None:
-    """A solver game written by sft_data equals the same game played through the rollout
+    """A solver game written by the Wordle transcripts equals the same game played through the rollout
     runner (messages), and the SFT encoding of it equals the episode's tokens and mask."""
     (record,) = solver_transcripts(1, seed=SEED, rules=WordleRules())
     guesses = [m["content"] for m in record["messages"] if m["role"] == "assistant"]

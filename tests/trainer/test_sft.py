@@ -13,8 +13,10 @@ from smollm2_helpers import smollm2_tokenizer
 from typer.testing import CliRunner
 
 from deltarl.cli import app
+from deltarl.env_server.core.render import write_transcripts
 from deltarl.env_server.wordle.game import WordleRules
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
+from deltarl.env_server.wordle.transcripts import solver_transcripts
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.trainer.sft import (
     SftSettings,
@@ -23,7 +25,6 @@ from deltarl.trainer.sft import (
     load_transcripts,
     run_sft,
 )
-from deltarl.trainer.sft_data import solver_transcripts, write_transcripts
 
 IM_END = "<|im_end|>"
 

@@ -1,4 +1,4 @@
-"""Synthetic hint-following transcripts for the charset task (``deltarl.trainer.sft_charset``):
+"""Synthetic hint-following transcripts for the charset task (``deltarl.env_server.charset.transcripts``):
 their shape, that a hinted one is exactly the context the worker's env hinter scores, and that
 ``deltarl sft`` encodes it with the hint as a second user turn."""
 
@@ -19,12 +19,13 @@ from deltarl.env_server.charset.environment import (
     make_prompt,
     score_reply,
 )
+from deltarl.env_server.charset.transcripts import HintData, hint_transcripts, main
+from deltarl.env_server.core.render import write_transcripts
 from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.episodes import Episode, Turn
 from deltarl.rollout.hints import EnvHinter, hinted_context
 from deltarl.trainer.sft import encode_transcript, load_transcripts
-from deltarl.trainer.sft_charset import HintData, hint_transcripts, main, write_transcripts
 
 FAMILY = (string.ascii_uppercase, string.ascii_lowercase, string.digits)
 

@@ -34,7 +34,7 @@ are ``min_chars`` to ``min_chars + extra`` characters. One JSON object per line 
 
 Command line::
 
-    python -m deltarl.trainer.sft_charset --count 4000 --out charset-hints.jsonl [--seed 0] \
+    python -m deltarl.env_server.charset.transcripts --count 4000 --out charset-hints.jsonl [--seed 0] \
         [--targets ABCDEFGHIJKLMNOPQRSTUVWXYZ abcdefghijklmnopqrstuvwxyz 0123456789]
 """
 
@@ -51,9 +51,9 @@ from typing import Any
 
 from deltarl.env_server.charset.environment import CharsetRules, make_prompt
 from deltarl.env_server.charset.hints import charset_hint
-from deltarl.trainer.sft_data import write_transcripts
+from deltarl.env_server.core.render import write_transcripts
 
-__all__ = ["HintData", "hint_transcript", "hint_transcripts", "write_transcripts"]
+__all__ = ["HintData", "hint_transcript", "hint_transcripts"]
 
 ALPHABET = string.ascii_letters + string.digits
 

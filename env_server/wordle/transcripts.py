@@ -5,7 +5,7 @@ the server's own :class:`~deltarl.env_server.wordle.environment.WordleEnvironmen
 process: the same prompt, feedback text and rules as ``deltarl env``) and written exactly as a
 rollout worker's episode holds it (:mod:`deltarl.rollout.episodes`): the system prompt
 (``WORDLE_SYSTEM_PROMPT`` by default), the first observation rendered by
-:func:`~deltarl.rollout.episodes.observation_text` as the first user turn, then each guess as
+:func:`~deltarl.env_server.core.render.observation_text` as the first user turn, then each guess as
 an assistant turn (``"[crane]"``) and each step's feedback as the next user turn; the last
 assistant turn is the game's last guess (the final feedback is not part of an episode).
 
@@ -17,7 +17,7 @@ One JSON object per line (JSONL)::
 
 ``reward`` is the game's return under the rules it was played with. Command line::
 
-    python -m deltarl.trainer.sft_data --games 2000 --out wordle-solver.jsonl [--max-guesses 6]
+    python -m deltarl.env_server.wordle.transcripts --games 2000 --out wordle-solver.jsonl [--max-guesses 6]
         [--feedback-summary]
 """
 
@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from deltarl.env_server.core.render import observation_text, write_transcripts
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordleRules, WordLists
 from deltarl.env_server.wordle.options import ResetOptions
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
 from deltarl.env_server.wordle.solver import Solver
-from deltarl.rollout.episodes import observation_text
 
-__all__ = ["solver_transcript", "solver_transcripts", "write_transcripts"]
+__all__ = ["solver_transcript", "solver_transcripts"]
 
 
 def solver_transcript(
@@ -95,18 +95,6 @@ def solver_transcripts(
         )
         if record["won"] or not only_won:
             yield record
-
-
-def write_transcripts(path: Path, records: Iterable[dict[str, Any]]) -> int:
-    """Write records as JSONL (any transcript records: these, :mod:`.sft_charset`'s); return how
-    many."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
-    with path.open("w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-            n += 1
-    return n
 
 
 def main(argv: Sequence[str] | None = None) -> None:
