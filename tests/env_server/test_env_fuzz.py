@@ -14,7 +14,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from deltarl.env_server.core.app import create_app
-from deltarl.env_server.core.models import HTTP_STATUS, ErrorCode, ErrorResponse, StepResult
+from deltarl.env_server.core.models import HTTP_STATUS, ErrorCode, ErrorResponse
+from deltarl.env_server.tasks import AnyStepResult
 
 CLIENT = TestClient(create_app(settings(max_sessions=100_000, max_message_chars=2000)))
 DOCUMENTED = {(code.value, status) for code, status in HTTP_STATUS.items()}
@@ -95,7 +96,7 @@ def test_fuzz_games(moves: list[str], seed: int) -> None:
         if r.status_code != 200:
             assert r.json()["code"] == ErrorCode.GAME_OVER
             break
-        result = StepResult.model_validate_json(r.content)
+        result = AnyStepResult.model_validate_json(r.content)
         obs = result.observation
         assert (obs.answer is not None) == result.done
         assert len(obs.history) + obs.guesses_left <= 6
