@@ -18,7 +18,6 @@ by the client.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import pkgutil
 from collections.abc import Mapping
@@ -69,15 +68,15 @@ def task_names() -> list[str]:
     return list(TASKS)
 
 
-def make_task(settings: EnvSettings) -> TaskSpec:
-    """The task ``settings.task`` selects, built from the settings."""
+def make_task(settings: EnvSettings) -> tuple[Task, TaskSpec]:
+    """The task ``settings.task`` selects, and what the settings make of it."""
     try:
         task = TASKS[settings.task]
     except KeyError:
         raise ValueError(
             f"unknown task {settings.task!r}; this server plays {task_names()}"
         ) from None
-    return dataclasses.replace(task.build(settings), options=task.options)
+    return task, task.build(settings)
 
 
 def check_options(options: Mapping[str, Any]) -> None:

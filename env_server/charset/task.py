@@ -18,13 +18,10 @@ def build(settings: EnvSettings) -> TaskSpec:
 
     rules = settings.charset_rules()
     return TaskSpec(
-        name="charset",
         description=f"Charset: one reply, scored by the share of its characters in "
         f"{rules.target!r} (replies under {rules.min_chars} characters count as "
         f"{rules.min_chars} long).",
         factory=lambda: CharsetEnvironment(rules),
-        observation=CharsetObservation,
-        state=CharsetState,
         empty_state=CharsetState,
         max_turns=1,  # the observation states the task; no system turn
     )

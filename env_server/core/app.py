@@ -42,14 +42,14 @@ def create_app(settings: EnvSettings | None = None) -> FastAPI:
     ``DELTARL_ENV_*`` environment variables."""
     settings = settings if settings is not None else EnvSettings()
     quiet_bad_frames()
-    task = make_task(settings)
+    task, spec = make_task(settings)
     store = SessionStore(
-        task.factory,
+        spec.factory,
         max_sessions=settings.max_sessions,
         timeout_s=settings.session_timeout_s,
     )
     metrics = EnvMetrics(store)
-    service = EnvService(settings=settings, task=task, store=store, metrics=metrics)
+    service = EnvService(settings=settings, task=task, spec=spec, store=store, metrics=metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

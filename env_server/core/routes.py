@@ -36,7 +36,7 @@ from deltarl.env_server.core.models import (
     TextAction,
 )
 from deltarl.env_server.core.sessions import Session, SessionStore
-from deltarl.env_server.core.task import TaskSpec
+from deltarl.env_server.core.task import Task, TaskSpec
 from deltarl.env_server.settings import EnvSettings
 from deltarl.services.common.errors import validation_text
 
@@ -46,7 +46,8 @@ class EnvService:
     """What every route works on: the settings, the task, its sessions and the metrics."""
 
     settings: EnvSettings
-    task: TaskSpec
+    task: Task
+    spec: TaskSpec
     store: SessionStore
     metrics: EnvMetrics
 
@@ -93,7 +94,7 @@ class EnvService:
 
 def add_info_routes(app: FastAPI, service: EnvService) -> None:
     """``GET /health`` (no token), ``/metadata``, ``/schema``, ``/metrics``."""
-    task, metrics = service.task, service.metrics
+    task, spec, metrics = service.task, service.spec, service.metrics
 
     @app.get("/health", response_model=HealthResponse, tags=["info"])
     async def health() -> HealthResponse:
@@ -105,12 +106,12 @@ def add_info_routes(app: FastAPI, service: EnvService) -> None:
         """OpenEnv ``EnvironmentMetadata``, with the task's system prompt and turn limit."""
         return EnvMetadata(
             name=task.name,
-            description=task.description,
+            description=spec.description,
             version=__version__,
             author="deltarl",
             documentation_url="docs/env_server.md",
-            system_prompt=task.system_prompt,
-            max_turns=task.max_turns,
+            system_prompt=spec.system_prompt,
+            max_turns=spec.max_turns,
         )
 
     @app.get("/schema", response_model=SchemaResponse, tags=["info"])
@@ -200,7 +201,7 @@ def add_session_routes(app: FastAPI, service: EnvService) -> None:
         server answers)."""
         sid = session_id or session_header(request)
         if not sid:
-            fresh = task.empty_state()
+            fresh = service.spec.empty_state()
             return Response(fresh.model_dump_json(), media_type="application/json")
         session = store.get(sid)
         store.touch(session)

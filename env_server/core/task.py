@@ -42,16 +42,12 @@ class TextEnvironment(Protocol):
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A task as the server sees it, built from the settings."""
+    """What a task's settings make of it (its :class:`Task` declares the rest)."""
 
-    name: str
     description: str  # for /metadata
     factory: Callable[[], TextEnvironment]  # a fresh environment per session
-    observation: type[TextArenaObservation]  # for /schema and the routes' response models
-    state: type[BaseModel]  # for /schema, and the empty state of GET /state without a session
-    empty_state: Callable[[], BaseModel]
+    empty_state: Callable[[], BaseModel]  # GET /state without a session
     max_turns: int  # for /metadata: most replies an episode can take
-    options: type[BaseModel] | None = None  # a reset's options; None: the task takes none
     system_prompt: str | None = None  # for /metadata: a chat model's instructions, if any
 
 
@@ -64,8 +60,8 @@ class Task:
 
     name: str
     summary: str  # one line, for the settings' reference
-    observation: type[TextArenaObservation]
-    state: type[BaseModel]
+    observation: type[TextArenaObservation]  # for /schema and the routes' response models
+    state: type[BaseModel]  # for /schema and GET /state
     settings: type[BaseModel]  # a base of EnvSettings
     build: Callable[[EnvSettings], TaskSpec]
     options: type[BaseModel] | None = None  # a reset's options; None: the task takes none

@@ -24,14 +24,11 @@ def build(settings: EnvSettings) -> TaskSpec:
     reveal = settings.debug_reveal_answer
     shaping = settings.shaping()
     return TaskSpec(
-        name="wordle",
         description=f"Wordle: {wordle.max_guesses} guesses, feedback G/Y/X"
         + (" and a summary of all the feedback so far" if wordle.feedback_summary else "")
         + f"; answer list of {len(words.answers)} words, {len(words.allowed)} allowed guesses "
         "(SCOWL).",
         factory=lambda: WordleEnvironment(wordle, words, reveal_answer=reveal, shaping=shaping),
-        observation=WordleObservation,
-        state=WordleState,
         empty_state=lambda: WordleState(
             max_guesses=wordle.max_guesses, guesses_left=wordle.max_guesses
         ),

@@ -29,8 +29,7 @@ class DiceState(BaseModel):
     task: Literal["dice"] = "dice"
 
 def build(settings):
-    return TaskSpec(name="dice", description="roll", factory=lambda: None,
-                    observation=DiceObservation, state=DiceState, empty_state=DiceState,
+    return TaskSpec(description="roll", factory=lambda: None, empty_state=DiceState,
                     max_turns=1)
 
 class DiceSettings(BaseModel):
@@ -68,8 +67,8 @@ def add_folder(root: Path, name: str, task_py: str | None) -> None:
 def test_the_shipped_tasks_are_found_and_build() -> None:
     assert list(TASKS) == ["charset", "wordle"]
     for name in TASKS:
-        spec = make_task(EnvSettings(task=name))
-        assert spec.name == name and spec.max_turns >= 1
+        task, spec = make_task(EnvSettings(task=name))
+        assert task.name == name and spec.max_turns >= 1
         first = spec.factory().reset(seed=0)
         assert first.observation.task == name  # type: ignore[attr-defined]
 
@@ -79,7 +78,7 @@ def test_adding_a_task_is_adding_a_folder(package: Path) -> None:
     add_folder(package, "helpers", None)  # a folder without task.py is not a task
     found = discover("taskpkg")
     assert list(found) == ["dice"] and isinstance(found["dice"], Task)
-    assert found["dice"].build(EnvSettings()).name == "dice"
+    assert found["dice"].build(EnvSettings()).description == "roll"
 
 
 def test_a_task_file_without_a_task_is_named(package: Path) -> None:
