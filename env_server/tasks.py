@@ -28,6 +28,7 @@ from pydantic import BaseModel, Discriminator, RootModel, Tag, ValidationError
 from deltarl.env_server.core.models import StepResult
 from deltarl.env_server.core.task import Task, TaskSpec
 from deltarl.env_server.core.wire import TextArenaObservation
+from deltarl.services.common.errors import validation_text
 
 if TYPE_CHECKING:
     from deltarl.env_server.settings import EnvSettings
@@ -64,17 +65,13 @@ def discover(package: str = PACKAGE) -> dict[str, Task]:
 TASKS = discover()
 
 
-def task_names() -> list[str]:
-    return list(TASKS)
-
-
 def make_task(settings: EnvSettings) -> tuple[Task, TaskSpec]:
     """The task ``settings.task`` selects, and what the settings make of it."""
     try:
         task = TASKS[settings.task]
     except KeyError:
         raise ValueError(
-            f"unknown task {settings.task!r}; this server plays {task_names()}"
+            f"unknown task {settings.task!r}; this server plays {', '.join(TASKS)}"
         ) from None
     return task, task.build(settings)
 
@@ -90,9 +87,8 @@ def check_options(options: Mapping[str, Any]) -> None:
             task.options.model_validate(dict(options))
             return
         except ValidationError as err:
-            e = err.errors(include_input=False)[0]
-            where = ".".join(str(p) for p in e["loc"]) or "options"
-            errors.append(f"{where}: {e['msg']} (as {name}'s options)")
+            first = validation_text(err.errors(include_input=False), limit=1)
+            errors.append(f"{first} (as {name}'s options)")
     raise ValueError("; ".join(errors) or "no task takes reset options")
 
 

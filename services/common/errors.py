@@ -2,6 +2,8 @@
 "detail"}`` bodies (the env server's and the teacher's), installed by
 :func:`install_error_handlers`.
 
+:func:`validation_text` is light (clients use it too); FastAPI is imported by the installer.
+
 A service names its error class and how to read a code and a text from it, its codes for the
 HTTP errors Starlette raises itself (404, 405, ...), its code for a bug and, when FastAPI parses
 its bodies, its codes for a body that is not JSON and one that does not validate. A bug is
@@ -12,12 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+if TYPE_CHECKING:  # FastAPI loads with a server, not with a client that only reads errors
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ def install_error_handlers(
     ``code_of(exc)``, Starlette's HTTP errors with ``http_codes`` (else ``internal``), FastAPI's
     body errors with ``invalid`` = (not JSON, not valid) when given, anything else with
     ``internal``."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(error)
     async def _service_error(_: Request, exc: E) -> Response:
