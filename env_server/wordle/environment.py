@@ -28,7 +28,7 @@ from deltarl.env_server.wordle.game import (
     WordLists,
     known_summary,
 )
-from deltarl.env_server.wordle.hints import wordle_hint
+from deltarl.env_server.wordle.hints import move_hint
 from deltarl.env_server.wordle.models import (
     GuessFeedback,
     LastMove,
@@ -138,7 +138,7 @@ class WordleEnvironment:
         # are untracked by the cyclic GC, so a mid-game session holds ~9 GC-tracked objects
         # instead of ~31 and full collections stay short with thousands of sessions
         self.messages: list[tuple[int, str, str]] = []
-        self.moves: list[tuple[str | None, str | None]] = []  # (guess, pattern): for the hint
+        self.mistake: tuple[int, str] | None = None  # (move, hint) of the first mistake
         self.last_move: LastMove | None = None
         self.last_signals: RewardSignals | None = None
         self.last_reward = 0.0
@@ -166,7 +166,7 @@ class WordleEnvironment:
         self.game = WordleGame(rules, self.words, seed=seed)
         self.episode_id = episode_id if episode_id is not None else uuid.uuid4().hex
         self.messages = [(GAME_ID, self.prompt, "PROMPT")]
-        self.moves = []
+        self.mistake = None
         self.last_move = None
         self.last_signals = None
         self.last_reward = 0.0
@@ -182,7 +182,10 @@ class WordleEnvironment:
         shown = f"[{move.guess}]" if move.guess is not None else "(no bracketed guess)"
         self.messages.append((PLAYER_ID, shown, "PLAYER_ACTION"))
         self.messages.append((GAME_ID, self._feedback(move), "GAME_MESSAGE"))
-        self.moves.append((move.guess, move.pattern if move.invalid_reason is None else None))
+        if self.mistake is None:  # the first mistake is the hint: later moves cannot change it
+            earlier = game.guesses[:-1] if move.valid else game.guesses
+            text = move_hint(move.guess, earlier)
+            self.mistake = None if text is None else (game.moves - 1, text)
         self.last_move = LastMove(
             guess=move.guess,
             valid=move.valid,
@@ -244,7 +247,7 @@ class WordleEnvironment:
         return StepResult(observation=obs, reward=self.last_reward, done=game.done)
 
     def _hint(self) -> TaskHint | None:
-        found = wordle_hint(self.moves)
+        found = self.mistake
         return None if found is None else TaskHint(turn=found[0], text=found[1])
 
     def state(self) -> WordleState:

@@ -12,31 +12,38 @@ FORMAT_HINT = (
 )
 
 
-def wordle_hint(moves: Sequence[tuple[str | None, str | None]]) -> tuple[int, str] | None:
-    """(move index, hint) of the first move that went wrong; ``moves``: each move's guess (the
-    bracketed word, lowercase; None when the reply held none) and its feedback pattern (``GYX``
-    letters; None when the move was not scored). None: every move fits the feedback."""
+def move_hint(guess: str | None, earlier: Sequence[tuple[str, str]]) -> str | None:
+    """The hint for a move whose guess is ``guess`` (the bracketed word, lowercase; None when
+    the reply held none), after the scored guesses ``earlier`` ((word, ``GYX`` pattern) in
+    order); None when the move fits their feedback."""
+    if guess is None or len(guess) != 5:
+        return FORMAT_HINT
     known_absent: set[str] = set()
     greens: dict[int, str] = {}
     yellows: dict[str, set[int]] = {}
-    seen: set[str] = set()
-    for i, (guess, pattern) in enumerate(moves):
-        if guess is None or len(guess) != 5:
-            return i, FORMAT_HINT
-        problem = _contradiction(guess, known_absent, greens, yellows, seen)
-        if problem is not None:
-            return i, problem
-        seen.add(guess)
-        if pattern is None:
-            continue
-        for pos, (ch, mark) in enumerate(zip(guess, pattern, strict=True)):
+    for word, pattern in earlier:
+        for pos, (ch, mark) in enumerate(zip(word, pattern, strict=True)):
             if mark == "G":
                 greens[pos] = ch
             elif mark == "Y":
                 yellows.setdefault(ch, set()).add(pos)
-        for ch, mark in zip(guess, pattern, strict=True):
+        for ch, mark in zip(word, pattern, strict=True):
             if mark == "X" and ch not in greens.values() and ch not in yellows:
                 known_absent.add(ch)
+    seen = {word for word, _ in earlier}
+    return _contradiction(guess, known_absent, greens, yellows, seen)
+
+
+def wordle_hint(moves: Sequence[tuple[str | None, str | None]]) -> tuple[int, str] | None:
+    """(move index, hint) of the first move that went wrong; ``moves``: each move's guess and
+    its feedback pattern (None when the move was not scored). None: every move fits."""
+    scored: list[tuple[str, str]] = []
+    for i, (guess, pattern) in enumerate(moves):
+        text = move_hint(guess, scored)
+        if text is not None:
+            return i, text
+        if guess is not None and pattern is not None:
+            scored.append((guess, pattern))
     return None
 
 
