@@ -121,6 +121,36 @@ def shared_values(config: RunConfig, section: str) -> dict[str, Any]:
     return {f: run[k] for f, k in SHARED_FIELDS[section].items()}
 
 
+def experiment_env(
+    config: RunConfig, section: str, *, model: str, engine_seed: int | None = None
+) -> dict[str, str]:
+    """The ``DELTARL_*`` variables of a server's or a worker's experiment settings: its section
+    and the ``[run]`` values it shares, ``model`` as the process loads it; no deployment (the
+    launcher's and ``--run-config``'s common ground). A worker's ``engine_seed`` is the
+    caller's."""
+    if section == "coordinator":
+        return section_env(section, config.coordinator | shared_values(config, section))
+    if section == "env":
+        return section_env(section, config.env)
+    if section == "teacher":
+        if config.teacher is None:
+            raise ValueError("the run config has no [teacher] section: no teacher to start")
+        return section_env(section, {"model": model} | config.teacher)
+    if section == "rollout":
+        values = {k: v for k, v in config.rollout.items() if k not in ROLLOUT_LAUNCH}
+        values |= shared_values(config, section) | {"model": model, "engine_seed": engine_seed}
+        return section_env(section, values)
+    raise ValueError(f"no service section [{section}]")
+
+
+def write_experiment(config: RunConfig, out: Path, *, model: str, run_dir: Path) -> None:
+    """Write the trainer's experiment settings to ``out`` (what ``deltarl train --config``
+    reads)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = experiment(config, model=model, run_dir=run_dir)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def experiment(config: RunConfig, *, model: str, run_dir: Path) -> dict[str, Any]:
     """The trainer's experiment settings (nested, as ``deltarl train --config`` reads them)."""
     data: dict[str, Any] = {}
@@ -164,7 +194,7 @@ class RunLayout:
             "coordinator",
             ["coordinator", "--host", e.host, "--port", str(e.coordinator_port)],
             self.common
-            | section_env("coordinator", c.coordinator | shared_values(c, "coordinator"))
+            | experiment_env(c, "coordinator", model=self.model)
             | {
                 "DELTARL_COORDINATOR_SQLITE_PATH": str(self.run_dir / "coordinator.sqlite3"),
                 "DELTARL_COORDINATOR_TRAINER_TOKEN": self.tokens.trainer,
@@ -180,7 +210,7 @@ class RunLayout:
             "env",
             ["env", "--host", e.host, "--port", str(e.env_port)],
             self.common
-            | section_env("env", self.config.env)
+            | experiment_env(self.config, "env", model=self.model)
             | {"DELTARL_ENV_TOKEN": self.tokens.env},
             role="server",
             health=f"{e.env_url}/health",
@@ -194,11 +224,11 @@ class RunLayout:
             return None
         if self.tokens.teacher is None:
             raise ValueError("a [teacher] section needs a teacher token (Tokens.teacher)")
-        values = {"model": self.model} | section
         return ServiceLaunch(
             "teacher",
             ["teacher", "--host", e.host, "--port", str(e.teacher_port)],
-            section_env("teacher", values) | {"DELTARL_TEACHER_TOKEN": self.tokens.teacher},
+            experiment_env(self.config, "teacher", model=self.model)
+            | {"DELTARL_TEACHER_TOKEN": self.tokens.teacher},
             role="server",
             health=f"{e.teacher_url}/health",
             ready_s=600.0,  # loads its model first (SmolLM2 on 2 CPU cores: ~35 s)
@@ -211,16 +241,12 @@ class RunLayout:
         ``run.seed * workers + index`` unless given."""
         c, e = self.config, self.endpoints
         wid = worker_id if worker_id is not None else f"worker-{index + 1}"
-        values = {k: v for k, v in c.rollout.items() if k not in ROLLOUT_LAUNCH}
-        values |= shared_values(c, "rollout") | {
-            "model": self.model,
-            "engine_seed": seed if seed is not None else c.run.seed * c.workers + index,
-        }
+        engine_seed = seed if seed is not None else c.run.seed * c.workers + index
         return ServiceLaunch(
             wid,
             ["rollout"],
             self.common
-            | section_env("rollout", values)
+            | experiment_env(c, "rollout", model=self.model, engine_seed=engine_seed)
             | {
                 "DELTARL_ROLLOUT_COORDINATOR_URL": e.coordinator_url,
                 "DELTARL_ROLLOUT_WORKER_TOKEN": self.tokens.for_worker(wid),
@@ -242,9 +268,7 @@ class RunLayout:
     def trainer(self) -> ServiceLaunch:
         """Writes the resolved experiment to ``run_dir/trainer.json`` (``--config``)."""
         exp_file = self.run_dir / "trainer.json"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        data = experiment(self.config, model=self.model, run_dir=self.run_dir / "trainer")
-        exp_file.write_text(json.dumps(data, indent=2) + "\n")
+        write_experiment(self.config, exp_file, model=self.model, run_dir=self.run_dir / "trainer")
         return ServiceLaunch(
             "trainer",
             ["train", "--config", str(exp_file)],

@@ -17,22 +17,14 @@ from one file sample differently, and a worker restarted with its id samples as 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from deltarl.run.config import RunConfig, RunConfigError, load_run_config
-from deltarl.run.derive import (
-    ROLLOUT_LAUNCH,
-    check_services,
-    experiment,
-    section_env,
-    shared_values,
-)
+from deltarl.run.derive import check_services, experiment_env, write_experiment
 
-SERVICES = ("coordinator", "env", "rollout", "teacher", "train")
 SEED_SPAN = 2**31  # engine seeds stay below it (every engine's generators take 32 bits)
 
 
@@ -45,30 +37,19 @@ def worker_seed(run_seed: int, worker_id: str) -> int:
 def service_env(config: RunConfig, service: str, *, worker_id: str | None = None) -> dict[str, str]:
     """The ``DELTARL_*`` variables ``config`` gives ``service`` (not ``train``: see
     :func:`trainer_config`); a worker needs its ``worker_id`` (its engine seed)."""
-    if service == "coordinator":
-        return section_env("coordinator", config.coordinator | shared_values(config, "coordinator"))
-    if service == "env":
-        return section_env("env", config.env)
-    if service == "teacher":
-        if config.teacher is None:
-            raise RunConfigError("the run config has no [teacher] section: no teacher to start")
-        return section_env("teacher", {"model": config.run.model} | config.teacher)
-    if service == "rollout":
-        if worker_id is None:
-            raise ValueError("a worker's settings need its worker id (its engine seed)")
-        values = {k: v for k, v in config.rollout.items() if k not in ROLLOUT_LAUNCH}
-        values |= shared_values(config, "rollout")
-        values["engine_seed"] = worker_seed(config.run.seed, worker_id)
-        return section_env("rollout", values)
-    raise ValueError(f"no service {service!r}; one of {', '.join(SERVICES)}")
+    if service == "rollout" and worker_id is None:
+        raise ValueError("a worker's settings need its worker id (its engine seed)")
+    seed = None if worker_id is None else worker_seed(config.run.seed, worker_id)
+    try:
+        return experiment_env(config, service, model=config.run.model, engine_seed=seed)
+    except ValueError as err:
+        raise RunConfigError(str(err)) from None
 
 
 def trainer_config(config: RunConfig, out: Path, run_dir: Path) -> dict[str, str]:
     """Write the trainer's experiment settings to ``out`` (``deltarl train --config``) and
     return the deployment variables the file gives it (``[trainer] device``)."""
-    data = experiment(config, model=config.run.model, run_dir=run_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2) + "\n")
+    write_experiment(config, out, model=config.run.model, run_dir=run_dir)
     device = config.trainer.get("device")
     return {} if device is None else {"DELTARL_TRAINER_DEVICE": str(device)}
 
