@@ -34,19 +34,6 @@ def move_hint(guess: str | None, earlier: Sequence[tuple[str, str]]) -> str | No
     return _contradiction(guess, known_absent, greens, yellows, seen)
 
 
-def wordle_hint(moves: Sequence[tuple[str | None, str | None]]) -> tuple[int, str] | None:
-    """(move index, hint) of the first move that went wrong; ``moves``: each move's guess and
-    its feedback pattern (None when the move was not scored). None: every move fits."""
-    scored: list[tuple[str, str]] = []
-    for i, (guess, pattern) in enumerate(moves):
-        text = move_hint(guess, scored)
-        if text is not None:
-            return i, text
-        if guess is not None and pattern is not None:
-            scored.append((guess, pattern))
-    return None
-
-
 def _contradiction(
     guess: str,
     absent: set[str],

@@ -11,7 +11,20 @@ from deltarl.env_server.charset.hints import charset_hint
 from deltarl.env_server.core.wire import TaskHint
 from deltarl.env_server.wordle.environment import WordleEnvironment
 from deltarl.env_server.wordle.game import WordleRules, WordLists
-from deltarl.env_server.wordle.hints import FORMAT_HINT, wordle_hint
+from deltarl.env_server.wordle.hints import FORMAT_HINT, move_hint
+
+
+def wordle_hint(moves: list[tuple[str | None, str | None]]) -> tuple[int, str] | None:
+    """(move, hint) of the first move that went wrong, as the environment finds it move by
+    move: each against the scored guesses before it."""
+    scored: list[tuple[str, str]] = []
+    for i, (guess, pattern) in enumerate(moves):
+        text = move_hint(guess, scored)
+        if text is not None:
+            return i, text
+        if guess is not None and pattern is not None:
+            scored.append((guess, pattern))
+    return None
 
 
 @pytest.mark.parametrize(
