@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import enum
+import functools
 import json
 import os
 import subprocess
@@ -42,6 +44,8 @@ from rollout_helpers import (
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, WeightsStamp, make_engine
 from deltarl.rollout.engines.vllm_engine import (
     VllmEngine,
+    _finish_reason,
+    _sampled_logprobs,
     cache_salt,
     hf_specs,
     llm_kwargs,
@@ -331,8 +335,76 @@ def test_receiver_maps_lazily_from_the_first_update() -> None:
 # ------------------------------------------------------------------ the engine, minus vLLM
 
 
-class FakeLLMEngine:
-    """vLLM's ``LLMEngine`` surface the engine uses: one token per request per ``step()``."""
+class FakeFinishReason(enum.IntEnum):
+    """vLLM's ``FinishReason`` (the engine reads it by name)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+
+class EngineCore:
+    """The surface of vLLM's in-process engine core that the engine's generation drives (the
+    input processor, ``engine_core.add_request`` / ``get_output`` / ``abort_requests``), on
+    top of a fake's simulation in ``LLMEngine`` terms (``add_request``, ``step`` returning each
+    running request's new tokens as a ``RequestOutput``, ``abort_request``): every output
+    becomes an ``EngineCoreOutput`` (new token ids, one-column logprob arrays with the sampled
+    token, the finish reason, the prompt tokens found cached, the routed experts)."""
+
+    @functools.cached_property
+    def input_processor(self) -> Any:
+        def process_inputs(rid: str, prompt: dict[str, Any], params: Any, **_: Any) -> Any:
+            return SimpleNamespace(request_id=rid, prompt=prompt, params=params)
+
+        def assign_request_id(request: Any) -> None:  # vLLM appends 8 random characters
+            request.request_id = f"{request.request_id}-{os.urandom(4).hex()}"
+
+        return SimpleNamespace(process_inputs=process_inputs, assign_request_id=assign_request_id)
+
+    @functools.cached_property
+    def engine_core(self) -> Any:
+        fake: Any = self
+
+        def add_request(request: Any) -> None:
+            fake.add_request(request.request_id, request.prompt, request.params)
+
+        def get_output() -> Any:
+            return SimpleNamespace(outputs=[core_output(o) for o in fake.step()])
+
+        return SimpleNamespace(
+            add_request=add_request,
+            get_output=get_output,
+            abort_requests=lambda ids: fake.abort_request(ids),
+            engine_core=fake,  # the in-process EngineCore (its batch queue, if async)
+        )
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+
+def core_output(out: Any) -> Any:
+    """A fake ``RequestOutput`` delta as vLLM's engine core returns it (``EngineCoreOutput``)."""
+    seq = out.outputs[0]
+    new = list(seq.token_ids)
+    lps = [pos[t].logprob for pos, t in zip(seq.logprobs, new, strict=True)]
+    reason = FakeFinishReason[seq.finish_reason.upper()] if out.finished else None
+    cached = getattr(out, "num_cached_tokens", None)
+    return SimpleNamespace(
+        request_id=out.request_id,
+        new_token_ids=new,
+        new_logprobs=SimpleNamespace(
+            logprob_token_ids=np.array(new, np.int64).reshape(-1, 1),
+            logprobs=np.array(lps, np.float32).reshape(-1, 1),
+        ),
+        finish_reason=reason,
+        prefill_stats=None if cached is None else SimpleNamespace(num_cached_tokens=cached),
+        routed_experts=getattr(seq, "routed_experts", None),
+        error=None,
+    )
+
+
+class FakeLLMEngine(EngineCore):
+    """vLLM's engine the engine uses: one token per request per ``step()``."""
 
     def __init__(self) -> None:
         self.requests: dict[str, Any] = {}
@@ -486,7 +558,7 @@ def test_score_batch_reads_vllms_prompt_logprobs_like_the_transformers_engine() 
     assert engine.score(*items[0], 5).ids == want[0].ids
 
 
-class FakeAsyncLLMEngine:
+class FakeAsyncLLMEngine(EngineCore):
     """vLLM's engine with async scheduling, in-process: each ``step()`` launches a batch (one
     token for every request not yet fully scheduled, computed from the weights at launch) into
     a queue of two and returns the outputs of the oldest batch once the queue is full or
@@ -498,7 +570,6 @@ class FakeAsyncLLMEngine:
         self.requests: dict[str, Any] = {}
         self.weights = 1  # the version the device's weights hold
         self.batch_queue: Any = deque(maxlen=2)
-        self.engine_core = SimpleNamespace(engine_core=self)
 
     def add_request(self, rid: str, prompt: dict[str, list[int]], params: Any) -> None:
         self.requests[rid] = SimpleNamespace(p=params, scheduled=0, done=0)
@@ -719,41 +790,56 @@ def test_a_sync_changes_the_salt_of_the_requests_admitted_after_it(bucket: Any) 
     assert salts == [cache_salt(a[0].first)] * 4 + [cache_salt(c[0].first)] * 2
 
 
-class FlatLogprobs:
-    """vLLM's ``FlatLogprobs`` (``vllm/logprobs.py``): per position a range of flat lists, the
-    sampled token first."""
-
-    def __init__(self, rows: list[list[tuple[int, float]]]) -> None:
-        self.start_indices: list[int] = []
-        self.end_indices: list[int] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        for row in rows:
-            self.start_indices.append(len(self.token_ids))
-            self.token_ids += [t for t, _ in row]
-            self.logprobs += [lp for _, lp in row]
-            self.end_indices.append(len(self.token_ids))
-
-    def __len__(self) -> int:
-        return len(self.start_indices)
-
-
-def test_flat_logprobs_are_read_without_building_a_dict_per_token() -> None:
+def test_engine_core_outputs_are_read_with_their_sampled_logprobs() -> None:
+    """Generation reads vLLM's ``EngineCoreOutput`` itself: the logprob column must be that of
+    the tokens sampled, one per token; a finish other than a stop token or the length limit
+    (an abort, vLLM's per-request error) ends the call with what vLLM said."""
     params = SamplingParams(max_new_tokens=3)
     assert request_params(params, 0)["flat_logprobs"] is True
-    seq = SimpleNamespace(
-        token_ids=[7, 9, 7], logprobs=FlatLogprobs([[(7, -0.5)], [(9, -1.5), (2, -0.1)], [(7, -2)]])
-    )
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    VllmEngine._take(SimpleNamespace(outputs=[seq]), params, tokens, logprobs)
-    assert (tokens, logprobs) == ([7, 9, 7], [-0.5, -1.5, -2.0])
-    seq.logprobs = FlatLogprobs([[(7, -0.5)], [(8, -1.5)], [(7, -2)]])  # not the sampled token
-    with pytest.raises(RuntimeError, match=r"not those of the sampled tokens"):
-        VllmEngine._take(SimpleNamespace(outputs=[seq]), params, [], [])
-    seq.logprobs = FlatLogprobs([[(7, -0.5)]])
+    assert request_params(params, 0)["logprobs"] == 0  # one column: the sampled token's
+
+    def out(ids: list[int], lp_ids: list[int], lps: list[float]) -> Any:
+        return SimpleNamespace(
+            new_logprobs=SimpleNamespace(
+                logprob_token_ids=np.array(lp_ids).reshape(-1, 1),
+                logprobs=np.array(lps, np.float32).reshape(-1, 1),
+            ),
+            new_token_ids=ids,
+        )
+
+    assert _sampled_logprobs(out([7], [7], [-0.5]), [7]) == [-0.5]
+    assert _sampled_logprobs(out([7, 9], [7, 9], [-0.5, -1.5]), [7, 9]) == [-0.5, -1.5]
+    for ids, lp_ids in (([7], [8]), ([7, 9], [7, 8])):
+        with pytest.raises(RuntimeError, match=r"not those of the sampled tokens"):
+            _sampled_logprobs(out(ids, lp_ids, [-1.0] * len(ids)), ids)
     with pytest.raises(RuntimeError, match=r"1 logprobs for 3 tokens"):
-        VllmEngine._take(SimpleNamespace(outputs=[seq]), params, [], [])
+        _sampled_logprobs(out([7], [7], [-0.5]), [7, 9, 7])
+    with pytest.raises(RuntimeError, match=r"0 logprobs for 1 tokens"):
+        _sampled_logprobs(SimpleNamespace(new_logprobs=None), [7])
+
+    def finished(reason: Any, error: Any = None) -> Any:
+        return SimpleNamespace(finish_reason=reason, error=error)
+
+    assert _finish_reason(finished(FakeFinishReason.STOP), 0) == "stop"  # STOP is 0: falsy
+    assert _finish_reason(finished(FakeFinishReason.LENGTH), 0) == "length"
+    with pytest.raises(RuntimeError, match=r"prompt 4 of the call with ABORT: KV load failed"):
+        _finish_reason(finished(FakeFinishReason.ABORT, "KV load failed"), 4)
+
+
+def test_a_request_vllm_ends_in_error_ends_the_call_and_aborts_the_others() -> None:
+    engine, core, _ = fake_engine(hf_state())
+    step = core.step
+
+    def failing_step() -> list[Any]:
+        outs = step()
+        if core.steps == 2:  # vLLM gives up on the first request
+            outs[0].finished, outs[0].outputs[0].finish_reason = True, "abort"
+        return outs
+
+    core.step = failing_step  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"prompt 0 of the call with ABORT"):
+        engine.generate([[1], [2]], SamplingParams(max_new_tokens=8))
+    assert core.aborted and not core.requests  # the call aborted the request it had left
 
 
 def test_one_vllm_sampling_params_per_call_unless_seeded() -> None:
@@ -813,7 +899,7 @@ class FakeLLM:
         self.llm_engine = FakeLLMEngine()
         self.llm_engine.model_config = SimpleNamespace(get_vocab_size=lambda: 128)  # type: ignore[attr-defined]
         self.shut = 0
-        self.llm_engine.engine_core = SimpleNamespace(shutdown=self._shutdown)  # type: ignore[attr-defined]
+        self.llm_engine.engine_core.shutdown = self._shutdown
         FakeLLM.created.append(self)
 
     def _shutdown(self) -> None:
@@ -1020,6 +1106,43 @@ def test_the_vllm_hooks_we_rely_on_exist_in_the_wheel() -> None:
     engine_args = ast.unparse(wheel_source("vllm/engine/arg_utils.py"))
     for field in ("weight_transfer_config", "worker_extension_cls", "logprobs_mode", "model_impl"):
         assert f"    {field}:" in engine_args, field
+
+
+def test_the_engine_core_surface_generation_reads_exists_in_the_wheel() -> None:
+    """Generation bypasses vLLM's front-end output processor (see the engine's docstring):
+    what it calls and reads of vLLM's engine core must be there, with these shapes."""
+    engine = methods(class_def(wheel_source("vllm/v1/engine/llm_engine.py"), "LLMEngine"))
+    assert {"get_supported_tasks", "add_request", "step"} <= set(engine)
+    add = ast.unparse(engine["add_request"])
+    for call in (
+        "self.input_processor.process_inputs(",
+        "assign_request_id(request)",
+        "self.engine_core.add_request(request)",
+    ):
+        assert call in add, call
+    inputs = methods(class_def(wheel_source("vllm/v1/engine/input_processor.py"), "InputProcessor"))
+    process = inputs["process_inputs"]
+    assert [a.arg for a in process.args.args[:4]] == ["self", "request_id", "prompt", "params"]
+    assert "supported_tasks" in [a.arg for a in process.args.args]
+    assert "assign_request_id" in inputs
+    client = methods(class_def(wheel_source("vllm/v1/engine/core_client.py"), "InprocClient"))
+    assert {"add_request", "get_output", "abort_requests"} <= set(client)
+    assert "self.engine_core.step_fn()" in ast.unparse(client["get_output"])
+    package = wheel_source("vllm/v1/engine/__init__.py")
+    fields = annotated_fields(class_def(package, "EngineCoreOutput"))
+    assert {
+        "request_id",
+        "new_token_ids",
+        "new_logprobs",
+        "finish_reason",
+        "prefill_stats",
+        "routed_experts",
+        "error",
+    } <= fields
+    reasons = ast.unparse(class_def(package, "FinishReason"))
+    assert "STOP = 0" in reasons and "LENGTH = 1" in reasons
+    lists = annotated_fields(class_def(wheel_source("vllm/v1/outputs.py"), "LogprobsLists"))
+    assert {"logprob_token_ids", "logprobs"} <= lists
 
 
 def annotated_fields(cls: ast.ClassDef) -> set[str]:
