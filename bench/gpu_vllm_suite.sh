@@ -22,7 +22,14 @@
 #            the tables (vllm_speed.md) and every process's log
 #   speed_extra  the same for the engine without async scheduling and in-process vLLM defaults
 #   prefix   the gpu test of prefix caching salted per weight state
-#   system   bench/wordle_gpu_run.py --engine vllm: the whole system, SmolLM2 on Wordle
+#   system   the whole system, SmolLM2 on Wordle as a user would run it: bench/gpu_wordle_full.sh
+#            on one GPU (the trainer and one vllm worker on GPU 0; DELTARL_SUITE_WORKER_GPUS),
+#            the warm start (4,000 solver games, deltarl sft), then GRPO through the whole system
+#            for DELTARL_SUITE_RUN_S seconds (default 300), the untrained, SFT and final policies
+#            each played by deltarl eval (DELTARL_SUITE_EVAL_GAMES games, default 100); about
+#            15 minutes; RESULTS_DIR/wordle-warm/ gets the pipeline's files, bench/results/ the run
+#   system_cold  the same run from SmolLM2 as published (bench/wordle_gpu_run.py --engine
+#            vllm, no warm start: it learns valid moves, not games a user would accept)
 #   faults   the fault suite's worker kills with vllm workers
 #   system_hf  the same whole-system run with the transformers engine
 #   system_2gpu  one vllm worker per GPU (needs 2 GPUs)
@@ -84,7 +91,10 @@ for step in "${steps[@]}"; do
       ${DELTARL_SPEED_BUDGET_S:+--budget-s "$DELTARL_SPEED_BUDGET_S"} ;;
     prefix) run prefix timeout 300 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 \
       tests/rollout/test_vllm_gpu.py -k prefix_cache ;;
-    system) run system python3 bench/wordle_gpu_run.py --engine vllm \
+    system) run system env WORKER_GPUS="${DELTARL_SUITE_WORKER_GPUS:-0}" GPU_MEM_UTIL=0.25 \
+      EVAL_GPU_UNTRAINED="" EVAL_GAMES="${DELTARL_SUITE_EVAL_GAMES:-100}" DURATION="$SECONDS_RUN" \
+      RESULT=1 WORK_DIR="$RES/wordle-work" bash bench/gpu_wordle_full.sh "$RES/wordle-warm" ;;
+    system_cold) run system_cold python3 bench/wordle_gpu_run.py --engine vllm \
       --run-dir "$RES/wordle-vllm" "${WORDLE[@]}" --result ;;
     system_hf) run system_hf python3 bench/wordle_gpu_run.py --engine transformers \
       --run-dir "$RES/wordle-hf" "${WORDLE[@]}" --result ;;

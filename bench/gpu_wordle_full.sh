@@ -85,6 +85,8 @@ CACHE=${CACHE_DIR:-$HOME/.cache/deltarl/demo}
 # worker's share of its GPU (default 0.5 on GPUs of its own; bench/gpu_wordle_arms.sh, whose
 # workers share a GPU with their trainer, passes 0.25, 0.15 with two arms); FILL_UNPLAYED=false: a
 # win earns nothing for its unplayed guesses (the plain sum of the per-move terms);
+# RESULT=1: the GRPO run also writes its summary as the system benchmark's result
+# (bench/results/system_<gpus>_smollm2-135m-sft-vllm.json, rendered by bench/report.py);
 # MICRO_BATCH: the trainer's sequences per forward/backward pass (default 16), MICRO_TOKENS: also
 # at most this many padded tokens per pass (default: no bound); SUMMARY=1 (the default): every
 # feedback also states what all the feedback so far shows (env.feedback_summary) in the solver
@@ -233,7 +235,7 @@ if want grpo; then
   read -ra EXTRA <<<"${EXTRA_SETS:-}"
   stage grpo "$PY" "$HERE/wordle_gpu_run.py" --run-dir "$WORK/$NAME" --model "$GRPO_FROM" \
     --cache-dir "$CACHE" --duration "$DURATION" --lr "$GRPO_LR" --max-new-tokens "$MAX_NEW" \
-    --set "run.temperature=${TEMPERATURE:-1.0}" \
+    --set "run.temperature=${TEMPERATURE:-1.0}" ${RESULT:+--result} \
     "${RUN_ARGS[@]}" "${SHAPING[@]}" "${EXTRA[@]}"
   cp "$WORK/$NAME/summary.json" "$RES/grpo_summary.json" 2>/dev/null
   cp "$WORK/$NAME/reward.png" "$RES/reward.png" 2>/dev/null

@@ -109,6 +109,7 @@ def table(header: list[str], rows: list[list[str]], after: str = "") -> Lines:
 
 MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct",
+    "smollm2-135m-sft": "SmolLM2-135M-Instruct after `deltarl sft` on solver games",
     "qwen3-0.6b": "Qwen3-0.6B shape",
     "qwen3-0.6b-shape": "Qwen3-0.6B shape",
     "qwen3-0.6b-standalone": "Qwen3-0.6B shape, standalone deltas only",

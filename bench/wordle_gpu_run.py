@@ -39,6 +39,7 @@ from typing import Any
 from common import cpu_tag, gpu_tag, meta, result_path, write_json
 
 from deltarl.run.experiment import build_parser, headline, parse_args, run
+from deltarl.services.common.models import DIRECTORIES
 
 MODEL_KINDS = {
     "smollm2": "smollm2-135m",
@@ -52,8 +53,22 @@ def gpus_used(a: Any) -> int:
     return max(a.trainer_nproc, 1 + max(a.worker_gpus or [0]))
 
 
+def model_name(a: Any) -> str:
+    """The result's model: the model kind's name; for a ``--model`` directory, its name, or for
+    a ``deltarl sft`` output (its ``sft.json`` names the model it trained) that model's name
+    and ``-sft``."""
+    if not a.model:
+        return MODEL_KINDS[a.model_kind]
+    sft = Path(a.model) / "sft.json"
+    if not sft.is_file():
+        return Path(a.model).name.lower()
+    base = Path(json.loads(sft.read_text())["settings"]["model"]).name
+    kinds = {directory: MODEL_KINDS.get(kind, directory) for kind, directory in DIRECTORIES.items()}
+    return f"{kinds.get(base, base.lower())}-sft"
+
+
 def default_result(a: Any) -> Path:
-    model = Path(a.model).name.lower() if a.model else MODEL_KINDS[a.model_kind]
+    model = model_name(a)
     config = f"{model}-{a.engine}"
     if a.trainer_nproc > 1:
         config += "-fsdp" if any('"fsdp"' in o for o in a.overrides) else "-ddp"

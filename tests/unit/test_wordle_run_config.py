@@ -5,9 +5,12 @@ presets of bench/gpu_wordle_full.sh reach the env server of the run bench/wordle
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -208,3 +211,34 @@ def test_the_gpu_run_refuses_format_credit_under_the_shaped_reward(tmp_path: Pat
     layout = bench_run_layout(tmp_path, "--reward", "final", "--format-credit", "0.5")
     server = EnvSettings.model_validate(settings_from(layout.env().env, "DELTARL_ENV_"))
     assert (server.reward, server.format_credit) == ("final", 0.5)
+
+
+def wordle_gpu_run() -> Any:
+    """bench/wordle_gpu_run.py as a module (its sibling bench/common.py on the path, as when
+    it runs as a script)."""
+    path = ROOT / "bench" / "wordle_gpu_run.py"
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("bench_wordle_gpu_run", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_warm_started_runs_result_is_named_by_the_model_it_started_from(tmp_path: Path) -> None:
+    """The suite's system step runs GRPO from a ``deltarl sft`` output: its result is
+    SmolLM2's, marked ``-sft``, not the output directory's name."""
+    bench = wordle_gpu_run()
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    base = tmp_path / "cache" / "smollm2-135m-instruct"
+    (sft / "sft.json").write_text(json.dumps({"settings": {"model": str(base)}, "losses": []}))
+    args = experiment.parse_args(["--run-dir", str(tmp_path / "run"), "--engine", "vllm"])
+    assert bench.model_name(args) == "smollm2-135m"
+    args.model = str(sft)
+    assert bench.model_name(args) == "smollm2-135m-sft"
+    args.device = "cpu"  # the hardware tag is the machine's: no GPU here
+    assert bench.default_result(args).name.endswith("_smollm2-135m-sft-vllm.json")
+    (sft / "sft.json").unlink()  # another model directory: its own name
+    assert bench.model_name(args) == "sft"
