@@ -55,6 +55,9 @@
 #            system_fsdp's, the dense model's, for the same settings)
 #   system_moe_r3  system_moe with routing replay (run.routing_replay: the workers return each
 #            token's experts, the trainer routes through them); its gap beside system_moe's
+#   system_moe_1gpu, system_moe_1gpu_r3  the same two on one GPU (the trainer and one vllm
+#            worker on GPU 0, as system_cold, the dense model's run with the same settings):
+#            the gap with and without routing replay where only one GPU is at hand
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -124,6 +127,12 @@ for step in "${steps[@]}"; do
       --trainer-nproc 2 --set 'trainer.parallel="fsdp"' --set 'run.routing_replay=true' \
       --worker-gpus 2 3 --gpu-memory-utilization 0.3 \
       --run-dir "$RES/wordle-vllm-moe-fsdp-r3" "${WORDLE[@]}" --result ;;
+    system_moe_1gpu) run system_moe_1gpu python3 bench/wordle_gpu_run.py --engine vllm \
+      --model-kind smollm2-moe --gpu-memory-utilization 0.3 --run-dir "$RES/wordle-vllm-moe" \
+      "${WORDLE[@]}" --result ;;
+    system_moe_1gpu_r3) run system_moe_1gpu_r3 python3 bench/wordle_gpu_run.py --engine vllm \
+      --model-kind smollm2-moe --set 'run.routing_replay=true' --gpu-memory-utilization 0.3 \
+      --run-dir "$RES/wordle-vllm-moe-r3" "${WORDLE[@]}" --result ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;
