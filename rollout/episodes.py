@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import random
 import time
 import uuid
 from collections import deque
@@ -93,7 +92,6 @@ __all__ = [
     "EpisodeRunner",
     "EpisodeSettings",
     "GroupAborted",
-    "GuessCurriculum",
     "TokenGenerator",
     "Truncation",
     "Turn",
@@ -102,37 +100,6 @@ __all__ = [
 ]
 
 Truncation = Literal["max_turns", "max_tokens"]
-
-
-class GuessCurriculum(BaseModel):
-    """How many guesses a group's game allows, sent as the reset option ``max_guesses``.
-
-    ``linear``: ``start + round((end - start) * min(v, over_versions) / over_versions)`` at
-    policy version ``v`` (read when the group starts; version unknown: ``start``), so the game
-    grows (or shrinks) from ``start`` to ``end`` guesses over the first ``over_versions``
-    versions. ``random``: a uniform integer in ``[min(start, end), max(start, end)]`` per group,
-    drawn from the group's seed (reproducible). Every episode of a group plays the same number
-    of guesses (GRPO compares them).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    mode: Literal["linear", "random"] = Field(
-        default="linear", description="'linear' over versions, or 'random' per group."
-    )
-    start: int = Field(ge=1, le=100, description="Guesses at version 0 (linear) / range end.")
-    end: int = Field(ge=1, le=100, description="Guesses from over_versions on / range end.")
-    over_versions: int = Field(
-        default=1, ge=1, description="Versions over which linear goes from start to end."
-    )
-
-    def guesses(self, version: int | None, seed: int | None) -> int:
-        """The number of guesses of a group started at ``version`` with game ``seed``."""
-        if self.mode == "random":
-            lo, hi = sorted((self.start, self.end))
-            return random.Random(seed).randint(lo, hi)
-        v = min(max(version or 0, 0), self.over_versions)
-        return self.start + round((self.end - self.start) * v / self.over_versions)
 
 
 class EpisodeSettings(BaseModel):
@@ -182,11 +149,6 @@ class EpisodeSettings(BaseModel):
         description="Reset options sent with every episode (the env server validates them; "
         "Wordle: max_guesses, reward, shaping); None: the server's settings.",
     )
-    curriculum: GuessCurriculum | None = Field(
-        default=None,
-        description="Guesses per group (the reset option max_guesses, over env_options'); "
-        "None: env_options' or the server's.",
-    )
     routing_replay: bool = Field(
         default=False,
         description="Record each token's experts (mixture-of-experts models) and send them with "
@@ -195,24 +157,14 @@ class EpisodeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _turns_cover_guesses(self) -> EpisodeSettings:
-        most = max(self.curriculum.start, self.curriculum.end) if self.curriculum else None
-        if most is None and self.env_options:
-            most = self.env_options.get("max_guesses")
+        most = (self.env_options or {}).get("max_guesses")
         if isinstance(most, int) and most > self.max_turns:
             raise ValueError(
                 f"max_turns ({self.max_turns}) is below the {most} guesses a game may allow "
-                "(curriculum or env_options.max_guesses): episodes would be cut before the "
-                "game ends; raise max_turns"
+                "(env_options.max_guesses): episodes would be cut before the game ends; raise "
+                "max_turns"
             )
         return self
-
-    def reset_options(self, version: int | None, seed: int | None) -> dict[str, Any] | None:
-        """The reset options of a group: ``env_options`` with the curriculum's
-        ``max_guesses`` (None when neither is set)."""
-        options = dict(self.env_options or {})
-        if self.curriculum is not None:
-            options["max_guesses"] = self.curriculum.guesses(version, seed)
-        return options or None
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +212,17 @@ class EpisodeEnv(Protocol):
         """Open a session; a client that takes reset options also accepts ``options=`` (the
         runner passes it only when the settings ask for options)."""
         ...
+
+
+def _facts_of(result: StepResult) -> dict[str, float]:
+    """The numeric entries of an observation's ``info`` (the episode's facts, e.g. Wordle's
+    max_guesses)."""
+    info = getattr(result.observation, "info", None) or {}
+    return {
+        str(k): float(v)
+        for k, v in info.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 def _signals_of(result: StepResult) -> dict[str, float]:
@@ -325,6 +288,9 @@ class Episode:
     truncated: Truncation | None = None
     temperature: float | None = None  # sampling temperature of its turns (None: greedy)
     options: dict[str, Any] | None = None  # the environment's reset options (None: none sent)
+    # what the reset decided that the trainer follows (the first observation's numeric info:
+    # Wordle's max_guesses)
+    facts: dict[str, float] = field(default_factory=dict)
     env_hint: TaskHint | None = None  # the environment's hint after the last move (hint_mode env)
     # [len(tokens) - 1, moe layers, top_k] experts of each position (routing_replay), else None
     routed_experts: np.ndarray | None = None
@@ -738,11 +704,12 @@ class EpisodeRunner:
             seed = uuid.uuid4().int & ((1 << 63) - 1)
         gid = group_id or new_group_id(prefix)
         abort = asyncio.Event()
-        curriculum = self.settings.curriculum
-        linear = curriculum is not None and curriculum.mode == "linear"
-        options = self.settings.reset_options(self._version() if linear else None, seed)
+        options, version = self.settings.env_options, self._version()
         results = await asyncio.gather(
-            *(self.run_episode(gid, i, seed, abort=abort, options=options) for i in range(n)),
+            *(
+                self.run_episode(gid, i, seed, abort=abort, options=options, policy_version=version)
+                for i in range(n)
+            ),
             return_exceptions=True,
         )
         error = _first_error(results)
@@ -751,8 +718,9 @@ class EpisodeRunner:
         return EpisodeGroup(gid, seed, [r for r in results if isinstance(r, Episode)])
 
     def _version(self) -> int | None:
-        """The policy version a group starts at (for the curriculum): ``policy_version()``,
-        else the generator's ``version`` (a ``WeightSync``), else None."""
+        """The policy version a group starts at (sent with each of its resets: a task may
+        adapt to it, e.g. Wordle's guess curriculum): ``policy_version()``, else the
+        generator's ``version`` (a ``WeightSync``), else None."""
         if self._policy_version is not None:
             return self._policy_version()
         version = getattr(self._generator, "version", None)
@@ -766,17 +734,21 @@ class EpisodeRunner:
         *,
         abort: asyncio.Event | None = None,
         options: dict[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> Episode:
         """Play one episode (see the module docstring); errors of the env or engine propagate.
 
         ``abort``: checked at every turn boundary (raises :class:`GroupAborted` once set); set
-        by this episode when it fails. ``options``: the environment's reset options (passed to
+        by this episode when it fails. ``options``: the environment's reset options;
+        ``policy_version``: the version the episode's group started under (each passed to
         ``env.episode`` only when set).
         """
         abort = abort if abort is not None else asyncio.Event()
         batcher = self._batcher
         batcher.live += 1
         extra: dict[str, Any] = {"options": options} if options else {}
+        if policy_version is not None:
+            extra["policy_version"] = policy_version
         try:
             async with self.env.episode(
                 seed=seed, episode_id=f"{group_id}/{index}", **extra
@@ -784,6 +756,7 @@ class EpisodeRunner:
                 t = self.sampling.temperature
                 ep = Episode(group_id, index, seed, temperature=t if t > 0 else None)
                 ep.options = options
+                ep.facts = _facts_of(session.first)
                 ep = await self._play(session, ep, abort)
             if self.metrics is not None:
                 self.metrics.episode_finished(ep)

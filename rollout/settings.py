@@ -27,7 +27,7 @@ from deltarl.rollout.engines.base import (
     TransformersEngineSettings,
     VllmEngineSettings,
 )
-from deltarl.rollout.episodes import EpisodeSettings, GuessCurriculum
+from deltarl.rollout.episodes import EpisodeSettings
 from deltarl.services.common.models import smollm2_gguf
 from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
@@ -136,8 +136,8 @@ class RolloutSettings(TLSServerSettings):
         default=None,
         ge=1,
         description="Model replies per episode at most. Unset: what the env server's /metadata "
-        "says its episodes can take (Wordle: its guesses and tolerated invalid moves; charset: "
-        "1), raised to the most guesses env_options or the guess curriculum allow; 6 if the "
+        "says its episodes can take (Wordle: its guesses, the most its guess curriculum gives, "
+        "and tolerated invalid moves; charset: 1), raised to env_options' max_guesses; 6 if the "
         "server does not say.",
     )
     max_tokens: int = Field(
@@ -207,31 +207,6 @@ class RolloutSettings(TLSServerSettings):
         "{win, greens, yellows, format, repetition, invalid, consistent}, e.g. "
         '{"shaping": {"format": 0.1, "greens": 0.5}}. Unset: the server\'s settings '
         "(docs/env_server.md).",
-    )
-    guesses_start: int | None = Field(
-        default=None,
-        ge=1,
-        le=100,
-        description="Guess curriculum: guesses per game at version 0 (linear) or one end of the "
-        "range (random); sent as the reset option max_guesses. Unset: no curriculum.",
-    )
-    guesses_end: int | None = Field(
-        default=None,
-        ge=1,
-        le=100,
-        description="Guess curriculum: guesses from guesses_over_versions on (linear) or the "
-        "other end of the range (random); unset: guesses_start.",
-    )
-    guesses_over_versions: int = Field(
-        default=1,
-        ge=1,
-        description="Guess curriculum (linear): versions over which the guesses go from "
-        "guesses_start to guesses_end.",
-    )
-    guesses_mode: Literal["linear", "random"] = Field(
-        default="linear",
-        description="Guess curriculum: 'linear' in the policy version, or 'random' (uniform in "
-        "the range, per group, from the group's seed).",
     )
     in_flight_groups: int = Field(
         default=8,
@@ -400,40 +375,21 @@ class RolloutSettings(TLSServerSettings):
         return value
 
     @model_validator(mode="after")
-    def _curriculum(self) -> RolloutSettings:
-        if self.guesses_start is None and self.guesses_end is not None:
-            raise ValueError("guesses_end needs guesses_start (the guess curriculum)")
-        try:  # max_turns must cover the guesses (EpisodeSettings checks)
+    def _episodes(self) -> RolloutSettings:
+        try:  # max_turns must cover env_options' guesses (EpisodeSettings checks)
             self.episode_settings()
         except ValidationError as err:
             raise ValueError(err.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return self
 
     def turn_limit(self, task: EnvMetadata | None) -> int:
-        """``max_turns``, or when unset the env server's (``task``; 6 without it), raised to the
-        most guesses a game may allow here (env_options, the guess curriculum)."""
+        """``max_turns``, or when unset the env server's (``task``: it covers the server's
+        guess curriculum; 6 without it), raised to env_options' max_guesses."""
         if self.max_turns is not None:
             return self.max_turns
         served = task.max_turns if task is not None and task.max_turns is not None else 6
-        most = [served]
-        curriculum = self.curriculum()
-        if curriculum is not None:
-            most += [curriculum.start, curriculum.end]
         guesses = (self.env_options or {}).get("max_guesses")
-        if isinstance(guesses, int):
-            most.append(guesses)
-        return max(most)
-
-    def curriculum(self) -> GuessCurriculum | None:
-        """The guess curriculum these settings select (None: none)."""
-        if self.guesses_start is None:
-            return None
-        return GuessCurriculum(
-            mode=self.guesses_mode,
-            start=self.guesses_start,
-            end=self.guesses_end if self.guesses_end is not None else self.guesses_start,
-            over_versions=self.guesses_over_versions,
-        )
+        return max(served, guesses) if isinstance(guesses, int) else served
 
     @field_validator("worker_id")
     @classmethod
@@ -540,6 +496,5 @@ class RolloutSettings(TLSServerSettings):
                 top_k=self.top_k,
             ),
             env_options=self.env_options,
-            curriculum=self.curriculum(),
             routing_replay=self.routing_replay,
         )

@@ -56,8 +56,9 @@ def episode_signals(ep: Episode) -> dict[str, float]:
     Each per-step signal of the environment averaged over the episode's steps (Wordle:
     ``format``, ``valid``, ``greens`` ... the fraction of well-formed / valid replies, the mean
     greens), plus ``turns`` (model replies), ``truncated`` (1.0 if a limit ended it) and
-    ``done`` (1.0 if the environment ended it), and ``max_guesses`` when the episode was played
-    with that reset option (a guess curriculum). The per-step values stay in ``ep.turns``.
+    ``done`` (1.0 if the environment ended it), and the facts its reset decided (the first
+    observation's numeric ``info``: Wordle's ``max_guesses``, which a guess curriculum
+    varies). The per-step values stay in ``ep.turns``.
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -71,9 +72,8 @@ def episode_signals(ep: Episode) -> dict[str, float]:
         truncated=1.0 if ep.truncated else 0.0,
         done=1.0 if ep.done else 0.0,
     )
-    guesses = (ep.options or {}).get("max_guesses")
-    if isinstance(guesses, int):
-        out["max_guesses"] = float(guesses)
+    for k, v in ep.facts.items():
+        out.setdefault(k, v)
     return out
 
 

@@ -106,8 +106,10 @@ class CharsetEnvironment:
         seed: int | None = None,
         episode_id: str | None = None,
         options: BaseModel | None = None,
+        policy_version: int | None = None,
     ) -> StepResult:
-        """Start an episode. The seed is only recorded: every episode has the same task. The
+        """Start an episode. The seed and the policy version are only recorded or ignored:
+        every episode has the same task. The
         charset task takes no options (the server refuses them before a reset; so does this)."""
         if options is not None:
             raise EnvError(

@@ -108,12 +108,14 @@ class _Calls:
         episode_id: str | None,
         session_id: str | None,
         options: Mapping[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> _Call[Result]:
         body = {
             "seed": seed,
             "episode_id": episode_id,
             "session_id": session_id,
             "options": dict(options) if options else None,
+            "policy_version": policy_version,
         }
         return _Call(
             "POST", "/reset", AnyStepResult, json={k: v for k, v in body.items() if v is not None}
@@ -202,11 +204,13 @@ class EnvClient(_Calls):
         episode_id: str | None = None,
         session_id: str | None = None,
         options: Mapping[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> Result:
         """Open a session (or reset ``session_id``); the result carries ``session_id``.
         ``options``: the episode's reset options (the served task's; Wordle's: max_guesses, reward
-        shaping), validated by the server."""
-        return await self._send(self._reset(seed, episode_id, session_id, options))
+        shaping), validated by the server; ``policy_version``: the version the episode's group
+        started under (Wordle's guess curriculum reads it)."""
+        return await self._send(self._reset(seed, episode_id, session_id, options, policy_version))
 
     async def step(self, session_id: str, message: str, *, request_id: str | None = None) -> Result:
         """Play ``message`` (text holding ``[guess]``) in the session."""
@@ -226,9 +230,12 @@ class EnvClient(_Calls):
         seed: int | None = None,
         episode_id: str | None = None,
         options: Mapping[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> AsyncIterator[AsyncEpisode]:
         """A session that is closed on exit, whatever happens inside."""
-        first = await self.reset(seed=seed, episode_id=episode_id, options=options)
+        first = await self.reset(
+            seed=seed, episode_id=episode_id, options=options, policy_version=policy_version
+        )
         assert first.session_id is not None
         try:
             yield AsyncEpisode(self, first.session_id, first)
@@ -310,8 +317,9 @@ class SyncEnvClient(_Calls):
         episode_id: str | None = None,
         session_id: str | None = None,
         options: Mapping[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> Result:
-        return self._send(self._reset(seed, episode_id, session_id, options))
+        return self._send(self._reset(seed, episode_id, session_id, options, policy_version))
 
     def step(self, session_id: str, message: str, *, request_id: str | None = None) -> Result:
         return self._send(self._step(session_id, message, request_id))
@@ -329,8 +337,11 @@ class SyncEnvClient(_Calls):
         seed: int | None = None,
         episode_id: str | None = None,
         options: Mapping[str, Any] | None = None,
+        policy_version: int | None = None,
     ) -> Iterator[SyncEpisode]:
-        first = self.reset(seed=seed, episode_id=episode_id, options=options)
+        first = self.reset(
+            seed=seed, episode_id=episode_id, options=options, policy_version=policy_version
+        )
         assert first.session_id is not None
         try:
             yield SyncEpisode(self, first.session_id, first)

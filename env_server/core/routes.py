@@ -152,6 +152,7 @@ def add_session_routes(app: FastAPI, service: EnvService) -> None:
                     seed=req.seed,
                     episode_id=req.episode_id,
                     options=service.reset_options(req.options),
+                    policy_version=req.policy_version,
                 )
             except EnvError:
                 if not req.session_id:  # refused options: no half-opened session is left

@@ -28,6 +28,7 @@ class TextEnvironment(Protocol):
         seed: int | None = None,
         episode_id: str | None = None,
         options: Any = None,
+        policy_version: int | None = None,  # the version the episode's group started under
     ) -> StepResult[TextArenaObservation]: ...
 
     def step(self, message: str) -> StepResult[TextArenaObservation]: ...

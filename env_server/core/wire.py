@@ -105,6 +105,13 @@ class ResetRequest(WireModel):
         "(Wordle: max_guesses, reward shaping; /metadata names the model, /schema gives it); "
         "None or empty: the server's settings.",
     )
+    policy_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="The policy version the episode's group started under (rollout workers "
+        "send it); a task may adapt its episodes to it (Wordle's guess curriculum). None: "
+        "unknown.",
+    )
 
 
 class StepRequest(WireModel):
@@ -163,7 +170,11 @@ class TextArenaObservation(WireModel):
     messages: list[TextMessage] = Field(description="Transcript so far, prompt first.")
     current_player_id: int = Field(default=0, description="Always 0 (single player).")
     legal_players: list[int] = Field(default_factory=lambda: [0], description="Always [0].")
-    info: dict[str, Any] = Field(default_factory=dict, description="Reserved; empty.")
+    info: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Facts of the episode that the reset decided and a trainer may want to "
+        "follow (numbers; Wordle: max_guesses, which a guess curriculum varies); empty if none.",
+    )
     hint: TaskHint | None = Field(
         default=None,
         description="The first mistake of the episode so far and how to avoid it, by the "

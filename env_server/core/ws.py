@@ -112,6 +112,7 @@ class WsProtocol:
                     seed=req.seed,
                     episode_id=req.episode_id,
                     options=service.reset_options(req.options),
+                    policy_version=req.policy_version,
                 )
                 service.store.started(session)
                 service.metrics.reset["ws"].inc()

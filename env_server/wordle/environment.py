@@ -18,6 +18,7 @@ from deltarl.env_server.core.models import (
     TextMessage,
 )
 from deltarl.env_server.core.wire import TaskHint
+from deltarl.env_server.wordle.curriculum import GuessCurriculum
 from deltarl.env_server.wordle.game import (
     WORD_LENGTH,
     InvalidReason,
@@ -125,8 +126,10 @@ class WordleEnvironment:
         *,
         reveal_answer: bool = False,
         shaping: Shaping | None = None,
+        curriculum: GuessCurriculum | None = None,
     ):
         self.server_rules = rules  # the server's; a reset's options give self.rules
+        self.curriculum = curriculum  # the server's guess curriculum (max_guesses at reset)
         self.rules = rules
         self.shaping = shaping  # the server's default shaping weights (for options.reward)
         self.words = words
@@ -156,9 +159,16 @@ class WordleEnvironment:
         seed: int | None = None,
         episode_id: str | None = None,
         options: ResetOptions | None = None,
+        policy_version: int | None = None,
     ) -> StepResult:
         """A new episode; ``options`` (validated by the wire model) change its rules only (see
-        :func:`apply_options`): the next reset without options plays the server's rules."""
+        :func:`apply_options`): the next reset without options plays the server's rules. With
+        a guess curriculum, an episode whose options name no ``max_guesses`` gets the
+        curriculum's for ``policy_version`` and ``seed``."""
+        if self.curriculum is not None and (options is None or options.max_guesses is None):
+            guesses = self.curriculum.guesses(policy_version, seed)
+            base = options if options is not None else ResetOptions()
+            options = base.model_copy(update={"max_guesses": guesses})
         rules = apply_options(self.server_rules, options, self.shaping)
         if rules != self.rules:
             self.rules = rules
@@ -243,6 +253,7 @@ class WordleEnvironment:
             won=game.won,
             answer=self._answer(),
             hint=self._hint(),
+            info={"max_guesses": self.rules.max_guesses},
         )
         return StepResult(observation=obs, reward=self.last_reward, done=game.done)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from deltarl.env_server.wordle.curriculum import GuessCurriculum
 from deltarl.env_server.wordle.options import MAX_GUESSES_LIMIT, MAX_SHAPING_WEIGHT
 
 if TYPE_CHECKING:  # the game loads with the task, not with the client's wire models
@@ -106,9 +107,59 @@ class WordleSettings(BaseModel):
         "shaping_consistent), so that no game pays more for lasting longer; false: unplayed "
         "guesses earn nothing (a game that plays on can outscore a win).",
     )
+    guesses_start: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GUESSES_LIMIT,
+        description="Guess curriculum: guesses of an episode at policy version 0 (linear) or "
+        "one end of the range (random), when its reset names no max_guesses; the version is "
+        "the reset's policy_version (rollout workers send the version their group started "
+        "under). Unset: no curriculum (max_guesses).",
+    )
+    guesses_end: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GUESSES_LIMIT,
+        description="Guess curriculum: guesses from guesses_over_versions on (linear) or the "
+        "other end of the range (random); unset: guesses_start.",
+    )
+    guesses_over_versions: int = Field(
+        default=1,
+        ge=1,
+        description="Guess curriculum (linear): policy versions over which the guesses go from "
+        "guesses_start to guesses_end.",
+    )
+    guesses_mode: Literal["linear", "random"] = Field(
+        default="linear",
+        description="Guess curriculum: 'linear' in the policy version, or 'random' (uniform in "
+        "the range, drawn from the episode's seed: the same for a group's episodes).",
+    )
     debug_reveal_answer: bool = Field(
         default=False, description="Put the answer in every observation and state (debug only)."
     )
+
+    @model_validator(mode="after")
+    def _curriculum_needs_start(self) -> WordleSettings:
+        if self.guesses_start is None and self.guesses_end is not None:
+            raise ValueError("guesses_end needs guesses_start (the guess curriculum)")
+        return self
+
+    def curriculum(self) -> GuessCurriculum | None:
+        """The guess curriculum these settings select (None: none)."""
+        if self.guesses_start is None:
+            return None
+        return GuessCurriculum(
+            mode=self.guesses_mode,
+            start=self.guesses_start,
+            end=self.guesses_end if self.guesses_end is not None else self.guesses_start,
+            over_versions=self.guesses_over_versions,
+        )
+
+    def most_guesses(self) -> int:
+        """The most guesses an episode may get from the server's settings (max_guesses, or
+        the curriculum's largest)."""
+        curriculum = self.curriculum()
+        return self.max_guesses if curriculum is None else curriculum.most
 
     def shaping(self) -> Shaping:
         """The server's shaping weights (used when the reward is 'shaped', by default or by a

@@ -13,6 +13,8 @@ from env_helpers import answer, settings, wrong_guesses
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from deltarl.env_server.settings import EnvSettings
+from deltarl.env_server.wordle.curriculum import GuessCurriculum
 from deltarl.env_server.wordle.environment import WordleEnvironment, apply_options
 from deltarl.env_server.wordle.game import (
     Shaping,
@@ -222,6 +224,55 @@ def test_ws_options_and_errors(client: TestClient) -> None:
         ws.send_text(json.dumps({"type": "step", "data": {"message": f"[{a}]"}}))
         res = json.loads(ws.receive_text())["data"]
         assert res["done"] and res["reward"] == pytest.approx(0.5)
+
+
+def test_curriculum_values() -> None:
+    linear = GuessCurriculum(start=2, end=6, over_versions=8)
+    assert [linear.guesses(v, 0) for v in (None, 0, 2, 4, 8, 100)] == [2, 2, 3, 4, 6, 6]
+    down = GuessCurriculum(start=6, end=1, over_versions=5)
+    assert down.guesses(5, 0) == 1 and down.most == 6
+    rnd = GuessCurriculum(mode="random", start=5, end=2)
+    draws = {rnd.guesses(None, s) for s in range(200)}
+    assert draws == {2, 3, 4, 5}
+    assert rnd.guesses(7, 123) == rnd.guesses(0, 123)  # the seed decides
+
+
+def test_the_servers_curriculum_follows_the_resets_policy_version(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """The server picks an episode's guesses from the policy version its reset names (HTTP and
+    WebSocket alike); a reset's own max_guesses wins; /metadata's turn limit covers the most
+    guesses the curriculum gives, and every observation's info says the episode's guesses."""
+    client = make_client(guesses_start=2, guesses_end=6, guesses_over_versions=4)
+    meta = client.get("/metadata").json()
+    assert meta["max_turns"] == 6 + 1  # the most guesses + the tolerated invalid move
+    assert "2-6 guesses by policy version" in meta["description"]
+    for version, guesses in ((None, 2), (0, 2), (2, 4), (4, 6), (40, 6)):
+        body: dict[str, Any] = {"seed": SEED} | (
+            {} if version is None else {"policy_version": version}
+        )
+        first = client.post("/reset", json=body).json()
+        assert first["observation"]["guesses_left"] == guesses, version
+        assert first["observation"]["info"] == {"max_guesses": guesses}
+    own = client.post("/reset", json={"policy_version": 4, "options": {"max_guesses": 3}}).json()
+    assert own["observation"]["guesses_left"] == 3
+    bad = client.post("/reset", json={"policy_version": -1})
+    assert bad.status_code == 422 and "policy_version" in bad.json()["detail"]
+    with client.websocket_connect("/ws") as ws:
+        ws.send_text(json.dumps({"type": "reset", "data": {"seed": SEED, "policy_version": 2}}))
+        assert json.loads(ws.receive_text())["data"]["observation"]["guesses_left"] == 4
+    plain = make_client()
+    first = plain.post("/reset", json={"seed": SEED, "policy_version": 3}).json()
+    assert first["observation"]["guesses_left"] == 6  # no curriculum: the server's game
+
+
+def test_curriculum_settings_are_checked() -> None:
+    with pytest.raises(ValidationError, match="guesses_end needs guesses_start"):
+        EnvSettings(guesses_end=4)
+    with pytest.raises(ValidationError, match="guesses_start"):
+        EnvSettings(guesses_start=0)
+    assert EnvSettings(guesses_start=3).curriculum() == GuessCurriculum(start=3, end=3)
+    assert EnvSettings().curriculum() is None
 
 
 def test_charset_refuses_options(make_client: Callable[..., TestClient]) -> None:

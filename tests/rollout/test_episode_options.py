@@ -1,6 +1,7 @@
-"""Per-session reset options from the rollout side: the guess curriculum, shaped
-episodes whose reward is the sum of their steps', the worker's settings, and solver transcripts
-that are exactly what an episode holds (messages, tokens and mask)."""
+"""Per-session reset options from the rollout side: the env server's guess curriculum fed
+the policy version a group starts under, shaped episodes whose reward is the sum of their
+steps', the worker's settings, and solver transcripts that are exactly what an episode holds
+(messages, tokens and mask)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,7 @@ from deltarl.env_server.wordle.game import WordleRules, WordLists, answer_for_se
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
 from deltarl.env_server.wordle.transcripts import solver_transcripts
 from deltarl.rollout.engines.base import SamplingParams
-from deltarl.rollout.episodes import (
-    ChatFormat,
-    EpisodeGroup,
-    EpisodeRunner,
-    EpisodeSettings,
-    GuessCurriculum,
-)
+from deltarl.rollout.episodes import ChatFormat, EpisodeGroup, EpisodeRunner, EpisodeSettings
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.trajectories import episode_signals
 from deltarl.trainer.sft import encode_transcript
@@ -52,32 +47,23 @@ def run(server: WordleServer, engine: Any, tok: Any, settings: EpisodeSettings) 
     return asyncio.run(main())
 
 
-def test_curriculum_values() -> None:
-    linear = GuessCurriculum(start=2, end=6, over_versions=8)
-    assert [linear.guesses(v, 0) for v in (None, 0, 2, 4, 8, 100)] == [2, 2, 3, 4, 6, 6]
-    down = GuessCurriculum(start=6, end=1, over_versions=5)
-    assert down.guesses(5, 0) == 1
-    rnd = GuessCurriculum(mode="random", start=5, end=2)
-    draws = {rnd.guesses(None, s) for s in range(200)}
-    assert draws == {2, 3, 4, 5}
-    assert rnd.guesses(7, 123) == rnd.guesses(0, 123)  # the group's seed decides
-
-
-def test_episode_settings_reset_options() -> None:
-    assert EpisodeSettings().reset_options(3, 1) is None
-    s = EpisodeSettings(
-        env_options={"shaping": {"format": 0.1}, "max_guesses": 5},
-        curriculum=GuessCurriculum(start=1, end=3, over_versions=2),
-    )
-    assert s.reset_options(1, 0) == {"shaping": {"format": 0.1}, "max_guesses": 2}
-    with pytest.raises(ValidationError, match="max_turns"):
-        EpisodeSettings(max_turns=3, curriculum=GuessCurriculum(start=2, end=4))
+def test_episode_settings_turns_cover_env_options_guesses() -> None:
+    EpisodeSettings(max_turns=4, env_options={"max_guesses": 4})
     with pytest.raises(ValidationError, match="max_turns"):
         EpisodeSettings(max_turns=3, env_options={"max_guesses": 4})
 
 
+@pytest.fixture(scope="module")
+def curriculum_server() -> Iterator[WordleServer]:
+    with WordleServer(guesses_start=2, guesses_end=6, guesses_over_versions=4) as s:
+        yield s
+
+
 @pytest.mark.slow
-def test_shaped_curriculum_episodes(server: WordleServer, tok: Any) -> None:
+def test_shaped_curriculum_episodes(curriculum_server: WordleServer, tok: Any) -> None:
+    """The server's curriculum gives each group the guesses of the version it started under
+    (the worker sends it with every reset); the episodes' signals carry max_guesses."""
+    server = curriculum_server
     words = wrong(SEED)
     engine = ScriptedEngine(tok, lambda key, turn: f"[{words[turn]}]", stop=IM_END, version=0)
     settings = EpisodeSettings(
@@ -85,13 +71,12 @@ def test_shaped_curriculum_episodes(server: WordleServer, tok: Any) -> None:
         max_turns=6,
         sampling=SamplingParams(max_new_tokens=12),
         env_options={"shaping": {"format": 0.1, "greens": 1.0, "win": 1.0}},
-        curriculum=GuessCurriculum(start=2, end=6, over_versions=4),
     )
     group = run(server, engine, tok, settings)
     secret = answer_for_seed(WordLists.load(), SEED)
     for ep in group.episodes:
         assert ep.done and ep.num_turns == 2  # version 0: 2 guesses
-        assert ep.options is not None and ep.options["max_guesses"] == 2
+        assert ep.facts == {"max_guesses": 2.0}
         expected = [0.1 + score_guess(w, secret).count("G") / 5 for w in words[:2]]
         assert [t.reward for t in ep.turns] == pytest.approx(expected)
         assert ep.reward == pytest.approx(sum(expected))  # the return: the sum of the steps'
@@ -99,6 +84,10 @@ def test_shaped_curriculum_episodes(server: WordleServer, tok: Any) -> None:
     engine.version = 2  # halfway: 4 guesses
     group = run(server, engine, tok, settings)
     assert all(ep.num_turns == 4 and ep.done for ep in group.episodes)
+    assert all(episode_signals(ep)["max_guesses"] == 4.0 for ep in group.episodes)
+    # a session's own max_guesses wins over the curriculum
+    fixed = settings.model_copy(update={"env_options": {"max_guesses": 3}})
+    assert all(ep.num_turns == 3 for ep in run(server, engine, tok, fixed).episodes)
     assert server.open_sessions == 0
 
 
@@ -124,17 +113,12 @@ def test_bad_options_fail_the_group(server: WordleServer, tok: Any) -> None:
 
 def test_rollout_settings_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"shaping": {"format": 0.2}}')
-    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_START", "2")
-    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_END", "5")
-    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_OVER_VERSIONS", "10")
     eps = RolloutSettings().episode_settings()
     assert eps.env_options == {"shaping": {"format": 0.2}}
-    assert eps.curriculum == GuessCurriculum(start=2, end=5, over_versions=10)
     monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"shaping": {"wins": 1}}')
     with pytest.raises(ValidationError, match=r"env_options\.shaping\.wins"):
         RolloutSettings()
-    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", "{}")
-    monkeypatch.setenv("DELTARL_ROLLOUT_GUESSES_END", "7")
+    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"max_guesses": 7}')
     assert RolloutSettings().episode_settings().max_turns == 7  # unset: covers the guesses
     monkeypatch.setenv("DELTARL_ROLLOUT_MAX_TURNS", "6")
     with pytest.raises(ValidationError, match="max_turns"):

@@ -9,8 +9,8 @@ from deltarl.rollout.settings import RolloutSettings
 
 def test_the_env_server_gives_what_the_settings_leave_unset() -> None:
     """Unset: the env server's system prompt and turn limit (its /metadata: Wordle's player
-    prompt and guesses + tolerated invalid moves; charset: none and 1), raised to the most
-    guesses a game may allow here; empty: no system turn; text: used as it is."""
+    prompt and guesses (its curriculum's most) + tolerated invalid moves; charset: none and 1),
+    raised to env_options' guesses; empty: no system turn; text: used as it is."""
     from fastapi.testclient import TestClient
 
     from deltarl.env_server.core.app import create_app
@@ -27,8 +27,12 @@ def test_the_env_server_gives_what_the_settings_leave_unset() -> None:
     assert (eps.system_prompt, eps.max_turns) == (wordle.system_prompt, 8 + 1)
     eps = RolloutSettings().episode_settings(charset)
     assert (eps.system_prompt, eps.max_turns) == (None, 1)
-    curriculum = RolloutSettings(guesses_start=3, guesses_end=12, guesses_over_versions=5)
-    assert curriculum.episode_settings(wordle).max_turns == 12
+    # the server's guess curriculum: its turn limit covers the most guesses it gives
+    curriculum = metadata(guesses_start=3, guesses_end=12, guesses_over_versions=5)
+    assert RolloutSettings().episode_settings(curriculum).max_turns == 12 + 1
+    # env_options asking for more guesses than the server's game: the limit follows
+    more = RolloutSettings(env_options={"max_guesses": 10}).episode_settings(wordle)
+    assert more.max_turns == 10
     # set here: the settings win over the server's
     eps = RolloutSettings(system_prompt="Be brief.", max_turns=4).episode_settings(wordle)
     assert (eps.system_prompt, eps.max_turns) == ("Be brief.", 4)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from deltarl.cli import app
 from deltarl.env_server.settings import EnvSettings
-from deltarl.rollout.episodes import GuessCurriculum
+from deltarl.env_server.wordle.curriculum import GuessCurriculum
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.run import experiment
 from deltarl.run.config import RunConfigError, load_run_config
@@ -37,7 +37,7 @@ def test_check_from_the_command_line() -> None:
     ok = CliRunner().invoke(app, ["run", str(EXAMPLE), "--check"])
     assert ok.exit_code == 0, ok.output
     resolved = json.loads(ok.output)
-    assert resolved["rollout"]["guesses_start"] == 2
+    assert resolved["env"]["guesses_start"] == 2
     assert resolved["rollout"]["env_options"]["shaping"]["format"] == 0.1
 
 
@@ -50,6 +50,7 @@ def test_the_services_get_shaping_curriculum_and_short_moves(
     assert env["DELTARL_ENV_REWARD"] == "shaped"
     server = EnvSettings.model_validate(settings_from(env, "DELTARL_ENV_"))
     assert server.rules().shaping is not None and server.rules().shaping.format == 0.1
+    assert server.curriculum() == GuessCurriculum(start=2, end=6, over_versions=30)
     worker = layout.worker(0).env
     for key, value in worker.items():
         if key.startswith("DELTARL_ROLLOUT_"):
@@ -58,10 +59,8 @@ def test_the_services_get_shaping_curriculum_and_short_moves(
     episodes = rollout.episode_settings()
     assert episodes.env_options is not None
     assert episodes.env_options["shaping"]["greens"] == 0.2
-    assert episodes.curriculum == GuessCurriculum(start=2, end=6, over_versions=30)
     assert episodes.sampling.max_new_tokens == 10
     assert episodes.sampling.top_k == 0 and episodes.sampling.top_p == 1.0
-    assert episodes.reset_options(30, 0)["max_guesses"] == 6  # type: ignore[index]
 
 
 @pytest.mark.parametrize("override", ["rollout.top_k=20", "rollout.top_p=0.9"])
@@ -77,7 +76,8 @@ def test_truncated_sampling_is_refused(override: str) -> None:
     [
         ("rollout.env_options={shaping={win=99}}", r"env_options\.shaping\.win"),
         ("rollout.env_options={max_guess=3}", r"env_options\.max_guess"),
-        ("rollout.max_turns=5", r"max_turns \(5\) is below the 6 guesses"),
+        ("rollout.env_options={max_guesses=8}", r"max_turns \(7\) is below the 8 guesses"),
+        ("env.guesses_start=0", r"\[env\] guesses_start"),
         ("env.shaping_format=-1", r"\[env\] shaping_format"),
         ("env.shaping_consistent=11", r"\[env\] shaping_consistent"),
         ("rollout.env_options={shaping={consistent=-1}}", r"env_options\.shaping\.consistent"),
