@@ -261,7 +261,7 @@ def test_versions_span_a_sync(server: WordleServer, tok: Any) -> None:
     # an engine without a weight gate: the runner reads policy_version around each call
     unmanaged = ScriptedEngine(tok, lambda row, turn: f"[{words[turn]}]", stop=IM_END)
     unmanaged.managed = False
-    current = iter([7, 7, 7, 8, 8, 8])
+    current = iter([7, 7, 7, 7, 8, 8, 8])  # the group's start (its resets), then each call
     [group], _ = play(
         server, tok, unmanaged, settings, [SEED], policy_version=lambda: next(current)
     )
