@@ -209,8 +209,10 @@ class EpisodeEnv(Protocol):
     def episode(
         self, *, seed: int | None = None, episode_id: str | None = None
     ) -> AbstractAsyncContextManager[EnvSession]:
-        """Open a session; a client that takes reset options also accepts ``options=`` (the
-        runner passes it only when the settings ask for options)."""
+        """Open a session. The runner also passes ``options=`` when the settings ask for reset
+        options, and ``policy_version=`` (the version the group started under) when it knows
+        one: a client that cannot take them must be used without options and with a generator
+        that reports no version."""
         ...
 
 

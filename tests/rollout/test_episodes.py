@@ -403,9 +403,9 @@ def test_an_env_error_stops_the_siblings_at_a_turn_boundary(server: WordleServer
 
         @asynccontextmanager
         async def episode(
-            self, *, seed: int | None = None, episode_id: str | None = None
+            self, *, seed: int | None = None, episode_id: str | None = None, **reset: Any
         ) -> AsyncIterator[Session]:
-            async with self.env.episode(seed=seed, episode_id=episode_id) as ep:
+            async with self.env.episode(seed=seed, episode_id=episode_id, **reset) as ep:
                 yield Session(ep, fail=(episode_id or "").endswith("/1"))
 
     async def main() -> None:
