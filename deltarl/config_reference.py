@@ -50,7 +50,7 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "Supervised warm start",
-        "deltarl.trainer.sft",
+        "deltarl.trainer.supervised.sft",
         "SftSettings",
         "`deltarl sft` ([docs/wordle.md](wordle.md))",
     ),

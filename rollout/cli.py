@@ -1,4 +1,4 @@
-"""``deltarl rollout``: run one rollout worker (see :mod:`deltarl.rollout.worker`).
+"""``deltarl rollout``: run one rollout worker (see :mod:`deltarl.rollout.service.worker`).
 
 Only typer and the settings class are imported here; torch, transformers and the worker load
 inside :func:`rollout`, after the settings are parsed.
@@ -60,8 +60,8 @@ def rollout(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
-    from deltarl.rollout.http import BindError
-    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.rollout.service.http import BindError
+    from deltarl.rollout.service.worker import RolloutWorker
     from deltarl.services.coordinator.client import CoordinatorError
     from deltarl.weightsync.errors import StateMismatchError
 

@@ -27,7 +27,7 @@ from deltarl.rollout.engines.base import (
     TransformersEngineSettings,
     VllmEngineSettings,
 )
-from deltarl.rollout.episodes import EpisodeSettings
+from deltarl.rollout.episodes.runner import EpisodeSettings
 from deltarl.services.common.models import smollm2_gguf
 from deltarl.services.common.tls import TLSServerSettings
 from deltarl.services.coordinator.schemas.common import ID_PATTERN, MAX_IN_FLIGHT
@@ -52,7 +52,7 @@ class RolloutSettings(TLSServerSettings):
         env_prefix="DELTARL_ROLLOUT_", extra="ignore", case_sensitive=False
     )
 
-    # -- this worker's GET /health and GET /metrics (rollout/http.py) -------------------------
+    # -- this worker's GET /health and GET /metrics (rollout/service/http.py) -------------------------
     host: str = Field(
         default="127.0.0.1",
         description="Interface of /health and /metrics (0.0.0.0 to scrape from another machine "

@@ -80,7 +80,7 @@ class OptimizerSettings(_Settings):
 
 
 class LossSettings(_Settings):
-    """The GRPO objective (see :mod:`deltarl.trainer.loss`)."""
+    """The GRPO objective (see :mod:`deltarl.trainer.learn.loss`)."""
 
     advantage_scale: AdvantageScale = Field(
         default="group",
@@ -241,7 +241,7 @@ class BatchSettings(_Settings):
 
 
 class PublishSettings(_Settings):
-    """How each optimizer step becomes a published version (see :mod:`.publisher`)."""
+    """How each optimizer step becomes a published version (see :mod:`deltarl.trainer.publish.weights`)."""
 
     format: PublishFormat = Field(
         default="compact",
@@ -333,7 +333,7 @@ class PublishSettings(_Settings):
 
 
 class CheckpointSettings(_Settings):
-    """When and where the trainer checkpoints (see :mod:`deltarl.trainer.checkpoint`)."""
+    """When and where the trainer checkpoints (see :mod:`deltarl.trainer.checkpoint.store`)."""
 
     every: int = Field(
         default=50,

@@ -23,12 +23,12 @@ from deltarl.services.coordinator.schemas import (
     WorkerHeartbeat,
     WorkerRegistration,
 )
-from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import (
+from deltarl.trainer.publish.weights import (
     WeightPublisher,
     coordinator_challenge_need,
     coordinator_challenges,
 )
+from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.proof import ProofSpec, proof_answer
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer

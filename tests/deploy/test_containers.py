@@ -7,7 +7,7 @@ for a rollout worker (healthy only after the trainer's first version: a deadlock
 required ``${VAR:?}``; each Dockerfile runs as UID 1000, has a HEALTHCHECK and an ENTRYPOINT that
 is a registered ``deltarl`` sub-command; the GPU rollout image is vLLM's image at pyproject's
 ``vllm`` pin, with a valid engine default; the compose health check of a rollout worker passes
-against the real ``rollout/http.py`` server once its weights are healthy, not before; the wheel
+against the real ``rollout/service/http.py`` server once its weights are healthy, not before; the wheel
 the images install holds every package of setup.py's folder map (.dockerignore's allowlist); the light
 services import no torch/numpy/numba. Tests marked ``network`` resolve each image's Python
 dependencies against the package index (``pip install --dry-run``) and skip if it is unreachable.
@@ -968,7 +968,7 @@ def test_healthcheck_script(
 
 
 class _FakeSync:
-    """What ``rollout/http.py`` reads of a worker's weight sync."""
+    """What ``rollout/service/http.py`` reads of a worker's weight sync."""
 
     def __init__(self) -> None:
         self.healthy = False
@@ -984,10 +984,10 @@ class _FakeSync:
 def test_rollout_health_check_against_the_worker_server(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compose health check of a worker, run against ``rollout/http.py``'s real server
+    """The compose health check of a worker, run against ``rollout/service/http.py``'s real server
     configured by the container's environment (the port remapped to a free one): it fails while
     the worker is starting (503) and passes once the weights are verified."""
-    from deltarl.rollout.http import WorkerHttpServer, create_app
+    from deltarl.rollout.service.http import WorkerHttpServer, create_app
 
     port = service_port(name)
     free = free_port()

@@ -18,10 +18,10 @@ from deltarl.env_server.wordle.game import WordleRules, WordLists, answer_for_se
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
 from deltarl.env_server.wordle.transcripts import solver_transcripts
 from deltarl.rollout.engines.base import SamplingParams
-from deltarl.rollout.episodes import ChatFormat, EpisodeGroup, EpisodeRunner, EpisodeSettings
+from deltarl.rollout.episodes.runner import ChatFormat, EpisodeGroup, EpisodeRunner, EpisodeSettings
+from deltarl.rollout.episodes.trajectories import episode_signals
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.trajectories import episode_signals
-from deltarl.trainer.sft import encode_transcript
+from deltarl.trainer.supervised.sft import encode_transcript
 
 IM_END = 2
 SEED = 11

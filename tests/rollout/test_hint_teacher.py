@@ -1,4 +1,4 @@
-"""Hinted turns scored by the teacher service (``hint_scorer = "teacher"``, rollout/teaching.py):
+"""Hinted turns scored by the teacher service (``hint_scorer = "teacher"``, rollout/distill/teaching.py):
 the request holds exactly what the policy scorer scores, a teacher serving the policy's model
 gives the policy scorer's numbers, answers that do not fit are refused, and a live worker
 attaches hints computed by a real teacher service (down at first: nothing goes out without
@@ -26,16 +26,16 @@ from worker_helpers import (
 )
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.chat_format import ChatFormat
+from deltarl.rollout.distill.hints import EnvHinter, Hint, hinted_context, score_hints
+from deltarl.rollout.distill.teaching import TeacherMismatch, hint_maps, hint_request
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.episodes import Episode, Turn
-from deltarl.rollout.hints import EnvHinter, Hint, hinted_context, score_hints
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode, Turn
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.teaching import TeacherMismatch, hint_maps, hint_request
 from deltarl.teacher.client import SyncTeacherClient
 from deltarl.teacher.wire import LogprobResponse
-from deltarl.trainer.batch import collate
+from deltarl.trainer.learn.batch import collate
 
 
 def played(fmt: ChatFormat, replies: list[str], temperature: float = 0.7) -> Episode:

@@ -61,8 +61,8 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
 
     from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines.transformers_engine import TransformersEngine
-    from deltarl.rollout.weights import WeightSync
-    from deltarl.rollout.worker import GIL_SWITCH_INTERVAL_S, RolloutWorker
+    from deltarl.rollout.service.worker import GIL_SWITCH_INTERVAL_S, RolloutWorker
+    from deltarl.rollout.sync.weights import WeightSync
     from deltarl.weightsync.reader import BucketReader
 
     before = sys.getswitchinterval()
@@ -84,7 +84,7 @@ def test_apply_kernel_setting(monkeypatch) -> None:
     import torch
     from pydantic import ValidationError
 
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
 
     assert RolloutSettings().apply_kernel == "auto"
     monkeypatch.setenv("DELTARL_ROLLOUT_APPLY_KERNEL", "torch")

@@ -65,7 +65,7 @@ from deltarl.rollout.engines.vllm_transfer import (
     encode_message,
 )
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import state_digest
 from deltarl.weightsync.errors import (
@@ -1015,7 +1015,7 @@ def test_vllm_engine_setting_and_missing_vllm() -> None:
 def test_deltarl_never_imports_vllm() -> None:
     code = (
         "import sys; import deltarl.rollout.engines, deltarl.rollout.engines.vllm_engine, "
-        "deltarl.rollout.engines.vllm_transfer, deltarl.rollout.worker; "
+        "deltarl.rollout.engines.vllm_transfer, deltarl.rollout.service.worker; "
         "assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

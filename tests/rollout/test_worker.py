@@ -37,10 +37,10 @@ from deltarl.buckets.local import LocalBucket
 from deltarl.cli import app
 from deltarl.rollout.engines.base import Completion, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
+from deltarl.rollout.episodes.runner import Episode, EpisodeGroup, Turn
+from deltarl.rollout.service.worker import RolloutWorker
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.sync_records import Verdict
-from deltarl.rollout.worker import RolloutWorker
+from deltarl.rollout.sync.records import Verdict
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
 from deltarl.weightsync.reader import BucketReader
@@ -399,7 +399,7 @@ def test_the_service_closes_the_engine_it_built(monkeypatch: pytest.MonkeyPatch)
     """`deltarl rollout` releases its engine when the worker stops, normally or not (the vllm
     engine's core is a separate process holding the GPU memory: a stopped teacher service once
     left two of them running on an H200); an engine given to the constructor is not closed."""
-    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.rollout.service.worker import RolloutWorker
 
     closed: list[str] = []
 

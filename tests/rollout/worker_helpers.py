@@ -16,15 +16,19 @@ import uvicorn
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
+from deltarl.rollout.service.worker import RolloutWorker
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.weights import WeightSync
-from deltarl.rollout.worker import RolloutWorker
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.trainer.publish.weights import (
+    WeightPublisher,
+    coordinator_challenges,
+    publishable_state,
+)
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher, coordinator_challenges, publishable_state
 from deltarl.weightsync.reader import BucketReader
 
 TRAINER_TOKEN = "trainer-secret-token"

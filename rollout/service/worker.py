@@ -1,19 +1,19 @@
 """The rollout worker service: follow the trainer's versions, play episodes, submit groups.
 
-:class:`RolloutWorker` ties together a :class:`~deltarl.rollout.weights.WeightSync` (the
-engine's weights), an :class:`~deltarl.rollout.episodes.EpisodeRunner` (multi-turn episodes
+:class:`RolloutWorker` ties together a :class:`~deltarl.rollout.sync.weights.WeightSync` (the
+engine's weights), an :class:`~deltarl.rollout.episodes.runner.EpisodeRunner` (multi-turn episodes
 against the env server) and the coordinator's clients.
 
 Order of calls (:meth:`RolloutWorker.run`)::
 
-    serve GET /health and GET /metrics on the loop (rollout/http.py; 503 until verified weights)
+    serve GET /health and GET /metrics on the loop (rollout/service/http.py; 503 until verified weights)
     -> register (retried until the coordinator answers)
     -> heartbeat thread: every interval, WorkerHeartbeat(applied version or None while
        unhealthy, its verified state digest, groups in flight, last error); its answer's
        latest_version is followed too;
        an unknown_worker answer (coordinator lost its state) re-registers
     -> sync_to(the coordinator's latest version) (waits for a first version if none yet)
-    -> version thread (rollout/follower.py): iter_version_events (SSE) -> follow(v); when
+    -> version thread (rollout/sync/follower.py): iter_version_events (SSE) -> follow(v); when
        the stream fails, poll latest_version every sync_poll_s and reopen it
        follow(v): newest target wins; one WeightSync.sync_in_background at a time, the next
        one starts when it ends (coalescing: versions published meanwhile are skipped over)
@@ -58,23 +58,23 @@ import httpx
 from deltarl.env_server.core.client import EnvClient
 from deltarl.env_server.core.models import EnvError
 from deltarl.env_server.core.wire import EnvMetadata
-from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
-from deltarl.rollout.engines.base import Engine
-from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
-from deltarl.rollout.follower import VersionFollower
-from deltarl.rollout.group_targets import GroupTargets, TeacherRefused
-from deltarl.rollout.hints import (
+from deltarl.rollout.distill.group_targets import GroupTargets, TeacherRefused
+from deltarl.rollout.distill.hints import (
     HintStats,
 )
-from deltarl.rollout.http import WorkerHttpServer, create_app
-from deltarl.rollout.metrics import RolloutMetrics
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.teaching import (
+from deltarl.rollout.distill.teaching import (
     TeacherStats,
 )
-from deltarl.rollout.trajectories import to_submission
-from deltarl.rollout.view import WorkerStats
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.engines.base import Engine
+from deltarl.rollout.episodes.chat_format import ChatFormat, ChatTokenizer
+from deltarl.rollout.episodes.runner import EpisodeGroup, EpisodeRunner
+from deltarl.rollout.episodes.trajectories import to_submission
+from deltarl.rollout.service.http import WorkerHttpServer, create_app
+from deltarl.rollout.service.metrics import RolloutMetrics
+from deltarl.rollout.service.view import WorkerStats
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.sync.follower import VersionFollower
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
@@ -115,7 +115,7 @@ class RolloutWorker:
     else the system's CAs; :func:`~deltarl.services.common.tls.client_verify`). ``metrics``: where
     the worker's Prometheus metrics go (default: new ones); ``GET /health`` and ``/metrics``
     are served on ``settings.host``/``settings.port`` while :meth:`run_async` runs
-    (:mod:`~deltarl.rollout.http`).
+    (:mod:`~deltarl.rollout.service.http`).
     """
 
     def __init__(

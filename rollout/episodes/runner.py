@@ -35,7 +35,7 @@ Guarantees:
   logprobs at the same positions.
 * Versions: each turn records the policy versions of the weights that sampled its first and
   last token (the engine's :class:`~deltarl.rollout.engines.base.WeightsStamp`, i.e. the
-  :class:`~deltarl.rollout.weights.WeightSync` gate); an episode spans ``version_min ..
+  :class:`~deltarl.rollout.sync.weights.WeightSync` gate); an episode spans ``version_min ..
   version_max`` over its turns. When the stamps are unmanaged (no gate), ``policy_version()``
   is read before and after the generate call instead, so a sync during the call widens the span.
 * The episodes of a group share the environment seed (same secret word) and the group id; a
@@ -73,8 +73,8 @@ from deltarl.env_server.core.models import StepResult
 from deltarl.env_server.core.render import observation_text
 from deltarl.env_server.core.wire import TaskHint
 from deltarl.rollout import fault_points
-from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Completion, SamplingParams
+from deltarl.rollout.episodes.chat_format import ChatFormat, ChatTokenizer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -173,7 +173,7 @@ class EpisodeSettings(BaseModel):
 
 class TokenGenerator(Protocol):
     """What generates replies: an :class:`~deltarl.rollout.engines.base.Engine` (unmanaged
-    stamps) or a :class:`~deltarl.rollout.weights.WeightSync` (gated, stamped completions).
+    stamps) or a :class:`~deltarl.rollout.sync.weights.WeightSync` (gated, stamped completions).
     Called from a worker thread, one call at a time."""
 
     def generate(
@@ -195,7 +195,7 @@ class EnvSession(Protocol):
 
 
 class EpisodeMetrics(Protocol):
-    """What the runner reports as it goes (e.g. :class:`~deltarl.rollout.metrics.RolloutMetrics`);
+    """What the runner reports as it goes (e.g. :class:`~deltarl.rollout.service.metrics.RolloutMetrics`);
     called on the runner's event loop."""
 
     def generated(self, completions: Sequence[Completion], seconds: float) -> None: ...

@@ -1,5 +1,5 @@
 """What a finished group carries besides its trajectories: hinted self-distillation targets
-(:mod:`deltarl.rollout.hints`) and the teacher's logprobs (:mod:`deltarl.rollout.teaching`).
+(:mod:`deltarl.rollout.distill.hints`) and the teacher's logprobs (:mod:`deltarl.rollout.distill.teaching`).
 
 The rollout worker owns one :class:`GroupTargets` and, in a group's submit task after its
 weights were verified, asks it for the group's targets::
@@ -26,9 +26,7 @@ from collections.abc import Callable
 
 import httpx
 
-from deltarl.rollout.chat_format import ChatFormat
-from deltarl.rollout.episodes import Episode, EpisodeGroup
-from deltarl.rollout.hints import (
+from deltarl.rollout.distill.hints import (
     ChatHinter,
     EnvHinter,
     Hint,
@@ -37,8 +35,7 @@ from deltarl.rollout.hints import (
     hint_episodes,
     score_hints,
 )
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.teaching import (
+from deltarl.rollout.distill.teaching import (
     TeacherMismatch,
     TeacherStats,
     check_vocab,
@@ -47,7 +44,10 @@ from deltarl.rollout.teaching import (
     hint_request,
     teacher_maps,
 )
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode, EpisodeGroup
+from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.coordinator.schemas import TeacherLogprobs
 from deltarl.teacher.client import (
     TeacherClient,
@@ -116,7 +116,7 @@ class GroupTargets:
 
     async def _hints(self, group: EpisodeGroup) -> dict[int, tuple[TeacherLogprobs, str]]:
         """Hinted self-distillation targets for the group's failed episodes (module
-        :mod:`deltarl.rollout.hints`), scored by the policy's engine or the teacher service
+        :mod:`deltarl.rollout.distill.hints`), scored by the policy's engine or the teacher service
         (``hint_scorer``); failures are counted and skipped. Raises :class:`TeacherRefused`
         when the teacher cannot score this policy at all (another vocabulary)."""
         if self._hinter is None:
