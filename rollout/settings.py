@@ -250,14 +250,6 @@ class RolloutSettings(TLSServerSettings):
         description="Seconds to wait before asking admission control again after it granted "
         "nothing (queue full, weights too old, no version yet).",
     )
-    failure_backoff_max_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="After a group fails (an engine or environment error: e.g. the GPU ran out "
-        "of memory), wait admission_wait_s before starting the next group, twice as long after "
-        "each further failure in a row, at most this many seconds; a group that finishes "
-        "resets it. Keeps a failing worker from burning through games and its log.",
-    )
     submit_timeout_s: float = Field(
         default=120.0,
         gt=0,

@@ -104,6 +104,13 @@ __all__ = ["RolloutWorker", "WorkerStats"]
 
 _VERDICT_POLL_S = 0.02  # how often a finished group asks for its verification verdict
 
+FAILURE_BACKOFF_MAX_S = 10.0
+"""Longest wait after failed groups (an engine or environment error: e.g. the GPU ran out of
+memory): admission_wait_s after the first, twice as long after each further failure in a row,
+at most this; a finished group resets it. Long enough that a failing worker does not burn
+through games and its log, short enough that it is back within seconds of the cause going
+away (an env server restarted)."""
+
 
 class RolloutWorker:
     """One rollout worker process; see the module docstring for the order of calls.
@@ -386,7 +393,7 @@ class RolloutWorker:
         """The wait before the next group after ``_failures_in_a_row`` failed groups."""
         doublings = min(self._failures_in_a_row, 32) - 1
         wait = self.settings.admission_wait_s * 2.0**doublings
-        return min(wait, self.settings.failure_backoff_max_s)
+        return min(wait, FAILURE_BACKOFF_MAX_S)
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, waking early when a stop is requested."""

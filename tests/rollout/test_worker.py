@@ -38,6 +38,7 @@ from deltarl.cli import app
 from deltarl.rollout.engines.base import Completion, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
 from deltarl.rollout.episodes.runner import Episode, EpisodeGroup, Turn
+from deltarl.rollout.service import worker as worker_module
 from deltarl.rollout.service.worker import RolloutWorker
 from deltarl.rollout.settings import RolloutSettings
 from deltarl.rollout.sync.records import Verdict
@@ -512,9 +513,8 @@ def test_failing_groups_back_off_and_the_next_good_group_resets_it(
 
     monkeypatch.setattr(TransformersEngine, "generate", generate)
     monkeypatch.setattr(RolloutWorker, "_failure_backoff_s", backoff)
-    settings = worker_settings(
-        coordinator, env.url, admission_wait_s=0.05, failure_backoff_max_s=0.2, in_flight_groups=1
-    )
+    monkeypatch.setattr(worker_module, "FAILURE_BACKOFF_MAX_S", 0.2)
+    settings = worker_settings(coordinator, env.url, admission_wait_s=0.05, in_flight_groups=1)
     with WorkerThread(settings, bucket, tok, len(tok)) as worker:
         wait_for(lambda: worker.stats.submitted >= 2, 30, "no group after the failures")
         errors = worker.stats.group_errors
