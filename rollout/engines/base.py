@@ -43,7 +43,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_new_tokens: int = Field(ge=1, description="Most tokens sampled per prompt.")
+    max_new_tokens: int = Field(default=128, ge=1, description="Most tokens sampled per prompt.")
     temperature: float = Field(
         default=1.0,
         ge=0.0,

@@ -113,7 +113,10 @@ class EpisodeSettings(BaseModel):
 
     group_size: int = Field(default=8, ge=1, description="Episodes per group (GRPO's G).")
     max_turns: int = Field(
-        default=6, ge=1, description="Model replies per episode before it is truncated."
+        default=6,
+        ge=1,
+        description="Model replies per episode before it is truncated; unset: 6, raised to "
+        "env_options' max_guesses (a worker asks the env server, WorkerExperiment.turn_limit).",
     )
     max_tokens: int = Field(
         default=2048,
@@ -158,6 +161,9 @@ class EpisodeSettings(BaseModel):
     @model_validator(mode="after")
     def _turns_cover_guesses(self) -> EpisodeSettings:
         most = (self.env_options or {}).get("max_guesses")
+        if "max_turns" not in self.model_fields_set and isinstance(most, int):
+            # the default follows the game (still "unset": a worker asks its env server)
+            object.__setattr__(self, "max_turns", max(self.max_turns, most))
         if isinstance(most, int) and most > self.max_turns:
             raise ValueError(
                 f"max_turns ({self.max_turns}) is below the {most} guesses a game may allow "

@@ -125,7 +125,7 @@ class _StateCollector(Collector):
         yield hints
         yield c(
             P + "teacher_missing_groups",
-            "Groups submitted without teacher data (DELTARL_ROLLOUT_TEACHER_REQUIRED=false)",
+            "Groups submitted without teacher data (teacher.required = false)",
             value=t.missing,
         )
         m = self._metrics

@@ -72,7 +72,7 @@ from deltarl.rollout.episodes.trajectories import to_submission
 from deltarl.rollout.service.http import WorkerHttpServer, create_app
 from deltarl.rollout.service.metrics import RolloutMetrics
 from deltarl.rollout.service.view import WorkerStats
-from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.settings import RolloutSettings, WorkerExperiment, check_worker
 from deltarl.rollout.sync.follower import VersionFollower
 from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
@@ -131,15 +131,21 @@ class RolloutWorker:
         sync: WeightSync,
         tokenizer: ChatTokenizer | ChatFormat,
         *,
+        experiment: WorkerExperiment | None = None,
         model_name: str | None = None,
         metrics: RolloutMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.experiment = experiment if experiment is not None else settings.experiment()
+        check_worker(settings.teacher_url, self.experiment)
         self.sync = sync
         self.engine: Engine = sync.engine
         self.format = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: see the constant
-        self.model_name = model_name or (settings.model or "smollm2-135m-instruct")
+        engine_cfg = self.experiment.engine
+        self.model_name = model_name or (
+            engine_cfg.model if engine_cfg is not None else "smollm2-135m-instruct"
+        )
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()
         self._verify = client_verify(settings.ca_bundle)
@@ -178,7 +184,12 @@ class RolloutWorker:
         # seconds: heartbeats go on meanwhile); at most one at a time
         self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
         self.targets = GroupTargets(
-            settings, self.format, self.sync, on_error=self._error, stop=self.request_stop
+            settings,
+            self.experiment,
+            self.format,
+            self.sync,
+            on_error=self._error,
+            stop=self.request_stop,
         )
         self._proving: Future[None] | None = None
         self._proving_nonce: str | None = None
@@ -189,23 +200,34 @@ class RolloutWorker:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_settings(cls, settings: RolloutSettings) -> RolloutWorker:
-        """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
+    def from_settings(
+        cls, settings: RolloutSettings, experiment: WorkerExperiment | None = None
+    ) -> RolloutWorker:
+        """Build the engine, tokenizer and weight sync the settings and the experiment
+        (default: ``settings.config``'s) describe (heavy imports)."""
         from transformers import AutoTokenizer
 
         from deltarl.buckets import open_bucket
         from deltarl.rollout.engines import make_engine
         from deltarl.weightsync.reader import BucketReader
 
-        model, gguf = settings.model_source()
+        experiment = experiment if experiment is not None else settings.experiment()
+        check_worker(settings.teacher_url, experiment)
+        model, gguf = experiment.model_source()
         tokenizer = AutoTokenizer.from_pretrained(
             model, **({} if gguf is None else {"gguf_file": gguf})
         )
-        engine = make_engine(settings.engine_settings())
+        engine = make_engine(experiment.engine_settings())
         try:
             reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
             sync = WeightSync(engine, reader, apply_kernel=settings.apply_kernel)
-            worker = cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
+            worker = cls(
+                settings,
+                sync,
+                tokenizer,
+                experiment=experiment,
+                model_name=model if gguf is None else gguf,
+            )
         except BaseException:
             engine.close()
             raise
@@ -421,7 +443,7 @@ class RolloutWorker:
                 worker_id=self.worker_id,
                 engine=self.engine.type,
                 model=self.model_name[-256:],
-                capacity=self.settings.in_flight_groups,
+                capacity=self.experiment.in_flight_groups,
             )
         )
         self._registered = True
@@ -517,7 +539,7 @@ class RolloutWorker:
                 if not status.healthy:
                     await self._sleep(wait)
                     continue
-                want = max(1, self.settings.in_flight_groups - self._in_flight)
+                want = max(1, self.experiment.in_flight_groups - self._in_flight)
                 try:
                     answer = await self._async.admission(self.worker_id, want, status.version)
                 except (httpx.TransportError, CoordinatorError) as exc:
@@ -552,7 +574,7 @@ class RolloutWorker:
                 settings.env_url, token=_secret(settings.env_token), verify=self._verify
             ) as env,
         ):
-            episodes = settings.episode_settings(await self._task_of(env))
+            episodes = self.experiment.episode_settings(await self._task_of(env))
             async with EpisodeRunner(
                 self.sync, self.format, env, episodes, metrics=self.metrics
             ) as runner:
@@ -563,8 +585,7 @@ class RolloutWorker:
         leave either to it, asked until the server answers (None: the settings set both, or
         a stop came first). A server that answers without them (another OpenEnv server) leaves
         the defaults: no system turn, 6 turns."""
-        settings = self.settings
-        if settings.system_prompt is not None and settings.max_turns is not None:
+        if not self.experiment.leaves_to_server():
             return None
         delay = 0.2
         while True:
@@ -591,7 +612,9 @@ class RolloutWorker:
     async def _play(self, runner: EpisodeRunner, submits: set[asyncio.Task[None]]) -> None:
         settings = self.settings
         assert self._stop is not None
-        stream = runner.stream_groups(self._admitted_seeds(), in_flight=settings.in_flight_groups)
+        stream = runner.stream_groups(
+            self._admitted_seeds(), in_flight=self.experiment.in_flight_groups
+        )
         try:
             async with asyncio.timeout(None) as self._drain, contextlib.aclosing(stream):
                 if self._stopping:  # stopped before the loop began
