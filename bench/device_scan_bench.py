@@ -5,7 +5,7 @@ The rows are those of one rank of Qwen2.5-7B under 4-way FSDP (339 tensors, 1.9 
 row-sharded), random weights with 2% of the elements moved. Each repetition times, interleaved:
 
 * ``queued``: :func:`start_changes_and_scans` for every tensor, then every ``result()`` (what
-  :class:`~deltarl.trainer.sharded.ShardedPublisher` does);
+  :class:`~deltarl.trainer.publish.sharded.ShardedPublisher` does);
 * ``one_by_one``: ``start(...).result()`` per tensor;
 * ``ref`` (with ``--ref FILE``): ``changes_and_scans`` of another implementation of the module,
   e.g. an earlier revision::

@@ -1,5 +1,5 @@
 """The compact encoder on one FSDP rank's delta, from precomputed scans (what a GPU rank of
-:class:`~deltarl.trainer.sharded.ShardedPublisher` encodes after its device scan): seconds per
+:class:`~deltarl.trainer.publish.sharded.ShardedPublisher` encodes after its device scan): seconds per
 encode at a given thread count, and where the time goes (phase A, tables, phase B).
 
 The rows are one rank's of Qwen3-1.7B under 4-way FSDP (310 tensors, 430 M bf16 elements) or,

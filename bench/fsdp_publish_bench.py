@@ -5,7 +5,7 @@ Under ``torchrun`` on N GPUs (or N CPU processes with gloo for ``--preset tiny``
 model built from a configuration (random init; fp32 master weights sharded by the trainer's own
 ``shard_fsdp``, bf16 compute under autocast on CUDA), AdamW at ``--lr`` (1e-6) through the
 trainer's ``build_optimizer``, ``--steps`` real steps on random tokens. After every step each
-rank publishes its rows with :class:`~deltarl.trainer.sharded.ShardedPublisher` into a
+rank publishes its rows with :class:`~deltarl.trainer.publish.sharded.ShardedPublisher` into a
 local-directory bucket (version 0 is an anchor, then compact deltas). Rank 0 prints one JSON line
 per step::
 
@@ -17,7 +17,7 @@ per step::
 rank 0's whole publication (every rank's work, the manifest and latest.json), the step's wall
 time of publishing; ``memory_bytes`` = what a rank holds for publication (its bf16 snapshot and the
 new bf16 rows; no rank holds more than its rows). With ``--apply``, rank 0 then follows the bucket
-on its device with :class:`~deltarl.rollout.weights.WeightSync` (a bf16 copy of the whole model,
+on its device with :class:`~deltarl.rollout.sync.weights.WeightSync` (a bf16 copy of the whole model,
 as a rollout GPU holds it) and prints the last delta's ``paused_apply_s`` and
 ``fetch_to_applied_s`` (download + decode + stage + paused apply of that delta;
 publish-to-applied = ``publish_s`` + this). A ``"summary"`` line closes the run.
@@ -53,15 +53,15 @@ import torch.distributed as tdist
 from common import gpu_tag, meta, result_path
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.distributed import (
+from deltarl.trainer.learn.distributed import (
     broadcast,
     init_distributed,
     shard_fsdp,
     shutdown_distributed,
 )
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.settings import OptimizerSettings, PublishSettings
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.weightsync.manifest import parse_slice_key
 from deltarl.weightsync.reader import BucketReader
 
@@ -347,7 +347,7 @@ def follow(
     bucket: LocalBucket, shapes: dict[str, torch.Size], device: str, last: int
 ) -> dict[str, Any]:
     """Rank 0 as a rollout GPU: load up to ``last - 1``, then time the last delta."""
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
 
     engine = TensorEngine(shapes, torch.device(device))
     sync = WeightSync(engine, BucketReader(bucket))  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ COMMON=(--engine transformers --max-guesses 6 --max-invalid 1 --max-new-tokens 2
   --reward final --format-credit 0.5 --lr 1e-5 --duration "$S" --seed 0)
 for arm in ${ARMS:-plain hints}; do
   extra=()
-  [ "$arm" = hints ] && extra=(--set 'rollout.hint_mode="env"' --set 'trainer.loss.hint_coef=1.0')
+  [ "$arm" = hints ] && extra=(--set 'rollout.hints.mode="env"' --set 'trainer.loss.hint_coef=1.0')
   t0=$SECONDS
   python3 bench/wordle_gpu_run.py --run-dir "$RES/$arm" "${COMMON[@]}" "${extra[@]}" \
     >"$RES/$arm.log" 2>&1

@@ -61,7 +61,7 @@ PY
 for seed in $SEEDS; do
   for arm in grpo hints; do
     extra=()
-    [ "$arm" = hints ] && extra=(--set 'rollout.hint_mode="env"'
+    [ "$arm" = hints ] && extra=(--set 'rollout.hints.mode="env"'
       --set "trainer.loss.hint_coef=$HINT_COEF")
     t0=$SECONDS
     python3 bench/wordle_gpu_run.py --run-dir "$RES/$arm-$seed" --seed "$seed" "${COMMON[@]}" \

@@ -9,12 +9,12 @@ itself, and every step moves a realistic sparse part of it (``--density`` of eve
 load, lognormal with ``--expert-skew``, mean ``--density``; each move 1 ULP, sometimes 2, as
 AdamW's small steps are). The state is split by rows over ``--ranks`` processes (FSDP2's
 ``Shard(0)`` split: whole experts per rank), each publishing its rows with the trainer's own
-:class:`~deltarl.trainer.sharded.ShardedPublisher` (change detection and the encoder's context
+:class:`~deltarl.trainer.publish.sharded.ShardedPublisher` (change detection and the encoder's context
 scan where the rows are, compact encode on the host, upload to a local-directory bucket; version
 0 an anchor); ranks take the GPUs round-robin (several ranks may share one GPU; their collectives
 run over gloo, so that works), or the CPU with ``--device cpu``.
 
-Then the main process follows the bucket as a rollout worker (:class:`~deltarl.rollout.weights.
+Then the main process follows the bucket as a rollout worker (:class:`~deltarl.rollout.sync.weights.
 WeightSync`) with ``--engine``: ``vllm`` (vLLM 0.33 serving the same config with random
 ``dummy`` weights, replaced by the anchor; deltas mapped onto its stacked expert tensors and
 applied in one pause, while it generates), ``tensors`` (plain bf16 tensors on the device, the
@@ -164,9 +164,9 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
     import torch.distributed as tdist
 
     from deltarl.buckets.local import LocalBucket
-    from deltarl.trainer.distributed import DistContext, broadcast
+    from deltarl.trainer.learn.distributed import DistContext, broadcast
+    from deltarl.trainer.publish.sharded import ShardedPublisher
     from deltarl.trainer.settings import PublishSettings
-    from deltarl.trainer.sharded import ShardedPublisher
     from deltarl.weightsync.manifest import slice_key
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
@@ -289,7 +289,7 @@ def follow(
     engine generates)."""
     from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines.base import SamplingParams
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
     from deltarl.weightsync.reader import BucketReader
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")

@@ -118,7 +118,7 @@ def run(
 ) -> dict[str, Any]:
     import transformers
 
-    from deltarl.trainer.optim import build_optimizer, clip_gradients
+    from deltarl.trainer.learn.optim import build_optimizer, clip_gradients
     from deltarl.trainer.settings import OptimizerSettings
     from deltarl.weightsync.codec.formats import encode_delta
     from deltarl.weightsync.delta import compute_delta

@@ -2,9 +2,9 @@
 to applied, and what generation throughput the transformers engine keeps meanwhile.
 
 A trainer (AdamW, fp32 master weights, lr 1e-6 by default, random tokens) publishes one version
-per step through a local-directory bucket with :class:`~deltarl.trainer.weights.WeightPublisher`
+per step through a local-directory bucket with :class:`~deltarl.trainer.publish.weights.WeightPublisher`
 (compact deltas, an anchor first). A rollout engine generates continuously in a thread through
-:class:`~deltarl.rollout.weights.WeightSync`, which follows every version while generation goes
+:class:`~deltarl.rollout.sync.weights.WeightSync`, which follows every version while generation goes
 on: download + decode + stage in the background, then the paused in-place apply, then
 verification after resuming.
 
@@ -41,9 +41,9 @@ from common import cpu_tag, gpu_tag, meta, result_path, write_json
 from deltarl.buckets import open_bucket
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
+from deltarl.trainer.publish.weights import WeightPublisher, publishable_state
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher, publishable_state
 from deltarl.weightsync.reader import BucketReader
 
 

@@ -32,10 +32,10 @@ import torch
 from common import gpu_tag, meta, result_path, write_json
 
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
-from deltarl.trainer.batch import collate
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.learn.batch import collate
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import train_step
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.step import train_step
 
 
 def episode(gen: torch.Generator, vocab: int, length: int, move: int, feedback: int) -> Trajectory:

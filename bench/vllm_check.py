@@ -45,7 +45,7 @@ from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_engine import VllmEngine
 from deltarl.rollout.engines.vllm_transfer import encode_message
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.anchor import encode_anchor
 from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.weightsync.delta import compute_delta

@@ -254,7 +254,7 @@ class EngineRunner(Runner):
     def __init__(self, model: str, a: argparse.Namespace, async_scheduling: bool = True) -> None:
         from deltarl.buckets.local import LocalBucket
         from deltarl.rollout.engines import make_engine, vllm_engine
-        from deltarl.rollout.weights import WeightSync
+        from deltarl.rollout.sync.weights import WeightSync
         from deltarl.weightsync.reader import BucketReader
 
         extra, own = _extra_llm_kwargs(a), vllm_engine.llm_kwargs

@@ -99,7 +99,7 @@ def prepare(directory: Path, versions: int, density: float) -> tuple[str, Path, 
 def child(a: argparse.Namespace) -> dict[str, Any]:
     from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
     from deltarl.weightsync.digest import state_digest
     from deltarl.weightsync.reader import BucketReader
 

@@ -34,7 +34,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("status", "deltarl.services.coordinator.cli", "status"),
     ("worker-token", "deltarl.services.coordinator.cli", "worker_token"),
     ("train", "deltarl.trainer.cli", "train"),
-    ("sft", "deltarl.trainer.sft", "sft"),
+    ("sft", "deltarl.trainer.supervised.sft", "sft"),
     ("eval", "deltarl.eval.cli", "eval_wordle"),
     ("rollout", "deltarl.rollout.cli", "rollout"),
     ("teacher", "deltarl.teacher.cli", "teacher"),

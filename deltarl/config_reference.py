@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
+import typing
 from typing import Any
 
 from pydantic import BaseModel, SecretStr
@@ -50,7 +52,7 @@ DEPLOYMENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "Supervised warm start",
-        "deltarl.trainer.sft",
+        "deltarl.trainer.supervised.sft",
         "SftSettings",
         "`deltarl sft` ([docs/wordle.md](wordle.md))",
     ),
@@ -109,13 +111,34 @@ def _model_of(field: FieldInfo) -> type[BaseModel] | None:
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 
+def _choices_of(field: FieldInfo) -> list[type[BaseModel]]:
+    """The models of a union field (an engine: one of the engines' settings), else []."""
+    members: list[Any] = []
+    todo = list(typing.get_args(field.annotation))
+    while todo:  # Optional[Annotated[A | B, discriminator]] -> [A, B]
+        a = todo.pop(0)
+        if typing.get_origin(a) is typing.Annotated:
+            todo.insert(0, typing.get_args(a)[0])
+        elif typing.get_origin(a) in (typing.Union, types.UnionType):
+            todo[:0] = typing.get_args(a)
+        elif a is not type(None):
+            members.append(a)
+    models = [a for a in members if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models if len(models) > 1 and len(models) == len(members) else []
+
+
 def experiment_rows(cls: type[BaseModel], path: str = "") -> list[str]:
     rows: list[str] = []
     for name, field in cls.model_fields.items():
         key = f"{path}{name}"
         sub = _model_of(field)
+        choices = _choices_of(field)
         if sub is not None:
             rows += experiment_rows(sub, key + ".")
+        elif choices:
+            rows.append(f"| `{key}` | {_default(name, field)} | {_cell(field.description or '')} |")
+            for choice in choices:
+                rows += experiment_rows(choice, key + ".")
         else:
             rows.append(f"| `{key}` | {_default(name, field)} | {_cell(field.description or '')} |")
     return rows
@@ -150,6 +173,22 @@ def render() -> str:
         "| key | default | meaning |",
         "|---|---|---|",
         *experiment_rows(ExperimentSettings),
+        "",
+    ]
+    from deltarl.rollout.settings import WorkerExperiment
+
+    out += [
+        "## Rollout worker experiment (TOML)",
+        "",
+        "`deltarl rollout --config worker.toml` (or `DELTARL_ROLLOUT_CONFIG`) reads these keys",
+        "(dotted keys are TOML tables); in a run config they are `[rollout]`'s, beside `workers`",
+        "and the worker's deployment settings above, with `engine.model`, `engine.seed`,",
+        "`episodes.group_size`, `episodes.sampling.temperature` and `episodes.routing_replay`",
+        "from `[run]`. The engine's keys depend on its `type` (rows of both engines below).",
+        "",
+        "| key | default | meaning |",
+        "|---|---|---|",
+        *experiment_rows(WorkerExperiment),
         "",
     ]
     from deltarl.run.config import SHARED_FIELDS, SharedSettings

@@ -73,7 +73,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/data \
     HF_HOME=/data/.cache/huggingface \
-    DELTARL_ROLLOUT_DEVICE=cpu \
     DELTARL_ROLLOUT_PORT=8702 \
     DELTARL_TRAINER_DEVICE=cpu
 USER 1000

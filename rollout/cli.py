@@ -1,4 +1,4 @@
-"""``deltarl rollout``: run one rollout worker (see :mod:`deltarl.rollout.worker`).
+"""``deltarl rollout``: run one rollout worker (see :mod:`deltarl.rollout.service.worker`).
 
 Only typer and the settings class are imported here; torch, transformers and the worker load
 inside :func:`rollout`, after the settings are parsed.
@@ -7,11 +7,12 @@ inside :func:`rollout`, after the settings are parsed.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import typer
 from pydantic import ValidationError
 
-from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.settings import RolloutSettings, check_worker
 from deltarl.services.common.settings import settings_help
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,21 @@ def rollout(
     worker_id: str | None = typer.Option(
         None, "--worker-id", help="Overrides DELTARL_ROLLOUT_WORKER_ID."
     ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help="The worker's experiment (TOML or JSON: [engine], [episodes], in_flight_groups, "
+        "[hints], [teacher]; docs/rollout.md); overrides DELTARL_ROLLOUT_CONFIG.",
+    ),
+    overrides: list[str] = typer.Option(
+        [],
+        "--set",
+        "-s",
+        help="Override an experiment setting: --set episodes.sampling.max_new_tokens=24 "
+        "(repeatable).",
+    ),
 ) -> None:
-    overrides = {
+    given = {
         k: v
         for k, v in (
             ("host", host),
@@ -48,20 +62,23 @@ def rollout(
             ("env_url", env_url),
             ("bucket_uri", bucket_uri),
             ("worker_id", worker_id),
+            ("config", config),
         )
         if v is not None
     }
     try:
-        settings = RolloutSettings(**overrides)  # type: ignore[arg-type]
-        settings.model_source()  # a missing default model is a configuration error
+        settings = RolloutSettings(**given)  # type: ignore[arg-type]
+        experiment = settings.experiment(overrides)
+        check_worker(settings.teacher_url, experiment)
+        experiment.model_source()  # a missing default model is a configuration error
     except ValidationError as exc:
         messages = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
         raise typer.BadParameter(messages) from exc
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
-    from deltarl.rollout.http import BindError
-    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.rollout.service.http import BindError
+    from deltarl.rollout.service.worker import RolloutWorker
     from deltarl.services.coordinator.client import CoordinatorError
     from deltarl.weightsync.errors import StateMismatchError
 
@@ -71,10 +88,10 @@ def rollout(
         settings.worker_id,
         settings.coordinator_url,
         settings.env_url,
-        settings.engine,
+        experiment.engine_settings().type,
     )
     try:
-        worker = RolloutWorker.from_settings(settings)
+        worker = RolloutWorker.from_settings(settings, experiment)
     except (ValueError, OSError) as exc:  # CA bundle, model directory, bucket URI
         raise typer.BadParameter(str(exc)) from exc
     try:

@@ -9,9 +9,9 @@ exactly in the window it wants, with no timing guess.
 
 Points (see the call sites):
 
-* ``before_apply`` (:meth:`deltarl.rollout.weights.WeightSync._apply_delta`): a delta was
+* ``before_apply`` (:meth:`deltarl.rollout.sync.weights.WeightSync._apply_delta`): a delta was
   downloaded, checked and decoded, its apply has not started (between download and apply);
-* ``mid_episode`` (:meth:`deltarl.rollout.episodes.EpisodeRunner._play`): a reply was sampled,
+* ``mid_episode`` (:meth:`deltarl.rollout.episodes.runner.EpisodeRunner._play`): a reply was sampled,
   the environment has not seen it yet (an episode with an open env session and sampled tokens).
 """
 

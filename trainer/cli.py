@@ -15,7 +15,7 @@ sharded like the policy under FSDP (:func:`_reference`).
 
 Under ``torchrun --nproc_per_node N -m deltarl train ...`` every rank parses the same settings;
 rank 0 writes them, talks to the coordinator, publishes and reports, the other ranks train their
-share of each step as DDP replicas (:mod:`.distributed`). Without torchrun: one process, as
+share of each step as DDP replicas (:mod:`deltarl.trainer.learn.distributed`). Without torchrun: one process, as
 before.
 """
 
@@ -41,9 +41,9 @@ from deltarl.trainer.settings import (
 if TYPE_CHECKING:  # the launcher imports torch only after parsing the settings
     import torch
 
-    from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
-    from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
-    from deltarl.trainer.distributed import DistContext
+    from deltarl.trainer.checkpoint.sharded import ShardedCheckpoint
+    from deltarl.trainer.checkpoint.store import Checkpoint, Checkpointer
+    from deltarl.trainer.learn.distributed import DistContext
     from deltarl.trainer.loop import GracefulStop
     from deltarl.weightsync.manifest import VersionManifest
 
@@ -106,9 +106,13 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
     the exit code (128 + signal after a stop request, else 0)."""
     import torch
 
-    from deltarl.trainer.checkpoint import Checkpointer, CheckpointError
-    from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
-    from deltarl.trainer.distributed import init_distributed, shard_fsdp, shutdown_distributed
+    from deltarl.trainer.checkpoint.sharded import ShardedCheckpointer
+    from deltarl.trainer.checkpoint.store import Checkpointer, CheckpointError
+    from deltarl.trainer.learn.distributed import (
+        init_distributed,
+        shard_fsdp,
+        shutdown_distributed,
+    )
     from deltarl.trainer.loop import GracefulStop
     from deltarl.trainer.replica import train_replica
 
@@ -139,7 +143,7 @@ def _run(settings: ExperimentSettings, deploy: TrainerDeployment, *, resume: boo
                 publisher = None
                 if fsdp:
                     from deltarl.buckets import open_bucket
-                    from deltarl.trainer.sharded import ShardedPublisher
+                    from deltarl.trainer.publish.sharded import ShardedPublisher
 
                     publisher = ShardedPublisher(open_bucket(), settings.publish, ctx)
                 train_replica(
@@ -184,8 +188,8 @@ def _reference(
         return None
     import torch
 
-    from deltarl.trainer.distributed import shard_fsdp
-    from deltarl.trainer.step import frozen_reference
+    from deltarl.trainer.learn.distributed import shard_fsdp
+    from deltarl.trainer.learn.step import frozen_reference
 
     torch.manual_seed(settings.seed)  # as the policy's: the same weights a checkpoint lacks
     ref = frozen_reference(_load_model(settings.model, device))
@@ -211,15 +215,15 @@ def _run_main(
     from deltarl.buckets import open_bucket
     from deltarl.services.coordinator.client import CoordinatorClient
     from deltarl.trainer.loop import train as run_loop
-    from deltarl.trainer.reporting import build_reporter
-    from deltarl.trainer.screen import model_limits
-    from deltarl.trainer.sharded import ShardedPublisher
-    from deltarl.trainer.weights import (
+    from deltarl.trainer.publish.sharded import ShardedPublisher
+    from deltarl.trainer.publish.weights import (
         VersionBook,
         WeightPublisher,
         coordinator_challenge_need,
         coordinator_challenges,
     )
+    from deltarl.trainer.reporting import build_reporter
+    from deltarl.trainer.screen import model_limits
 
     bucket = open_bucket()
     token = deploy.token.get_secret_value() if deploy.token else None

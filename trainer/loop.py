@@ -8,9 +8,9 @@ Order per optimizer step (``v`` is the version of the weights being trained):
    is taken until its ack, a :class:`~.leases.LeaseKeeper` extends it every ``lease_s / 3``, so
    a step slower than the lease never loses its groups to the queue;
 2. **train**: the groups the trainer can use (:mod:`.screen`: within the model's limits,
-   collatable) are collated and :func:`~.step.train_step` trains on them (under ``torchrun``:
+   collatable) are collated and :func:`~deltarl.trainer.learn.step.train_step` trains on them (under ``torchrun``:
    the batch goes to every rank first, each trains its share with DDP; see
-   :mod:`.distributed`), dropping any group whose on-policy logprobs do not match these weights;
+   :mod:`deltarl.trainer.learn.distributed`), dropping any group whose on-policy logprobs do not match these weights;
 3. **publish**: :meth:`WeightPublisher.publish` snapshots the weights as version ``v + 1``
    (after waiting for version ``v`` to be committed and registered) and uploads in the
    background while the next step pulls and computes;
@@ -23,7 +23,7 @@ Order per optimizer step (``v`` is the version of the weights being trained):
 The first version (the starting weights, with an anchor) is published and waited for before
 the first pull, so workers have weights to generate with.
 
-Durability (see :mod:`.checkpoint`): with a :class:`~.checkpoint.Checkpointer`, a checkpoint is
+Durability (see :mod:`deltarl.trainer.checkpoint.store`): with a :class:`~deltarl.trainer.checkpoint.store.Checkpointer`, a checkpoint is
 committed after every ``checkpoint.every``-th step (after that step's publish and ack), at the
 end, on a stop request (:class:`GracefulStop`: SIGINT/SIGTERM let the current step finish, then
 checkpoint and return) and when data time out. ``resume=`` restores a checkpoint and publishes
@@ -51,22 +51,22 @@ import torch
 
 from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.coordinator.schemas import LeasedBatch, ModelLimits, TrajectoryGroup
-from deltarl.trainer.batch import TrainBatch, collate
-from deltarl.trainer.checkpoint import Checkpoint, Checkpointer
-from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint
-from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
-from deltarl.trainer.leases import LeaseKeeper
-from deltarl.trainer.metrics import MetricsSink
-from deltarl.trainer.optim import build_optimizer
-from deltarl.trainer.screen import LeasedGroup, Refusals, collate_checked, model_limits, screen
-from deltarl.trainer.settings import BatchSettings, ExperimentSettings
-from deltarl.trainer.step import (
+from deltarl.trainer.checkpoint.sharded import ShardedCheckpoint
+from deltarl.trainer.checkpoint.store import Checkpoint, Checkpointer
+from deltarl.trainer.learn.batch import TrainBatch, collate
+from deltarl.trainer.learn.distributed import DistContext, broadcast, wrap_ddp
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import (
     MISMATCH_HINT,
     SamplingMismatchError,
     check_reference,
     train_step,
 )
-from deltarl.trainer.weights import PublishFailedError, VersionBook
+from deltarl.trainer.leases import LeaseKeeper
+from deltarl.trainer.metrics import MetricsSink
+from deltarl.trainer.publish.weights import PublishFailedError, VersionBook
+from deltarl.trainer.screen import LeasedGroup, Refusals, collate_checked, model_limits, screen
+from deltarl.trainer.settings import BatchSettings, ExperimentSettings
 from deltarl.weightsync.reader import BucketReader
 
 logger = logging.getLogger(__name__)
@@ -425,7 +425,7 @@ def train(
     committed when step ``k`` ends. A failed publication (raised by the next ``publish``) is
     logged and answered with an anchor-only version of the current weights (``publish/failed``
     is 1 for that step); more than ``max_publish_failures`` failures in a row stop training with
-    :class:`~.publisher.PublishFailedError`. Closes the publisher at the end, so the last
+    :class:`~deltarl.trainer.publish.weights.PublishFailedError`. Closes the publisher at the end, so the last
     version is committed (or its failure raised) when this returns.
 
     ``stop`` (e.g. :attr:`GracefulStop.event`): once set, the step in progress finishes (a pull
@@ -434,13 +434,13 @@ def train(
     docstring); None: no checkpoints. ``resume``: a loaded checkpoint to continue from: training
     resumes at its ``step + 1`` with its optimizer, scheduler and RNG states.
 
-    ``dist``: under ``torchrun`` this is rank 0's side (see :mod:`.distributed`): it alone
+    ``dist``: under ``torchrun`` this is rank 0's side (see :mod:`deltarl.trainer.learn.distributed`): it alone
     pulls, publishes, acks, reports and checkpoints, sends each step's batch to the other ranks
-    (which run :func:`~.replica.train_replica`) and trains on its share with DDP.
+    (which run :func:`~deltarl.trainer.replica.train_replica`) and trains on its share with DDP.
 
     ``ref_model``: the frozen reference policy of ``loss.kl_coef > 0`` (see
-    :func:`~.step.frozen_reference`; under FSDP sharded like ``model``); checked before the
-    first version is published (:func:`~.step.check_reference`), so a run that cannot train
+    :func:`~deltarl.trainer.learn.step.frozen_reference`; under FSDP sharded like ``model``); checked before the
+    first version is published (:func:`~deltarl.trainer.learn.step.check_reference`), so a run that cannot train
     never publishes.
     """
     ctx = dist if dist is not None else DistContext()

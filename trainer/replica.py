@@ -1,9 +1,9 @@
-"""The side of ranks 1..N-1 in a ``torchrun`` job (see :mod:`.distributed` for the protocol).
+"""The side of ranks 1..N-1 in a ``torchrun`` job (see :mod:`deltarl.trainer.learn.distributed` for the protocol).
 
 A replica never talks to the coordinator or the bucket and writes nothing: it receives each
 step's batch from rank 0, trains on its share of the rows inside DDP (gradients all-reduced with
 every other rank) and takes the same optimizer step, so its weights stay identical to rank 0's,
-which publishes them. Under FSDP2 (:mod:`.sharded`) it also publishes its own rows of each
+which publishes them. Under FSDP2 (:mod:`deltarl.trainer.publish.sharded`) it also publishes its own rows of each
 version when rank 0 says ``"publish"`` (``publisher`` given). It leaves when rank 0 says so: ``"stop"`` (the run ended or was stopped),
 ``"timeout"`` (rank 0 gave up waiting for data: :class:`TimeoutError` here too), ``"error"``
 (rank 0 stops with an error: :class:`RuntimeError` here).
@@ -15,13 +15,13 @@ import logging
 
 import torch
 
-from deltarl.trainer.checkpoint import Checkpoint
-from deltarl.trainer.checkpoint_sharded import ShardedCheckpoint, ShardedCheckpointer
-from deltarl.trainer.distributed import DistContext, broadcast, wrap_ddp
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.checkpoint.sharded import ShardedCheckpoint, ShardedCheckpointer
+from deltarl.trainer.checkpoint.store import Checkpoint
+from deltarl.trainer.learn.distributed import DistContext, broadcast, wrap_ddp
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import check_reference, train_step
+from deltarl.trainer.publish.sharded import ShardedPublisher
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.sharded import ShardedPublisher
-from deltarl.trainer.step import check_reference, train_step
 
 logger = logging.getLogger(__name__)
 

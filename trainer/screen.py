@@ -9,7 +9,7 @@ or run without the model's limits, and whatever it still cannot use is *refused*
 2. :func:`screen`: a group outside the model's limits (``bad_token_id``, ``too_long``);
 3. :func:`collate_checked`: a group that fails collation (``collate_failed``);
 4. in the step, a group whose on-policy logprobs do not match the weights it claims
-   (``sampling_mismatch``, :func:`~.step.mismatched_groups`).
+   (``sampling_mismatch``, :func:`~deltarl.trainer.learn.step.mismatched_groups`).
 
 Refused groups are named when their batch is acked (:class:`Refusals`): the coordinator keeps
 them as dead letters and counts them against their worker. A failure these checks do not foresee
@@ -40,7 +40,7 @@ from deltarl.services.coordinator.schemas.trajectories import (
     MAX_VOCAB_SIZE,
     OutsideLimitsError,
 )
-from deltarl.trainer.batch import TrainBatch
+from deltarl.trainer.learn.batch import TrainBatch
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from deltarl.services.common.settings import ServiceSettings
+from deltarl.services.common.settings import ServiceSettings, apply_override
 
 DistillMode = Literal["none", "jsd", "teacher_advantage"]
 AdvantageScale = Literal["group", "batch", "none"]
@@ -80,7 +80,7 @@ class OptimizerSettings(_Settings):
 
 
 class LossSettings(_Settings):
-    """The GRPO objective (see :mod:`deltarl.trainer.loss`)."""
+    """The GRPO objective (see :mod:`deltarl.trainer.learn.loss`)."""
 
     advantage_scale: AdvantageScale = Field(
         default="group",
@@ -185,7 +185,7 @@ class SamplingSettings(_Settings):
     temperature: float = Field(
         default=1.0,
         gt=0,
-        description="The workers' sampling temperature (DELTARL_ROLLOUT_TEMPERATURE): the trainer "
+        description="The workers' sampling temperature (the worker's episodes.sampling.temperature): the trainer "
         "computes logprobs, ratios and entropy of softmax(logits / temperature). Must equal the "
         "workers' (checked through max_onpolicy_mismatch_kl); greedy (0) is not trainable.",
     )
@@ -241,7 +241,7 @@ class BatchSettings(_Settings):
 
 
 class PublishSettings(_Settings):
-    """How each optimizer step becomes a published version (see :mod:`.publisher`)."""
+    """How each optimizer step becomes a published version (see :mod:`deltarl.trainer.publish.weights`)."""
 
     format: PublishFormat = Field(
         default="compact",
@@ -333,7 +333,7 @@ class PublishSettings(_Settings):
 
 
 class CheckpointSettings(_Settings):
-    """When and where the trainer checkpoints (see :mod:`deltarl.trainer.checkpoint`)."""
+    """When and where the trainer checkpoints (see :mod:`deltarl.trainer.checkpoint.store`)."""
 
     every: int = Field(
         default=50,
@@ -451,29 +451,6 @@ class ExperimentSettings(_Settings):
         out = d / RESOLVED_NAME
         out.write_text(self.model_dump_json(indent=2) + "\n")
         return out
-
-
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """Apply one ``a.b.c=value`` override to a nested dict in place.
-
-    ``value`` is parsed as JSON when it is valid JSON (numbers, booleans, null, lists, quoted
-    strings), else kept as a plain string: ``loss.clip_high=0.28``, ``publish.format=trl-gap``.
-    """
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise ValueError(f"override {item!r} must look like section.key=value")
-    parts = key.strip().split(".")
-    node = data
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
-        node = child
-    try:
-        parsed: Any = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = value
-    node[parts[-1]] = parsed
 
 
 class TrainerDeployment(ServiceSettings):

@@ -140,20 +140,21 @@ class DemoPlan:
     def run_config(self) -> RunConfig:
         """This experiment as a run config (what ``deltarl run`` reads from a TOML file)."""
         env: dict[str, Any] = {"task": "wordle" if self.task == "wordle" else "charset"}
+        episodes: dict[str, Any] = {"sampling": {"max_new_tokens": self.max_new_tokens}}
         rollout: dict[str, Any] = {
             "workers": self.workers,
-            "device": "cpu",
-            "max_new_tokens": self.max_new_tokens,
             "in_flight_groups": 1,
             "shutdown_grace_s": 2.0,
             "submit_timeout_s": 10.0,
+            "engine": {"device": "cpu"},
+            "episodes": episodes,
         }
         # the system prompt and turn limit: the env server's (charset: none, one reply)
         if self.task != "wordle":  # full marks from 8 characters of the target set
             if self.task == "capitals":
                 env["charset_target"] = CAPITALS
         else:
-            rollout["max_turns"] = self.max_turns
+            episodes["max_turns"] = self.max_turns
             env |= {
                 "max_guesses": self.env_max_guesses,
                 "max_invalid_moves": self.max_turns - 1,

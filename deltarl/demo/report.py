@@ -29,7 +29,7 @@ from deltarl.services.coordinator.schemas import StatusSummary, VersionManifest,
 
 logger = logging.getLogger(__name__)
 
-# rollout/weights.py logs one line per applied object.
+# rollout/sync/weights.py logs one line per applied object.
 _APPLIED = re.compile(
     r"weights at v(?P<version>\d+) via (?P<kind>\w+) \((?P<bytes>\d+) bytes\): "
     r"paused (?P<pause_ms>[\d.]+) ms"

@@ -2,7 +2,7 @@
 
 Each game runs through the env server's own rules in this process
 (:class:`~deltarl.env_server.wordle.environment.WordleEnvironment`) and is tokenized exactly as a
-rollout worker's episode (:class:`~deltarl.rollout.chat_format.ChatFormat`: the system prompt
+rollout worker's episode (:class:`~deltarl.rollout.episodes.chat_format.ChatFormat`: the system prompt
 ``WORDLE_SYSTEM_PROMPT``, the first observation with the generation prompt, then each reply's
 tokens and the template text with the env's feedback). All running games of a round are
 generated as one left-padded batch with transformers ``generate`` (greedy at temperature 0, else
@@ -83,7 +83,7 @@ class Game:
     """One game: its env, its chat so far and its token ids (as the worker holds them)."""
 
     def __init__(self, env: Any, seed: int, fmt: Any, system_prompt: str) -> None:
-        from deltarl.rollout.episodes import observation_text
+        from deltarl.rollout.episodes.runner import observation_text
 
         self.env, self.seed, self.fmt = env, seed, fmt
         self.result = env.reset(seed=seed)
@@ -98,7 +98,7 @@ class Game:
         self, reply_ids: list[int], stop_token: int | None, dictionary: frozenset[str]
     ) -> None:
         from deltarl.env_server.wordle.game import extract_guess
-        from deltarl.rollout.episodes import observation_text
+        from deltarl.rollout.episodes.runner import observation_text
 
         text = self.fmt.reply_text(reply_ids)
         previous = self.result
@@ -223,7 +223,7 @@ def evaluate(
     from deltarl.env_server.wordle.environment import WordleEnvironment
     from deltarl.env_server.wordle.game import WordleRules, WordLists
     from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
-    from deltarl.rollout.chat_format import ChatFormat
+    from deltarl.rollout.episodes.chat_format import ChatFormat
 
     words = WordLists.load()
     dictionary = frozenset(words.allowed)

@@ -44,11 +44,11 @@ from deltarl.services.common.models import PREPARED
 SHARED_FIELDS: dict[str, dict[str, str]] = {
     "coordinator": {"max_staleness": "max_staleness"},
     "rollout": {
-        "model": "model",
-        "temperature": "temperature",
-        "group_size": "group_size",
-        "engine_seed": "seed",
-        "routing_replay": "routing_replay",
+        "engine.model": "model",
+        "episodes.sampling.temperature": "temperature",
+        "episodes.group_size": "group_size",
+        "engine.seed": "seed",
+        "episodes.routing_replay": "routing_replay",
     },
     "trainer": {
         "model": "model",
@@ -79,6 +79,7 @@ LAUNCHER_FIELDS: dict[str, frozenset[str]] = {
             "worker_id",
             "teacher_url",
             "teacher_token",
+            "config",
         }
     ),
     "trainer": frozenset({"run_dir"}),

@@ -121,13 +121,12 @@ def shared_values(config: RunConfig, section: str) -> dict[str, Any]:
     return {f: run[k] for f, k in SHARED_FIELDS[section].items()}
 
 
-def experiment_env(
-    config: RunConfig, section: str, *, model: str, engine_seed: int | None = None
-) -> dict[str, str]:
-    """The ``DELTARL_*`` variables of a server's or a worker's experiment settings: its section
-    and the ``[run]`` values it shares, ``model`` as the process loads it; no deployment (the
-    launcher's and ``--run-config``'s common ground). A worker's ``engine_seed`` is the
-    caller's."""
+def experiment_env(config: RunConfig, section: str, *, model: str) -> dict[str, str]:
+    """The ``DELTARL_*`` variables of a server's experiment settings: its section and the
+    ``[run]`` values it shares, ``model`` as the process loads it; no deployment (the
+    launcher's and ``--run-config``'s common ground). A worker's experiment is a file
+    (:func:`worker_experiment`); the deployment its ``[rollout]`` section may give it,
+    :func:`worker_env`."""
     if section == "coordinator":
         return section_env(section, config.coordinator | shared_values(config, section))
     if section == "env":
@@ -136,11 +135,59 @@ def experiment_env(
         if config.teacher is None:
             raise ValueError("the run config has no [teacher] section: no teacher to start")
         return section_env(section, {"model": model} | config.teacher)
-    if section == "rollout":
-        values = {k: v for k, v in config.rollout.items() if k not in ROLLOUT_LAUNCH}
-        values |= shared_values(config, section) | {"model": model, "engine_seed": engine_seed}
-        return section_env(section, values)
     raise ValueError(f"no service section [{section}]")
+
+
+@functools.cache
+def rollout_deployment() -> frozenset[str]:
+    """``[rollout]`` keys that are the worker's deployment settings (``RolloutSettings``:
+    pacing, timeouts, the apply kernel ...), handed over as ``DELTARL_ROLLOUT_*``; the
+    launcher's own and ``config`` excluded."""
+    from deltarl.rollout.settings import RolloutSettings
+
+    return frozenset(RolloutSettings.model_fields) - LAUNCHER_FIELDS["rollout"] - {"config"}
+
+
+def worker_env(config: RunConfig) -> dict[str, str]:
+    """The deployment variables a run config's ``[rollout]`` gives every worker."""
+    deployment = rollout_deployment()
+    return section_env("rollout", {k: v for k, v in config.rollout.items() if k in deployment})
+
+
+def worker_experiment(
+    config: RunConfig, *, model: str, engine_seed: int | None = None
+) -> dict[str, Any]:
+    """A worker's experiment (nested, as ``deltarl rollout --config`` reads it): ``[rollout]``
+    without the launcher's and the deployment's keys, with the ``[run]`` values it shares at
+    their places, ``model`` as the worker loads it and its ``engine_seed``."""
+    skip = ROLLOUT_LAUNCH | rollout_deployment()
+    data: dict[str, Any] = json.loads(
+        json.dumps({k: v for k, v in config.rollout.items() if k not in skip})
+    )
+    if not isinstance(data.setdefault("engine", {}), dict):
+        raise ValueError("[rollout] engine: a table ([rollout.engine] type = ...)")
+    data["engine"].setdefault("type", "transformers")
+    values = shared_values(config, "rollout") | {"engine.model": model}
+    if engine_seed is not None:
+        values["engine.seed"] = engine_seed
+    for key, value in values.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"[rollout] {p}: a table, not a value")
+        node[leaf] = value
+    return data
+
+
+def write_worker_experiment(
+    config: RunConfig, out: Path, *, model: str, engine_seed: int | None
+) -> None:
+    """Write a worker's experiment to ``out`` (what ``deltarl rollout --config`` reads)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = worker_experiment(config, model=model, engine_seed=engine_seed)
+    out.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_experiment(config: RunConfig, out: Path, *, model: str, run_dir: Path) -> None:
@@ -238,15 +285,18 @@ class RunLayout:
         self, index: int, worker_id: str | None = None, seed: int | None = None
     ) -> ServiceLaunch:
         """Worker ``index`` (0-based): id ``worker-<index+1>`` unless given; engine seed
-        ``run.seed * workers + index`` unless given."""
+        ``run.seed * workers + index`` unless given. Writes its experiment to
+        ``run_dir/<id>.json`` (``--config``)."""
         c, e = self.config, self.endpoints
         wid = worker_id if worker_id is not None else f"worker-{index + 1}"
         engine_seed = seed if seed is not None else c.run.seed * c.workers + index
+        exp_file = self.run_dir / f"{wid}.json"
+        write_worker_experiment(c, exp_file, model=self.model, engine_seed=engine_seed)
         return ServiceLaunch(
             wid,
-            ["rollout"],
+            ["rollout", "--config", str(exp_file)],
             self.common
-            | experiment_env(c, "rollout", model=self.model, engine_seed=engine_seed)
+            | worker_env(c)
             | {
                 "DELTARL_ROLLOUT_COORDINATOR_URL": e.coordinator_url,
                 "DELTARL_ROLLOUT_WORKER_TOKEN": self.tokens.for_worker(wid),
@@ -309,7 +359,6 @@ def check_services(config: RunConfig) -> None:
     from pydantic import ValidationError
 
     from deltarl.env_server.settings import EnvSettings
-    from deltarl.rollout.settings import RolloutSettings
     from deltarl.services.coordinator.settings import CoordinatorSettings
     from deltarl.teacher.settings import TeacherSettings
     from deltarl.trainer.settings import ExperimentSettings
@@ -317,28 +366,17 @@ def check_services(config: RunConfig) -> None:
     classes: dict[str, type[BaseModel]] = {
         "coordinator": CoordinatorSettings,
         "env": EnvSettings,
-        "rollout": RolloutSettings,
         "teacher": TeacherSettings,
     }
+    check_worker_section(config)
     for section, cls in classes.items():
         if getattr(config, section) is None:
             continue
         values = dict(getattr(config, section))
-        if section == "rollout":
-            workers = values.pop("workers", 2)
-            if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 64:
-                raise ValueError(f"[rollout] workers: an integer from 1 to 64, got {workers!r}")
         unknown = sorted(set(values) - set(cls.model_fields) - LAUNCHER_FIELDS[section])
         if unknown:
             raise ValueError(f"[{section}] unknown setting(s): {', '.join(unknown)}")
         values |= shared_values(config, section) | _PLACEHOLDERS.get(section, {})
-        if section == "rollout" and config.teacher is not None:  # the launcher's teacher URL
-            values["teacher_url"] = "http://127.0.0.1:1"
-        elif section == "rollout" and values.get("hint_scorer") == "teacher":
-            raise ValueError(
-                "[rollout] hint_scorer = 'teacher' needs a [teacher] section (the teacher "
-                "service that scores the hinted turns)"
-            )
         try:
             _validate_strictly(cls, values)
         except ValidationError as err:
@@ -352,6 +390,58 @@ def check_services(config: RunConfig) -> None:
     device = config.trainer.get("device", "cpu")
     if not isinstance(device, str):
         raise ValueError(f"[trainer] device: a string such as 'cpu' or 'cuda', got {device!r}")
+
+
+# the worker's flat names of the [run] values it shares (before its settings were nested)
+SHARED_BEFORE = {
+    "model": "model",
+    "engine_seed": "seed",
+    "temperature": "temperature",
+    "group_size": "group_size",
+    "routing_replay": "routing_replay",
+}
+
+
+def check_worker_section(config: RunConfig) -> None:
+    """Validate ``[rollout]``: ``workers``, the deployment keys with ``RolloutSettings``, the
+    rest as the worker's experiment (``WorkerExperiment``, with the ``[run]`` values)."""
+    from pydantic import ValidationError
+
+    from deltarl.rollout.settings import MOVED, RolloutSettings, WorkerExperiment, check_worker
+
+    values = dict(config.rollout)
+    workers = values.pop("workers", 2)
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 64:
+        raise ValueError(f"[rollout] workers: an integer from 1 to 64, got {workers!r}")
+    for key in values:
+        if key in SHARED_BEFORE:
+            raise ValueError(
+                f"[rollout] {key}: declared once for every service as [run] {SHARED_BEFORE[key]}"
+            )
+        if key in MOVED and not (key == "engine" and isinstance(values[key], dict)):
+            raise ValueError(f"[rollout] {key}: now {MOVED[key]} (docs/rollout.md, Settings)")
+    deployment = {k: v for k, v in values.items() if k in rollout_deployment()}
+    unknown = sorted(set(values) - set(deployment) - set(WorkerExperiment.model_fields))
+    if unknown:
+        raise ValueError(f"[rollout] unknown setting(s): {', '.join(unknown)}")
+    try:
+        _validate_strictly(RolloutSettings, deployment | _PLACEHOLDERS["rollout"])
+        data = worker_experiment(config, model=config.run.model, engine_seed=0)
+        _validate_strictly(WorkerExperiment, data)
+        experiment = WorkerExperiment.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(_first_error("rollout", err)) from None
+    if experiment.hints.scorer == "teacher" and config.teacher is None:
+        raise ValueError(
+            "[rollout] hints.scorer = 'teacher' needs a [teacher] section (the teacher "
+            "service that scores the hinted turns)"
+        )
+    # the launcher hands every worker the teacher's URL with a [teacher] section
+    teacher_url = None if config.teacher is None else "http://127.0.0.1:1"
+    try:
+        check_worker(teacher_url, experiment)
+    except ValueError as err:
+        raise ValueError(f"[rollout] {err}") from None
 
 
 def _validate_strictly(cls: Any, values: dict[str, Any]) -> None:
@@ -389,11 +479,15 @@ def check_sampling(config: RunConfig) -> None:
     sampled token's logprob under ``softmax(logits / T)`` over the whole vocabulary, so the
     workers must sample from exactly that (``top_k = 0``, ``top_p = 1``); a truncated
     distribution would make every ratio wrong (docs/trainer.md, Sampling)."""
-    top_k = config.rollout.get("top_k", 0)
-    top_p = config.rollout.get("top_p", 1.0)
+    episodes = config.rollout.get("episodes", {})
+    sampling = episodes.get("sampling", {}) if isinstance(episodes, dict) else {}
+    sampling = sampling if isinstance(sampling, dict) else {}
+    top_k = sampling.get("top_k", 0)
+    top_p = sampling.get("top_p", 1.0)
     if top_k or top_p != 1.0:
         raise ValueError(
-            f"[rollout] top_k = {top_k!r}, top_p = {top_p!r}: a training run samples from the "
+            f"[rollout] episodes.sampling: top_k = {top_k!r}, top_p = {top_p!r}: a training run "
+            "samples from the "
             "full softmax(logits / temperature), which the trainer's importance correction "
             "reproduces; truncated sampling (top_k > 0 or top_p < 1) it cannot. Keep top_k = 0 "
             "and top_p = 1.0, shorten replies with max_new_tokens and sharpen them with "

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help='run-config override, as `deltarl run --set` (e.g. rollout.hint_mode="env")',
+        help='run-config override, as `deltarl run --set` (e.g. rollout.hints.mode="env")',
     )
     return ap
 
@@ -175,19 +175,25 @@ def run_config(a: argparse.Namespace) -> RunConfig:
     """The run these arguments start, as a run config (deltarl/run): the same derivation as
     ``deltarl run`` and the fault suite."""
     env: dict[str, Any] = {"task": a.task}
+    engine: dict[str, Any] = {"type": a.engine}
+    if a.engine == "vllm":  # vLLM's GPU: the worker's CUDA_VISIBLE_DEVICES
+        engine["gpu_memory_utilization"] = a.gpu_memory_utilization
+    else:
+        engine["device"] = a.device
+    episodes: dict[str, Any] = {
+        "max_turns": a.max_turns if a.max_turns is not None else a.max_guesses + a.max_invalid,
+        "sampling": {"max_new_tokens": a.max_new_tokens},
+    }
     rollout: dict[str, Any] = {
         "workers": a.workers,
-        "engine": a.engine,
-        "gpu_memory_utilization": a.gpu_memory_utilization,
-        "device": a.device,
-        "max_turns": a.max_turns if a.max_turns is not None else a.max_guesses + a.max_invalid,
-        "max_new_tokens": a.max_new_tokens,
         "in_flight_groups": a.in_flight_groups,
         "shutdown_grace_s": 2.0,
         "submit_timeout_s": 10.0,
+        "engine": engine,
+        "episodes": episodes,
     }
     if a.task == "charset":
-        rollout["system_prompt"] = ""  # the env's own instructions, not the Wordle player prompt
+        episodes["system_prompt"] = ""  # the env's own instructions, not the Wordle player prompt
     else:
         env |= {
             "max_guesses": a.max_guesses,

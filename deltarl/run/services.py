@@ -3,8 +3,8 @@
 ``deltarl run`` starts every service of a run on one machine from one TOML. Across machines each
 service is started on its own, and ``--run-config`` gives it what ``deltarl run`` would have:
 its section's experiment settings and the ``[run]`` values it shares (a worker's
-``temperature``, ``group_size``, ``model`` ...), as the same ``DELTARL_*`` variables (the trainer
-gets its experiment file). Deployment (URLs, tokens, ports, the bucket) still comes from the
+``temperature``, ``group_size``, ``model`` ...): the servers as the same ``DELTARL_*``
+variables, the trainer and the workers as their experiment files. Deployment (URLs, tokens, ports, the bucket) still comes from the
 environment and the command line: a run config refuses it.
 
 A ``DELTARL_*`` variable already set to another value than the file's is an error naming both
@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from deltarl.run.config import RunConfig, RunConfigError, load_run_config
-from deltarl.run.derive import check_services, experiment_env, write_experiment
+from deltarl.run.derive import (
+    check_services,
+    experiment_env,
+    worker_env,
+    write_experiment,
+    write_worker_experiment,
+)
 
 SEED_SPAN = 2**31  # engine seeds stay below it (every engine's generators take 32 bits)
 
@@ -34,16 +40,25 @@ def worker_seed(run_seed: int, worker_id: str) -> int:
     return int.from_bytes(digest[:8], "big") % SEED_SPAN
 
 
-def service_env(config: RunConfig, service: str, *, worker_id: str | None = None) -> dict[str, str]:
-    """The ``DELTARL_*`` variables ``config`` gives ``service`` (not ``train``: see
-    :func:`trainer_config`); a worker needs its ``worker_id`` (its engine seed)."""
-    if service == "rollout" and worker_id is None:
-        raise ValueError("a worker's settings need its worker id (its engine seed)")
-    seed = None if worker_id is None else worker_seed(config.run.seed, worker_id)
+def service_env(config: RunConfig, service: str) -> dict[str, str]:
+    """The ``DELTARL_*`` variables ``config`` gives a server (not ``train`` nor ``rollout``:
+    see :func:`trainer_config` and :func:`worker_config`)."""
     try:
-        return experiment_env(config, service, model=config.run.model, engine_seed=seed)
+        return experiment_env(config, service, model=config.run.model)
     except ValueError as err:
         raise RunConfigError(str(err)) from None
+
+
+def worker_config(config: RunConfig, out: Path, worker_id: str) -> dict[str, str]:
+    """Write the experiment of worker ``worker_id`` to ``out`` (``deltarl rollout --config``;
+    its engine seed is :func:`worker_seed`'s) and return the deployment variables ``[rollout]``
+    gives it."""
+    seed = worker_seed(config.run.seed, worker_id)
+    try:
+        write_worker_experiment(config, out, model=config.run.model, engine_seed=seed)
+    except ValueError as err:
+        raise RunConfigError(str(err)) from None
+    return worker_env(config)
 
 
 def trainer_config(config: RunConfig, out: Path, run_dir: Path) -> dict[str, str]:
@@ -89,8 +104,9 @@ def apply(
 
 def start_service(service: str, path: Path, kwargs: dict[str, Any]) -> dict[str, str]:
     """What ``deltarl <service> --run-config path`` does before the command runs: set the
-    service's variables and, for ``train``, point ``kwargs["config"]`` at the experiment file;
-    for ``rollout``, pin the worker id its seed was drawn for. Returns the variables set."""
+    service's variables and, for ``train`` and ``rollout``, point ``kwargs["config"]`` at the
+    experiment file; for ``rollout``, pin the worker id its seed was drawn for. Returns the
+    variables set."""
     if service == "train":
         if kwargs.get("config") is not None:
             raise RunConfigError("--config and --run-config: give one or the other")
@@ -104,15 +120,23 @@ def start_service(service: str, path: Path, kwargs: dict[str, Any]) -> dict[str,
     if service == "rollout":
         from deltarl.rollout.settings import default_worker_id
 
+        if kwargs.get("config") is not None or os.environ.get("DELTARL_ROLLOUT_CONFIG"):
+            raise RunConfigError(
+                "--config (or DELTARL_ROLLOUT_CONFIG) and --run-config: give one or the other"
+            )
         wid = kwargs.get("worker_id") or os.environ.get("DELTARL_ROLLOUT_WORKER_ID")
         wid = wid or default_worker_id()
         kwargs["worker_id"] = wid
-        return apply(path, lambda c: service_env(c, "rollout", worker_id=wid))
+        out = _experiment_file()
+        values = apply(path, lambda c: worker_config(c, out, wid))
+        kwargs["config"] = out
+        return values
     return apply(path, lambda c: service_env(c, service))
 
 
 def _experiment_file() -> Path:
-    """A private file for the trainer's experiment settings, removed when the process ends."""
+    """A private file for the trainer's or a worker's experiment settings, removed when the
+    process ends."""
     import atexit
     import tempfile
 

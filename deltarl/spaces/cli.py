@@ -218,7 +218,7 @@ def deploy(
     set_var: list[str] = typer.Option(
         [],
         "--set-var",
-        help="Extra Space variable SERVICE:NAME=VALUE, e.g. rollout:DELTARL_ROLLOUT_GROUP_SIZE=16.",
+        help="Extra Space variable SERVICE:NAME=VALUE, e.g. rollout:DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S=300.",
     ),
     source: Path | None = typer.Option(
         None,

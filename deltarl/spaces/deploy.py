@@ -26,6 +26,7 @@ Hub reports none); no token value reaches a log line or the plan.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ ORDER = ("coordinator", "env", "rollout")
 PROXY_TOKEN_VAR = HF_PROXY_TOKEN_ENV  # read by every client (services/common/client_headers.py)
 BUCKET_TOKEN_VAR = "HF_TOKEN"
 CPU_FLAVORS = ("cpu-basic", "cpu-upgrade")
+WORKER_EXPERIMENT = "worker.toml"  # the rollout Space's experiment file (DELTARL_ROLLOUT_CONFIG)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +190,6 @@ def _service_config(
             "DELTARL_ROLLOUT_COORDINATOR_URL": urls["coordinator"],
             "DELTARL_ROLLOUT_ENV_URL": urls["env"],
             "DELTARL_ROLLOUT_BUCKET_URI": options.bucket.uri,
-            "DELTARL_ROLLOUT_MODEL": options.model,
             # path-safe (no '/': the id is a segment of the coordinator's /v1/workers/{id})
             "DELTARL_ROLLOUT_WORKER_ID": f"space:{options.repo_id('rollout').replace('/', ':')}",
         }
@@ -202,6 +203,18 @@ def _service_config(
                 secrets[PROXY_TOKEN_VAR] = worker_hf_token
     variables.update(options.extra_vars.get(service, {}))
     return variables, secrets
+
+
+def worker_experiment(model: str, *, gpu: bool) -> str:
+    """The rollout Space's experiment file (``deltarl rollout``'s ``DELTARL_ROLLOUT_CONFIG``):
+    the engine of its hardware on ``model``; edit it in the Space (docs/rollout.md,
+    Settings) for episodes, hints or a teacher."""
+    engine = "vllm" if gpu else "transformers"
+    return (
+        "# The rollout worker's experiment (docs/rollout.md, Settings), written by `deltarl "
+        "spaces deploy`.\n"
+        f'[engine]\ntype = "{engine}"\nmodel = {json.dumps(model)}\n'
+    )
 
 
 def _readme(
@@ -234,12 +247,18 @@ def write_folder(
     hardware: str | None,
     variables: dict[str, str],
     secrets: list[str],
+    model: str | None = None,
 ) -> None:
-    """Write one Space's repository (README.md, Dockerfile, src/) into ``folder``."""
+    """Write one Space's repository (README.md, Dockerfile, src/; the rollout Space's
+    experiment, ``worker.toml``, on ``model``) into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     gpu = hardware not in CPU_FLAVORS
     (folder / "README.md").write_text(_readme(service, repo_id, hardware, variables, secrets))
     (folder / "Dockerfile").write_text(dockerfile(TEMPLATES[service], gpu=gpu))
+    if service == "rollout":
+        if model is None:
+            raise ValueError("the rollout Space's experiment needs its model")
+        (folder / WORKER_EXPERIMENT).write_text(worker_experiment(model, gpu=gpu))
     copy_source(source_root, folder / "src")
 
 
@@ -295,7 +314,9 @@ def deploy(
         )
         hardware = options.rollout_hardware if service == "rollout" else None
         folder = out / repo_id.split("/", 1)[1]
-        write_folder(folder, source_root, service, repo_id, hardware, variables, list(secrets))
+        write_folder(
+            folder, source_root, service, repo_id, hardware, variables, list(secrets), options.model
+        )
         for key, value in secrets.items():
             api.add_space_secret(repo_id, key, value, description=descriptions.get(key))
         for key, value in variables.items():

@@ -157,8 +157,9 @@ ENV PYTHONUNBUFFERED=1 \\
     HOME=/data \\
     HF_HOME=/data/.cache/huggingface \\
     VLLM_NO_USAGE_STATS=1 \\
-    DELTARL_ROLLOUT_ENGINE=vllm \\
+    DELTARL_ROLLOUT_CONFIG=/opt/deltarl/worker.toml \\
     DELTARL_ROLLOUT_PORT={worker_port}
+COPY worker.toml /opt/deltarl/worker.toml
 USER 1000
 WORKDIR /data
 EXPOSE {port}
@@ -185,9 +186,9 @@ ENV PATH=/opt/venv/bin:$PATH \\
     PYTHONDONTWRITEBYTECODE=1 \\
     HOME=/data \\
     HF_HOME=/data/.cache/huggingface \\
-    DELTARL_ROLLOUT_ENGINE=transformers \\
-    DELTARL_ROLLOUT_DEVICE=cpu \\
+    DELTARL_ROLLOUT_CONFIG=/opt/deltarl/worker.toml \\
     DELTARL_ROLLOUT_PORT={worker_port}
+COPY worker.toml /opt/deltarl/worker.toml
 USER 1000
 WORKDIR /data
 EXPOSE {port}

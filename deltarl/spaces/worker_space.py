@@ -1,6 +1,6 @@
 """``deltarl spaces worker``: the rollout worker behind the HTTP port a Docker Space requires.
 
-The worker serves its own ``GET /health`` and ``GET /metrics`` (rollout/http.py), but a Space
+The worker serves its own ``GET /health`` and ``GET /metrics`` (rollout/service/http.py), but a Space
 should not face it directly: its ``/health`` is 503 while the worker loads the model and until
 the trainer publishes its first version (which may be hours after the Space starts, or never if
 no trainer comes), a state the Spaces runtime must not mistake for a failed launch; and its

@@ -11,9 +11,9 @@ rollout's system prompt. Then, at random:
   :func:`~deltarl.env_server.charset.hints.charset_hint` gives for a random reply drawn from the alphabet
   (what an untrained policy says; the exact wording the worker's ``env`` hinter produces), and
   an assistant reply of characters drawn from the target set only: the hinted context the worker
-  scores (:func:`~deltarl.rollout.hints.hinted_context`), answered as the hint says. In a share
+  scores (:func:`~deltarl.rollout.distill.hints.hinted_context`), answered as the hint says. In a share
   ``recover`` of them the reply starts with the first characters of that random reply as an
-  untrained ``prefill`` (:func:`~deltarl.trainer.sft.encode_transcript`) and goes on in the set:
+  untrained ``prefill`` (:func:`~deltarl.trainer.supervised.sft.encode_transcript`) and goes on in the set:
   the worker scores the *original* reply's tokens after the hint, so what the hinted model says
   after a wrong start is the signal the student trains on;
 * **unhinted**: an assistant reply drawn uniformly from the whole alphabet, whatever the prompt

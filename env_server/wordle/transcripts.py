@@ -3,7 +3,7 @@
 Each game is played by the reference solver (:mod:`deltarl.env_server.wordle.solver`) against
 the server's own :class:`~deltarl.env_server.wordle.environment.WordleEnvironment` (in this
 process: the same prompt, feedback text and rules as ``deltarl env``) and written exactly as a
-rollout worker's episode holds it (:mod:`deltarl.rollout.episodes`): the system prompt
+rollout worker's episode holds it (:mod:`deltarl.rollout.episodes.runner`): the system prompt
 (``WORDLE_SYSTEM_PROMPT`` by default), the first observation rendered by
 :func:`~deltarl.env_server.core.render.observation_text` as the first user turn, then each guess as
 an assistant turn (``"[crane]"``) and each step's feedback as the next user turn; the last

@@ -6,7 +6,7 @@ place. Engines are picked by configuration (``EngineSettings``, discriminated on
 built by :func:`~deltarl.rollout.engines.factory.make_engine` (factory.py); importing this module pulls in neither torch nor transformers.
 
 Weights gate: :meth:`Engine.generate` takes an optional :class:`WeightsGate` (the rollout
-worker's :class:`~deltarl.rollout.weights.WeightSync`). The engine enters ``gate.forward()``
+worker's :class:`~deltarl.rollout.sync.weights.WeightSync`). The engine enters ``gate.forward()``
 around every forward step (prefill and each decode step) and records the
 :class:`WeightsStamp` it yields, so a weight update can land *between* two steps of a
 generation (the only pause generation sees is the in-place apply) and every completion says
@@ -43,7 +43,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_new_tokens: int = Field(ge=1, description="Most tokens sampled per prompt.")
+    max_new_tokens: int = Field(default=128, ge=1, description="Most tokens sampled per prompt.")
     temperature: float = Field(
         default=1.0,
         ge=0.0,
@@ -87,7 +87,7 @@ class WeightsGate(Protocol):
     """What :meth:`Engine.generate` needs from a weight sync.
 
     ``forward()`` is entered around every forward step; it blocks while an update is being
-    applied, raises (e.g. :class:`~deltarl.rollout.weights.WeightsUnhealthyError`) when the
+    applied, raises (e.g. :class:`~deltarl.rollout.sync.weights.WeightsUnhealthyError`) when the
     weights must not be used, and yields the stamp of the weights the step runs with.
     """
 

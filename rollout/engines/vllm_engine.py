@@ -1,7 +1,7 @@
 """The ``vllm`` engine: vLLM 0.33.0 generating in this process, its weights patched in place.
 
 Why in-process (``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) rather than an
-external ``vllm serve``: :class:`~deltarl.rollout.weights.WeightSync` owns the weights through
+external ``vllm serve``: :class:`~deltarl.rollout.sync.weights.WeightSync` owns the weights through
 :meth:`Engine.named_parameters` (live tensors it stages into, scatters into during a pause and
 hashes to verify) and is the gate of every forward step. In-process, vLLM's scheduler step *is*
 our forward step: :meth:`VllmEngine.generate` steps vLLM's engine core itself, entering the

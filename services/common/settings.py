@@ -7,6 +7,7 @@ Each service declares one ``pydantic_settings.BaseSettings`` subclass of :class:
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,3 +78,26 @@ def settings_help(
         lines.append(f"  {env} (default {default}): {desc}")
         lines.append("")
     return "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override to a nested dict in place.
+
+    ``value`` is parsed as JSON when it is valid JSON (numbers, booleans, null, lists, quoted
+    strings), else kept as a plain string: ``loss.clip_high=0.28``, ``publish.format=trl-gap``.
+    """
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override {item!r} must look like section.key=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {item!r}: {part!r} is a value, not a section")
+        node = child
+    try:
+        parsed: Any = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    node[parts[-1]] = parsed

@@ -88,6 +88,12 @@ logger = logging.getLogger(__name__)
 # Fixed here rather than settings (nobody had a reason to change them):
 PROOF_POOL_VERSIONS = 64  # weight-challenge pools kept for the newest versions: a worker answers
 # a challenge of the version it holds, at most max_staleness (4 by default) behind the newest
+PROOF_POOL_MARGIN = 8
+"""Spare weight challenges asked of the trainer per version, besides one per active worker not yet
+challenged at it and a quarter of the active workers: enough for the retries of a few failed
+proofs and a few workers joining between two top-ups (the trainer tops the pool up at every
+publication), few enough that a version's proofs cost the trainer little (each pair is a few
+chunks' hashes)."""
 STATUS_WORKERS = 1000  # workers /v1/status lists (laggiest first); ?workers= asks for fewer
 STATUS_HISTORY = 500  # versions and reward points /v1/status lists: a page's worth of curve
 T = TypeVar("T")
@@ -348,10 +354,10 @@ class Coordinator:
 
     def _pool_status(self, st: ChallengeStats) -> ChallengePoolStatus:
         """Where a version's challenges stand, and how many more pairs the pool wants: one per
-        active worker not yet challenged at it, plus a spare (``proof_pool_margin`` and a
+        active worker not yet challenged at it, plus a spare (:data:`PROOF_POOL_MARGIN` and a
         quarter of the active workers) for retries and workers that join. None is wanted of a
         version the trainer posted no challenges for (it may publish none)."""
-        target = st.unchallenged + self.settings.proof_pool_margin + -(-st.active // 4)
+        target = st.unchallenged + PROOF_POOL_MARGIN + -(-st.active // 4)
         wanted = max(0, min(target, MAX_CHALLENGES) - st.pool_size) if st.posted else 0
         return ChallengePoolStatus(
             version=st.version,

@@ -44,11 +44,6 @@ class CoordinatorSettings(TLSServerSettings):
         default="redis://127.0.0.1:6379/0", description="Redis URL (store=redis); run with AOF."
     )
     redis_prefix: str = Field(default="deltarl", description="Prefix of every Redis key.")
-    redis_inline: bool = Field(
-        default=True,
-        description="Call Redis from the event loop (fast for a local Redis, ~0.1 ms per call); "
-        "false: from worker threads (for a Redis with a slow round trip).",
-    )
     trainer_token: str | None = Field(
         default=None,
         description="Token of the trainer role (publish versions, lease batches); at least "
@@ -104,14 +99,6 @@ class CoordinatorSettings(TLSServerSettings):
         description="Weight challenges one worker id is issued per version, however often it "
         "heartbeats, fails or re-registers (a second or later one only from the pool's surplus "
         "over the first challenges other active workers still need; docs/security.md).",
-    )
-    proof_pool_margin: int = Field(
-        default=8,
-        ge=0,
-        le=4096,
-        description="Spare weight challenges asked of the trainer per version, besides one per "
-        "active worker not yet challenged at it and a quarter of the active workers (retries, "
-        "workers that join).",
     )
     default_lease_s: float = Field(default=120.0, gt=0, description="Default batch lease (s).")
     max_lease_s: float = Field(default=3600.0, gt=0, description="Longest lease allowed (s).")

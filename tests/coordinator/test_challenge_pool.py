@@ -17,18 +17,19 @@ import pytest
 import torch
 
 from deltarl.buckets.local import LocalBucket
+from deltarl.services.coordinator import service as service_module
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.schemas import (
     WeightChallenge,
     WorkerHeartbeat,
     WorkerRegistration,
 )
-from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import (
+from deltarl.trainer.publish.weights import (
     WeightPublisher,
     coordinator_challenge_need,
     coordinator_challenges,
 )
+from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.proof import ProofSpec, proof_answer
 
 from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer
@@ -203,13 +204,14 @@ def test_a_fleet_of_120_workers_is_proven_at_one_version(
 
 
 def test_a_starved_worker_is_shown_and_fed_by_a_top_up(
-    serve: Callable[..., LiveServer], tmp_path: Path
+    serve: Callable[..., LiveServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the pool is used up (more workers joined than the spare covers), the waiting
     workers show on /v1/status, /metrics and the version's pool; the trainer's next top-up
     serves them."""
+    monkeypatch.setattr(service_module, "PROOF_POOL_MARGIN", 0)
     clock = Clock()
-    server = serve(clock=clock, lost_after_s=1000.0, proof_pool_margin=0)
+    server = serve(clock=clock, lost_after_s=1000.0)
     trainer = CoordinatorClient(server.url, TRAINER_TOKEN, retries=0)
     worker = CoordinatorClient(server.url, WORKER_TOKEN, retries=0)
     anon = CoordinatorClient(server.url, retries=0)

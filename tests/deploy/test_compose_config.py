@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from deltarl.run.config import load_run_config
-from deltarl.run.derive import Endpoints, RunLayout, Tokens, experiment
+from deltarl.run.derive import Endpoints, RunLayout, Tokens, experiment, worker_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -33,8 +33,6 @@ DEPLOYMENT_VARS = {
     "DELTARL_ROLLOUT_ENV_URL",
     "DELTARL_ROLLOUT_ENV_TOKEN",
     "DELTARL_ROLLOUT_WORKER_ID",
-    "DELTARL_ROLLOUT_MODEL",  # the image's packaged GGUF
-    "DELTARL_ROLLOUT_ENGINE_SEED",  # one compose service scales to N workers
     "DELTARL_TRAINER_COORDINATOR_URL",
     "DELTARL_TRAINER_TOKEN",
     "DELTARL_TRAINER_DEVICE",
@@ -103,19 +101,38 @@ def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def test_compose_trainer_gets_the_derived_experiment() -> None:
-    command = _compose()["services"]["trainer-cpu"]["command"]
+def _sets(service: str) -> dict[str, Any]:
+    """A compose service's ``--set key=value`` arguments, as ``deltarl train|rollout --set``
+    reads them (JSON, else a string; ``${VAR:-default}`` read as its default)."""
+    command = _compose()["services"][service]["command"]
     sets = dict(
         item.split("=", 1)
         for flag, item in zip(command[::2], command[1::2], strict=True)
         if flag == "--set"
     )
-    compose: dict[str, Any] = {}
-    for key, raw in sets.items():  # as `deltarl train --set` reads them: JSON, else a string
+    out: dict[str, Any] = {}
+    for key, raw in sets.items():
+        raw = _value(raw)
         try:
-            compose[key] = json.loads(raw)
+            out[key] = json.loads(raw)
         except json.JSONDecodeError:
-            compose[key] = raw
+            out[key] = raw
+    return out
+
+
+def test_compose_worker_gets_the_derived_experiment() -> None:
+    compose = _sets("rollout-cpu")
+    derived = _flat(worker_experiment(_layout().config, model="image", engine_seed=0))
+    # the image's packaged GGUF (the default model), the engine's default type and seed (one
+    # compose service scales to N workers)
+    for key in ("engine.model", "engine.seed"):
+        derived.pop(key)
+    assert derived.pop("engine.type") == "transformers"
+    assert compose == derived
+
+
+def test_compose_trainer_gets_the_derived_experiment() -> None:
+    compose = _sets("trainer-cpu")
     derived = _flat(experiment(_layout().config, model="image", run_dir=Path("run")))
     derived.pop("run_dir")
     assert compose.pop("model", None) is not None  # the image's converted model directory
@@ -126,7 +143,7 @@ def test_compose_trainer_gets_the_derived_experiment() -> None:
 def test_the_shared_values_agree_inside_compose() -> None:
     """The values [run] declares once, as compose spells them for each service."""
     config = load_run_config(CONFIG).run
-    worker, coordinator = _env("rollout-cpu"), _env("coordinator")
-    assert worker["DELTARL_ROLLOUT_GROUP_SIZE"] == str(config.group_size)
-    assert float(worker["DELTARL_ROLLOUT_TEMPERATURE"]) == config.temperature
+    worker, coordinator = _sets("rollout-cpu"), _env("coordinator")
+    assert worker["episodes.group_size"] == config.group_size
+    assert worker["episodes.sampling.temperature"] == config.temperature
     assert coordinator["DELTARL_COORDINATOR_MAX_STALENESS"] == str(config.max_staleness)

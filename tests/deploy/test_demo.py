@@ -188,15 +188,15 @@ def test_an_interrupt_while_stopping_kills_every_child(tmp_path: Path) -> None:
 def test_worker_log_reads_applied_objects_incrementally(tmp_path: Path) -> None:
     log = tmp_path / "w.log"
     log.write_text(
-        "x INFO deltarl.rollout.weights: weights at v0 via anchor (6443632 bytes): paused 0.71 "
+        "x INFO deltarl.rollout.sync.weights: weights at v0 via anchor (6443632 bytes): paused 0.71 "
         "ms, download 3.3 ms, decode 4.2 ms, verify 0.7 ms\n"
     )
     w = WorkerLog(log)
     w.update()
     with log.open("a") as fh:
         fh.write(
-            "x INFO deltarl.rollout.weights: weights at v1 via delta (55339 bytes): paused 0.52 "
-            "ms, download 0.1 ms\nx ERROR deltarl.rollout.weights: weights unhealthy: drift\n"
+            "x INFO deltarl.rollout.sync.weights: weights at v1 via delta (55339 bytes): paused 0.52 "
+            "ms, download 0.1 ms\nx ERROR deltarl.rollout.sync.weights: weights unhealthy: drift\n"
             "partial line without newl"
         )
     w.update()

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.request
 import zipfile
@@ -52,7 +53,7 @@ from deltarl.cli import app as root_app
 from deltarl.env_server.core.client import SyncEnvClient
 from deltarl.env_server.settings import EnvSettings
 from deltarl.rollout.engines.base import VllmEngineSettings
-from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
+from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings, WorkerExperiment
 from deltarl.services.common.client_headers import (
     HF_PROXY_HEADER,
     HF_PROXY_TOKEN_ENV,
@@ -348,8 +349,13 @@ def test_rollout_dockerfiles_follow_docker_dir(dry_run: tuple[Path, str]) -> Non
     assert "[vllm]" in gpu  # the vllm extra (a Hugging Face bucket: no s3)
     space_env = dockerfile_env(dockerfile(gpu_path)["ENV*"])
     docker_env = dockerfile_env(dockerfile(ROOT / "docker/rollout-gpu.Dockerfile")["ENV*"])
-    for var in ("DELTARL_ROLLOUT_ENGINE", "DELTARL_ROLLOUT_PORT", "VLLM_NO_USAGE_STATS"):
+    for var in ("DELTARL_ROLLOUT_PORT", "VLLM_NO_USAGE_STATS"):
         assert space_env[var] == docker_env[var], var
+    # the experiment: the docker image's engine, on the deployment's model
+    experiment = tomllib.loads((gpu_path.parent / "worker.toml").read_text())
+    image = tomllib.loads((ROOT / "docker/worker-gpu.toml").read_text())
+    assert experiment["engine"]["type"] == image["engine"]["type"] == "vllm"
+    assert f"COPY worker.toml {space_env['DELTARL_ROLLOUT_CONFIG']}" in gpu
     cpu_path = out / "cpu.Dockerfile"
     cpu_path.write_text(space_dockerfile(ROLLOUT, gpu=False))
     docker_cpu = dockerfile(ROOT / "docker/rollout-cpu.Dockerfile")
@@ -469,12 +475,14 @@ def test_space_environment_validates(
         assert rollout.worker_id == "space:alice:deltarl-rollout"  # path-safe: no '/'
         assert rollout.env_url == "https://alice-deltarl-env.hf.space"
         assert parse_hf_uri(rollout.bucket_uri or "") == ("alice/weights", "deltarl")
-        assert rollout.model == spaces_cli.DEFAULT_MODEL  # a Hub id: a Space reaches the Hub
         assert secrets.keys() >= {"HF_TOKEN", HF_PROXY_TOKEN_ENV}  # private: the proxy token
-        # the GPU image's engine, on the model the Space is given (a Hub id, as vLLM needs)
-        assert rollout.engine == "vllm" and rollout.port == WORKER_PORT
-        engine = rollout.engine_settings()
-        assert isinstance(engine, VllmEngineSettings) and engine.model == rollout.model
+        # the GPU image's engine, on the model the Space is given (a Hub id, as vLLM needs):
+        # the Space's experiment file, which its Dockerfile copies to DELTARL_ROLLOUT_CONFIG
+        assert rollout.port == WORKER_PORT and rollout.config is not None
+        experiment = WorkerExperiment.load(out / f"deltarl-{service}" / "worker.toml")
+        engine = experiment.engine_settings()
+        assert isinstance(engine, VllmEngineSettings)
+        assert engine.model == spaces_cli.DEFAULT_MODEL  # a Hub id: a Space reaches the Hub
 
 
 def test_no_secret_leaks(dry_run: tuple[Path, str]) -> None:
@@ -559,7 +567,7 @@ def test_deploy_uses_the_hub_and_its_answers(
         [
             *deploy_args(out, "--private", "--rollout-hardware", "a10g-small"),
             *("--rollout-sleep-time", "3600"),
-            *("--set-var", "rollout:DELTARL_ROLLOUT_GROUP_SIZE=16"),
+            *("--set-var", "rollout:DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S=300"),
         ],
     )
     assert result.exit_code == 0, result.output
@@ -573,7 +581,7 @@ def test_deploy_uses_the_hub_and_its_answers(
         variables["DELTARL_ROLLOUT_COORDINATOR_URL"]
         == "https://alice-deltarl-coordinator-x1.hf.space"
     )
-    assert variables["DELTARL_ROLLOUT_GROUP_SIZE"] == "16"
+    assert variables["DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S"] == "300"
     secrets = {
         (a["repo_id"], a["key"]): a["value"] for m, a in fake.calls if m == "add_space_secret"
     }

@@ -1,5 +1,5 @@
 """Evidence for hinted targeted self-distillation: on the charset task, a student that
-can read the environment's hints learns the task in fewer steps with them (``rollout.hint_mode =
+can read the environment's hints learns the task in fewer steps with them (``rollout.hints.mode =
 "env"``, ``trainer.loss.hint_coef``) than with GRPO alone, same seeds and budget.
 
 A random tiny model cannot read a hint, so the student first gets that ability the way a real
@@ -160,7 +160,7 @@ def test_env_hints_make_a_hint_reading_student_learn_faster(
             model,
             cache,
             seed,
-            'rollout.hint_mode="env"',
+            'rollout.hints.mode="env"',
             f"trainer.loss.hint_coef={HINT_COEF}",
             f"trainer.loss.hint_beta={HINT_BETA}",
         )

@@ -19,7 +19,7 @@ from deltarl.env_server.core.models import EnvError, ErrorCode
 from deltarl.env_server.settings import EnvSettings
 from deltarl.env_server.tasks import AnyStepResult
 from deltarl.env_server.wordle.models import WordleObservation, WordleState
-from deltarl.rollout.episodes import observation_text
+from deltarl.rollout.episodes.runner import observation_text
 
 RULES = CharsetRules()  # a-z, full marks from 8 characters
 

@@ -18,7 +18,7 @@ from deltarl.env_server.wordle import transcripts
 from deltarl.env_server.wordle.environment import WordleEnvironment, apply_options
 from deltarl.env_server.wordle.game import WordleRules, WordLists, known_summary, score_guess
 from deltarl.env_server.wordle.options import ResetOptions
-from deltarl.rollout.episodes import observation_text
+from deltarl.rollout.episodes.runner import observation_text
 
 SEED = 3
 HEAD = "Known so far:"

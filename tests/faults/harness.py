@@ -159,10 +159,12 @@ class Cluster:
         }
         if self.redis_url is not None:
             coordinator |= {"redis_url": self.redis_url, "redis_prefix": self.redis_prefix}
+        engine: dict[str, Any] = {"device": "cpu"}
+        if os.environ.get("DELTARL_TEST_ROLLOUT_ENGINE") == "vllm":  # the suite on a GPU box
+            engine = {"type": "vllm", "gpu_memory_utilization": 0.12}
         rollout: dict[str, Any] = {
-            "device": "cpu",
-            "max_turns": 2,
-            "max_new_tokens": 6,
+            "engine": engine,
+            "episodes": {"max_turns": 2, "sampling": {"max_new_tokens": 6}},
             "in_flight_groups": 1,
             "heartbeat_interval_s": 0.2,
             "sync_poll_s": 0.5,
@@ -170,8 +172,6 @@ class Cluster:
             "shutdown_grace_s": 2.0,
             "submit_timeout_s": 60.0,
         }
-        if os.environ.get("DELTARL_TEST_ROLLOUT_ENGINE") == "vllm":  # the suite on a GPU box
-            rollout |= {"engine": "vllm", "gpu_memory_utilization": 0.12}
         trainer: dict[str, Any] = {
             "device": "cpu",
             "max_steps": 100000,

@@ -32,7 +32,7 @@ from faults.harness import (
 )
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.weights import coordinator_challenges
+from deltarl.trainer.publish.weights import coordinator_challenges
 from deltarl.weightsync.anchor import encode_anchor
 from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.weightsync.delta import compute_delta
@@ -68,7 +68,7 @@ class Versions:
     def __init__(self, cluster: Cluster, model_dir: Path) -> None:
         import transformers
 
-        from deltarl.trainer.weights import publishable_state
+        from deltarl.trainer.publish.weights import publishable_state
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.state = {n: t.to(torch.bfloat16).clone() for n, t in publishable_state(model).items()}

@@ -54,9 +54,9 @@ def test_the_auditors_count_what_is_wrong(tmp_path: Path) -> None:
     assert Ledger(4, 2, 1, 1, {}, 3).lost == 0
     log = tmp_path / "w.1.log"
     log.write_text(
-        "x INFO deltarl.rollout.weights: weights at v0 via anchor (100 bytes): paused 1 ms\n"
-        "x INFO deltarl.rollout.weights: weights at v2 via delta (10 bytes): paused 1 ms\n"
-        "x INFO deltarl.rollout.weights: sync vNone -> v2: planned 110 bytes, downloaded 120 "
+        "x INFO deltarl.rollout.sync.weights: weights at v0 via anchor (100 bytes): paused 1 ms\n"
+        "x INFO deltarl.rollout.sync.weights: weights at v2 via delta (10 bytes): paused 1 ms\n"
+        "x INFO deltarl.rollout.sync.weights: sync vNone -> v2: planned 110 bytes, downloaded 120 "
         "bytes, 1 failure(s)\n"
     )
     assert verified_versions([log]) == {0, 2}

@@ -12,7 +12,7 @@ from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.anchor import encode_anchor
 from deltarl.weightsync.codec.context import DeltaContext
 from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
@@ -260,7 +260,7 @@ def test_chained_deltas_are_counted_in_the_metrics(bucket: LocalBucket) -> None:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from deltarl.rollout.metrics import RolloutMetrics
+    from deltarl.rollout.service.metrics import RolloutMetrics
 
     _, _, ws, _ = setup(bucket)
     ws.sync_to(1)

@@ -14,8 +14,8 @@ import torch
 from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.codec.formats import decode_delta, encode_delta
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import state_digests

@@ -18,10 +18,10 @@ from deltarl.env_server.wordle.game import WordleRules, WordLists, answer_for_se
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
 from deltarl.env_server.wordle.transcripts import solver_transcripts
 from deltarl.rollout.engines.base import SamplingParams
-from deltarl.rollout.episodes import ChatFormat, EpisodeGroup, EpisodeRunner, EpisodeSettings
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.trajectories import episode_signals
-from deltarl.trainer.sft import encode_transcript
+from deltarl.rollout.episodes.runner import ChatFormat, EpisodeGroup, EpisodeRunner, EpisodeSettings
+from deltarl.rollout.episodes.trajectories import episode_signals
+from deltarl.rollout.settings import RolloutSettings, WorkerExperiment
+from deltarl.trainer.supervised.sft import encode_transcript
 
 IM_END = 2
 SEED = 11
@@ -111,17 +111,27 @@ def test_bad_options_fail_the_group(server: WordleServer, tok: Any) -> None:
     assert server.open_sessions == 0
 
 
-def test_rollout_settings_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"shaping": {"format": 0.2}}')
-    eps = RolloutSettings().episode_settings()
+def test_worker_experiment_env_options() -> None:
+    def load(*overrides: str) -> WorkerExperiment:
+        return WorkerExperiment.load(None, list(overrides))
+
+    eps = load('episodes.env_options={"shaping": {"format": 0.2}}').episode_settings()
     assert eps.env_options == {"shaping": {"format": 0.2}}
-    monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"shaping": {"wins": 1}}')
-    with pytest.raises(ValidationError, match=r"env_options\.shaping\.wins"):
-        RolloutSettings()
+    with pytest.raises(ValueError, match=r"env_options\.shaping\.wins"):
+        load('episodes.env_options={"shaping": {"wins": 1}}')
+    seven = load('episodes.env_options={"max_guesses": 7}')
+    assert seven.episode_settings().max_turns == 7  # unset: covers the guesses
+    with pytest.raises(ValueError, match="max_turns"):
+        load('episodes.env_options={"max_guesses": 7}', "episodes.max_turns=6")
+
+
+def test_an_old_experiment_variable_is_refused_with_its_new_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("DELTARL_ROLLOUT_ENV_OPTIONS", '{"max_guesses": 7}')
-    assert RolloutSettings().episode_settings().max_turns == 7  # unset: covers the guesses
-    monkeypatch.setenv("DELTARL_ROLLOUT_MAX_TURNS", "6")
-    with pytest.raises(ValidationError, match="max_turns"):
+    with pytest.raises(
+        ValidationError, match=r"DELTARL_ROLLOUT_ENV_OPTIONS: .*episodes\.env_options"
+    ):
         RolloutSettings()
 
 

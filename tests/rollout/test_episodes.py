@@ -23,7 +23,7 @@ from deltarl.env_server.wordle.game import WordLists, answer_for_seed
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.episodes import (
+from deltarl.rollout.episodes.runner import (
     ChatFormat,
     Episode,
     EpisodeGroup,
@@ -31,11 +31,16 @@ from deltarl.rollout.episodes import (
     EpisodeSettings,
     TokenGenerator,
 )
-from deltarl.rollout.trajectories import idempotency_key, json_f32, payload_sizes, to_submission
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.episodes.trajectories import (
+    idempotency_key,
+    json_f32,
+    payload_sizes,
+    to_submission,
+)
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.coordinator.schemas import decode_group, encode_group
 from deltarl.services.coordinator.schemas.common import ID_PATTERN
-from deltarl.trainer.batch import collate
+from deltarl.trainer.learn.batch import collate
 from deltarl.weightsync.reader import BucketReader
 
 pytestmark = pytest.mark.network

@@ -12,9 +12,9 @@ from fp8_states import adam_like_step, raw, same_bytes
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines import SamplingParams
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync import fp8
 from deltarl.weightsync.errors import StateMismatchError
 from deltarl.weightsync.proof import ProofSpec, make_challenges

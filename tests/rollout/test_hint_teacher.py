@@ -1,4 +1,4 @@
-"""Hinted turns scored by the teacher service (``hint_scorer = "teacher"``, rollout/teaching.py):
+"""Hinted turns scored by the teacher service (``hint_scorer = "teacher"``, rollout/distill/teaching.py):
 the request holds exactly what the policy scorer scores, a teacher serving the policy's model
 gives the policy scorer's numbers, answers that do not fit are refused, and a live worker
 attaches hints computed by a real teacher service (down at first: nothing goes out without
@@ -26,16 +26,16 @@ from worker_helpers import (
 )
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.chat_format import ChatFormat
+from deltarl.rollout.distill.hints import EnvHinter, Hint, hinted_context, score_hints
+from deltarl.rollout.distill.teaching import TeacherMismatch, hint_maps, hint_request
 from deltarl.rollout.engines.base import UNMANAGED, Completion
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.episodes import Episode, Turn
-from deltarl.rollout.hints import EnvHinter, Hint, hinted_context, score_hints
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.teaching import TeacherMismatch, hint_maps, hint_request
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode, Turn
+from deltarl.rollout.settings import WorkerExperiment, check_worker
 from deltarl.teacher.client import SyncTeacherClient
 from deltarl.teacher.wire import LogprobResponse
-from deltarl.trainer.batch import collate
+from deltarl.trainer.learn.batch import collate
 
 
 def played(fmt: ChatFormat, replies: list[str], temperature: float = 0.7) -> Episode:
@@ -142,17 +142,21 @@ def test_an_answer_that_does_not_fit_the_request_is_refused(tok: Any) -> None:
 
 
 def test_the_teacher_scorer_needs_a_teacher_and_the_vllm_engine_needs_it() -> None:
-    with pytest.raises(ValueError, match="hint_scorer 'teacher' needs a teacher service"):
-        RolloutSettings(hint_mode="env", hint_scorer="teacher")
+    def load(*overrides: str) -> WorkerExperiment:
+        return WorkerExperiment.load(None, list(overrides))
+
+    vllm = ["engine.type=vllm", "engine.model=m", "hints.mode=env"]
+    teacher_scored = load("hints.mode=env", "hints.scorer=teacher")
+    with pytest.raises(ValueError, match=r"hints\.scorer 'teacher' needs a teacher service"):
+        check_worker(None, teacher_scored)
     with pytest.raises(ValueError, match=r"vllm engine scores hinted turns at temperature 1\.0"):
-        RolloutSettings(hint_mode="env", engine="vllm", temperature=0.7)
-    assert RolloutSettings(hint_mode="env", engine="vllm").hint_scorer == "policy"
+        load(*vllm, "episodes.sampling.temperature=0.7")
+    assert load(*vllm).hints.scorer == "policy"
     with pytest.raises(ValueError, match="would never be asked"):
-        RolloutSettings(teacher_url="http://t", teacher_distill=False)
-    ok = RolloutSettings(
-        hint_mode="env", engine="vllm", hint_scorer="teacher", teacher_url="http://t"
-    )
-    assert ok.hint_scorer == "teacher" and ok.teacher_distill
+        check_worker("http://t", load("teacher.distill=false"))
+    ok = load(*vllm, "hints.scorer=teacher", "episodes.sampling.temperature=0.7")
+    check_worker("http://t", ok)
+    assert ok.hints.scorer == "teacher" and ok.teacher.distill
 
 
 class Recording:

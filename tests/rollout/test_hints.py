@@ -1,4 +1,4 @@
-"""Hinted self-distillation on the worker (rollout/hints.py): the env hinter passes on the
+"""Hinted self-distillation on the worker (rollout/distill/hints.py): the env hinter passes on the
 environment's hint (the tasks' hints themselves: tests/env_server/test_env_hints.py), chat hints
 are validated (malformed ones skipped and counted), the hinted turn is scored once after the
 hint, and a worker attaches hints to what it submits."""
@@ -24,11 +24,7 @@ from worker_helpers import (
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.env_server.core.wire import TaskHint
-from deltarl.rollout.chat_format import ChatFormat
-from deltarl.rollout.engines.base import UNMANAGED, Completion
-from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.episodes import Episode, Turn
-from deltarl.rollout.hints import (
+from deltarl.rollout.distill.hints import (
     ChatHinter,
     EnvHinter,
     Hint,
@@ -39,7 +35,11 @@ from deltarl.rollout.hints import (
     score_hint,
     score_hints,
 )
-from deltarl.trainer.batch import collate
+from deltarl.rollout.engines.base import UNMANAGED, Completion
+from deltarl.rollout.engines.transformers_engine import TransformersEngine
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode, Turn
+from deltarl.trainer.learn.batch import collate
 
 
 def episode(replies: list[str], hint: TaskHint | None = None, reward: float = 0.0) -> Episode:

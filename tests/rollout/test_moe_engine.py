@@ -18,8 +18,8 @@ from moe_helpers import deepseek_v3_config, hf_moe_model, qwen3_moe_config
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines.base import SamplingParams
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.weights import WeightSync
-from deltarl.trainer.weights import WeightPublisher
+from deltarl.rollout.sync.weights import WeightSync
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.weightsync.digest import state_digest
 from deltarl.weightsync.model_state import fp32_names, publishable_state
 from deltarl.weightsync.reader import BucketReader

@@ -12,9 +12,9 @@ from rollout_helpers import FakeTrainer, clone_state, same_bits, tiny_engine
 from worker_helpers import wait_for
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.follower import VersionFollower
-from deltarl.rollout.sync_records import SyncError
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.follower import VersionFollower
+from deltarl.rollout.sync.records import SyncError
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.manifest import LATEST_KEY
 from deltarl.weightsync.reader import BucketReader, RollbackError
 from deltarl.weightsync.signing import Signer, Verifier, generate_key

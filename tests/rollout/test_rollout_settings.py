@@ -1,10 +1,14 @@
-"""RolloutSettings -> EpisodeSettings."""
+"""The worker's settings: its experiment -> the engine's and the episodes' settings."""
 
 from __future__ import annotations
 
 import pytest
 
-from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.settings import RolloutSettings, WorkerExperiment
+
+
+def exp(*overrides: str) -> WorkerExperiment:
+    return WorkerExperiment.load(None, list(overrides))
 
 
 def test_the_env_server_gives_what_the_settings_leave_unset() -> None:
@@ -22,23 +26,23 @@ def test_the_env_server_gives_what_the_settings_leave_unset() -> None:
             return EnvMetadata.model_validate(client.get("/metadata").json())
 
     wordle, charset = metadata(max_guesses=8), metadata(task="charset")
-    eps = RolloutSettings().episode_settings(wordle)
+    eps = exp().episode_settings(wordle)
     assert wordle.system_prompt is not None and "at most 8 guesses" in wordle.system_prompt
     assert (eps.system_prompt, eps.max_turns) == (wordle.system_prompt, 8 + 1)
-    eps = RolloutSettings().episode_settings(charset)
+    eps = exp().episode_settings(charset)
     assert (eps.system_prompt, eps.max_turns) == (None, 1)
     # the server's guess curriculum: its turn limit covers the most guesses it gives
     curriculum = metadata(guesses_start=3, guesses_end=12, guesses_over_versions=5)
-    assert RolloutSettings().episode_settings(curriculum).max_turns == 12 + 1
+    assert exp().episode_settings(curriculum).max_turns == 12 + 1
     # env_options asking for more guesses than the server's game: the limit follows
-    more = RolloutSettings(env_options={"max_guesses": 10}).episode_settings(wordle)
+    more = exp('episodes.env_options={"max_guesses": 10}').episode_settings(wordle)
     assert more.max_turns == 10
     # set here: the settings win over the server's
-    eps = RolloutSettings(system_prompt="Be brief.", max_turns=4).episode_settings(wordle)
+    eps = exp("episodes.system_prompt=Be brief.", "episodes.max_turns=4").episode_settings(wordle)
     assert (eps.system_prompt, eps.max_turns) == ("Be brief.", 4)
-    assert RolloutSettings(system_prompt="").episode_settings(wordle).system_prompt is None
+    assert exp('episodes.system_prompt=""').episode_settings(wordle).system_prompt is None
     # a server that says nothing (another OpenEnv server): no system turn, 6 turns
-    eps = RolloutSettings().episode_settings(None)
+    eps = exp().episode_settings(None)
     assert (eps.system_prompt, eps.max_turns) == (None, 6)
 
 
@@ -46,8 +50,8 @@ def test_vllm_memory_share_reaches_the_engine_settings() -> None:
     from deltarl.rollout.engines.base import VllmEngineSettings
 
     for given, want in ((0.4, 0.4), (None, 0.85)):
-        kw = {} if given is None else {"gpu_memory_utilization": given}
-        es = RolloutSettings(engine="vllm", model="org/m", **kw).engine_settings()
+        kw = [] if given is None else [f"engine.gpu_memory_utilization={given}"]
+        es = exp("engine.type=vllm", "engine.model=org/m", *kw).engine_settings()
         assert isinstance(es, VllmEngineSettings) and es.gpu_memory_utilization == want
 
 
@@ -61,8 +65,8 @@ def test_worker_sets_the_gil_switch_interval(tmp_path) -> None:
 
     from deltarl.buckets.local import LocalBucket
     from deltarl.rollout.engines.transformers_engine import TransformersEngine
-    from deltarl.rollout.weights import WeightSync
-    from deltarl.rollout.worker import GIL_SWITCH_INTERVAL_S, RolloutWorker
+    from deltarl.rollout.service.worker import GIL_SWITCH_INTERVAL_S, RolloutWorker
+    from deltarl.rollout.sync.weights import WeightSync
     from deltarl.weightsync.reader import BucketReader
 
     before = sys.getswitchinterval()
@@ -84,7 +88,7 @@ def test_apply_kernel_setting(monkeypatch) -> None:
     import torch
     from pydantic import ValidationError
 
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
 
     assert RolloutSettings().apply_kernel == "auto"
     monkeypatch.setenv("DELTARL_ROLLOUT_APPLY_KERNEL", "torch")

@@ -11,10 +11,10 @@ import torch
 from rollout_helpers import FakeTrainer, clone_state, perturb, same_bits, tiny_engine
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout import weights as weights_module
 from deltarl.rollout.engines import Completion, SamplingParams, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.weights import SyncError, WeightsUnhealthyError, WeightSync
+from deltarl.rollout.sync import weights as weights_module
+from deltarl.rollout.sync.weights import SyncError, WeightsUnhealthyError, WeightSync
 from deltarl.weightsync.errors import StateMismatchError
 from deltarl.weightsync.reader import BucketReader
 

@@ -14,10 +14,10 @@ from episode_helpers import ROUTE_SHAPE, ScriptedEngine, WordleServer, scripted_
 
 from deltarl.env_server.core.client import EnvClient
 from deltarl.rollout.engines.base import SamplingParams
-from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner, EpisodeSettings
-from deltarl.rollout.trajectories import to_submission
+from deltarl.rollout.episodes.runner import EpisodeGroup, EpisodeRunner, EpisodeSettings
+from deltarl.rollout.episodes.trajectories import to_submission
 from deltarl.services.coordinator.schemas import decode_group, encode_group
-from deltarl.trainer.batch import collate
+from deltarl.trainer.learn.batch import collate
 
 pytestmark = pytest.mark.network
 

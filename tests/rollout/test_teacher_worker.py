@@ -1,4 +1,4 @@
-"""On-policy distillation on the worker (rollout/teaching.py): a live worker sends each finished
+"""On-policy distillation on the worker (rollout/distill/teaching.py): a live worker sends each finished
 group to a real teacher service (a tiny Llama over SmolLM2's vocabulary) and submits the
 teacher's top-k at exactly the trained positions; a teacher that is down at first loses nothing
 and lets nothing through without teacher data (required), or is counted and skipped (not
@@ -26,11 +26,11 @@ from worker_helpers import (
 )
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.teaching import TeacherMismatch
+from deltarl.rollout.distill.teaching import TeacherMismatch
 from deltarl.teacher.app import create_app
 from deltarl.teacher.engines.transformers_engine import TransformersTeacher
 from deltarl.teacher.settings import TeacherSettings
-from deltarl.trainer.batch import collate
+from deltarl.trainer.learn.batch import collate
 
 TOKEN = "teacher-test-token-0123456789"
 

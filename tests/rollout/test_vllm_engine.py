@@ -64,8 +64,8 @@ from deltarl.rollout.engines.vllm_transfer import (
     decode_message,
     encode_message,
 )
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.settings import WorkerExperiment
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import state_digest
 from deltarl.weightsync.errors import (
@@ -859,8 +859,9 @@ def test_one_vllm_sampling_params_per_call_unless_seeded() -> None:
 
 
 def test_prefix_caching_setting_reaches_vllm(fake_vllm: Any) -> None:
-    assert RolloutSettings(engine="vllm", model="m").engine_settings().prefix_caching is True
-    off = RolloutSettings(engine="vllm", model="m", prefix_caching=False).engine_settings()
+    vllm = ["engine.type=vllm", "engine.model=m"]
+    assert WorkerExperiment.load(None, vllm).engine_settings().prefix_caching is True
+    off = WorkerExperiment.load(None, [*vllm, "engine.prefix_caching=false"]).engine_settings()
     assert isinstance(off, VllmEngineSettings) and off.prefix_caching is False
     assert llm_kwargs(off)["enable_prefix_caching"] is False
     assert llm_kwargs(VllmEngineSettings(model="m"))["enable_prefix_caching"] is True
@@ -1000,12 +1001,17 @@ def test_hf_specs_are_the_transformers_engine_names(tmp_path: Path) -> None:
 
 
 def test_vllm_engine_setting_and_missing_vllm() -> None:
-    s = RolloutSettings(engine="vllm", model="org/m", dtype="float16", engine_seed=3)
+    vllm = ["engine.type=vllm", "engine.model=org/m"]
+    s = WorkerExperiment.load(None, [*vllm, "engine.dtype=float16", "engine.seed=3"])
     es = s.engine_settings()
     assert isinstance(es, VllmEngineSettings) and (es.dtype, es.seed) == ("float16", 3)
     assert es.load_format == "dummy"
-    with pytest.raises(ValueError, match=r"not a GGUF"):
-        RolloutSettings(engine="vllm", model="d", gguf_file="m.gguf").engine_settings()
+    with pytest.raises(ValueError, match=r"engine.vllm.gguf_file: Extra inputs"):
+        WorkerExperiment.load(None, [*vllm, "engine.gguf_file=m.gguf"])
+    with pytest.raises(ValueError, match=r"weights come from the bucket's anchor"):
+        WorkerExperiment.load(None, [*vllm, "engine.load_format=auto"])
+    routed = WorkerExperiment.load(None, [*vllm, "episodes.routing_replay=true"])
+    assert routed.engine_settings().return_routed_experts is True
     if "vllm" not in sys.modules:
         with pytest.raises(ModuleNotFoundError, match=r"deltarl\[vllm\]"):
             make_engine(VllmEngineSettings(model="x"))
@@ -1015,7 +1021,7 @@ def test_vllm_engine_setting_and_missing_vllm() -> None:
 def test_deltarl_never_imports_vllm() -> None:
     code = (
         "import sys; import deltarl.rollout.engines, deltarl.rollout.engines.vllm_engine, "
-        "deltarl.rollout.engines.vllm_transfer, deltarl.rollout.worker; "
+        "deltarl.rollout.engines.vllm_transfer, deltarl.rollout.service.worker; "
         "assert 'vllm' not in sys.modules, 'vllm imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

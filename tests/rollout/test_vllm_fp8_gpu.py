@@ -35,10 +35,10 @@ from safetensors.torch import save_file
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_mapping import fp8_specs, probe_views, specs_of
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.teacher.engines.vllm_engine import shutdown_llm
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync import fp8
 from deltarl.weightsync.delta import (
     apply_staged,

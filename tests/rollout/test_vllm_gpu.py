@@ -31,7 +31,7 @@ import transformers
 from rollout_helpers import FakeTrainer, same_bits
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.reader import BucketReader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -52,7 +52,7 @@ from deltarl.rollout.engines.vllm_shards import (
     shard_delta,
 )
 from deltarl.rollout.engines.vllm_transfer import check_supported
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.delta import (
     _stage_batched,
     _store_plan,

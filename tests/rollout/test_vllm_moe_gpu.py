@@ -29,8 +29,8 @@ import torch
 import transformers
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
-from deltarl.rollout.weights import WeightSync
-from deltarl.trainer.weights import WeightPublisher
+from deltarl.rollout.sync.weights import WeightSync
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.weightsync.delta import compute_delta, stage_delta
 from deltarl.weightsync.model_state import publishable_state
 from deltarl.weightsync.reader import BucketReader

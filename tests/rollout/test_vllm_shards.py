@@ -40,7 +40,7 @@ from deltarl.rollout.engines.vllm_shards import (
     new_key,
     shard_delta,
 )
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.weightsync.delta import apply_staged, compute_delta, stage_delta
 from deltarl.weightsync.errors import StateMismatchError
 from deltarl.weightsync.proof import ProofSpec, proof_answer

@@ -37,10 +37,11 @@ from deltarl.buckets.local import LocalBucket
 from deltarl.cli import app
 from deltarl.rollout.engines.base import Completion, WeightsStamp
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.episodes import Episode, EpisodeGroup, Turn
+from deltarl.rollout.episodes.runner import Episode, EpisodeGroup, Turn
+from deltarl.rollout.service import worker as worker_module
+from deltarl.rollout.service.worker import RolloutWorker
 from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.sync_records import Verdict
-from deltarl.rollout.worker import RolloutWorker
+from deltarl.rollout.sync.records import Verdict
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 from deltarl.services.coordinator.schemas import TrajectoryGroup, WorkerInfo
 from deltarl.weightsync.reader import BucketReader
@@ -315,6 +316,11 @@ def test_sigterm_finishes_in_flight_groups_and_deregisters(
     model_dir = tmp_path / "model"
     tiny_llama(len(tok)).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
+    experiment = tmp_path / "worker.toml"
+    experiment.write_text(
+        f'in_flight_groups = 2\n[engine]\nmodel = "{model_dir}"\ndevice = "cpu"\n'
+        "[episodes]\ngroup_size = 2\nmax_turns = 2\n"
+    )
     env_vars = {
         **os.environ,
         "DELTARL_ROLLOUT_COORDINATOR_URL": coordinator.url,
@@ -322,17 +328,13 @@ def test_sigterm_finishes_in_flight_groups_and_deregisters(
         "DELTARL_ROLLOUT_ENV_URL": env.url,
         "DELTARL_ROLLOUT_BUCKET_URI": str(bucket.root),
         "DELTARL_ROLLOUT_WORKER_ID": "w-sub",
-        "DELTARL_ROLLOUT_MODEL": str(model_dir),
-        "DELTARL_ROLLOUT_DEVICE": "cpu",
-        "DELTARL_ROLLOUT_GROUP_SIZE": "2",
-        "DELTARL_ROLLOUT_MAX_TURNS": "2",
-        "DELTARL_ROLLOUT_MAX_NEW_TOKENS": "4",
-        "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS": "2",
+        # the experiment: a file (TOML) and --set
+        "DELTARL_ROLLOUT_CONFIG": str(experiment),
         "DELTARL_ROLLOUT_ADMISSION_WAIT_S": "0.05",
         "DELTARL_ROLLOUT_SHUTDOWN_GRACE_S": "5",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deltarl.rollout"],
+        [sys.executable, "-m", "deltarl.rollout", "--set", "episodes.sampling.max_new_tokens=4"],
         env=env_vars,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -383,8 +385,18 @@ def test_tls_with_a_custom_ca_bundle(
 def test_help_lists_the_settings_and_bad_settings_are_refused() -> None:
     result = CliRunner().invoke(app, ["rollout", "--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0
-    for name in ("COORDINATOR_URL", "BUCKET_URI", "CA_BUNDLE", "IN_FLIGHT_GROUPS", "SYNC_POLL_S"):
+    for name in ("COORDINATOR_URL", "BUCKET_URI", "CA_BUNDLE", "CONFIG", "SYNC_POLL_S"):
         assert f"DELTARL_ROLLOUT_{name}" in result.output
+    assert "--config" in result.output and "--set" in result.output
+    assert "DELTARL_ROLLOUT_IN_FLIGHT_GROUPS" not in result.output  # the experiment's
+    moved = CliRunner().invoke(
+        app, ["rollout"], env={"COLUMNS": "300", "DELTARL_ROLLOUT_GROUP_SIZE": "4"}
+    )
+    assert moved.exit_code != 0 and "episodes.group_size" in moved.output
+    unknown = CliRunner().invoke(
+        app, ["rollout", "--set", "episodes.sampling.max_new_tokenz=4"], env={"COLUMNS": "300"}
+    )
+    assert unknown.exit_code != 0 and "max_new_tokenz" in unknown.output
     bad = CliRunner().invoke(
         app, ["rollout", "--worker-id", "no spaces allowed"], env={"COLUMNS": "300"}
     )
@@ -399,7 +411,7 @@ def test_the_service_closes_the_engine_it_built(monkeypatch: pytest.MonkeyPatch)
     """`deltarl rollout` releases its engine when the worker stops, normally or not (the vllm
     engine's core is a separate process holding the GPU memory: a stopped teacher service once
     left two of them running on an H200); an engine given to the constructor is not closed."""
-    from deltarl.rollout.worker import RolloutWorker
+    from deltarl.rollout.service.worker import RolloutWorker
 
     closed: list[str] = []
 
@@ -410,7 +422,7 @@ def test_the_service_closes_the_engine_it_built(monkeypatch: pytest.MonkeyPatch)
             closed.append("engine")
 
     def built(outcome: BaseException | None) -> Any:
-        def from_settings(settings: RolloutSettings) -> RolloutWorker:
+        def from_settings(settings: RolloutSettings, experiment: Any = None) -> RolloutWorker:
             worker = object.__new__(RolloutWorker)
             worker.engine = Engine()  # type: ignore[assignment]
             worker._owns_engine = True
@@ -458,14 +470,19 @@ def test_sigterm_is_prompt_while_the_coordinator_is_down(
         "DELTARL_ROLLOUT_ENV_URL": dead,
         "DELTARL_ROLLOUT_BUCKET_URI": str(bucket.root),
         "DELTARL_ROLLOUT_WORKER_ID": "w-down",
-        "DELTARL_ROLLOUT_MODEL": str(model_dir),
-        "DELTARL_ROLLOUT_DEVICE": "cpu",
         "DELTARL_ROLLOUT_PORT": "0",
     }
     log = tmp_path / "worker.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deltarl.rollout"], env=env_vars, stdout=out, stderr=out
+            [
+                sys.executable,
+                *("-m", "deltarl.rollout"),
+                *("--set", f"engine.model={model_dir}", "--set", "engine.device=cpu"),
+            ],
+            env=env_vars,
+            stdout=out,
+            stderr=out,
         )
     try:
         wait_for(lambda: "register:" in log.read_text(), 90, "no registration attempt logged")
@@ -512,9 +529,8 @@ def test_failing_groups_back_off_and_the_next_good_group_resets_it(
 
     monkeypatch.setattr(TransformersEngine, "generate", generate)
     monkeypatch.setattr(RolloutWorker, "_failure_backoff_s", backoff)
-    settings = worker_settings(
-        coordinator, env.url, admission_wait_s=0.05, failure_backoff_max_s=0.2, in_flight_groups=1
-    )
+    monkeypatch.setattr(worker_module, "FAILURE_BACKOFF_MAX_S", 0.2)
+    settings = worker_settings(coordinator, env.url, admission_wait_s=0.05, in_flight_groups=1)
     with WorkerThread(settings, bucket, tok, len(tok)) as worker:
         wait_for(lambda: worker.stats.submitted >= 2, 30, "no group after the failures")
         errors = worker.stats.group_errors

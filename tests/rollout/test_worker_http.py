@@ -1,4 +1,4 @@
-"""The rollout worker's GET /health and GET /metrics (rollout/http.py, rollout/metrics.py)."""
+"""The rollout worker's GET /health and GET /metrics (rollout/service/http.py, rollout/service/metrics.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from worker_helpers import CoordinatorServer, Trainer, WorkerThread, wait_for, w
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.cli import app
-from deltarl.rollout.http import BindError, WorkerHttpServer
+from deltarl.rollout.service.http import BindError, WorkerHttpServer
 from deltarl.rollout.settings import DEFAULT_PORT, RolloutSettings
 from deltarl.services.common.tls import client_verify
 
@@ -136,7 +136,7 @@ def test_a_taken_default_port_falls_back_and_a_taken_explicit_port_stops(
         with pytest.raises(BindError, match=f"127.0.0.1:{port}"):
             asyncio.run(start(RolloutSettings(port=port)))
         as_default = RolloutSettings.model_construct(_fields_set=set(), port=port)
-        with caplog.at_level(logging.WARNING, logger="deltarl.rollout.http"):
+        with caplog.at_level(logging.WARNING, logger="deltarl.rollout.service.http"):
             got = asyncio.run(start(as_default))
         assert got not in (None, 0, port)
         assert f"port {port} is taken" in caplog.text

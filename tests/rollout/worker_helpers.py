@@ -3,7 +3,11 @@ and a worker running in a thread."""
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -16,15 +20,19 @@ import uvicorn
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.weights import WeightSync
-from deltarl.rollout.worker import RolloutWorker
+from deltarl.rollout.service.worker import RolloutWorker
+from deltarl.rollout.settings import MOVED, RolloutSettings, WorkerExperiment
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
 from deltarl.services.coordinator.settings import CoordinatorSettings
+from deltarl.trainer.publish.weights import (
+    WeightPublisher,
+    coordinator_challenges,
+    publishable_state,
+)
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import WeightPublisher, coordinator_challenges, publishable_state
 from deltarl.weightsync.reader import BucketReader
 
 TRAINER_TOKEN = "trainer-secret-token"
@@ -137,24 +145,54 @@ class Trainer:
         self.client.close()
 
 
+def experiment_file(**flat: Any) -> Path:
+    """A worker experiment file of ``flat`` settings, by their flat names (``group_size``,
+    ``max_new_tokens``, ``hint_mode``, ``in_flight_groups``...: each goes to its place,
+    :data:`~deltarl.rollout.settings.MOVED`)."""
+    data: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = MOVED.get(key, key)
+        if key == "engine":
+            path = "engine.type"
+        node = data
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    WorkerExperiment.model_validate(data)  # a bad test setting fails here, named
+    fd, name = tempfile.mkstemp(prefix="worker-experiment-", suffix=".json")
+    os.close(fd)
+    Path(name).write_text(json.dumps(data))
+    atexit.register(Path(name).unlink, missing_ok=True)
+    return Path(name)
+
+
 def worker_settings(server: CoordinatorServer, env_url: str, **overrides: Any) -> RolloutSettings:
+    """A worker's deployment against ``server`` and ``env_url``; experiment settings among
+    ``overrides`` (flat names) go to its experiment file (``config``)."""
     values: dict[str, Any] = {
         "coordinator_url": server.url,
         "worker_token": WORKER_TOKEN,
         "env_url": env_url,
         "worker_id": "w-test",
-        "group_size": 2,
-        "max_turns": 2,
-        "max_new_tokens": 4,
-        "in_flight_groups": 2,
         "heartbeat_interval_s": 0.2,
         "admission_wait_s": 0.05,
         "sync_poll_s": 0.5,
         "shutdown_grace_s": 5.0,
         "submit_timeout_s": 10.0,
     }
-    values.update(overrides)
-    return RolloutSettings(**values)
+    flat: dict[str, Any] = {
+        "group_size": 2,
+        "max_turns": 2,
+        "max_new_tokens": 4,
+        "in_flight_groups": 2,
+    }
+    for key, value in overrides.items():
+        if key in RolloutSettings.model_fields:
+            values[key] = value
+        else:
+            flat[key] = value
+    return RolloutSettings(**values, config=experiment_file(**flat))
 
 
 class WorkerThread:

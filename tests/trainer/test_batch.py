@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
-from deltarl.trainer.batch import (
+from deltarl.trainer.learn.batch import (
     batch_metrics,
     collate,
     filler,
@@ -17,7 +17,7 @@ from deltarl.trainer.batch import (
     micro_batches,
     split_spans,
 )
-from deltarl.trainer.loss import grpo_loss
+from deltarl.trainer.learn.loss import grpo_loss
 from deltarl.trainer.settings import LossSettings
 
 
@@ -191,7 +191,7 @@ def test_per_turn_credit_judges_each_move_on_what_followed_it() -> None:
     flat = collate([group("g", a, b, c)], 10)
     assert flat.advantages.shape == (3,) and flat.turn_credit is None
     # per-token statistics in the step's metrics
-    from deltarl.trainer.loss import advantage_metrics
+    from deltarl.trainer.learn.loss import advantage_metrics
 
     m = advantage_metrics(batch.rewards, batch.group_index, adv, batch.loss_mask)
     assert m["advantage/max"] == pytest.approx(0.5 / (s0 + eps), rel=1e-5)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
-import deltarl.trainer.checkpoint as ckpt_mod
+import deltarl.trainer.checkpoint.store as ckpt_mod
 from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import (
     BatchItem,
@@ -31,12 +31,12 @@ from deltarl.services.coordinator.schemas import (
     Trajectory,
     TrajectoryGroup,
 )
-from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError
+from deltarl.trainer.checkpoint.store import Checkpoint, Checkpointer, CheckpointError
+from deltarl.trainer.learn.optim import build_optimizer
 from deltarl.trainer.loop import GracefulStop, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync.reader import BucketReader
 
 VOCAB = 11

@@ -1,4 +1,4 @@
-"""On-policy distillation losses (trainer/distill.py): the math against plain formulas, the batch
+"""On-policy distillation losses (trainer/learn/distill.py): the math against plain formulas, the batch
 layout, and that distilling from a teacher beats GRPO alone where the reward is sparse."""
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ import torch
 from test_step import COMPLETION, TARGET, VOCAB, Bigram
 
 from deltarl.services.coordinator.schemas import TeacherLogprobs, Trajectory, TrajectoryGroup
-from deltarl.trainer.batch import collate, micro_batches
-from deltarl.trainer.distill import (
+from deltarl.trainer.learn.batch import collate, micro_batches
+from deltarl.trainer.learn.distill import (
     TeacherBatch,
     bucket_logprobs,
     generalized_jsd,
     jsd_loss,
     teacher_advantages,
 )
-from deltarl.trainer.loss import LossStats
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.learn.loss import LossStats
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import train_step
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.step import train_step
 
 
 def _buckets(p: torch.Tensor, ids: list[int]) -> torch.Tensor:

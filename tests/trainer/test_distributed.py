@@ -14,8 +14,8 @@ from test_step import Bigram, steps_of, varied_groups
 from test_weight_publisher import FakeCoordinator, assert_bit_identical, rebuild
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.batch import TrainBatch, collate
-from deltarl.trainer.distributed import (
+from deltarl.trainer.learn.batch import TrainBatch, collate
+from deltarl.trainer.learn.distributed import (
     DistContext,
     MicroBatch,
     init_distributed,
@@ -25,12 +25,12 @@ from deltarl.trainer.distributed import (
     shutdown_distributed,
     wrap_ddp,
 )
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import train_step
 from deltarl.trainer.loop import train
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.step import train_step
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync.reader import BucketReader
 
 STEPS = 3

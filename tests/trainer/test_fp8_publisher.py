@@ -11,8 +11,8 @@ import torch
 from fp8_states import SHAPES, adam_like_step, bf16_model, same_bytes
 from test_weight_publisher import FakeCoordinator, FlakyBucket, rebuild
 
+from deltarl.trainer.publish.weights import PublishReport, WeightPublisher
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import PublishReport, WeightPublisher
 from deltarl.weightsync import fp8
 from deltarl.weightsync.digest import state_digest
 from deltarl.weightsync.reader import BucketReader

@@ -19,19 +19,19 @@ from test_step import Bigram
 from test_weight_publisher import FakeCoordinator
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.weights import WeightSync
-from deltarl.trainer.checkpoint import Checkpoint, Checkpointer, CheckpointError, read_meta
-from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
-from deltarl.trainer.distributed import (
+from deltarl.rollout.sync.weights import WeightSync
+from deltarl.trainer.checkpoint.sharded import ShardedCheckpointer
+from deltarl.trainer.checkpoint.store import Checkpoint, Checkpointer, CheckpointError, read_meta
+from deltarl.trainer.learn.distributed import (
     DistContext,
     init_distributed,
     shard_fsdp,
     shutdown_distributed,
 )
 from deltarl.trainer.loop import train
+from deltarl.trainer.publish.sharded import ShardedPublisher
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.sharded import ShardedPublisher
 from deltarl.weightsync.digest import combine_digests, tensor_digest
 from deltarl.weightsync.manifest import parse_slice_key
 from deltarl.weightsync.proof import ProofSpec, proof_answer
@@ -218,10 +218,10 @@ def checkpoint_rank(rank: int, root: str) -> None:
     takes the same third step: every rank's shards must come out bit-identical."""
     from test_step import rollout
 
-    from deltarl.trainer.batch import collate
-    from deltarl.trainer.distributed import broadcast
-    from deltarl.trainer.optim import build_optimizer
-    from deltarl.trainer.step import train_step
+    from deltarl.trainer.learn.batch import collate
+    from deltarl.trainer.learn.distributed import broadcast
+    from deltarl.trainer.learn.optim import build_optimizer
+    from deltarl.trainer.learn.step import train_step
 
     ctx, device = join(rank, root)
     base = make_settings(Path(root) / "run")
@@ -291,9 +291,9 @@ def reshard_rank(rank: int, root: str, world: int) -> None:
     training goes on."""
     from test_step import rollout
 
-    from deltarl.trainer.batch import collate
-    from deltarl.trainer.optim import build_optimizer
-    from deltarl.trainer.step import train_step
+    from deltarl.trainer.learn.batch import collate
+    from deltarl.trainer.learn.optim import build_optimizer
+    from deltarl.trainer.learn.step import train_step
 
     ctx, device = join(rank, root, world)
     settings = make_settings(Path(root) / f"run{world}")
@@ -334,7 +334,7 @@ def test_sharded_checkpoint_resumes_bit_exactly_and_on_other_world_sizes(tmp_pat
     full = load_file(str(tmp_path / "full2.safetensors"))
 
     # one process: the whole weights and AdamW state, concatenated from both ranks' files
-    from deltarl.trainer.optim import build_optimizer
+    from deltarl.trainer.learn.optim import build_optimizer
 
     settings = make_settings(tmp_path / "run1")
     model = Bigram()

@@ -13,12 +13,12 @@ from ranks import spawn_ranks
 from test_fsdp import follower, join, sharded_bigram
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.distributed import (
+from deltarl.trainer.learn.distributed import (
     broadcast,
     shutdown_distributed,
 )
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
-from deltarl.trainer.weights import PublishFailedError
+from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
+from deltarl.trainer.publish.weights import PublishFailedError
 from deltarl.weightsync.reader import BucketReader
 
 

@@ -17,12 +17,12 @@ from test_fsdp import join
 from test_weight_publisher import rebuild
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.rollout.weights import WeightSync
-from deltarl.trainer.distributed import broadcast, shard_fsdp, shutdown_distributed
+from deltarl.rollout.sync.weights import WeightSync
+from deltarl.trainer.learn.distributed import broadcast, shard_fsdp, shutdown_distributed
+from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
+from deltarl.trainer.publish.sharded_fp8 import straddled
+from deltarl.trainer.publish.weights import PublishFailedError, WeightPublisher
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
-from deltarl.trainer.sharded_fp8 import straddled
-from deltarl.trainer.weights import PublishFailedError, WeightPublisher
 from deltarl.weightsync import fp8
 from deltarl.weightsync.digest import combine_digests, state_digest, tensor_digest
 from deltarl.weightsync.manifest import parse_slice_key

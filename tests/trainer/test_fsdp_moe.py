@@ -24,14 +24,19 @@ from test_fsdp import join
 from test_step import varied_groups
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.batch import collate
-from deltarl.trainer.checkpoint_sharded import ShardedCheckpointer
-from deltarl.trainer.distributed import DistContext, broadcast, shard_fsdp, shutdown_distributed
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.checkpoint.sharded import ShardedCheckpointer
+from deltarl.trainer.learn.batch import collate
+from deltarl.trainer.learn.distributed import (
+    DistContext,
+    broadcast,
+    shard_fsdp,
+    shutdown_distributed,
+)
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import train_step
+from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
-from deltarl.trainer.step import train_step
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync.model_state import publishable_state
 from deltarl.weightsync.reader import BucketReader
 
@@ -144,7 +149,7 @@ def test_fsdp_shards_experts_publishes_them_and_resumes_like_one_process(
     tmp_path: Path, one_thread: None
 ) -> None:
     from deltarl.rollout.engines.transformers_engine import TransformersEngine
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     spawn_ranks(rank_main, tmp_path, 2)

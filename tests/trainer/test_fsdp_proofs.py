@@ -15,9 +15,9 @@ from test_fsdp import join, sharded_bigram
 from test_weight_publisher import FakePool
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.distributed import broadcast, shutdown_distributed
+from deltarl.trainer.learn.distributed import broadcast, shutdown_distributed
+from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.sharded import ShardedPublisher, local_rows
 from deltarl.weightsync.proof import ProofSpec, proof_answer
 
 TARGETS = (25, 25, 100)  # the pool size the coordinator aims at, per version

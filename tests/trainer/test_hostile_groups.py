@@ -41,11 +41,11 @@ from deltarl.services.coordinator.service import Coordinator
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.coordinator.store.sqlite_store import SQLiteStore
 from deltarl.trainer import loop
+from deltarl.trainer.learn.step import train_step
 from deltarl.trainer.loop import Pulled, prepare_batch, pull_groups, train
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.screen import model_limits
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
-from deltarl.trainer.step import train_step
-from deltarl.trainer.weights import WeightPublisher
 
 
 class Clock:

@@ -17,8 +17,8 @@ from deltarl.services.coordinator.schemas import LeasedBatch, WorkerRegistration
 from deltarl.trainer.leases import LeaseKeeper
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.weights import WeightPublisher
 
 
 class SlowBigram(Bigram):

@@ -21,8 +21,8 @@ from deltarl.services.coordinator.client import CoordinatorError
 from deltarl.services.coordinator.schemas import BatchItem, BatchLease, LeasedBatch, TrajectoryGroup
 from deltarl.trainer.loop import pull_groups, train
 from deltarl.trainer.metrics import MetricsLog, read_metrics
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import BatchSettings, ExperimentSettings
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync.anchor import decode_anchor
 from deltarl.weightsync.codec.formats import decode_delta
 from deltarl.weightsync.delta import apply_delta

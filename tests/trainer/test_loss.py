@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deltarl.trainer.loss import (
+from deltarl.trainer.learn.loss import (
     LossStats,
     advantage_metrics,
     group_advantages,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from deltarl.trainer.optim import build_optimizer, clip_gradients, lr_factor
+from deltarl.trainer.learn.optim import build_optimizer, clip_gradients, lr_factor
 from deltarl.trainer.settings import OptimizerSettings
 
 

@@ -25,14 +25,14 @@ from torch.distributed.tensor import DTensor
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.trainer.distributed import DistContext, shard_fsdp, shutdown_distributed
+from deltarl.trainer.learn.distributed import DistContext, shard_fsdp, shutdown_distributed
+from deltarl.trainer.learn.step import frozen_reference
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import read_metrics
+from deltarl.trainer.publish.sharded import ShardedPublisher
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.sharded import ShardedPublisher
-from deltarl.trainer.step import frozen_reference
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync.reader import BucketReader
 
 STEPS = 4

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.loop import train
 from deltarl.trainer.metrics import read_metrics
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.reporting import build_reporter
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.weights import WeightPublisher
 
 # what the issue asks for in every row (publish/* describe the previous version: from row 2)
 REQUIRED = [

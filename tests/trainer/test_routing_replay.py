@@ -29,10 +29,10 @@ from deltarl.services.coordinator.schemas import (
     check_model_limits,
 )
 from deltarl.services.coordinator.schemas.trajectories import OutsideLimitsError
-from deltarl.trainer.batch import collate
-from deltarl.trainer.loss import token_logprobs
+from deltarl.trainer.learn.batch import collate
+from deltarl.trainer.learn.loss import token_logprobs
+from deltarl.trainer.learn.step import forward_logits
 from deltarl.trainer.screen import model_limits
-from deltarl.trainer.step import forward_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from moe_helpers import deepseek_v3_config, hf_moe_model, qwen3_moe_config
@@ -207,8 +207,8 @@ def test_train_step_replays_with_the_setting(tmp_path: Path) -> None:
     falls with replay; without the setting the record is ignored."""
     from test_distributed import make_settings
 
-    from deltarl.trainer.optim import build_optimizer
-    from deltarl.trainer.step import train_step
+    from deltarl.trainer.learn.optim import build_optimizer
+    from deltarl.trainer.learn.step import train_step
 
     engine_model = model()
     group, _ = trajectories(engine_model)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deltarl.trainer.settings import ExperimentSettings, apply_override
+from deltarl.services.common.settings import apply_override
+from deltarl.trainer.settings import ExperimentSettings
 
 
 def test_defaults_are_the_documented_ones() -> None:

@@ -17,8 +17,8 @@ from deltarl.env_server.core.render import write_transcripts
 from deltarl.env_server.wordle.game import WordleRules
 from deltarl.env_server.wordle.prompt import SYSTEM_PROMPT as WORDLE_SYSTEM_PROMPT
 from deltarl.env_server.wordle.transcripts import solver_transcripts
-from deltarl.rollout.chat_format import ChatFormat
-from deltarl.trainer.sft import (
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.trainer.supervised.sft import (
     SftSettings,
     _transcripts,
     encode_transcript,

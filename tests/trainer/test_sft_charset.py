@@ -21,11 +21,11 @@ from deltarl.env_server.charset.environment import (
 )
 from deltarl.env_server.charset.transcripts import HintData, hint_transcripts, main
 from deltarl.env_server.core.render import write_transcripts
-from deltarl.rollout.chat_format import ChatFormat
+from deltarl.rollout.distill.hints import EnvHinter, hinted_context
 from deltarl.rollout.engines.base import UNMANAGED, Completion
-from deltarl.rollout.episodes import Episode, Turn
-from deltarl.rollout.hints import EnvHinter, hinted_context
-from deltarl.trainer.sft import encode_transcript, load_transcripts
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode, Turn
+from deltarl.trainer.supervised.sft import encode_transcript, load_transcripts
 
 FAMILY = (string.ascii_uppercase, string.ascii_lowercase, string.digits)
 

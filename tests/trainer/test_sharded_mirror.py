@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltarl.trainer.sharded import _HostMirror, default_codec_threads, delta_from_changes
+from deltarl.trainer.publish.sharded import _HostMirror, default_codec_threads, delta_from_changes
 from deltarl.weightsync import compute_delta
 from deltarl.weightsync.codec.compact import encode_compact
 from deltarl.weightsync.delta import changed_elements
@@ -70,7 +70,7 @@ def test_threads_default_to_this_ranks_share_of_the_cores(monkeypatch: pytest.Mo
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_mirror_copies_hashes_and_reuses_one_buffer() -> None:
-    from deltarl.trainer.sharded import _digest_when_ready
+    from deltarl.trainer.publish.sharded import _digest_when_ready
 
     old, new = _rows(2, "cuda")
     m = _HostMirror()

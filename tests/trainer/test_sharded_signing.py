@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.distributed import DistContext
+from deltarl.trainer.learn.distributed import DistContext
+from deltarl.trainer.publish.sharded import ShardedPublisher
 from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.sharded import ShardedPublisher
 from deltarl.weightsync.manifest import sha256_hex, xxh3_hex
 from deltarl.weightsync.reader import BucketReader
 from deltarl.weightsync.signing import Verifier, generate_key

@@ -13,14 +13,14 @@ from test_weight_publisher import assert_bit_identical, rebuild
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.services.coordinator.schemas import Trajectory, TrajectoryGroup
-from deltarl.trainer import step as step_module
-from deltarl.trainer.batch import TrainBatch, collate, filler, filter_stale, micro_batches
-from deltarl.trainer.distributed import DistContext, MicroBatch, rank_micro_batches
-from deltarl.trainer.loss import token_entropy, token_logprobs
-from deltarl.trainer.optim import build_optimizer
+from deltarl.trainer.learn import step as step_module
+from deltarl.trainer.learn.batch import TrainBatch, collate, filler, filter_stale, micro_batches
+from deltarl.trainer.learn.distributed import DistContext, MicroBatch, rank_micro_batches
+from deltarl.trainer.learn.loss import token_entropy, token_logprobs
+from deltarl.trainer.learn.optim import build_optimizer
+from deltarl.trainer.learn.step import forward_logits, frozen_reference, train_step
+from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
-from deltarl.trainer.step import forward_logits, frozen_reference, train_step
-from deltarl.trainer.weights import WeightPublisher
 from deltarl.weightsync.reader import BucketReader
 
 VOCAB, TARGET, COMPLETION = 8, 5, 3

@@ -77,7 +77,7 @@ def follow(bucket: LocalBucket, model_dir: Path, version: int) -> None:
     """A worker follows the bucket to ``version`` (verified bit-exactly against the trainer's
     digests by WeightSync itself)."""
     transformers = pytest.importorskip("transformers")
-    from deltarl.rollout.weights import WeightSync
+    from deltarl.rollout.sync.weights import WeightSync
 
     class Engine:
         device = torch.device("cpu")

@@ -13,13 +13,13 @@ import torch
 
 from deltarl.buckets import ObjectInfo
 from deltarl.buckets.local import LocalBucket
-from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.weights import (
+from deltarl.trainer.publish.weights import (
     PublishFailedError,
     PublishReport,
     WeightPublisher,
     publishable_state,
 )
+from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.anchor import decode_anchor
 from deltarl.weightsync.codec.context import ContextMismatchError, DeltaContext
 from deltarl.weightsync.codec.formats import decode_delta
@@ -442,7 +442,7 @@ def test_no_chained_delta_after_an_anchor_only_version_or_a_resume(bucket: Flaky
 def test_a_chained_delta_that_is_not_smaller_is_not_published(
     bucket: FlakyBucket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import deltarl.trainer.weights as publisher_module
+    import deltarl.trainer.publish.weights as publisher_module
 
     real = publisher_module.encode_delta
 

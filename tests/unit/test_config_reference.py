@@ -43,5 +43,5 @@ def test_secrets_are_hidden_by_type_not_by_name() -> None:
     assert _default("max_new_tokens", fields["max_new_tokens"]) == "`128`"
     assert _default("monkey", fields["monkey"]) == "`not a key`"
     text = render()
-    assert "| `DELTARL_ROLLOUT_MAX_NEW_TOKENS` | `128` |" in text
+    assert "| `episodes.sampling.max_new_tokens` | `128` |" in text
     assert "s3cret" not in text

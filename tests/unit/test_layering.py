@@ -117,3 +117,95 @@ def test_the_check_finds_a_sideways_import(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f():\n    from deltarl.rollout.settings import x\n")
     assert imports(sample) == [(2, "deltarl.rollout.settings")]
+
+
+# Inside the worker and the trainer: each subpackage (or top-level module) imports only the
+# rooms below it. A module name is its first part under the package (``service`` for
+# ``rollout/service/worker.py``, ``loop`` for ``trainer/loop.py``).
+ROOMS: dict[str, dict[str, set[str]]] = {
+    "rollout": {
+        "fault_points": set(),  # test-only hold points
+        "engines": set(),
+        "sync": {"engines", "fault_points"},  # weight sync: follow versions, apply deltas
+        "episodes": {"engines", "fault_points"},  # play games, flat token bookkeeping
+        "settings": {"engines", "episodes"},
+        "distill": {"engines", "episodes", "sync", "settings"},  # teacher and hint targets
+        "service": {"engines", "sync", "episodes", "settings", "distill", "fault_points"},
+        "cli": {"service", "settings"},
+        "__main__": {"cli"},
+    },
+    "trainer": {
+        "settings": set(),
+        "metrics": set(),
+        "leases": set(),
+        "learn": {"settings"},  # batches, losses, one optimizer step, data parallelism
+        "publish": {"learn", "settings"},  # every step becomes a published version
+        "checkpoint": {"learn", "publish", "settings"},
+        "supervised": {"settings"},  # deltarl sft
+        "screen": {"learn"},
+        "reporting": {"metrics", "settings"},
+        "loop": {"checkpoint", "learn", "leases", "metrics", "publish", "screen", "settings"},
+        "replica": {"checkpoint", "learn", "publish", "settings"},
+        "cli": {
+            "checkpoint",
+            "learn",
+            "loop",
+            "publish",
+            "replica",
+            "reporting",
+            "screen",
+            "settings",
+        },
+    },
+}
+
+
+def room_of(package: str, module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["deltarl", package] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def rooms_broken(package: str, root: Path = ROOT) -> list[str]:
+    bad = []
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root / package).parts
+        source = rel[0].removesuffix(".py")
+        if source == "__init__":
+            continue
+        for line, module in imports(path):
+            target = room_of(package, module)
+            if target is None or target == source:
+                continue
+            if target not in ROOMS[package].get(source, set()):
+                bad.append(f"{path.relative_to(root)}:{line} ({source}) imports {module}")
+    return bad
+
+
+def test_rooms_import_only_rooms_below() -> None:
+    assert rooms_broken("rollout") == []
+    assert rooms_broken("trainer") == []
+
+
+def test_every_room_is_known() -> None:
+    """A new subpackage or module gets a place among the rooms (else it would pass unchecked)."""
+    for package, rooms in ROOMS.items():
+        found = {
+            p.relative_to(ROOT / package).parts[0].removesuffix(".py")
+            for p in (ROOT / package).rglob("*.py")
+        } - {"__init__"}
+        assert found == set(rooms), (package, found ^ set(rooms))
+
+
+def test_the_room_check_finds_an_upward_import(tmp_path: Path) -> None:
+    """Episodes reaching up into the worker service is named (the test can fail)."""
+    sample = tmp_path / "rollout" / "episodes" / "runner.py"
+    sample.parent.mkdir(parents=True)
+    sample.write_text(
+        "from deltarl.rollout.engines.base import Engine\n"
+        "from deltarl.rollout.service.worker import RolloutWorker\n"
+    )
+    assert rooms_broken("rollout", tmp_path) == [
+        "rollout/episodes/runner.py:2 (episodes) imports deltarl.rollout.service.worker"
+    ]

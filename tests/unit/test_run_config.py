@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from deltarl.cli import app
 from deltarl.demo.plan import DemoPlan
 from deltarl.env_server.settings import EnvSettings
-from deltarl.rollout.settings import RolloutSettings
+from deltarl.rollout.settings import RolloutSettings, WorkerExperiment
 from deltarl.run.config import (
     LAUNCHER_FIELDS,
     SHARED_FIELDS,
@@ -23,7 +23,7 @@ from deltarl.run.config import (
     RunConfigError,
     load_run_config,
 )
-from deltarl.run.derive import Endpoints, RunLayout, Tokens, derive
+from deltarl.run.derive import Endpoints, RunLayout, ServiceLaunch, Tokens, derive
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.trainer.settings import ExperimentSettings, TrainerDeployment
 
@@ -85,7 +85,14 @@ def test_launcher_values_are_refused(tmp_path: Path, section: str, key: str) -> 
     ("text", "message"),
     [
         ("[env]\nmax_gueses = 2\n", r"\[env\] unknown setting\(s\): max_gueses"),
-        ("[rollout]\nmax_new_tokens = 0\n", r"\[rollout\] max_new_tokens: .*greater than"),
+        (
+            "[rollout]\nepisodes.sampling.max_new_tokens = 0\n",
+            r"\[rollout\] episodes.sampling.max_new_tokens: .*greater than",
+        ),
+        ("[rollout]\nmax_new_tokens = 8\n", r"\[rollout\] max_new_tokens: now episodes.sampling"),
+        ("[rollout]\nhint_mode = 'env'\n", r"\[rollout\] hint_mode: now hints.mode"),
+        ('[rollout]\nengine = "vllm"\n', r"\[rollout\] engine: now engine.type"),
+        ("[rollout]\nengine.type = 'tpu'\n", r"\[rollout\] engine: .*tag 'tpu'"),
         ("[rollout]\nworkers = 0\n", r"\[rollout\] workers: an integer from 1 to 64"),
         ('[coordinator]\nstore = "mongo"\n', r"\[coordinator\] store: "),
         ("[trainer]\noptimizer.lr = -1\n", r"\[trainer\] optimizer.lr: .*greater than 0"),
@@ -146,6 +153,10 @@ def test_every_service_receives_the_shared_values_from_one_place(
     coord = settings(CoordinatorSettings, by["coordinator"].env)
     env = settings(EnvSettings, by["env"].env)
     workers = [settings(RolloutSettings, by[w].env) for w in ("worker-1", "worker-2")]
+    experiments = [
+        WorkerExperiment.load(Path(by[w].args[by[w].args.index("--config") + 1]))
+        for w in ("worker-1", "worker-2")
+    ]
     deploy = settings(TrainerDeployment, by["trainer"].env)
     exp_file = Path(by["trainer"].args[by["trainer"].args.index("--config") + 1])
     exp = ExperimentSettings.load(exp_file)
@@ -154,15 +165,17 @@ def test_every_service_receives_the_shared_values_from_one_place(
     assert coord.trainer_token == deploy.token.get_secret_value() == TOKENS.trainer  # type: ignore[union-attr]
     assert env.token.get_secret_value() == TOKENS.env  # type: ignore[union-attr]
     assert env.max_guesses == 1 and env.task == "wordle"
-    for i, w in enumerate(workers):
-        assert w.model == exp.model == "/models/m"
-        assert w.temperature == exp.sampling.temperature == 0.7
-        assert w.group_size == exp.batch.group_size == 5
-        assert w.engine_seed == 2 * 2 + i and exp.seed == 2
+    for i, (w, we) in enumerate(zip(workers, experiments, strict=True)):
+        engine, episodes = we.engine_settings(), we.episodes
+        assert engine.model == exp.model == "/models/m"
+        assert episodes.sampling.temperature == exp.sampling.temperature == 0.7
+        assert episodes.group_size == exp.batch.group_size == 5
+        assert engine.seed == 2 * 2 + i and exp.seed == 2
         assert w.worker_token.get_secret_value() == coord.worker_token == TOKENS.worker  # type: ignore[union-attr]
         assert w.env_token.get_secret_value() == TOKENS.env  # type: ignore[union-attr]
         assert w.coordinator_url == "http://127.0.0.1:8700" and w.env_url == "http://127.0.0.1:8001"
-        assert w.max_new_tokens == 32 and w.max_turns == 2
+        assert episodes.sampling.max_new_tokens == 32 and episodes.max_turns == 2
+        assert we.turn_limit(None) == 2  # set: the env server is not asked
     for launch in launches:
         assert launch.env["DELTARL_BUCKET_URI"] == str(tmp_path / "bucket")
     assert exp.max_steps == 8 and exp.batch.micro_batch_size == 12
@@ -174,8 +187,13 @@ def test_a_layout_starts_single_services_with_their_own_ids_and_seeds(tmp_path: 
     layout = RunLayout(config, tmp_path, "m", Endpoints("h", 1, 2), TOKENS, "b")
     w = layout.worker(2, worker_id="w-x")
     assert w.name == "w-x" and w.env["DELTARL_ROLLOUT_WORKER_ID"] == "w-x"
-    assert w.env["DELTARL_ROLLOUT_ENGINE_SEED"] == str(1 * 3 + 2)
-    assert layout.worker(0, seed=9).env["DELTARL_ROLLOUT_ENGINE_SEED"] == "9"
+
+    def seed(launch: ServiceLaunch) -> int:
+        path = Path(launch.args[launch.args.index("--config") + 1])
+        return WorkerExperiment.load(path).engine_settings().seed
+
+    assert w.args[:2] == ["rollout", "--config"] and seed(w) == 1 * 3 + 2
+    assert seed(layout.worker(0, seed=9)) == 9
 
 
 def test_run_check_and_bad_file_from_the_command_line(tmp_path: Path) -> None:
@@ -268,7 +286,8 @@ def test_a_teacher_section_adds_the_teacher_service_and_tells_the_workers(
     assert ts.token.get_secret_value() == "s" * 40
     for wid in ("worker-1", "worker-2"):
         rs = read(RolloutSettings, by[wid].env)
-        assert rs.teacher_url == "http://127.0.0.1:8703" and rs.teacher_required
+        assert rs.teacher_url == "http://127.0.0.1:8703"
+        assert WorkerExperiment.load(rs.config or Path(by[wid].args[2])).teacher.required
         assert rs.teacher_token is not None and rs.teacher_token.get_secret_value() == "s" * 40
     other = config.with_overrides(['teacher.model="/models/teacher"'])
     assert read(TeacherSettings, launches(other)["teacher"].env).model == "/models/teacher"
@@ -285,10 +304,10 @@ def test_a_teacher_section_adds_the_teacher_service_and_tells_the_workers(
 def test_hints_scored_by_the_teacher_need_a_teacher_section(tmp_path: Path) -> None:
     text = (ROOT / "examples" / "charset-tiny.toml").read_text()
     plain = load_run_config(write(tmp_path, text))
-    hinted = ['rollout.hint_mode="env"', 'rollout.hint_scorer="teacher"']
-    with pytest.raises(RunConfigError, match=r"hint_scorer = 'teacher' needs a \[teacher\]"):
+    hinted = ['rollout.hints.mode="env"', 'rollout.hints.scorer="teacher"']
+    with pytest.raises(RunConfigError, match=r"hints.scorer = 'teacher' needs a \[teacher\]"):
         plain.with_overrides(hinted)
-    config = plain.with_overrides([*hinted, "rollout.teacher_distill=false", "teacher.top_k=8"])
+    config = plain.with_overrides([*hinted, "rollout.teacher.distill=false", "teacher.top_k=8"])
     layout = RunLayout(
         config,
         tmp_path,
@@ -297,13 +316,13 @@ def test_hints_scored_by_the_teacher_need_a_teacher_section(tmp_path: Path) -> N
         replace(TOKENS, teacher="s" * 40),
         str(tmp_path / "bucket"),
     )
-    env = layout.worker(0).env
-    assert env["DELTARL_ROLLOUT_HINT_SCORER"] == "teacher"
-    assert env["DELTARL_ROLLOUT_TEACHER_DISTILL"] == "false"
-    assert env["DELTARL_ROLLOUT_TEACHER_URL"] == "http://127.0.0.1:8703"
+    worker = layout.worker(0)
+    experiment = WorkerExperiment.load(Path(worker.args[worker.args.index("--config") + 1]))
+    assert experiment.hints.scorer == "teacher" and not experiment.teacher.distill
+    assert worker.env["DELTARL_ROLLOUT_TEACHER_URL"] == "http://127.0.0.1:8703"
     # a cross-field refusal reads as its own message, not a dump of the section
-    with pytest.raises(RunConfigError, match=r"\[rollout\] teacher_distill is false") as err:
-        config.with_overrides(['rollout.hint_scorer="policy"'])
+    with pytest.raises(RunConfigError, match=r"\[rollout\] teacher.distill is false") as err:
+        config.with_overrides(['rollout.hints.scorer="policy"'])
     assert "got {" not in str(err.value)
 
 

@@ -108,7 +108,7 @@ def test_dotted_keys_within_the_bound_and_dots_in_strings_are_fine(tmp_path: Pat
     text = (
         '[run]\nmodel = "a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r.s.t.u.v"  # x.y.z.a.b.c.d.e.f.g.h\n'
         "[trainer]\noptimizer.lr = 1.5e-6\n"
-        '[rollout]\nsystem_prompt = """\n' + "a." * 40 + '\n"""\n'
+        '[rollout]\nepisodes.system_prompt = """\n' + "a." * 40 + '\n"""\n'
     )
     config = load_run_config(write(tmp_path, text))
     assert config.run.model.startswith("a.b.c") and config.trainer["optimizer"]["lr"] == 1.5e-6
@@ -132,8 +132,13 @@ def test_dotted_keys_within_the_bound_and_dots_in_strings_are_fine(tmp_path: Pat
         ("[run]\nmodel = 1\n", "run.model: Input should be a valid string"),
         ("[rollout]\nworkers = 2.0\n", "[rollout] workers: an integer from 1 to 64"),
         ("[rollout]\nworkers = 1000\n", "[rollout] workers: an integer from 1 to 64"),
-        ("[rollout]\nmax_new_tokens = 1e23\n", "[rollout] max_new_tokens: "),
-        ("[rollout]\nmax_new_tokens = 16.0\n", "[rollout] max_new_tokens: Input should be a"),
+        ("[rollout]\nin_flight_groups = 1e23\n", "[rollout] in_flight_groups: "),
+        ("[rollout]\nin_flight_groups = 16.0\n", "[rollout] in_flight_groups: Input should be a"),
+        (
+            "[rollout]\nepisodes.sampling.max_new_tokens = 16.0\n",
+            "[rollout] episodes.sampling.max_new_tokens: Input should be a",
+        ),
+        ("[rollout]\nsubmit_timeout_s = true\n", "[rollout] submit_timeout_s: Input should be"),
         ("[coordinator]\nmax_body_bytes = 1.5\n", "[coordinator] max_body_bytes: Input should"),
         ("[env]\nmax_guesses = true\n", "[env] max_guesses: Input should be a valid integer"),
         ('[env]\nmax_guesses = "6"\n', "[env] max_guesses: Input should be a valid integer"),

@@ -10,9 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from deltarl.cli import app
+from deltarl.rollout.settings import WorkerExperiment
 from deltarl.run.config import RunConfigError, load_run_config
 from deltarl.run.derive import Endpoints, RunLayout, Tokens
-from deltarl.run.services import apply, service_env, worker_seed
+from deltarl.run.services import apply, service_env, worker_config, worker_seed
 
 EXP = """
 [run]
@@ -31,7 +32,9 @@ target_queue_groups = 4
 
 [rollout]
 workers = 3
-max_new_tokens = 16
+in_flight_groups = 2
+submit_timeout_s = 30.0
+episodes.sampling.max_new_tokens = 16
 
 [trainer]
 device = "cpu"
@@ -47,11 +50,11 @@ def exp(tmp_path: Path) -> Path:
     return path
 
 
-def launcher_env(path: Path, service: str) -> dict[str, str]:
+def launcher_env(path: Path, service: str, run_dir: Path = Path("/tmp/unused")) -> dict[str, str]:
     """What ``deltarl run`` sets for ``service``, deployment left out."""
     layout = RunLayout(
         load_run_config(path),
-        Path("/tmp/unused"),
+        run_dir,
         "tiny-bytes",
         Endpoints("127.0.0.1", 1, 2),
         Tokens("t" * 32, "w" * 32, "e" * 32),
@@ -62,18 +65,29 @@ def launcher_env(path: Path, service: str) -> dict[str, str]:
     return {k: v for k, v in launch.env.items() if not k.endswith(deployment)}
 
 
-@pytest.mark.parametrize("service", ["coordinator", "env", "rollout"])
+@pytest.mark.parametrize("service", ["coordinator", "env"])
 def test_a_service_gets_what_deltarl_run_gives_it(exp: Path, service: str) -> None:
     config = load_run_config(exp)
-    mine = service_env(config, service, worker_id="w1")
-    theirs = launcher_env(exp, service)
-    if service == "rollout":  # each worker's engine seed: the launcher's by index, here by id
-        assert mine.pop("DELTARL_ROLLOUT_ENGINE_SEED") == str(worker_seed(5, "w1"))
-        theirs.pop("DELTARL_ROLLOUT_ENGINE_SEED")
-        assert mine["DELTARL_ROLLOUT_TEMPERATURE"] == "0.7"
-        assert mine["DELTARL_ROLLOUT_GROUP_SIZE"] == "4"
-        assert "DELTARL_ROLLOUT_WORKERS" not in mine
-    assert mine == theirs and mine
+    mine = service_env(config, service)
+    assert mine == launcher_env(exp, service) and mine
+
+
+def test_a_worker_gets_what_deltarl_run_gives_it(exp: Path, tmp_path: Path) -> None:
+    """The same experiment file and deployment variables, but for the engine seed: the
+    launcher's by worker index, here by worker id."""
+    config = load_run_config(exp)
+    mine = worker_config(config, tmp_path / "w1.json", "w1")
+    theirs = launcher_env(exp, "rollout", tmp_path)
+    assert mine == theirs == {"DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "30.0"}
+    ours = json.loads((tmp_path / "w1.json").read_text())
+    launcher = json.loads((tmp_path / "worker-1.json").read_text())
+    assert ours["engine"].pop("seed") == worker_seed(5, "w1")
+    assert launcher["engine"].pop("seed") == 5 * 3 + 0
+    assert ours == launcher
+    experiment = WorkerExperiment.load(tmp_path / "w1.json")
+    assert experiment.episodes.sampling.temperature == 0.7
+    assert experiment.episodes.group_size == 4 and experiment.in_flight_groups == 2
+    assert "workers" not in ours and "submit_timeout_s" not in ours
 
 
 def test_workers_of_one_file_sample_differently_and_restart_alike() -> None:
@@ -82,27 +96,27 @@ def test_workers_of_one_file_sample_differently_and_restart_alike() -> None:
     assert worker_seed(5, "w1") == worker_seed(5, "w1") != worker_seed(6, "w1")
 
 
-def test_the_environment_cannot_contradict_the_file(exp: Path) -> None:
-    environ = {"DELTARL_ROLLOUT_TEMPERATURE": "1.0", "DELTARL_ROLLOUT_ENV_URL": "http://e:1"}
+def test_the_environment_cannot_contradict_the_file(exp: Path, tmp_path: Path) -> None:
+    environ = {"DELTARL_ENV_CHARSET_TARGET": "abc", "DELTARL_ROLLOUT_ENV_URL": "http://e:1"}
     with pytest.raises(
-        RunConfigError, match=r"DELTARL_ROLLOUT_TEMPERATURE='1.0' \(the file: '0.7'\)"
+        RunConfigError, match=r"DELTARL_ENV_CHARSET_TARGET='abc' \(the file: '0123456789'\)"
     ):
-        apply(exp, lambda c: service_env(c, "rollout", worker_id="w1"), environ)
-    assert environ["DELTARL_ROLLOUT_TEMPERATURE"] == "1.0"  # nothing was set
-    environ["DELTARL_ROLLOUT_TEMPERATURE"] = "0.7"  # the same value: fine
-    values = apply(exp, lambda c: service_env(c, "rollout", worker_id="w1"), environ)
-    assert (
-        environ["DELTARL_ROLLOUT_MAX_NEW_TOKENS"]
-        == "16"
-        == values["DELTARL_ROLLOUT_MAX_NEW_TOKENS"]
-    )
+        apply(exp, lambda c: service_env(c, "env"), environ)
+    assert environ["DELTARL_ENV_CHARSET_TARGET"] == "abc"  # nothing was set
+    environ["DELTARL_ENV_CHARSET_TARGET"] = "0123456789"  # the same value: fine
+    values = apply(exp, lambda c: service_env(c, "env"), environ)
+    assert environ["DELTARL_ENV_TASK"] == "charset" == values["DELTARL_ENV_TASK"]
+    # a worker's deployment keys of [rollout] too; its experiment is the file's alone
+    environ["DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S"] = "99"
+    with pytest.raises(RunConfigError, match=r"SUBMIT_TIMEOUT_S='99' \(the file: '30.0'\)"):
+        apply(exp, lambda c: worker_config(c, tmp_path / "w.json", "w1"), environ)
     assert environ["DELTARL_ROLLOUT_ENV_URL"] == "http://e:1"  # deployment stays the environment's
 
 
 def test_an_invalid_file_names_the_section(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text(EXP.replace("max_new_tokens = 16", "max_new_tokenz = 16"))
-    with pytest.raises(RunConfigError, match=r"\[rollout\] unknown setting\(s\): max_new_tokenz"):
+    bad.write_text(EXP.replace("in_flight_groups = 2", "in_flight_groupz = 2"))
+    with pytest.raises(RunConfigError, match=r"\[rollout\] unknown setting\(s\): in_flight_groupz"):
         apply(bad, lambda c: service_env(c, "env"), {})
 
 
@@ -130,10 +144,18 @@ def test_deltarl_rollout_refuses_a_contradicting_environment_before_starting(exp
     result = CliRunner().invoke(
         app,
         ["rollout", "--run-config", str(exp), "--worker-id", "w1"],
-        env={"DELTARL_ROLLOUT_GROUP_SIZE": "8", "COLUMNS": "400"},
+        env={"DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S": "8", "COLUMNS": "400"},
     )
     assert result.exit_code == 2
-    assert "DELTARL_ROLLOUT_GROUP_SIZE='8' (the file: '4')" in " ".join(result.output.split())
+    assert "DELTARL_ROLLOUT_SUBMIT_TIMEOUT_S='8' (the file: '30.0')" in " ".join(
+        result.output.split()
+    )
+    both = CliRunner().invoke(
+        app,
+        ["rollout", "--run-config", str(exp), "--config", str(exp)],
+        env={"COLUMNS": "400"},
+    )
+    assert both.exit_code == 2 and "give one or the other" in " ".join(both.output.split())
 
 
 def test_train_takes_one_config_file(exp: Path) -> None:

@@ -38,7 +38,7 @@ def test_check_from_the_command_line() -> None:
     assert ok.exit_code == 0, ok.output
     resolved = json.loads(ok.output)
     assert resolved["env"]["guesses_start"] == 2
-    assert resolved["rollout"]["env_options"]["shaping"]["format"] == 0.1
+    assert resolved["rollout"]["episodes"]["env_options"]["shaping"]["format"] == 0.1
 
 
 def test_the_services_get_shaping_curriculum_and_short_moves(
@@ -51,19 +51,21 @@ def test_the_services_get_shaping_curriculum_and_short_moves(
     server = EnvSettings.model_validate(settings_from(env, "DELTARL_ENV_"))
     assert server.rules().shaping is not None and server.rules().shaping.format == 0.1
     assert server.curriculum() == GuessCurriculum(start=2, end=6, over_versions=30)
-    worker = layout.worker(0).env
-    for key, value in worker.items():
+    worker = layout.worker(0)
+    for key, value in worker.env.items():
         if key.startswith("DELTARL_ROLLOUT_"):
             monkeypatch.setenv(key, value)
-    rollout = RolloutSettings()
-    episodes = rollout.episode_settings()
+    rollout = RolloutSettings(config=worker.args[worker.args.index("--config") + 1])
+    episodes = rollout.experiment().episode_settings()
     assert episodes.env_options is not None
     assert episodes.env_options["shaping"]["greens"] == 0.2
     assert episodes.sampling.max_new_tokens == 10
     assert episodes.sampling.top_k == 0 and episodes.sampling.top_p == 1.0
 
 
-@pytest.mark.parametrize("override", ["rollout.top_k=20", "rollout.top_p=0.9"])
+@pytest.mark.parametrize(
+    "override", ["rollout.episodes.sampling.top_k=20", "rollout.episodes.sampling.top_p=0.9"]
+)
 def test_truncated_sampling_is_refused(override: str) -> None:
     with pytest.raises(RunConfigError, match=r"top_k = 0 and top_p = 1\.0"):
         load_run_config(EXAMPLE).with_overrides([override])
@@ -74,13 +76,16 @@ def test_truncated_sampling_is_refused(override: str) -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rollout.env_options={shaping={win=99}}", r"env_options\.shaping\.win"),
-        ("rollout.env_options={max_guess=3}", r"env_options\.max_guess"),
-        ("rollout.env_options={max_guesses=8}", r"max_turns \(7\) is below the 8 guesses"),
+        ("rollout.episodes.env_options={shaping={win=99}}", r"env_options\.shaping\.win"),
+        ("rollout.episodes.env_options={max_guess=3}", r"env_options\.max_guess"),
+        ("rollout.episodes.env_options={max_guesses=8}", r"max_turns \(7\) is below the 8 guesses"),
         ("env.guesses_start=0", r"\[env\] guesses_start"),
         ("env.shaping_format=-1", r"\[env\] shaping_format"),
         ("env.shaping_consistent=11", r"\[env\] shaping_consistent"),
-        ("rollout.env_options={shaping={consistent=-1}}", r"env_options\.shaping\.consistent"),
+        (
+            "rollout.episodes.env_options={shaping={consistent=-1}}",
+            r"env_options\.shaping\.consistent",
+        ),
     ],
 )
 def test_bad_wordle_options_are_refused(override: str, message: str) -> None:

@@ -136,7 +136,7 @@ class ChallengePoolResult(WireModel):
     target: Count = Field(
         default=0,
         description="Unused pairs the coordinator wants in this version's pool now: one per "
-        "active worker not yet challenged at it, plus a spare (proof_pool_margin and a quarter "
+        "active worker not yet challenged at it, plus a spare (8 and a quarter "
         "of the active workers) for retries and joining workers.",
     )
     wanted: Count = Field(

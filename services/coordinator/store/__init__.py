@@ -70,7 +70,5 @@ def open_store(settings: CoordinatorSettings) -> CoordinatorStore:
     if settings.store == "redis":
         from deltarl.services.coordinator.store.redis_store import RedisStore
 
-        return RedisStore(
-            settings.redis_url, prefix=settings.redis_prefix, inline=settings.redis_inline
-        )
+        return RedisStore(settings.redis_url, prefix=settings.redis_prefix)
     raise ValueError(f"unknown store {settings.store!r}: use 'sqlite' or 'redis'")

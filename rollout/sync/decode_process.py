@@ -274,7 +274,7 @@ class DecodeProcess:
         self._start()
 
     def _start(self) -> None:
-        cmd = [sys.executable, "-m", "deltarl.rollout.decode_process"]
+        cmd = [sys.executable, "-m", "deltarl.rollout.sync.decode_process"]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")

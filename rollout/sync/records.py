@@ -1,6 +1,6 @@
 """Records and errors of the weight sync (torch-free): timings, reports, status, verdicts.
 
-See :mod:`deltarl.rollout.weights` for the protocol they describe.
+See :mod:`deltarl.rollout.sync.weights` for the protocol they describe.
 """
 
 from __future__ import annotations

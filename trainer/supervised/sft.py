@@ -2,7 +2,7 @@
 
 Cross-entropy on the assistant tokens only: each transcript (JSONL, ``{"messages": [...]}``,
 as :mod:`deltarl.env_server.wordle.transcripts` writes) is tokenized exactly as a rollout episode would hold it
-(:class:`~deltarl.rollout.chat_format.ChatFormat`: the first prompt rendered with the generation
+(:class:`~deltarl.rollout.episodes.chat_format.ChatFormat`: the first prompt rendered with the generation
 prompt, each reply's tokens followed by the template's end-of-turn token, then the template text
 that closes the turn and opens the next user turn), and the loss mask is 1 on the reply tokens
 and their end-of-turn token (what the policy samples) and 0 on everything else (system, user,
@@ -40,7 +40,7 @@ from deltarl.services.common.settings import settings_help
 if TYPE_CHECKING:
     import torch
 
-    from deltarl.rollout.chat_format import ChatFormat
+    from deltarl.rollout.episodes.chat_format import ChatFormat
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def encode_transcript(fmt: ChatFormat, messages: Sequence[dict[str, str]]) -> En
 
     ``messages``: optional system turn, then user, assistant, user, assistant, ..., ending with
     an assistant turn; the first assistant turn may follow several user turns (a hinted context,
-    :func:`~deltarl.rollout.hints.hinted_context`: the prompt, then the hint as one more user
+    :func:`~deltarl.rollout.distill.hints.hinted_context`: the prompt, then the hint as one more user
     message), which are rendered together as the first prompt. An assistant message's
     ``prefill`` (optional) is encoded before its ``content`` with mask 0. Raises ``ValueError``
     for another shape.
@@ -235,7 +235,7 @@ def run_sft(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deltarl.rollout.chat_format import ChatFormat
+    from deltarl.rollout.episodes.chat_format import ChatFormat
 
     started = time.perf_counter()
     torch.manual_seed(settings.seed)

@@ -3,7 +3,7 @@
 The first prompt is the chat template rendered with the generation prompt and tokenized; after
 each reply, :meth:`ChatFormat.continuation_ids` renders and tokenizes only the text that closes
 the assistant turn and opens the next user turn, so the model's own tokens are never
-re-tokenized (see :mod:`deltarl.rollout.episodes` for the bookkeeping this serves).
+re-tokenized (see :mod:`deltarl.rollout.episodes.runner` for the bookkeeping this serves).
 """
 
 from __future__ import annotations

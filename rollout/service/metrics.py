@@ -3,12 +3,12 @@
 Three sources, so that the hot paths only pay for what they alone know:
 
 * **events** observed where they happen: episodes and generate calls
-  (:class:`~deltarl.rollout.episodes.EpisodeRunner` calls :meth:`RolloutMetrics.generated` and
+  (:class:`~deltarl.rollout.episodes.runner.EpisodeRunner` calls :meth:`RolloutMetrics.generated` and
   :meth:`RolloutMetrics.episode_finished`), refused and accepted submissions and the initial
-  sync (:class:`~deltarl.rollout.worker.RolloutWorker`);
-* **state** read at scrape time: the worker's :class:`~deltarl.rollout.worker.WorkerStats`
+  sync (:class:`~deltarl.rollout.service.worker.RolloutWorker`);
+* **state** read at scrape time: the worker's :class:`~deltarl.rollout.service.worker.WorkerStats`
   (groups), the weight sync's status (versions, health) and the version follower's sync counts;
-* **weight updates**: each :class:`~deltarl.rollout.sync_records.StepTiming` that
+* **weight updates**: each :class:`~deltarl.rollout.sync.records.StepTiming` that
   ``WeightSync.timings`` gained since the previous scrape is observed at scrape time (the deque
   keeps the latest 1,000: more updates than that between two scrapes are counted short).
 
@@ -26,11 +26,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from deltarl.rollout.engines.base import Completion
-from deltarl.rollout.sync_records import StepTiming
+from deltarl.rollout.sync.records import StepTiming
 
 if TYPE_CHECKING:
-    from deltarl.rollout.episodes import Episode
-    from deltarl.rollout.view import WorkerView
+    from deltarl.rollout.episodes.runner import Episode
+    from deltarl.rollout.service.view import WorkerView
 
 __all__ = ["RolloutMetrics"]
 
@@ -125,7 +125,7 @@ class _StateCollector(Collector):
         yield hints
         yield c(
             P + "teacher_missing_groups",
-            "Groups submitted without teacher data (DELTARL_ROLLOUT_TEACHER_REQUIRED=false)",
+            "Groups submitted without teacher data (teacher.required = false)",
             value=t.missing,
         )
         m = self._metrics
@@ -138,7 +138,7 @@ class _StateCollector(Collector):
 class RolloutMetrics:
     """The metrics of one worker; see the module docstring for where each value comes from.
 
-    Built by :class:`~deltarl.rollout.worker.RolloutWorker` (or given to it), which calls
+    Built by :class:`~deltarl.rollout.service.worker.RolloutWorker` (or given to it), which calls
     :meth:`watch` with itself; :meth:`render` is the body of ``GET /metrics``.
     """
 

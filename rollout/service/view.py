@@ -1,6 +1,6 @@
 """What the worker's HTTP and metrics layers read of a running worker: a small read-only view.
 
-:class:`~deltarl.rollout.worker.RolloutWorker` satisfies :class:`WorkerView`; ``http.py`` and
+:class:`~deltarl.rollout.service.worker.RolloutWorker` satisfies :class:`WorkerView`; ``http.py`` and
 ``metrics.py`` depend on this protocol, never on the worker class (no import cycle).
 """
 
@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from deltarl.rollout.engines.base import Engine
-from deltarl.rollout.follower import VersionFollower
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.follower import VersionFollower
+from deltarl.rollout.sync.weights import WeightSync
 
 if TYPE_CHECKING:
-    from deltarl.rollout.hints import HintStats
+    from deltarl.rollout.distill.hints import HintStats
+    from deltarl.rollout.distill.teaching import TeacherStats
 
 
 @dataclass(slots=True)
@@ -31,19 +32,6 @@ class WorkerStats:
     abandoned: int = 0  # groups cancelled unfinished at the shutdown deadline
     proofs_ok: int = 0  # weight challenges answered and accepted
     proofs_failed: int = 0  # weight challenges answered and refused (wrong or late)
-
-
-@dataclass(slots=True)
-class TeacherStats:
-    """Counters of a worker's teacher requests (on-policy distillation, and hinted turns with
-    ``hint_scorer = "teacher"``; also in ``/metrics``)."""
-
-    requests_ok: int = 0  # group requests answered
-    requests_failed: int = 0  # group requests that failed after the client's retry budget
-    refused: int = 0  # requests the teacher refused (4xx): distillation drops the group,
-    # hinted turns are skipped
-    waiting: int = 0  # groups waiting for their teacher data now (a gauge)
-    missing: int = 0  # groups submitted without teacher data (teacher_required false)
 
 
 class MetricsText(Protocol):

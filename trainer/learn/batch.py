@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from deltarl.services.coordinator.schemas import TeacherLogprobs, Trajectory, TrajectoryGroup
-from deltarl.trainer.distill import TeacherBatch
-from deltarl.trainer.loss import group_advantages
+from deltarl.trainer.learn.distill import TeacherBatch
+from deltarl.trainer.learn.loss import group_advantages
 from deltarl.trainer.settings import AdvantageScale, CreditMode
 
 __all__ = [

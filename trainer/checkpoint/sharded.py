@@ -1,6 +1,6 @@
 """Checkpoints of an FSDP2 trainer: every rank writes its own shards, rank 0 commits.
 
-Same directory, protocol and checks as :mod:`.checkpoint` (safetensors + JSON, no pickle; one
+Same directory, protocol and checks as :mod:`deltarl.trainer.checkpoint.store` (safetensors + JSON, no pickle; one
 ``trainer.json`` with the size and xxh3-128 of every file; the ``latest`` pointer as the commit
 point), with one file set per rank::
 
@@ -40,7 +40,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as tdist
 
-from deltarl.trainer.checkpoint import (
+from deltarl.trainer.checkpoint.files import FileRecord, read_safetensors, write_safetensors
+from deltarl.trainer.checkpoint.store import (
     META_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -53,9 +54,8 @@ from deltarl.trainer.checkpoint import (
     _rng_state,
     read_meta,
 )
-from deltarl.trainer.checkpoint_files import FileRecord, read_safetensors, write_safetensors
-from deltarl.trainer.distributed import DistContext, broadcast
-from deltarl.trainer.sharded import local_rows
+from deltarl.trainer.learn.distributed import DistContext, broadcast
+from deltarl.trainer.publish.sharded import local_rows
 from deltarl.weightsync.digest import combine_digests, tensor_digest
 from deltarl.weightsync.model_state import fp32_names, publish_dtype
 
@@ -376,7 +376,7 @@ class ShardedCheckpoint:
 
 
 class ShardedCheckpointer(Checkpointer):
-    """:class:`~.checkpoint.Checkpointer` for FSDP2 ranks (module docstring). Every rank has
+    """:class:`~deltarl.trainer.checkpoint.store.Checkpointer` for FSDP2 ranks (module docstring). Every rank has
     one; rank 0's :meth:`save` starts the collective, the others join with :meth:`save_local`."""
 
     def __init__(self, root: str | Path, ctx: DistContext, *, keep: int = 3) -> None:

@@ -21,7 +21,7 @@ gathering the state. Order of calls for one version ``v`` (a collective: every r
 
 With ``publish.fp8`` every rank first quantizes its rows to block fp8 (e4m3 rows under its
 slice keys, the scale rows of the blocks whose first row it holds, one small all-reduce of the
-amax of blocks that straddle ranks: :mod:`~deltarl.trainer.sharded_fp8`); the rest is the same
+amax of blocks that straddle ranks: :mod:`~deltarl.trainer.publish.sharded_fp8`); the rest is the same
 on that state, whose bytes are one process's fp8 version of the same weights.
 
 A part is an ordinary codec object (delta or anchor) whose tensors are the rank's row ranges,
@@ -62,10 +62,9 @@ import torch
 import torch.distributed as tdist
 
 from deltarl.buckets import Bucket
-from deltarl.trainer.distributed import DistContext, broadcast
-from deltarl.trainer.settings import PublishSettings
-from deltarl.trainer.sharded_fp8 import RowLayout, quantize_local_rows
-from deltarl.trainer.weights import (
+from deltarl.trainer.learn.distributed import DistContext, broadcast
+from deltarl.trainer.publish.sharded_fp8 import RowLayout, quantize_local_rows
+from deltarl.trainer.publish.weights import (
     PROOF_ROUNDS,
     Challenges,
     PublishFailedError,
@@ -74,6 +73,7 @@ from deltarl.trainer.weights import (
     VersionBook,
     pool_answer,
 )
+from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.anchor import encode_anchor
 from deltarl.weightsync.codec.bits import float_format
 from deltarl.weightsync.codec.compact_chunks import ChunkScan
@@ -242,7 +242,7 @@ def local_rows(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch.Tens
     DTensors (FSDP2 parameters): the local shard, at the global row offset DTensor itself
     reports (``compute_local_shape_and_global_offset``); a rank with no rows of a tensor lists
     none. Plain tensors (replicated buffers): rank 0 holds them whole. Tied weights are listed
-    once, under their first name (as :func:`~.weights.publishable_state`).
+    once, under their first name (as :func:`~deltarl.trainer.publish.weights.publishable_state`).
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -290,7 +290,7 @@ class _Record:
 
 class ShardedPublisher(VersionBook):
     """One per rank of an FSDP2 job (see the module docstring). Rank 0's instance has the
-    surface :func:`~.loop.train` uses (``publish``, ``wait``, ``close``, ``last_report``);
+    surface :func:`~deltarl.trainer.loop.train` uses (``publish``, ``wait``, ``close``, ``last_report``);
     the other ranks call :meth:`publish_local` when rank 0's control message says so.
 
     ``scan_on_device``: find the changes and run the encoder's context scan where the rows are,
@@ -618,7 +618,7 @@ class ShardedPublisher(VersionBook):
         default), rank 0 computes the answers and hands them over. The first round draws
         ``proof_challenges`` nonces (or the pool size the coordinator aimed at for the version
         before, when larger); the next ones as many as the coordinator's answer asks for (its
-        fleet), up to :data:`~deltarl.trainer.weights.PROOF_ROUNDS` rounds and
+        fleet), up to :data:`~deltarl.trainer.publish.weights.PROOF_ROUNDS` rounds and
         ``proof_challenges_max`` nonces. No top-ups later (they would need every rank). A
         failure costs only the proofs (logged), as with one process."""
         main = self.ctx.is_main and self.challenges is not None

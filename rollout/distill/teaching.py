@@ -28,11 +28,11 @@ Hinted turns (``hint_scorer = "teacher"``, docs/distillation.md), in the same su
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from deltarl.rollout.chat_format import ChatFormat
-from deltarl.rollout.episodes import Episode
-from deltarl.rollout.hints import Hint, hint_items, hint_view
-from deltarl.rollout.view import TeacherStats
+from deltarl.rollout.distill.hints import Hint, hint_items, hint_view
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode
 from deltarl.services.coordinator.schemas import TeacherLogprobs
 from deltarl.teacher.client import first_trained, make_request, trained_view
 from deltarl.teacher.wire import LogprobRequest, LogprobResponse
@@ -45,6 +45,19 @@ __all__ = [
     "hint_request",
     "teacher_maps",
 ]
+
+
+@dataclass(slots=True)
+class TeacherStats:
+    """Counters of a worker's teacher requests (on-policy distillation, and hinted turns with
+    ``hint_scorer = "teacher"``; also in ``/metrics``)."""
+
+    requests_ok: int = 0  # group requests answered
+    requests_failed: int = 0  # group requests that failed after the client's retry budget
+    refused: int = 0  # requests the teacher refused (4xx): distillation drops the group,
+    # hinted turns are skipped
+    waiting: int = 0  # groups waiting for their teacher data now (a gauge)
+    missing: int = 0  # groups submitted without teacher data (teacher_required false)
 
 
 class TeacherMismatch(ValueError):
@@ -89,7 +102,7 @@ def hint_request(
     hinted: Sequence[tuple[Episode, Hint]], fmt: ChatFormat, top_k: int
 ) -> tuple[LogprobRequest, list[list[int]]]:
     """One request scoring every hinted turn of a group (what the policy scorer scores:
-    :func:`~deltarl.rollout.hints.hint_items`), at each episode's temperature; and the turn's
+    :func:`~deltarl.rollout.distill.hints.hint_items`), at each episode's temperature; and the turn's
     positions in each original trajectory."""
     items, spans = hint_items(hinted, fmt)
     temperatures = [temperature_of(ep) for ep, _ in hinted]

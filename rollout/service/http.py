@@ -36,7 +36,7 @@ import deltarl
 from deltarl.rollout.settings import RolloutSettings
 
 if TYPE_CHECKING:
-    from deltarl.rollout.view import WorkerView
+    from deltarl.rollout.service.view import WorkerView
 
 logger = logging.getLogger(__name__)
 

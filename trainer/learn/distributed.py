@@ -4,7 +4,7 @@ Roles: **rank 0** alone talks to the coordinator (leases, extensions, acks), pub
 and writes metrics and checkpoints; every rank holds a full replica of the fp32 master weights
 and the AdamW state. Per step, in this order:
 
-1. rank 0 pulls the step's groups and collates them into one :class:`~.batch.TrainBatch`
+1. rank 0 pulls the step's groups and collates them into one :class:`~deltarl.trainer.learn.batch.TrainBatch`
    (advantages over whole groups, the whole step's loss normaliser);
 2. :func:`broadcast` sends it to every rank (a control message: ``("step", batch)``, or
    ``("stop", None)`` / ``("timeout", message)`` / ``("error", message)``, so every rank leaves
@@ -29,7 +29,7 @@ rounding of the gradient (relative ~1e-7), which the bf16 cast hides for almost 
 With ``parallel = "fsdp"`` the model is sharded instead (:func:`shard_fsdp`): each rank holds
 its rows of the fp32 weights, gradients and AdamW state, FSDP2 all-gathers each layer for its
 forward and backward and reduce-scatters the gradients; every rank then publishes its own rows
-(:mod:`.sharded`), so rank 0 holds no replica to publish from.
+(:mod:`deltarl.trainer.publish.sharded`), so rank 0 holds no replica to publish from.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import torch
 import torch.distributed as tdist
 from torch import Tensor
 
-from deltarl.trainer.batch import (
+from deltarl.trainer.learn.batch import (
     TrainBatch,
     filler,
     micro_batch_spans,
     sequence_lengths,
     split_spans,
 )
-from deltarl.trainer.loss import LossStats
+from deltarl.trainer.learn.loss import LossStats
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def shard_rows(batch: TrainBatch, ctx: DistContext) -> TrainBatch:
 
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """One forward/backward pass of a rank; a ``filler`` (:func:`~.batch.filler`) trains
+    """One forward/backward pass of a rank; a ``filler`` (:func:`~deltarl.trainer.learn.batch.filler`) trains
     nothing and its statistics are dropped."""
 
     batch: TrainBatch
@@ -187,9 +187,9 @@ def rank_micro_batches(
     passes would leave the others waiting.
 
     Every rank holds the whole batch, so each computes the greedy count
-    (:func:`~.batch.micro_batch_spans`) of every rank's share and takes the largest, ``K``; its
-    own spans are split (:func:`~.batch.split_spans`) up to ``K``, and a share of fewer than
-    ``K`` rows is completed with fillers. One process: :func:`~.batch.micro_batches`.
+    (:func:`~deltarl.trainer.learn.batch.micro_batch_spans`) of every rank's share and takes the largest, ``K``; its
+    own spans are split (:func:`~deltarl.trainer.learn.batch.split_spans`) up to ``K``, and a share of fewer than
+    ``K`` rows is completed with fillers. One process: :func:`~deltarl.trainer.learn.batch.micro_batches`.
     """
     shard = shard_rows(batch, ctx)
     lengths = sequence_lengths(batch)

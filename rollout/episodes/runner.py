@@ -35,7 +35,7 @@ Guarantees:
   logprobs at the same positions.
 * Versions: each turn records the policy versions of the weights that sampled its first and
   last token (the engine's :class:`~deltarl.rollout.engines.base.WeightsStamp`, i.e. the
-  :class:`~deltarl.rollout.weights.WeightSync` gate); an episode spans ``version_min ..
+  :class:`~deltarl.rollout.sync.weights.WeightSync` gate); an episode spans ``version_min ..
   version_max`` over its turns. When the stamps are unmanaged (no gate), ``policy_version()``
   is read before and after the generate call instead, so a sync during the call widens the span.
 * The episodes of a group share the environment seed (same secret word) and the group id; a
@@ -73,8 +73,8 @@ from deltarl.env_server.core.models import StepResult
 from deltarl.env_server.core.render import observation_text
 from deltarl.env_server.core.wire import TaskHint
 from deltarl.rollout import fault_points
-from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
 from deltarl.rollout.engines.base import Completion, SamplingParams
+from deltarl.rollout.episodes.chat_format import ChatFormat, ChatTokenizer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -113,7 +113,10 @@ class EpisodeSettings(BaseModel):
 
     group_size: int = Field(default=8, ge=1, description="Episodes per group (GRPO's G).")
     max_turns: int = Field(
-        default=6, ge=1, description="Model replies per episode before it is truncated."
+        default=6,
+        ge=1,
+        description="Model replies per episode before it is truncated; unset: 6, raised to "
+        "env_options' max_guesses (a worker asks the env server, WorkerExperiment.turn_limit).",
     )
     max_tokens: int = Field(
         default=2048,
@@ -158,6 +161,9 @@ class EpisodeSettings(BaseModel):
     @model_validator(mode="after")
     def _turns_cover_guesses(self) -> EpisodeSettings:
         most = (self.env_options or {}).get("max_guesses")
+        if "max_turns" not in self.model_fields_set and isinstance(most, int):
+            # the default follows the game (still "unset": a worker asks its env server)
+            object.__setattr__(self, "max_turns", max(self.max_turns, most))
         if isinstance(most, int) and most > self.max_turns:
             raise ValueError(
                 f"max_turns ({self.max_turns}) is below the {most} guesses a game may allow "
@@ -173,7 +179,7 @@ class EpisodeSettings(BaseModel):
 
 class TokenGenerator(Protocol):
     """What generates replies: an :class:`~deltarl.rollout.engines.base.Engine` (unmanaged
-    stamps) or a :class:`~deltarl.rollout.weights.WeightSync` (gated, stamped completions).
+    stamps) or a :class:`~deltarl.rollout.sync.weights.WeightSync` (gated, stamped completions).
     Called from a worker thread, one call at a time."""
 
     def generate(
@@ -195,7 +201,7 @@ class EnvSession(Protocol):
 
 
 class EpisodeMetrics(Protocol):
-    """What the runner reports as it goes (e.g. :class:`~deltarl.rollout.metrics.RolloutMetrics`);
+    """What the runner reports as it goes (e.g. :class:`~deltarl.rollout.service.metrics.RolloutMetrics`);
     called on the runner's event loop."""
 
     def generated(self, completions: Sequence[Completion], seconds: float) -> None: ...

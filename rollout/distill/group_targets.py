@@ -1,10 +1,10 @@
 """What a finished group carries besides its trajectories: hinted self-distillation targets
-(:mod:`deltarl.rollout.hints`) and the teacher's logprobs (:mod:`deltarl.rollout.teaching`).
+(:mod:`deltarl.rollout.distill.hints`) and the teacher's logprobs (:mod:`deltarl.rollout.distill.teaching`).
 
 The rollout worker owns one :class:`GroupTargets` and, in a group's submit task after its
 weights were verified, asks it for the group's targets::
 
-    targets = GroupTargets(settings, fmt, sync, on_error=..., stop=...)
+    targets = GroupTargets(settings, experiment, fmt, sync, on_error=..., stop=...)
     await targets.open()                     # the teacher client; checks its vocabulary once
     hints, teacher = await targets.of(group) # {episode: (TeacherLogprobs, hint text)}, and one
                                              # TeacherLogprobs per trajectory (or None)
@@ -26,9 +26,7 @@ from collections.abc import Callable
 
 import httpx
 
-from deltarl.rollout.chat_format import ChatFormat
-from deltarl.rollout.episodes import Episode, EpisodeGroup
-from deltarl.rollout.hints import (
+from deltarl.rollout.distill.hints import (
     ChatHinter,
     EnvHinter,
     Hint,
@@ -37,8 +35,7 @@ from deltarl.rollout.hints import (
     hint_episodes,
     score_hints,
 )
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.teaching import (
+from deltarl.rollout.distill.teaching import (
     TeacherMismatch,
     TeacherStats,
     check_vocab,
@@ -47,7 +44,10 @@ from deltarl.rollout.teaching import (
     hint_request,
     teacher_maps,
 )
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode, EpisodeGroup
+from deltarl.rollout.settings import HintSettings, RolloutSettings, WorkerExperiment
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.coordinator.schemas import TeacherLogprobs
 from deltarl.teacher.client import (
     TeacherClient,
@@ -70,6 +70,7 @@ class GroupTargets:
     def __init__(
         self,
         settings: RolloutSettings,
+        experiment: WorkerExperiment,
         fmt: ChatFormat,
         sync: WeightSync,
         *,
@@ -77,13 +78,15 @@ class GroupTargets:
         stop: Callable[[], None],
     ) -> None:
         self.settings = settings
+        self.hints = experiment.hints
+        self.teacher = experiment.teacher
         self.format = fmt
         self.sync = sync
         self._on_error = on_error
         self._stop = stop
         self.hint_stats = HintStats()
         self.teacher_stats = TeacherStats()
-        self._hinter = self._make_hinter(settings)
+        self._hinter = self._make_hinter(experiment.hints, settings)
         self._teacher: TeacherClient | None = None
         self._teacher_checked = False
         self.fatal: BaseException | None = None
@@ -103,25 +106,23 @@ class GroupTargets:
             self._teacher = None
 
     @staticmethod
-    def _make_hinter(cfg: RolloutSettings) -> Hinter | None:
-        if cfg.hint_mode == "env":
+    def _make_hinter(hints: HintSettings, settings: RolloutSettings) -> Hinter | None:
+        if hints.mode == "env":
             return EnvHinter()
-        if cfg.hint_mode == "chat":
-            assert cfg.hint_url is not None
-            token = cfg.hint_token.get_secret_value() if cfg.hint_token else None
-            return ChatHinter(
-                cfg.hint_url, cfg.hint_model, token=token, timeout_s=cfg.hint_timeout_s
-            )
+        if hints.mode == "chat":
+            assert hints.url is not None
+            token = settings.hint_token.get_secret_value() if settings.hint_token else None
+            return ChatHinter(hints.url, hints.model, token=token, timeout_s=hints.timeout_s)
         return None
 
     async def _hints(self, group: EpisodeGroup) -> dict[int, tuple[TeacherLogprobs, str]]:
         """Hinted self-distillation targets for the group's failed episodes (module
-        :mod:`deltarl.rollout.hints`), scored by the policy's engine or the teacher service
-        (``hint_scorer``); failures are counted and skipped. Raises :class:`TeacherRefused`
+        :mod:`deltarl.rollout.distill.hints`), scored by the policy's engine or the teacher service
+        (``hints.scorer``); failures are counted and skipped. Raises :class:`TeacherRefused`
         when the teacher cannot score this policy at all (another vocabulary)."""
         if self._hinter is None:
             return {}
-        cfg = self.settings
+        cfg = self.hints
 
         async def by_policy(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
             temperature = hinted[0][0].temperature or 1.0
@@ -130,22 +131,20 @@ class GroupTargets:
                 hinted,
                 self.format,
                 self.sync.engine,
-                k=cfg.hint_top_k,
+                k=cfg.top_k,
                 temperature=temperature,
                 gate=self.sync,
             )
 
         async def by_teacher(hinted: list[tuple[Episode, Hint]]) -> list[TeacherLogprobs]:
-            request, spans = hint_request(hinted, self.format, cfg.hint_top_k)
+            request, spans = hint_request(hinted, self.format, cfg.top_k)
             answer = await self._ask_teacher(request, f"the hints of {group.group_id}")
             if answer is None:
                 raise TeacherUnavailable("no answer within the retry budget")
             return hint_maps(answer, hinted, request, spans)
 
-        score = by_teacher if cfg.hint_scorer == "teacher" else by_policy
-        found = await hint_episodes(
-            group.episodes, self._hinter, score, self.hint_stats, cfg.hint_below
-        )
+        score = by_teacher if cfg.scorer == "teacher" else by_policy
+        found = await hint_episodes(group.episodes, self._hinter, score, self.hint_stats, cfg.below)
         if self.fatal is not None:
             raise TeacherRefused(str(self.fatal))
         return found
@@ -159,7 +158,7 @@ class GroupTargets:
         self._teacher = TeacherClient(
             cfg.teacher_url,
             None if cfg.teacher_token is None else cfg.teacher_token.get_secret_value(),
-            timeout_s=cfg.teacher_timeout_s,
+            timeout_s=self.teacher.timeout_s,
             # the retry budget of one request: half the group's submit budget (the worker's
             # own loop retries past it while teacher data is required)
             deadline_s=min(cfg.submit_timeout_s / 2, 120.0),
@@ -191,10 +190,10 @@ class GroupTargets:
 
     async def _teacher_scores(self, group: EpisodeGroup) -> list[TeacherLogprobs] | None:
         """The teacher's map of each trajectory of ``group`` (None: no teacher configured or
-        teacher_distill off, or it failed and teacher_required is false: counted missing)."""
-        if self._teacher is None or not self.settings.teacher_distill:
+        teacher.distill off, or it failed and teacher.required is false: counted missing)."""
+        if self._teacher is None or not self.teacher.distill:
             return None
-        request = group_request(group.episodes, self.settings.teacher_top_k)
+        request = group_request(group.episodes, self.teacher.top_k)
         answer = await self._ask_teacher(request, group.group_id)
         if answer is None:
             self.teacher_stats.missing += 1
@@ -203,12 +202,12 @@ class GroupTargets:
 
     async def _ask_teacher(self, request: LogprobRequest, what: str) -> LogprobResponse | None:
         """The teacher's answer to ``request`` (None: it failed after the client's retry budget
-        and teacher_required is false). With teacher_required, retries until it answers (the
+        and teacher.required is false). With teacher.required, retries until it answers (the
         submit task's submit_timeout_s ends the wait: the group is dropped). Raises
         :class:`TeacherRefused` when the teacher refuses the request (or cannot score this
         policy at all: then the worker stops)."""
         assert self._teacher is not None
-        cfg, stats = self.settings, self.teacher_stats
+        stats = self.teacher_stats
         stats.waiting += 1
         delay = 0.5
         try:
@@ -227,7 +226,7 @@ class GroupTargets:
                 except (httpx.TransportError, TeacherError) as exc:
                     stats.requests_failed += 1
                     self._on_error(f"teacher for {what}: {exc}")
-                    if not cfg.teacher_required:
+                    if not self.teacher.required:
                         return None
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)

@@ -1,4 +1,4 @@
-"""Checkpoints of the trainer: everything :func:`~.loop.train` needs to continue, without pickle.
+"""Checkpoints of the trainer: everything :func:`~deltarl.trainer.loop.train` needs to continue, without pickle.
 
 Tensors go to safetensors files, everything else to one JSON file; nothing is ever unpickled,
 so loading a checkpoint cannot run code. Layout of the checkpoint directory
@@ -61,7 +61,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deltarl.trainer.checkpoint_files import (
+from deltarl.trainer.checkpoint.files import (
     CheckpointError,
     FileRecord,
     fsync_dir,
@@ -532,7 +532,7 @@ class Checkpointer:
         ckpt_dir = Path(path)
         meta = read_meta(ckpt_dir)
         if meta.world_size != 1:
-            from deltarl.trainer.checkpoint_sharded import gather_whole
+            from deltarl.trainer.checkpoint.sharded import gather_whole
 
             return gather_whole(ckpt_dir, meta)
         meta_path = ckpt_dir / META_FILE

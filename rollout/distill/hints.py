@@ -30,7 +30,7 @@ Who computes the hinted distribution (``hint_scorer``): ``policy`` (the default)
 own engine (:func:`score_hints`: the policy at the version the worker holds, on a machine that
 is already generating; the trainer never waits for it); ``teacher``, the teacher service, one
 request per group of exactly the same sequences (:func:`hint_items`;
-:func:`deltarl.rollout.teaching.hint_request`, :func:`~deltarl.rollout.teaching.hint_maps`).
+:func:`deltarl.rollout.distill.teaching.hint_request`, :func:`~deltarl.rollout.distill.teaching.hint_maps`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from typing import Protocol
 import httpx
 
 from deltarl.env_server.core.wire import MAX_HINT_CHARS
-from deltarl.rollout.chat_format import ChatFormat
 from deltarl.rollout.engines.base import Engine, WeightsGate
-from deltarl.rollout.episodes import Episode
+from deltarl.rollout.episodes.chat_format import ChatFormat
+from deltarl.rollout.episodes.runner import Episode
 from deltarl.services.coordinator.schemas import TeacherLogprobs
 
 logger = logging.getLogger(__name__)

@@ -1,19 +1,19 @@
 """The rollout worker service: follow the trainer's versions, play episodes, submit groups.
 
-:class:`RolloutWorker` ties together a :class:`~deltarl.rollout.weights.WeightSync` (the
-engine's weights), an :class:`~deltarl.rollout.episodes.EpisodeRunner` (multi-turn episodes
+:class:`RolloutWorker` ties together a :class:`~deltarl.rollout.sync.weights.WeightSync` (the
+engine's weights), an :class:`~deltarl.rollout.episodes.runner.EpisodeRunner` (multi-turn episodes
 against the env server) and the coordinator's clients.
 
 Order of calls (:meth:`RolloutWorker.run`)::
 
-    serve GET /health and GET /metrics on the loop (rollout/http.py; 503 until verified weights)
+    serve GET /health and GET /metrics on the loop (rollout/service/http.py; 503 until verified weights)
     -> register (retried until the coordinator answers)
     -> heartbeat thread: every interval, WorkerHeartbeat(applied version or None while
        unhealthy, its verified state digest, groups in flight, last error); its answer's
        latest_version is followed too;
        an unknown_worker answer (coordinator lost its state) re-registers
     -> sync_to(the coordinator's latest version) (waits for a first version if none yet)
-    -> version thread (rollout/follower.py): iter_version_events (SSE) -> follow(v); when
+    -> version thread (rollout/sync/follower.py): iter_version_events (SSE) -> follow(v); when
        the stream fails, poll latest_version every sync_poll_s and reopen it
        follow(v): newest target wins; one WeightSync.sync_in_background at a time, the next
        one starts when it ends (coalescing: versions published meanwhile are skipped over)
@@ -58,23 +58,23 @@ import httpx
 from deltarl.env_server.core.client import EnvClient
 from deltarl.env_server.core.models import EnvError
 from deltarl.env_server.core.wire import EnvMetadata
-from deltarl.rollout.chat_format import ChatFormat, ChatTokenizer
-from deltarl.rollout.engines.base import Engine
-from deltarl.rollout.episodes import EpisodeGroup, EpisodeRunner
-from deltarl.rollout.follower import VersionFollower
-from deltarl.rollout.group_targets import GroupTargets, TeacherRefused
-from deltarl.rollout.hints import (
+from deltarl.rollout.distill.group_targets import GroupTargets, TeacherRefused
+from deltarl.rollout.distill.hints import (
     HintStats,
 )
-from deltarl.rollout.http import WorkerHttpServer, create_app
-from deltarl.rollout.metrics import RolloutMetrics
-from deltarl.rollout.settings import RolloutSettings
-from deltarl.rollout.teaching import (
+from deltarl.rollout.distill.teaching import (
     TeacherStats,
 )
-from deltarl.rollout.trajectories import to_submission
-from deltarl.rollout.view import WorkerStats
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.engines.base import Engine
+from deltarl.rollout.episodes.chat_format import ChatFormat, ChatTokenizer
+from deltarl.rollout.episodes.runner import EpisodeGroup, EpisodeRunner
+from deltarl.rollout.episodes.trajectories import to_submission
+from deltarl.rollout.service.http import WorkerHttpServer, create_app
+from deltarl.rollout.service.metrics import RolloutMetrics
+from deltarl.rollout.service.view import WorkerStats
+from deltarl.rollout.settings import RolloutSettings, WorkerExperiment, check_worker
+from deltarl.rollout.sync.follower import VersionFollower
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
@@ -104,6 +104,13 @@ __all__ = ["RolloutWorker", "WorkerStats"]
 
 _VERDICT_POLL_S = 0.02  # how often a finished group asks for its verification verdict
 
+FAILURE_BACKOFF_MAX_S = 10.0
+"""Longest wait after failed groups (an engine or environment error: e.g. the GPU ran out of
+memory): admission_wait_s after the first, twice as long after each further failure in a row,
+at most this; a finished group resets it. Long enough that a failing worker does not burn
+through games and its log, short enough that it is back within seconds of the cause going
+away (an env server restarted)."""
+
 
 class RolloutWorker:
     """One rollout worker process; see the module docstring for the order of calls.
@@ -115,7 +122,7 @@ class RolloutWorker:
     else the system's CAs; :func:`~deltarl.services.common.tls.client_verify`). ``metrics``: where
     the worker's Prometheus metrics go (default: new ones); ``GET /health`` and ``/metrics``
     are served on ``settings.host``/``settings.port`` while :meth:`run_async` runs
-    (:mod:`~deltarl.rollout.http`).
+    (:mod:`~deltarl.rollout.service.http`).
     """
 
     def __init__(
@@ -124,15 +131,21 @@ class RolloutWorker:
         sync: WeightSync,
         tokenizer: ChatTokenizer | ChatFormat,
         *,
+        experiment: WorkerExperiment | None = None,
         model_name: str | None = None,
         metrics: RolloutMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.experiment = experiment if experiment is not None else settings.experiment()
+        check_worker(settings.teacher_url, self.experiment)
         self.sync = sync
         self.engine: Engine = sync.engine
         self.format = tokenizer if isinstance(tokenizer, ChatFormat) else ChatFormat(tokenizer)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: see the constant
-        self.model_name = model_name or (settings.model or "smollm2-135m-instruct")
+        engine_cfg = self.experiment.engine
+        self.model_name = model_name or (
+            engine_cfg.model if engine_cfg is not None else "smollm2-135m-instruct"
+        )
         self.worker_id = settings.worker_id
         self.stats = WorkerStats()
         self._verify = client_verify(settings.ca_bundle)
@@ -171,7 +184,12 @@ class RolloutWorker:
         # seconds: heartbeats go on meanwhile); at most one at a time
         self._prover = ThreadPoolExecutor(1, thread_name_prefix="rollout-proof")
         self.targets = GroupTargets(
-            settings, self.format, self.sync, on_error=self._error, stop=self.request_stop
+            settings,
+            self.experiment,
+            self.format,
+            self.sync,
+            on_error=self._error,
+            stop=self.request_stop,
         )
         self._proving: Future[None] | None = None
         self._proving_nonce: str | None = None
@@ -182,23 +200,34 @@ class RolloutWorker:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_settings(cls, settings: RolloutSettings) -> RolloutWorker:
-        """Build the engine, tokenizer and weight sync the settings describe (heavy imports)."""
+    def from_settings(
+        cls, settings: RolloutSettings, experiment: WorkerExperiment | None = None
+    ) -> RolloutWorker:
+        """Build the engine, tokenizer and weight sync the settings and the experiment
+        (default: ``settings.config``'s) describe (heavy imports)."""
         from transformers import AutoTokenizer
 
         from deltarl.buckets import open_bucket
         from deltarl.rollout.engines import make_engine
         from deltarl.weightsync.reader import BucketReader
 
-        model, gguf = settings.model_source()
+        experiment = experiment if experiment is not None else settings.experiment()
+        check_worker(settings.teacher_url, experiment)
+        model, gguf = experiment.model_source()
         tokenizer = AutoTokenizer.from_pretrained(
             model, **({} if gguf is None else {"gguf_file": gguf})
         )
-        engine = make_engine(settings.engine_settings())
+        engine = make_engine(experiment.engine_settings())
         try:
             reader = BucketReader(open_bucket(settings.bucket_uri), verifier=settings.verifier())
             sync = WeightSync(engine, reader, apply_kernel=settings.apply_kernel)
-            worker = cls(settings, sync, tokenizer, model_name=model if gguf is None else gguf)
+            worker = cls(
+                settings,
+                sync,
+                tokenizer,
+                experiment=experiment,
+                model_name=model if gguf is None else gguf,
+            )
         except BaseException:
             engine.close()
             raise
@@ -386,7 +415,7 @@ class RolloutWorker:
         """The wait before the next group after ``_failures_in_a_row`` failed groups."""
         doublings = min(self._failures_in_a_row, 32) - 1
         wait = self.settings.admission_wait_s * 2.0**doublings
-        return min(wait, self.settings.failure_backoff_max_s)
+        return min(wait, FAILURE_BACKOFF_MAX_S)
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, waking early when a stop is requested."""
@@ -414,7 +443,7 @@ class RolloutWorker:
                 worker_id=self.worker_id,
                 engine=self.engine.type,
                 model=self.model_name[-256:],
-                capacity=self.settings.in_flight_groups,
+                capacity=self.experiment.in_flight_groups,
             )
         )
         self._registered = True
@@ -510,7 +539,7 @@ class RolloutWorker:
                 if not status.healthy:
                     await self._sleep(wait)
                     continue
-                want = max(1, self.settings.in_flight_groups - self._in_flight)
+                want = max(1, self.experiment.in_flight_groups - self._in_flight)
                 try:
                     answer = await self._async.admission(self.worker_id, want, status.version)
                 except (httpx.TransportError, CoordinatorError) as exc:
@@ -545,7 +574,7 @@ class RolloutWorker:
                 settings.env_url, token=_secret(settings.env_token), verify=self._verify
             ) as env,
         ):
-            episodes = settings.episode_settings(await self._task_of(env))
+            episodes = self.experiment.episode_settings(await self._task_of(env))
             async with EpisodeRunner(
                 self.sync, self.format, env, episodes, metrics=self.metrics
             ) as runner:
@@ -556,8 +585,7 @@ class RolloutWorker:
         leave either to it, asked until the server answers (None: the settings set both, or
         a stop came first). A server that answers without them (another OpenEnv server) leaves
         the defaults: no system turn, 6 turns."""
-        settings = self.settings
-        if settings.system_prompt is not None and settings.max_turns is not None:
+        if not self.experiment.leaves_to_server():
             return None
         delay = 0.2
         while True:
@@ -584,7 +612,9 @@ class RolloutWorker:
     async def _play(self, runner: EpisodeRunner, submits: set[asyncio.Task[None]]) -> None:
         settings = self.settings
         assert self._stop is not None
-        stream = runner.stream_groups(self._admitted_seeds(), in_flight=settings.in_flight_groups)
+        stream = runner.stream_groups(
+            self._admitted_seeds(), in_flight=self.experiment.in_flight_groups
+        )
         try:
             async with asyncio.timeout(None) as self._drain, contextlib.aclosing(stream):
                 if self._stopping:  # stopped before the loop began

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from deltarl.trainer.loss import LossStats, Temperature
+from deltarl.trainer.learn.loss import LossStats, Temperature
 
 _TINY = 1e-12
 

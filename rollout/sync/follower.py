@@ -1,7 +1,7 @@
 """Follow the coordinator's weight versions: a thread on the SSE stream, coalesced syncs.
 
 :class:`VersionFollower` learns of new versions and drives a
-:class:`~deltarl.rollout.weights.WeightSync` towards the newest one.
+:class:`~deltarl.rollout.sync.weights.WeightSync` towards the newest one.
 
 Order of calls::
 
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import httpx
 
-from deltarl.rollout.sync_records import SyncReport
-from deltarl.rollout.weights import WeightSync
+from deltarl.rollout.sync.records import SyncReport
+from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.coordinator.client import AsyncCoordinatorClient, CoordinatorError
 
 logger = logging.getLogger(__name__)

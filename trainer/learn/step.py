@@ -8,7 +8,7 @@ backward run under ``torch.autocast`` in bf16.
 
 Order inside :func:`train_step`: zero the gradients; for each micro-batch (at most
 ``batch.micro_batch_size`` sequences and ``batch.micro_batch_tokens`` padded tokens): forward,
-per-token logprobs, :func:`~.loss.grpo_loss` with the *whole step's* normaliser, backward; clip
+per-token logprobs, :func:`~deltarl.trainer.learn.loss.grpo_loss` with the *whole step's* normaliser, backward; clip
 the global gradient norm; if it is finite, ``optimizer.step()`` then ``scheduler.step()``, else
 skip the update (counted in ``step/skipped``). The weights change only in ``optimizer.step()``, so
 the caller publishes right after this function returns.
@@ -37,16 +37,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from deltarl.services.common.moe_routing import replay_routing
-from deltarl.trainer.batch import TrainBatch, batch_metrics, without_groups
-from deltarl.trainer.distill import jsd_loss, teacher_advantages, teacher_stats
-from deltarl.trainer.distributed import (
+from deltarl.trainer.learn.batch import TrainBatch, batch_metrics, without_groups
+from deltarl.trainer.learn.distill import jsd_loss, teacher_advantages, teacher_stats
+from deltarl.trainer.learn.distributed import (
     DistContext,
     gather_stats,
     rank_micro_batches,
     sum_over_ranks,
 )
-from deltarl.trainer.loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
-from deltarl.trainer.optim import clip_gradients
+from deltarl.trainer.learn.loss import LossStats, advantage_metrics, grpo_loss, token_logprobs
+from deltarl.trainer.learn.optim import clip_gradients
 from deltarl.trainer.settings import ExperimentSettings
 
 logger = logging.getLogger(__name__)
@@ -336,14 +336,14 @@ def train_step(
     ``ref_model``: the frozen reference policy (:func:`frozen_reference`), required when
     ``settings.loss.kl_coef > 0``; its logprobs give the ``kl_ref`` metric whenever it is given.
     ``entropy``: also compute the policy entropy metric (one extra pass over the logits).
-    ``dist``: with several ranks (:mod:`.distributed`), ``model`` is wrapped in DDP, every rank
+    ``dist``: with several ranks (:mod:`deltarl.trainer.learn.distributed`), ``model`` is wrapped in DDP, every rank
     gets the whole ``batch`` and trains on its share of the rows in as many micro-batches as
-    every other rank (:func:`~.distributed.rank_micro_batches`); the metrics are those of the
+    every other rank (:func:`~deltarl.trainer.learn.distributed.rank_micro_batches`); the metrics are those of the
     whole batch on every rank.
     ``dropped``: the batch groups refused for their on-policy mismatch (see the module
     docstring) are added to it, each with its mean mismatch KL; the step trains on the others (``batch/rejected_mismatch``
     counts them; with none left, no update: ``step/skipped`` is 1).
-    Metrics: every :class:`~.loss.LossStats` entry, ``advantage_metrics``, ``batch_metrics``,
+    Metrics: every :class:`~deltarl.trainer.learn.loss.LossStats` entry, ``advantage_metrics``, ``batch_metrics``,
     ``step/grad_norm``, ``step/lr`` (the lr this step used), ``step/skipped`` (1 when the
     gradient was not finite), ``time/compute_s`` and ``step/tokens_per_s``.
     """

@@ -82,9 +82,9 @@ from dataclasses import asdict, replace
 import torch
 
 from deltarl.rollout import fault_points
-from deltarl.rollout.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
 from deltarl.rollout.engines.base import Completion, Engine, SamplingParams, WeightsStamp
-from deltarl.rollout.sync_records import (
+from deltarl.rollout.sync.decode_process import DecodeProcess, DecodeProcessError, SharedMirror
+from deltarl.rollout.sync.records import (
     StepTiming,
     SyncError,
     SyncReport,
@@ -148,7 +148,7 @@ class WeightSync:
     engine is not on the CPU; a CPU engine's own tensors serve as the mirror, no second copy).
     ``decode_threads``: threads of the compact decoder (None: its default).
     ``decode_process``: decode in a child process against a shared-memory host mirror
-    (:mod:`~deltarl.rollout.decode_process`), so that the engine's Python threads cannot slow
+    (:mod:`~deltarl.rollout.sync.decode_process`), so that the engine's Python threads cannot slow
     decoding down through the GIL. Off by default: on an H200 box (16 cores) decoding in
     process took 0.50 s p50 next to generation, 0.63 s in the child (which adds copies); the
     child pays off where few cores are shared with a Python-heavy engine (2 cores: 0.9 s in the
@@ -714,7 +714,7 @@ class WeightSync:
         )
 
     def _params(self, layout: tuple[str, ...] | None) -> Mapping[str, torch.Tensor]:
-        """The engine's tensors, as row views under a sharded ``layout`` (:mod:`.sharding`)."""
+        """The engine's tensors, as row views under a sharded ``layout`` (:mod:`deltarl.weightsync.sharding`)."""
         return layout_view(self.engine.named_parameters(), layout)
 
     def _decode_parts(self, ref: ObjectRef) -> tuple[Delta, float]:

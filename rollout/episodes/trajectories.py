@@ -2,7 +2,7 @@
 
 Order of calls on a worker, per group::
 
-    group = await runner.run_group(seed=...)            # rollout/episodes.py
+    group = await runner.run_group(seed=...)            # rollout/episodes/runner.py
     (drop it if any WeightSync.check(completion) == "failed"; wait while "pending")
     sub = to_submission(group, worker_id)               # TrajectoryGroup (validated)
     client.submit(sub)                                  # encode_group(sub): msgpack, raw arrays
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from deltarl.rollout.episodes import Episode, EpisodeGroup
+from deltarl.rollout.episodes.runner import Episode, EpisodeGroup
 from deltarl.services.coordinator.schemas import (
     RoutedExperts,
     TeacherLogprobs,
@@ -85,8 +85,8 @@ def to_trajectory(
     teacher: TeacherLogprobs | None = None,
 ) -> Trajectory:
     """One episode as a wire :class:`Trajectory` (``reward`` overrides ``ep.reward``; ``hint``:
-    the hinted turn's scores and the hint's text, :mod:`deltarl.rollout.hints`; ``teacher``: the
-    teacher's scores at the trained positions, :mod:`deltarl.rollout.teaching`).
+    the hinted turn's scores and the hint's text, :mod:`deltarl.rollout.distill.hints`; ``teacher``: the
+    teacher's scores at the trained positions, :mod:`deltarl.rollout.distill.teaching`).
 
     Each turn's end and reward travel with it (``turn_ends``/``turn_rewards``, the trainer's
     per-turn credit) unless ``reward`` overrides the episode's: the turns' rewards would then

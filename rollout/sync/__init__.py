@@ -1,0 +1,1 @@
+"""Weight sync on the worker: follow the coordinator's versions (``follower.py``), fetch, decode and apply deltas bit-exactly (``weights.py``, ``decode_process.py``), with their records (``records.py``)."""

@@ -1,0 +1,1 @@
+"""Learning: batches from trajectory groups (``batch.py``), the GRPO and distillation losses (``loss.py``, ``distill.py``), one optimizer step (``step.py``, ``optim.py``) and data parallelism (``distributed.py``)."""

@@ -1,0 +1,1 @@
+"""Supervised warm start: ``deltarl sft`` (``sft.py``)."""
