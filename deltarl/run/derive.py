@@ -9,6 +9,7 @@ here; the settings classes are imported inside :func:`check_services`.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass, field
@@ -161,9 +162,7 @@ def worker_experiment(
     without the launcher's and the deployment's keys, with the ``[run]`` values it shares at
     their places, ``model`` as the worker loads it and its ``engine_seed``."""
     skip = ROLLOUT_LAUNCH | rollout_deployment()
-    data: dict[str, Any] = json.loads(
-        json.dumps({k: v for k, v in config.rollout.items() if k not in skip})
-    )
+    data = copy.deepcopy({k: v for k, v in config.rollout.items() if k not in skip})
     if not isinstance(data.setdefault("engine", {}), dict):
         raise ValueError("[rollout] engine: a table ([rollout.engine] type = ...)")
     data["engine"].setdefault("type", "transformers")
@@ -171,13 +170,7 @@ def worker_experiment(
     if engine_seed is not None:
         values["engine.seed"] = engine_seed
     for key, value in values.items():
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"[rollout] {p}: a table, not a value")
-        node[leaf] = value
+        _put(data, key, value, "rollout")
     return data
 
 
@@ -204,14 +197,19 @@ def experiment(config: RunConfig, *, model: str, run_dir: Path) -> dict[str, Any
     values = {k: v for k, v in _flatten(config.trainer).items() if k not in TRAINER_DEPLOYMENT}
     values |= shared_values(config, "trainer") | {"model": model, "run_dir": str(run_dir)}
     for key, value in values.items():
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):  # e.g. "optimizer" = 1 and "optimizer.lr" = 2
-                raise ValueError(f"[trainer] {key}: {p} is a value, not a table")
-        node[leaf] = value
+        _put(data, key, value, "trainer")
     return data
+
+
+def _put(data: dict[str, Any], key: str, value: Any, section: str) -> None:
+    """Set the dotted ``key`` of the nested ``data`` to ``value``."""
+    node = data
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):  # e.g. "optimizer" = 1 and "optimizer.lr" = 2
+            raise ValueError(f"[{section}] {key}: {p} is a value, not a table")
+    node[leaf] = value
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,7 @@ class RolloutWorker:
         from deltarl.weightsync.reader import BucketReader
 
         experiment = experiment if experiment is not None else settings.experiment()
-        check_worker(settings.teacher_url, experiment)
+        check_worker(settings.teacher_url, experiment)  # before the engine is built
         model, gguf = experiment.model_source()
         tokenizer = AutoTokenizer.from_pretrained(
             model, **({} if gguf is None else {"gguf_file": gguf})
