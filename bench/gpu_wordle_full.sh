@@ -209,8 +209,7 @@ print(prepare_model('$MODEL_KIND', Path('$CACHE')))" || exit 1
   fi
   stage sft "$PY" -m deltarl sft --set "model=$BASE" --set "data=$WORK/solver.jsonl" \
     --set "out=$WORK/sft" --set "steps=$SFT_STEPS" --set "batch_size=$SFT_BATCH" \
-    --set "lr=$SFT_LR" --set "device=$SFT_DEVICE" --set "precision=$SFT_PRECISION" \
-    --set log_every=20 || exit 1
+    --set "lr=$SFT_LR" --set "device=$SFT_DEVICE" --set "precision=$SFT_PRECISION" || exit 1
   if [ -n "$EVAL_GPU_UNTRAINED" ]; then
     wait "$UNTRAINED"
   else

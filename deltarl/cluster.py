@@ -82,15 +82,17 @@ class ProcessGroup:
         args: list[str],
         env: Mapping[str, str],
         python_args: Sequence[str] = (),
+        module: str = "deltarl",
     ) -> Child:
-        """Start ``python [python_args] -m deltarl <args>`` with ``env`` added to this process's
-        environment (``python_args``: e.g. ``-m torch.distributed.run --nproc_per_node 2``)."""
+        """Start ``python [python_args] -m <module> <args>`` with ``env`` added to this
+        process's environment (``python_args``: e.g. ``-m torch.distributed.run
+        --nproc_per_node 2``)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         full_env = {**os.environ, **env}
         with log.open("ab") as fh:
             proc = subprocess.Popen(
-                [sys.executable, *python_args, "-m", "deltarl", *args],
+                [sys.executable, *python_args, "-m", module, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=fh,
                 stderr=subprocess.STDOUT,

@@ -292,7 +292,7 @@ class PublishSettings(_Settings):
         le=65_536,
         description="Most weight challenges computed per version, the first ones, the "
         "coordinator's requests and the top-ups together (a bound on the trainer's work when "
-        "many worker ids ask; each costs hashing proof_chunks x proof_chunk_bytes, 1 MiB by "
+        "many worker ids ask; each costs hashing proof_chunks chunks of 4 KiB, 1 MiB by "
         "default).",
     )
     proof_topup_s: float = Field(
@@ -309,9 +309,6 @@ class PublishSettings(_Settings):
         le=65_536,
         description="Chunks of the state a weight proof samples; 0: the whole state (strongest, "
         "costs hashing every byte on the trainer and on the worker).",
-    )
-    proof_chunk_bytes: int = Field(
-        default=4096, ge=1, le=1 << 20, description="Bytes per sampled chunk of a weight proof."
     )
     chained_deltas: bool = Field(
         default=True,

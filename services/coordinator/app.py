@@ -1,9 +1,10 @@
 """The coordinator's FastAPI application: ``create_app(settings)``.
 
 Lifecycle: the store opens in ``create_app`` (so a wrong URL fails at start), the version index
-is loaded from it, and on startup two background tasks begin: one refreshes the version index
-every ``event_poll_s`` (versions recorded by other coordinator processes) and feeds the event
-stream; one returns expired leases to the queue every ``reclaim_interval_s`` (leasing does it
+is loaded from it, and on startup two background tasks begin (their periods: ``Pacing``): one
+refreshes the version index every ``event_poll_s`` (versions recorded by other coordinator
+processes) and feeds the event stream; one returns expired leases to the queue every
+``reclaim_interval_s`` (leasing does it
 too, so this only keeps the queue depth honest). On shutdown the streams end and the store closes.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from deltarl.services.coordinator.routers import (
     versions,
     workers,
 )
-from deltarl.services.coordinator.service import Coordinator
+from deltarl.services.coordinator.service import Coordinator, Pacing
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.services.coordinator.store import CoordinatorStore, open_store
 
@@ -107,7 +109,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, list[dict[str
 
 
 async def _background(coordinator: Coordinator, events: VersionEvents) -> None:
-    settings = coordinator.settings
+    pacing = coordinator.pacing
     next_reclaim = 0.0
     loop = asyncio.get_running_loop()
     while True:
@@ -115,22 +117,25 @@ async def _background(coordinator: Coordinator, events: VersionEvents) -> None:
             for record in await coordinator.run(coordinator.versions.refresh):
                 events.publish(record)
             if loop.time() >= next_reclaim:
-                next_reclaim = loop.time() + settings.reclaim_interval_s
+                next_reclaim = loop.time() + pacing.reclaim_interval_s
                 n = await coordinator.run(coordinator.store.reclaim_expired, coordinator.clock())
                 if n:
                     logger.info("returned %d groups of expired leases to the queue", n)
         except Exception:  # the store may be briefly unreachable: log, keep serving
             logger.exception("background refresh failed")
-        await asyncio.sleep(settings.event_poll_s)
+        await asyncio.sleep(pacing.event_poll_s)
 
 
 def create_app(
     settings: CoordinatorSettings,
     store: CoordinatorStore | None = None,
     clock: Callable[[], float] | None = None,
+    pacing: Pacing | None = None,
 ) -> FastAPI:
+    """The coordinator's app on ``store`` (default: the one ``settings`` name). ``clock``
+    (leases, heartbeats) and ``pacing`` (:class:`Pacing`) are for tests."""
     store = store if store is not None else open_store(settings)
-    coordinator = Coordinator(store, settings, clock) if clock else Coordinator(store, settings)
+    coordinator = Coordinator(store, settings, clock or time.time, pacing)
     metrics = CoordinatorMetrics(coordinator.status)
 
     @contextlib.asynccontextmanager

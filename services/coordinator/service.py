@@ -28,6 +28,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -105,16 +106,35 @@ def unknown_worker(worker_id: str) -> ApiError:
     )
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How often the coordinator refreshes what it serves. Not settings: the values suit every
+    deployment, each for the reason given; tests of a coordinator in their own process pass
+    shorter ones to :func:`~deltarl.services.coordinator.app.create_app`."""
+
+    # /v1/status is polled by the status page, `deltarl status`, dashboards and the trainer:
+    # computed at most twice a second, 50 readers cost what one does.
+    status_cache_s: float = 0.5
+    # Versions recorded through another coordinator process sharing the store reach the event
+    # stream within this; a request citing an unknown version refreshes at once anyway.
+    event_poll_s: float = 0.25
+    # Expired leases also return to the queue at every lease request; this bounds the wait
+    # only while nobody leases.
+    reclaim_interval_s: float = 1.0
+
+
 class Coordinator:
     def __init__(
         self,
         store: CoordinatorStore,
         settings: CoordinatorSettings,
         clock: Callable[[], float] = time.time,
+        pacing: Pacing | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.clock = clock
+        self.pacing = pacing or Pacing()
         self.versions = VersionIndex(store)
         self.versions.refresh()
         self._status_lock = threading.Lock()
@@ -674,7 +694,7 @@ class Coordinator:
 
     # -- status -----------------------------------------------------------------------------
     def status(self, workers_limit: int | None = None) -> StatusSummary:
-        """The summary, computed from the store at most once per ``status_cache_s`` (then
+        """The summary, computed from the store at most once per ``pacing.status_cache_s`` (then
         shared by every reader); ``workers_limit`` only trims the worker list."""
         return self._status_view(workers_limit)[0]
 
@@ -687,7 +707,7 @@ class Coordinator:
         now = time.monotonic()
         with self._status_lock:
             cached = self._status
-            if cached is None or now - cached[0] >= self.settings.status_cache_s:
+            if cached is None or now - cached[0] >= self.pacing.status_cache_s:
                 cached = (now, self._compute_status(), {})
                 self._status = cached
             views = cached[2]

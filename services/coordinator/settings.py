@@ -135,18 +135,6 @@ class CoordinatorSettings(TLSServerSettings):
         description="Give suspect workers no admission and refuse their submissions (403 "
         "suspect_worker) until an operator clears them (DELETE /v1/workers/{id}/rejections).",
     )
-    status_cache_s: float = Field(
-        default=0.5, ge=0, description="Seconds a computed /v1/status answer is reused."
-    )
-    event_poll_s: float = Field(
-        default=0.25,
-        gt=0,
-        description="How often the version event stream checks the store for versions "
-        "published through another coordinator process.",
-    )
-    reclaim_interval_s: float = Field(
-        default=1.0, gt=0, description="How often expired leases are returned to the queue."
-    )
 
     @field_validator("trainer_token", "worker_token", "read_token", "worker_key")
     @classmethod

@@ -126,10 +126,13 @@ WORKER_TOKEN = "worker-secret-token"
 class LiveServer(support.LiveServer):
     """A coordinator made from ``settings``, served at once (real HTTP, real SSE)."""
 
-    def __init__(self, settings: object, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, settings: object, clock: Callable[[], float] | None = None, pacing: object = None
+    ) -> None:
         from deltarl.services.coordinator.app import create_app
 
-        super().__init__(create_app(settings, clock=clock))  # type: ignore[arg-type]
+        app = create_app(settings, clock=clock, pacing=pacing or fast_pacing())  # type: ignore[arg-type]
+        super().__init__(app)
         self.start()
 
 
@@ -140,19 +143,28 @@ def coordinator_settings(tmp_path: Path, **overrides: object) -> object:
         "sqlite_path": str(tmp_path / "coord.sqlite3"),
         "trainer_token": TRAINER_TOKEN,
         "worker_token": WORKER_TOKEN,
-        "status_cache_s": 0.0,
-        "event_poll_s": 0.05,
     }
     values.update(overrides)
     return CoordinatorSettings(**values)  # type: ignore[arg-type]
+
+
+def fast_pacing(**overrides: float) -> object:
+    """The coordinator's :class:`Pacing` for tests: status never cached (a test reads what it
+    just did), versions from another process polled every 50 ms."""
+    from deltarl.services.coordinator.service import Pacing
+
+    return Pacing(**({"status_cache_s": 0.0, "event_poll_s": 0.05} | overrides))
 
 
 @pytest.fixture
 def make_server(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
     servers: list[LiveServer] = []
 
-    def make(clock: Callable[[], float] | None = None, **overrides: object) -> LiveServer:
-        servers.append(LiveServer(coordinator_settings(tmp_path, **overrides), clock=clock))
+    def make(
+        clock: Callable[[], float] | None = None, pacing: object = None, **overrides: object
+    ) -> LiveServer:
+        settings = coordinator_settings(tmp_path, **overrides)
+        servers.append(LiveServer(settings, clock=clock, pacing=pacing))
         return servers[-1]
 
     yield make

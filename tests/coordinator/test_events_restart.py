@@ -18,7 +18,7 @@ from deltarl.services.coordinator.client import (
 )
 from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
-from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer
+from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer, fast_pacing
 from .helpers import group, manifest
 
 
@@ -186,7 +186,7 @@ def test_two_coordinators_share_one_store(
 ) -> None:
     """Two coordinator processes (as with --workers 2) on one store stay consistent: a version
     recorded through one is usable at once through the other, and each group is leased once."""
-    overrides: dict[str, object] = {"event_poll_s": 30.0}  # no background help: on-demand only
+    overrides: dict[str, object] = {"pacing": fast_pacing(event_poll_s=30.0)}  # on demand only
     if backend == "redis":
         redis_server: RedisServer = request.getfixturevalue("redis_server")
         overrides |= {

@@ -49,6 +49,13 @@ TRAINER_OUTAGE_BUG = (
 
 
 TIMEOUT_SCALE = float(os.environ.get("DELTARL_TEST_TIMEOUT_SCALE", "1"))
+FAULTS_DIR = Path(__file__).resolve().parent
+
+
+def _with_path(folder: Path) -> str:
+    """PYTHONPATH with ``folder`` first (the children import fast_coordinator from it)."""
+    rest = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(folder), *([rest] if rest else [])])
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str | Callable[[], str]) -> Any:
@@ -152,9 +159,6 @@ class Cluster:
             "store": self.store,
             "heartbeat_interval_s": 0.25,
             "lost_after_s": 5.0,
-            "status_cache_s": 0.0,
-            "event_poll_s": 0.1,
-            "reclaim_interval_s": 0.2,
             "target_queue_groups": 6,
         }
         if self.redis_url is not None:
@@ -217,7 +221,14 @@ class Cluster:
         return self.group.start(f"{name}.{n}", launch.args, env)
 
     def start_coordinator(self, wait: bool = True) -> Child:
-        self.coordinator = self._start(self.layout.coordinator())
+        # `deltarl coordinator` with the tests' pacing (fast_coordinator.py): the audits read
+        # /v1/status and need it uncached
+        launch = self.layout.coordinator()
+        name = launch.name
+        n = self._incarnations[name] = self._incarnations.get(name, 0) + 1
+        env = self.common_env() | launch.env | {"PYTHONPATH": _with_path(FAULTS_DIR)}
+        args = launch.args[launch.args.index("coordinator") + 1 :]
+        self.coordinator = self.group.start(f"{name}.{n}", args, env, module="fast_coordinator")
         if wait:
             wait_healthy(f"{self.url}/health", self.coordinator)
         return self.coordinator

@@ -26,6 +26,7 @@ from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
+from deltarl.services.coordinator.service import Pacing
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.trainer.publish.weights import (
     WeightPublisher,
@@ -48,12 +49,12 @@ class CoordinatorServer:
             "sqlite_path": str(tmp / "coord.sqlite3"),
             "trainer_token": TRAINER_TOKEN,
             "worker_token": WORKER_TOKEN,
-            "status_cache_s": 0.0,
-            "event_poll_s": 0.05,
             "heartbeat_interval_s": 0.3,
         }
         values.update(overrides)
-        self.app = create_app(CoordinatorSettings(**values))
+        # status never cached (a test reads what it just did), other processes' versions at 50 ms
+        pacing = Pacing(status_cache_s=0.0, event_poll_s=0.05)
+        self.app = create_app(CoordinatorSettings(**values), pacing=pacing)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         scheme = "http" if tls is None else "https"

@@ -29,6 +29,7 @@ from deltarl.trainer.learn.distributed import (
     shutdown_distributed,
 )
 from deltarl.trainer.loop import train
+from deltarl.trainer.publish import weights as publish_weights
 from deltarl.trainer.publish.sharded import ShardedPublisher
 from deltarl.trainer.replica import train_replica
 from deltarl.trainer.settings import ExperimentSettings
@@ -80,8 +81,7 @@ def fsdp_settings(run_dir: Path) -> ExperimentSettings:
     return base.model_copy(
         update={
             "parallel": "fsdp",
-            # 24-byte proof chunks: 6 of the 128-byte state, one across the ranks' rows
-            "publish": base.publish.model_copy(update={"anchor_every": 2, "proof_chunk_bytes": 24}),
+            "publish": base.publish.model_copy(update={"anchor_every": 2}),
             "checkpoint": base.checkpoint.model_copy(update={"every": 2}),
         }
     )
@@ -101,6 +101,9 @@ def sharded_bigram(ctx: DistContext, device: str) -> torch.nn.Module:
 
 def rank_main(rank: int, root: str) -> None:
     ctx, device = join(rank, root)
+    publish_weights.PROOF_CHUNK_BYTES = (
+        24  # 6 chunks of the 128-byte state, one across the ranks' rows
+    )
     model = sharded_bigram(ctx, device)
     out = Path(root) / f"rank{rank}"
     out.mkdir()

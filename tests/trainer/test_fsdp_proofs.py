@@ -16,6 +16,7 @@ from test_weight_publisher import FakePool
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.trainer.learn.distributed import broadcast, shutdown_distributed
+from deltarl.trainer.publish import weights as publish_weights
 from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.proof import ProofSpec, proof_answer
@@ -27,9 +28,8 @@ def rank_main(rank: int, root: str) -> None:
     ctx, device = join(rank, root)
     model = sharded_bigram(ctx, device)
     # 24-byte chunks: 6 of the 128-byte state, one across the ranks' rows
-    settings = PublishSettings(
-        proof_challenges=4, proof_chunk_bytes=24, proof_chunks=16, proof_challenges_max=40
-    )
+    publish_weights.PROOF_CHUNK_BYTES = 24
+    settings = PublishSettings(proof_challenges=4, proof_chunks=16, proof_challenges_max=40)
     bucket = LocalBucket(Path(root) / "bucket")
     start = model.table.weight.to_local().detach().clone()
 

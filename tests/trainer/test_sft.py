@@ -97,7 +97,7 @@ def test_loss_falls_and_the_model_loads(tmp_path: Path) -> None:
     chats = [r["messages"] for r in solver_transcripts(6, seed=0)]
     model = tiny_model(len(tok))
     out = tmp_path / "warm"
-    settings = SftSettings(out=out, steps=20, batch_size=3, lr=1e-2, device="cpu", log_every=5)
+    settings = SftSettings(out=out, steps=20, batch_size=3, lr=1e-2, device="cpu")
     result = run_sft(settings, model=model, tokenizer=tok, transcripts=chats)
     assert len(result.losses) == 20 and result.transcripts == 6
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3

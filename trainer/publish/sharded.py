@@ -72,6 +72,7 @@ from deltarl.trainer.publish.weights import (
     Register,
     VersionBook,
     pool_answer,
+    proof_spec,
 )
 from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.anchor import encode_anchor
@@ -614,7 +615,7 @@ class ShardedPublisher(VersionBook):
     def _prove(self, version: int, new: Mapping[str, torch.Tensor], records: list[_Record]) -> None:
         """Weight challenges of ``version`` (a collective, after the commit), in rounds: rank 0
         draws the nonces and the chunks they sample, every rank sends rank 0 the bytes of those
-        chunks that lie in its rows (``chunks * proof_chunk_bytes`` per nonce, 1 MiB by
+        chunks that lie in its rows (``chunks * PROOF_CHUNK_BYTES`` per nonce, 1 MiB by
         default), rank 0 computes the answers and hands them over. The first round draws
         ``proof_challenges`` nonces (or the pool size the coordinator aimed at for the version
         before, when larger); the next ones as many as the coordinator's answer asks for (its
@@ -665,7 +666,7 @@ class ShardedPublisher(VersionBook):
     ) -> tuple[list[tuple[str, int, int]], dict[str, Any], ProofSpec, list[bytes], list[Any]]:
         """Rank 0: ``count`` nonces, the chunks they sample (over the whole state's layout) and
         the byte ranges every rank is asked for."""
-        spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        spec = proof_spec(self.settings)
         rows: dict[str, int] = {}
         trailing: dict[str, tuple[int, ...]] = {}
         for r in records:

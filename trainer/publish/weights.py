@@ -77,7 +77,7 @@ from deltarl.weightsync.fp8 import quantize_state
 from deltarl.weightsync.manifest import VersionManifest
 from deltarl.weightsync.model_state import fp32_names, publish_dtype
 from deltarl.weightsync.model_state import publishable_state as publishable_state
-from deltarl.weightsync.proof import ProofSpec, make_challenges
+from deltarl.weightsync.proof import DEFAULT_CHUNK_BYTES, ProofSpec, make_challenges
 from deltarl.weightsync.writer import BucketWriter, NewObject
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,17 @@ PROOF_ROUNDS = 3
 def pool_answer(result: Any) -> tuple[int, int]:
     """``(wanted, target)`` of a challenge hand-over's answer (0, 0 when it says nothing)."""
     return int(getattr(result, "wanted", 0) or 0), int(getattr(result, "target", 0) or 0)
+
+
+# Bytes per sampled chunk of a weight proof: 4 KiB, a page, so a chunk costs one read and the
+# default 256 chunks hash 1 MiB per challenge. The chunk count (``proof_chunks``) sets the
+# strength; tests with tiny states make chunks small to cross tensor and rank boundaries.
+PROOF_CHUNK_BYTES = DEFAULT_CHUNK_BYTES
+
+
+def proof_spec(settings: PublishSettings) -> ProofSpec:
+    """What this trainer's weight proofs sample (:data:`PROOF_CHUNK_BYTES`, ``proof_chunks``)."""
+    return ProofSpec(PROOF_CHUNK_BYTES, settings.proof_chunks)
 
 
 def proof_threads(settings: PublishSettings) -> int:
@@ -660,7 +671,7 @@ class WeightPublisher(VersionBook):
         first = self.settings.proof_challenges
         if self.challenges is None or first == 0:
             return
-        spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        spec = proof_spec(self.settings)
         count, done = max(first, self._proof_target), 0
         try:
             for round_ in range(PROOF_ROUNDS):
@@ -696,7 +707,7 @@ class WeightPublisher(VersionBook):
         count = min(need(version), self.settings.proof_challenges_max - done)
         if count <= 0:
             return 0
-        spec = ProofSpec(self.settings.proof_chunk_bytes, self.settings.proof_chunks)
+        spec = proof_spec(self.settings)
         with self._proof_lock:  # the base cannot change (or be reused) while it is read
             if self._last_version != version or self._base is None:
                 return 0  # a newer version was published meanwhile

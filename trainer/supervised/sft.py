@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The loss is logged at the first step, every 10th and the last: a few hundred steps make a
+# readable log, and sft.json keeps every step's loss.
+LOG_EVERY = 10
+
 __all__ = ["SftResult", "SftSettings", "encode_transcript", "load_transcripts", "run_sft"]
 
 
@@ -93,7 +97,6 @@ class SftSettings(BaseSettings):
     precision: Literal["fp32", "bf16"] = Field(
         default="fp32", description="Forward/backward dtype (autocast on CUDA for bf16)."
     )
-    log_every: int = Field(default=10, ge=1, description="Log the loss every this many steps.")
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,7 @@ def run_sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         opt.step()
         losses.append(float(loss.detach()))
-        if step % settings.log_every == 0 or step == 1 or step == settings.steps:
+        if step % LOG_EVERY == 0 or step == 1 or step == settings.steps:
             logger.info("sft step %d/%d: loss %.4f", step, settings.steps, losses[-1])
     model.eval()
     settings.out.mkdir(parents=True, exist_ok=True)

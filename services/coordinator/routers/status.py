@@ -18,6 +18,6 @@ async def status(
     coordinator: CoordinatorDep,
     workers: Annotated[int | None, Query(ge=0, le=100_000, description="Workers listed.")] = None,
 ) -> Response:
-    """Served from a short cache (``status_cache_s``), already serialized."""
+    """Served from a short cache (``Pacing.status_cache_s``, half a second), already serialized."""
     body = await coordinator.run(coordinator.status_json, workers)
     return Response(body, media_type="application/json")
