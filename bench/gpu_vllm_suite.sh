@@ -12,7 +12,8 @@
 # RESULTS_DIR/<step>.log; RESULTS_DIR/status gets one line per finished step with its exit code.
 # The benchmarks write their results to bench/results/ (named by benchmark, GPU and model; then
 # `python bench/report.py --write` renders docs/benchmarks.md), and the test steps' outcomes go to
-# bench/results/gpu_tests_<gpus>_vllm.json (bench/gpu_tests_result.py) when the suite ends:
+# bench/results/gpu_tests_<gpus>_vllm.json (bench/gpu_tests_result.py) when the suite ends; then
+# every result file the run wrote is also copied to RESULTS_DIR/results/:
 #   check    bench/vllm_check.py: bucket followed bit-identically, wire path, logprobs
 #   tests    the vllm engine's tests, the gpu ones included (layouts, async stamps, end to end)
 #   speed    bench/vllm_speed.py: engine vs vLLM with the engine's settings vs vLLM's defaults,
@@ -64,6 +65,7 @@ shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check tests speed system faults system_hf)
 mkdir -p "$RES"
+touch "$RES/.started"  # the results written after this are copied to RES/results at the end
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 # ... which also keeps bench/ off sys.path: the scripts import bench/common.py as `common`
 export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -145,4 +147,7 @@ for step in tests prefix faults tests_tp moe fp8; do
   [ -f "$RES/$step.log" ] && logs+=("$RES/$step.log")
 done
 [ ${#logs[@]} -gt 0 ] && python3 bench/gpu_tests_result.py "${logs[@]}"
+# the result files this run wrote, beside its logs (to take away from a machine in one folder)
+mkdir -p "$RES/results"
+find bench/results -maxdepth 1 -type f -newer "$RES/.started" -exec cp {} "$RES/results/" \;
 echo "suite done" >>"$RES/status"

@@ -147,6 +147,8 @@ def system(results: list[Result]) -> Lines:
             credit = float(a.get("format_credit") or 0)
             task += f" ({a.get('reward', 'final')} reward"
             task += f", format credit {credit:g})" if credit else ")"
+        if "run.routing_replay=true" in a.get("overrides", "").replace(" ", ""):
+            task += ", routing replay"
         valid = d["window_means"].get("reward/valid/mean") or []
         rows.append(
             [
@@ -198,9 +200,9 @@ def system(results: list[Result]) -> Lines:
             "wins games. Charset: a tiny byte-level Llama at lr 1e-2. The upcycled mixture of "
             "experts (SmolLM2's MLP copied into 8 experts with 2% noise, top-2, random router: "
             "`--model-kind smollm2-moe`) is served by vLLM in bf16 like the dense model; its "
-            "trainer-vs-worker logprob difference is several times the dense model's under the "
-            "same settings; routing decisions that differ between the two (a random router's "
-            "scores are close to ties) are the likely cause, not yet separated from others."
+            "trainer-vs-worker logprob difference starts at the dense model's level and grows "
+            "to several times it within ~20 steps; routing replay (every trajectory replayed) "
+            "leaves it unchanged, so routing flips are not its cause (docs/trainer.md)."
         ),
     )
 
