@@ -24,6 +24,7 @@ Shape of the arrangement:
       .decode(data, base_digests) -> Delta # base checked by digest, every checksum verified
       ... parent applies, verifies, patches mirror in place, next decode ...
       .decode(data, base_digests, context=ctx)   # a chained delta (if .holds(ctx))
+      .decode(part, slice_digests, layout=l)    # one part of a sharded version
       .close()
 
 * Chained deltas need the :class:`~deltarl.weightsync.codec.context.DeltaContext` of the
@@ -64,6 +65,7 @@ from deltarl.weightsync import errors as delta_errors
 from deltarl.weightsync.codec.bits import float_format
 from deltarl.weightsync.codec.context import DeltaContext
 from deltarl.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch
+from deltarl.weightsync.sharding import layout_view
 
 logger = logging.getLogger(__name__)
 
@@ -344,6 +346,7 @@ class DecodeProcess:
         base_digests: Mapping[str, str],
         *,
         context: DeltaContext | None = None,
+        layout: tuple[str, ...] | None = None,
     ) -> Delta:
         """Decode ``data`` against the attached mirror, refusing a base whose digests differ.
 
@@ -351,9 +354,16 @@ class DecodeProcess:
         chained delta (only its digest is sent: the child must :meth:`hold <holds>` it, else
         :class:`DecodeProcessError`). As in process, a chained delta whose context is not the
         one given raises :class:`~deltarl.weightsync.errors.ContextMismatchError`.
+
+        ``layout``: one part of a sharded version (:mod:`deltarl.weightsync.sharding`): it is
+        decoded against the mirror's row views under ``layout``, those named by
+        ``base_digests`` (the part's slices); the child builds no context from it (sharded
+        versions are not chained).
         """
         if self._mirror is None:
             raise RuntimeError("attach() a mirror before decoding")
+        if layout is not None and context is not None:
+            raise ValueError("a part of a sharded version is not chained: no context")
         if context is not None and not self.holds(context):
             raise DecodeProcessError(
                 f"the decoding child does not hold the context of delta {context.base_version} "
@@ -362,6 +372,7 @@ class DecodeProcess:
         request: dict[str, Any] = {"op": "decode", "data": bytes(data)}
         request |= {"digests": dict(base_digests)}
         request["context"] = None if context is None else context.digest
+        request["layout"] = None if layout is None else list(layout)
         reply, delta = self._call(request)
         if not reply.get("ok"):
             raise _error_from_reply(reply)
@@ -430,6 +441,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
     shm: shared_memory.SharedMemory | None = None
     mirror: dict[str, torch.Tensor] = {}
     contexts: dict[str, DeltaContext] = {}  # by digest, oldest first (KEPT_CONTEXTS at most)
+    views: dict[tuple[str, ...], Mapping[str, torch.Tensor]] = {}  # the mirror under a layout
     while True:
         try:
             req = _read_frame(inp)
@@ -442,6 +454,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
             if op == "attach":
                 mirror = {}
                 contexts = {}
+                views.clear()
                 if shm is not None:
                     try:
                         shm.close()
@@ -455,9 +468,17 @@ def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
                 want = req.get("context")
                 if want is not None and want not in contexts:
                     raise _ContextUnavailable(f"no kept delta context has digest {want}")
+                layout = req.get("layout")
+                base: Mapping[str, torch.Tensor] = mirror
+                if layout is not None:  # a sharded version's part: its slices' row views
+                    key = tuple(layout)
+                    if key not in views:
+                        views.clear()  # one layout at a time (a trainer's world size)
+                        views[key] = layout_view(mirror, key)
+                    base = {k: views[key][k] for k in req["digests"]}
                 delta = decode_delta(
                     req["data"],
-                    mirror,
+                    base,
                     check_base=True,
                     base_digests=req["digests"],
                     threads=threads,
@@ -465,7 +486,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], threads: int | None) -> None:
                 )
                 decode_s = time.perf_counter() - t0
                 # the mirror is still at the delta's base: what a chained successor needs
-                ctx = _context_of(delta, mirror)
+                ctx = _context_of(delta, mirror) if layout is None else None
                 if ctx is not None:
                     contexts.pop(ctx.digest, None)
                     contexts[ctx.digest] = ctx

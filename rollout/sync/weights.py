@@ -718,11 +718,13 @@ class WeightSync:
         return layout_view(self.engine.named_parameters(), layout)
 
     def _decode_parts(self, ref: ObjectRef) -> tuple[Delta, float]:
-        """A sharded delta: its parts fetched in parallel and decoded (in this process) as they
-        arrive, against the host state's row views; merged into one delta over the layout.
+        """A sharded delta: its parts fetched in parallel and decoded as they arrive (in the
+        decoding child when there is one), against the host state's row views; merged into
+        one delta over the layout.
         Also returns the seconds spent waiting for parts (not decoding)."""
-        assert ref.layout is not None
-        host = layout_view(self._host_state(), ref.layout)
+        layout = ref.layout
+        assert layout is not None
+        host = layout_view(self._host_state(), layout)
         waited = 0.0
 
         def decoded() -> Iterator[Delta]:
@@ -739,18 +741,35 @@ class WeightSync:
                     missing = [k for k in part.slices if k not in self._digests]
                     if missing:
                         raise BaseMismatchError(f"the engine holds no digest of {missing[:3]}")
-                    yield decode_delta(
-                        data,
-                        {k: host[k] for k in part.slices},
-                        check_base=True,
-                        base_digests={k: self._digests[k] for k in part.slices},
-                        threads=self.decode_threads,
-                    )
+                    digests = {k: self._digests[k] for k in part.slices}
+                    yield self._decode_part(data, digests, host, layout)
             finally:
                 parts.close()  # a failed part: cancel the downloads not started yet
 
-        delta = merge_parts(decoded(), ref.layout)
+        delta = merge_parts(decoded(), layout)
         return delta, waited
+
+    def _decode_part(
+        self,
+        data: bytes,
+        digests: Mapping[str, str],
+        host: Mapping[str, torch.Tensor],
+        layout: tuple[str, ...],
+    ) -> Delta:
+        """One part of a sharded version, against its slices (named by ``digests``): in the
+        child when there is one (its own GIL, as for whole deltas), else here."""
+        if self._decoder is not None and self._shared is not None:
+            try:
+                return self._decoder.decode(data, digests, layout=layout)
+            except DecodeProcessError as err:
+                logger.warning("decoding child failed (%s); decoding in process this time", err)
+        return decode_delta(
+            data,
+            {k: host[k] for k in digests},
+            check_base=True,
+            base_digests=digests,
+            threads=self.decode_threads,
+        )
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
         """Digests of the engine's tensors after applying ``delta``; unhealthy on mismatch.
@@ -872,7 +891,7 @@ class WeightSync:
         self._layout = ref.layout
         self._drop_shared()
         self._mirror = state if self.host_mirror else None
-        if self._decoder is not None and ref.layout is None:  # sharded: decoded in process
+        if self._decoder is not None:  # a sharded anchor's mirror is keyed by its row slices
             shared = SharedMirror(state)
             try:
                 self._decoder.attach(shared)

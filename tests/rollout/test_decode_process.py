@@ -21,6 +21,7 @@ from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import state_digests
 from deltarl.weightsync.errors import BaseMismatchError, CorruptDeltaError
 from deltarl.weightsync.reader import BucketReader
+from deltarl.weightsync.sharding import layout_view
 
 
 def _states(dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -72,6 +73,32 @@ def test_child_decodes_exactly_what_the_parent_would(
                 p.shape,
             )
         assert got.changed == want.changed > 0
+    finally:
+        mirror.close()
+
+
+def test_child_decodes_a_sharded_versions_part_against_row_views(child: DecodeProcess) -> None:
+    """A part of a sharded version names row slices of the mirror's tensors: the child decodes
+    it against the mirror under the version's layout, as the parent would in process."""
+    old, new = _states(torch.bfloat16)
+    del old["empty"], new["empty"]
+    layout = ("a[0:120]", "a[120:300]", "b[0:1000]", "same[0:64]")
+    before, after = layout_view(old, layout), layout_view(new, layout)
+    mirror = SharedMirror(old)
+    try:
+        child.attach(mirror)
+        for part in (("a[0:120]", "b[0:1000]"), ("a[120:300]", "same[0:64]")):
+            base = {k: before[k].clone() for k in part}
+            data = encode_delta(compute_delta(base, {k: after[k] for k in part}), base)
+            got = child.decode(data, state_digests(base), layout=layout)
+            want = decode_delta(data, base, base_digests=state_digests(base))
+            assert got.patches.keys() == want.patches.keys() == set(part)
+            for name, p in want.patches.items():
+                assert np.array_equal(got.patches[name].index, p.index)
+                assert np.array_equal(got.patches[name].value, p.value)
+        assert got.changed == want.changed > 0
+        with pytest.raises(BaseMismatchError):  # the slices' digests are checked as usual
+            child.decode(data, {k: "0" * 32 for k in part}, layout=layout)
     finally:
         mirror.close()
 

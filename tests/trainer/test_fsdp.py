@@ -54,9 +54,12 @@ class DictEngine:
         return self.tensors
 
 
-def follower(bucket: LocalBucket) -> tuple[DictEngine, WeightSync]:
+def follower(bucket: LocalBucket, child: bool = False) -> tuple[DictEngine, WeightSync]:
+    """``child``: decode in a child process against a shared host mirror (the GPU workers'
+    arrangement)."""
     engine = DictEngine({"table.weight": (8, 8)})
-    return engine, WeightSync(engine, BucketReader(bucket))  # type: ignore[arg-type]
+    sync = WeightSync(engine, BucketReader(bucket), host_mirror=child, decode_process=child)  # type: ignore[arg-type]
+    return engine, sync
 
 
 class ShardedQueue(FakeQueue):
@@ -190,15 +193,30 @@ def test_fsdp_trains_like_one_process_and_a_worker_follows_its_sharded_versions(
         assert proof_answer(want, bytes.fromhex(nonce), STEPS, spec) == answer
     assert len(proofs[str(STEPS)]) == 8
 
-    # a worker from nothing, then one that lags: catch-up across several versions by deltas
-    engine, sync = follower(bucket)
-    sync.sync_to(1)
-    report = sync.sync_to(STEPS)
-    assert [s.kind for s in report.steps] == ["delta"] * (STEPS - 1)
-    assert torch.equal(
-        engine.tensors["table.weight"].view(torch.int16), want["table.weight"].view(torch.int16)
-    )
-    assert sync.verified_digest() == (STEPS, last.state_digest)
+    # a worker from nothing, then one that lags: catch-up across several versions by deltas,
+    # every part decoded in the decoding child (against the mirror's row views)
+    engine, sync = follower(bucket, child=True)
+    assert sync._decoder is not None
+    layouts: list[object] = []
+    decode = sync._decoder.decode
+
+    def spy(data: bytes, digests: dict[str, str], **kw: object) -> object:
+        layouts.append(kw.get("layout"))
+        return decode(data, digests, **kw)  # type: ignore[arg-type]
+
+    sync._decoder.decode = spy  # type: ignore[method-assign]
+    try:
+        sync.sync_to(1)
+        report = sync.sync_to(STEPS)
+        assert [s.kind for s in report.steps] == ["delta"] * (STEPS - 1)
+        assert torch.equal(
+            engine.tensors["table.weight"].view(torch.int16), want["table.weight"].view(torch.int16)
+        )
+        assert sync.verified_digest() == (STEPS, last.state_digest)
+        # v0's anchor, then deltas to v1 .. v3: two parts each (two ranks), with their layout
+        assert len(layouts) == 2 * STEPS and all(layouts), layouts
+    finally:
+        sync.close()
 
     # GC keeps the newest anchor (v2) and after; every part of v0 and v1 goes
     before = {o.key for o in bucket.list("objects/")}
