@@ -615,7 +615,13 @@ class WeightSync:
             self._set_unhealthy(reason)
             raise CorruptDeltaError(reason) from err
         _check_delta_versions(delta, ref)
-        new_context = self._context_of(delta, ref) if ref.parts is None else None
+        # The context (for a chained delta next) reads the changed elements' old values. A host
+        # mirror keeps them until it is patched after verification: built then, it stays off
+        # the path to applied; an engine's own tensors lose them in the pause: built now.
+        late_context = self._mirror is not None and self._shards is None
+        new_context = None
+        if ref.parts is None and not late_context:
+            new_context = self._context_of(delta, ref)
         t2 = time.perf_counter()
         fault_points.hold("before_apply", version=ref.version, base_version=ref.base_version)
         if self._shards is not None:
@@ -659,6 +665,8 @@ class WeightSync:
         self._version, self._digests = ref.version, digests
         self._highest = max(ref.version, self._highest or 0)
         self._verified_state = (ref.version, combine_digests(digests))
+        if ref.parts is None and late_context:
+            new_context = self._context_of(delta, ref)  # the mirror is still at the base
         self._context = new_context if ref.parts is None else None
         with self._cond:
             self._verified_seq = seq
