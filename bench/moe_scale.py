@@ -321,7 +321,13 @@ def follow(
     start_s = time.perf_counter() - t0
     generates = args.engine != "tensors"
     try:
-        sync = WeightSync(engine, BucketReader(LocalBucket(args.bucket)))  # type: ignore[arg-type]
+        sync = WeightSync(
+            engine,  # type: ignore[arg-type]
+            BucketReader(LocalBucket(args.bucket)),
+            host_mirror=True if args.decode_process else None,
+            decode_process=args.decode_process,
+            decode_threads=args.decode_threads,
+        )
         t0 = time.perf_counter()
         sync.sync_to(0)
         anchor_s = time.perf_counter() - t0
@@ -455,6 +461,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--bucket", default=None, help="bucket directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the bucket")
+    ap.add_argument(
+        "--decode-process",
+        action="store_true",
+        help="the worker decodes in a child process (WeightSync's decode_process)",
+    )
+    ap.add_argument(
+        "--decode-threads", type=int, default=None, help="the decoder's threads (its default)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.tiny

@@ -24,8 +24,10 @@ def run(script: str, *args: str, timeout: int = 600) -> None:
 @pytest.mark.slow
 def test_moe_scale_publishes_a_sparse_expert_update_and_applies_it(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
-    run("moe_scale.py", "--tiny", "--steps", "2", "--json", str(out))
+    # the worker decodes the ranks' parts in its decoding child
+    run("moe_scale.py", "--tiny", "--steps", "2", "--decode-process", "--json", str(out))
     result = json.loads(out.read_text())
+    assert result["settings"]["decode_process"] is True
     steps = result["publish"]["steps"]
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
