@@ -48,6 +48,7 @@ from pathlib import Path
 
 from common import cpu_tag, meta, result_path, write_json
 
+from deltarl.cluster import free_port
 from deltarl.services.coordinator.schemas import (
     ObjectRef,
     Trajectory,
@@ -60,12 +61,6 @@ from deltarl.weightsync.manifest import version_tag
 
 log = logging.getLogger("coordinator_bench")
 TRAINER, WORKER = "bench-trainer-token", "bench-worker-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Conn:

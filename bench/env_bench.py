@@ -49,6 +49,7 @@ from typing import Any
 import websockets
 from common import cpu_tag, meta, result_path, write_json
 
+from deltarl.cluster import free_port
 from deltarl.env_server.wordle.game import WordLists, answer_for_seed
 
 WORDS = WordLists.load()
@@ -276,12 +277,6 @@ def server_stack() -> str:
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     return f"uvicorn {importlib.metadata.version('uvicorn')} ({http}, {loop}), websockets {websockets.__version__}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(port: int, pin: bool) -> subprocess.Popen[bytes]:
