@@ -92,3 +92,11 @@ def deltarl(*args: str) -> Completed:
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return Completed(args, result.exit_code, result.stdout, result.stderr)
+
+
+def fast_pacing(**overrides: float) -> Any:
+    """The coordinator's :class:`Pacing` for tests: status never cached (a test reads what it
+    just did), versions from another process polled every 50 ms."""
+    from deltarl.services.coordinator.service import Pacing
+
+    return Pacing(**({"status_cache_s": 0.0, "event_poll_s": 0.05} | overrides))

@@ -131,7 +131,7 @@ class LiveServer(support.LiveServer):
     ) -> None:
         from deltarl.services.coordinator.app import create_app
 
-        app = create_app(settings, clock=clock, pacing=pacing or fast_pacing())  # type: ignore[arg-type]
+        app = create_app(settings, clock=clock, pacing=pacing or support.fast_pacing())  # type: ignore[arg-type]
         super().__init__(app)
         self.start()
 
@@ -146,14 +146,6 @@ def coordinator_settings(tmp_path: Path, **overrides: object) -> object:
     }
     values.update(overrides)
     return CoordinatorSettings(**values)  # type: ignore[arg-type]
-
-
-def fast_pacing(**overrides: float) -> object:
-    """The coordinator's :class:`Pacing` for tests: status never cached (a test reads what it
-    just did), versions from another process polled every 50 ms."""
-    from deltarl.services.coordinator.service import Pacing
-
-    return Pacing(**({"status_cache_s": 0.0, "event_poll_s": 0.05} | overrides))
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support import GENEROUS_S
+from support import GENEROUS_S, fast_pacing
 
 from deltarl.services.coordinator.client import (
     AsyncCoordinatorClient,
@@ -18,7 +18,7 @@ from deltarl.services.coordinator.client import (
 )
 from deltarl.services.coordinator.schemas import VersionRecord, WorkerHeartbeat, WorkerRegistration
 
-from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer, fast_pacing
+from .conftest import TRAINER_TOKEN, WORKER_TOKEN, LiveServer, RedisServer
 from .helpers import group, manifest
 
 

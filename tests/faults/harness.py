@@ -214,21 +214,27 @@ class Cluster:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def _start(self, launch: ServiceLaunch, extra_env: dict[str, str] | None = None) -> Child:
+    def _start(
+        self,
+        launch: ServiceLaunch,
+        extra_env: dict[str, str] | None = None,
+        module: str = "deltarl",
+    ) -> Child:
         name = launch.name
         n = self._incarnations[name] = self._incarnations.get(name, 0) + 1
         env = self.common_env() | launch.env | (extra_env or {})
-        return self.group.start(f"{name}.{n}", launch.args, env)
+        return self.group.start(f"{name}.{n}", launch.args, env, module=module)
 
     def start_coordinator(self, wait: bool = True) -> Child:
         # `deltarl coordinator` with the tests' pacing (fast_coordinator.py): the audits read
         # /v1/status and need it uncached
         launch = self.layout.coordinator()
-        name = launch.name
-        n = self._incarnations[name] = self._incarnations.get(name, 0) + 1
-        env = self.common_env() | launch.env | {"PYTHONPATH": _with_path(FAULTS_DIR)}
         args = launch.args[launch.args.index("coordinator") + 1 :]
-        self.coordinator = self.group.start(f"{name}.{n}", args, env, module="fast_coordinator")
+        self.coordinator = self._start(
+            ServiceLaunch(launch.name, args, launch.env),
+            {"PYTHONPATH": _with_path(FAULTS_DIR)},
+            module="fast_coordinator",
+        )
         if wait:
             wait_healthy(f"{self.url}/health", self.coordinator)
         return self.coordinator

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import transformers
 import uvicorn
+from support import fast_pacing
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.engines.transformers_engine import TransformersEngine
@@ -26,7 +27,6 @@ from deltarl.rollout.sync.weights import WeightSync
 from deltarl.services.common.tls import client_verify
 from deltarl.services.coordinator.app import create_app
 from deltarl.services.coordinator.client import CoordinatorClient
-from deltarl.services.coordinator.service import Pacing
 from deltarl.services.coordinator.settings import CoordinatorSettings
 from deltarl.trainer.publish.weights import (
     WeightPublisher,
@@ -52,9 +52,7 @@ class CoordinatorServer:
             "heartbeat_interval_s": 0.3,
         }
         values.update(overrides)
-        # status never cached (a test reads what it just did), other processes' versions at 50 ms
-        pacing = Pacing(status_cache_s=0.0, event_poll_s=0.05)
-        self.app = create_app(CoordinatorSettings(**values), pacing=pacing)
+        self.app = create_app(CoordinatorSettings(**values), pacing=fast_pacing())
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         scheme = "http" if tls is None else "https"

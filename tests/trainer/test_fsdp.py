@@ -104,9 +104,8 @@ def sharded_bigram(ctx: DistContext, device: str) -> torch.nn.Module:
 
 def rank_main(rank: int, root: str) -> None:
     ctx, device = join(rank, root)
-    publish_weights.PROOF_CHUNK_BYTES = (
-        24  # 6 chunks of the 128-byte state, one across the ranks' rows
-    )
+    # 24-byte proof chunks: 6 of the 128-byte state, one across the ranks' rows
+    publish_weights.PROOF_CHUNK_BYTES = 24
     model = sharded_bigram(ctx, device)
     out = Path(root) / f"rank{rank}"
     out.mkdir()
