@@ -59,6 +59,8 @@
 #   system_moe_1gpu, system_moe_1gpu_r3  the same two on one GPU (the trainer and one vllm
 #            worker on GPU 0, as system_cold, the dense model's run with the same settings):
 #            the gap with and without routing replay where only one GPU is at hand
+#   system_moe_1gpu_s0  system_moe_1gpu with run.max_staleness = 0: every trained trajectory
+#            sampled by the version the trainer scores it with, so the gap holds no policy lag
 set -uo pipefail
 RES=${1:?results directory}
 shift
@@ -135,6 +137,9 @@ for step in "${steps[@]}"; do
     system_moe_1gpu_r3) run system_moe_1gpu_r3 python3 bench/wordle_gpu_run.py --engine vllm \
       --model-kind smollm2-moe --set 'run.routing_replay=true' --gpu-memory-utilization 0.3 \
       --run-dir "$RES/wordle-vllm-moe-r3" "${WORDLE[@]}" --result ;;
+    system_moe_1gpu_s0) run system_moe_1gpu_s0 python3 bench/wordle_gpu_run.py --engine vllm \
+      --model-kind smollm2-moe --set 'run.max_staleness=0' --gpu-memory-utilization 0.3 \
+      --run-dir "$RES/wordle-vllm-moe-s0" "${WORDLE[@]}" --result ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
       tests/faults/test_process_faults.py -k mid_episode_and_mid_sync ;;

@@ -67,6 +67,13 @@ def model_name(a: Any) -> str:
     return f"{kinds.get(base, base.lower())}-sft"
 
 
+RESULT_SUFFIXES = {
+    "run.routing_replay=true": "-r3",  # routing replay
+    "run.max_staleness=0": "-s0",  # on-policy: every trained trajectory from the newest version
+}
+"""Overrides that name a run's result file (after the model, engine, ranks and task)."""
+
+
 def default_result(a: Any) -> Path:
     model = model_name(a)
     config = f"{model}-{a.engine}"
@@ -74,8 +81,10 @@ def default_result(a: Any) -> Path:
         config += "-fsdp" if any('"fsdp"' in o for o in a.overrides) else "-ddp"
     if a.task != "wordle":
         config += f"-{a.task}"
-    if any(o.replace(" ", "") == "run.routing_replay=true" for o in a.overrides):
-        config += "-r3"  # routing replay
+    overrides = {o.replace(" ", "") for o in a.overrides}
+    for override, suffix in RESULT_SUFFIXES.items():
+        if override in overrides:
+            config += suffix
     hardware = cpu_tag() if a.device == "cpu" else gpu_tag(gpus_used(a))
     return result_path("system", hardware, config)
 
