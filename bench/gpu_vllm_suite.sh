@@ -46,6 +46,8 @@
 #   fp8      block-fp8 workers: tests/rollout/test_vllm_fp8_gpu.py with VLLM_USE_DEEP_GEMM=0 (vLLM
 #            serves the checkpoint's e4m3 bytes and scales, a delta applied in one pause and
 #            verified, the engine following a publish.fp8 bucket at TP=1 and on 2 GPUs TP=2)
+#   fp8_capitals  learning with fp8 workers: bench/gpu_capitals_ab.sh with AB=fp8 (the capitals
+#            task, bf16 vs block-fp8 vllm workers, seeds DELTARL_SUITE_SEEDS, default "0 1")
 #   moe_scale  bench/moe_scale.py: Qwen3-30B-A3B's layer shapes (DELTARL_MOE_LAYERS layers,
 #            default 8; 48 is the whole model), publication by DELTARL_MOE_RANKS ranks (default
 #            2; ranks take the GPUs round-robin) over DELTARL_MOE_STEPS steps (default 4) and the
@@ -121,6 +123,8 @@ for step in "${steps[@]}"; do
       tests/rollout/test_vllm_moe_gpu.py tests/rollout/test_vllm_moe.py ;;
     fp8) VLLM_USE_DEEP_GEMM=0 run fp8 timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
       -o faulthandler_timeout=200 tests/rollout/test_vllm_fp8_gpu.py ;;
+    fp8_capitals) AB=fp8 SEEDS="${DELTARL_SUITE_SEEDS:-0 1}" run fp8_capitals \
+      bash bench/gpu_capitals_ab.sh "$RES/fp8-capitals" ;;
     moe_scale) run moe_scale timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
       --ranks "${DELTARL_MOE_RANKS:-2}" --steps "${DELTARL_MOE_STEPS:-4}" --engine vllm \
       --gpu-memory-utilization "${DELTARL_MOE_GPU_MEM:-0.45}" ;;

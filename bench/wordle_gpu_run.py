@@ -70,6 +70,7 @@ def model_name(a: Any) -> str:
 RESULT_SUFFIXES = {
     "run.routing_replay=true": "-r3",  # routing replay
     "run.max_staleness=0": "-s0",  # on-policy: every trained trajectory from the newest version
+    "run.fp8=true": "-fp8",  # fp8 workers
 }
 """Overrides that name a run's result file (after the model, engine, ranks and task)."""
 

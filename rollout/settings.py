@@ -402,7 +402,7 @@ class TeacherUse(_Section):
 class WorkerExperiment(_Section):
     """The worker's experiment: a ``deltarl rollout --config`` file, or a run config's
     ``[rollout]`` section with the ``[run]`` values it shares (model, seed, temperature, group
-    size, routing replay)."""
+    size, routing replay, fp8)."""
 
     engine: EngineSettings | None = Field(
         default=None,
@@ -430,6 +430,15 @@ class WorkerExperiment(_Section):
     )
     hints: HintSettings = Field(default_factory=HintSettings, description="Hints.")
     teacher: TeacherUse = Field(default_factory=TeacherUse, description="The teacher's use.")
+    fp8: bool = Field(
+        default=False,
+        description="Serve the policy in block fp8, as a trainer with publish.fp8 publishes it "
+        "(the vllm engine only; docs/vllm.md, fp8 workers).",
+    )
+    fp8_block: Literal[64, 128] = Field(
+        default=128,
+        description="With fp8: the side of the square blocks, the trainer's publish.fp8_block.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -465,6 +474,15 @@ class WorkerExperiment(_Section):
             except ValueError as err:
                 raise ValueError(f"env_options.{err}") from None
         return value
+
+    @model_validator(mode="after")
+    def _fp8_engine(self) -> WorkerExperiment:
+        if self.fp8 and not isinstance(self.engine, VllmEngineSettings):
+            raise ValueError(
+                "fp8: fp8 workers need the vllm engine (engine.type = 'vllm'); the transformers "
+                "engine serves the weights in the precision of engine.dtype"
+            )
+        return self
 
     @model_validator(mode="after")
     def _hint_scoring(self) -> WorkerExperiment:
@@ -521,13 +539,18 @@ class WorkerExperiment(_Section):
     def engine_settings(self) -> TransformersEngineSettings | VllmEngineSettings:
         """The engine's settings (weights from the anchor: a transformers engine built from the
         config, a vllm engine with dummy weights; routed experts returned with routing
-        replay)."""
+        replay; block fp8 with fp8)."""
         engine = self.engine
         if engine is None:
             model, gguf = smollm2_gguf("engine.model")
             return TransformersEngineSettings(model=model, gguf_file=gguf)
-        if isinstance(engine, VllmEngineSettings) and self.episodes.routing_replay:
-            return engine.model_copy(update={"return_routed_experts": True})
+        if isinstance(engine, VllmEngineSettings):
+            update: dict[str, Any] = {}
+            if self.episodes.routing_replay:
+                update["return_routed_experts"] = True
+            if self.fp8:
+                update["fp8_block"] = self.fp8_block
+            return engine.model_copy(update=update) if update else engine
         return engine
 
     def turn_limit(self, task: EnvMetadata | None) -> int:

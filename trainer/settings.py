@@ -320,12 +320,19 @@ class PublishSettings(_Settings):
         default=False,
         description="Publish every version in block fp8, as fp8 workers serve it: each linear "
         "layer's weight quantized from its bf16 cast to float8_e4m3fn with one float32 scale "
-        "per 128x128 block (tensor '<name>_scale_inv'), the other tensors (embeddings, LM head, "
+        "per fp8_block x fp8_block block (tensor '<name>_scale_inv'), the other tensors "
+        "(embeddings, LM head, "
         "routers, norms, biases) in bf16 (weightsync/fp8.py). Deltas then carry the "
         "changed e4m3 bytes and scales, anchors 1 byte a quantized weight. The workers must "
         "serve a block-fp8 checkpoint of the same model (docs/vllm.md, fp8 workers); a bf16 "
         "worker refuses such a version. Under FSDP2 every rank quantizes its rows (the amax of "
         "blocks that straddle ranks all-reduced): the same bytes as one process.",
+    )
+    fp8_block: Literal[64, 128] = Field(
+        default=128,
+        description="Side of fp8's square blocks: 128 (DeepSeek's layout, vLLM's CUTLASS "
+        "kernels) or 64 (models whose fused projections are not whole 128-row blocks, such as "
+        "SmolLM2-135M; vLLM's Triton kernel). The workers' must be the same ([run] fp8_block).",
     )
 
 

@@ -13,7 +13,10 @@ That is what vLLM 0.33 holds at run time for such a checkpoint on Hopper with th
 block kernels (``VLLM_USE_DEEP_GEMM=0``; docs/vllm.md, "fp8 workers", says which vLLM function
 does what). Tensors with leading dimensions (stacked experts ``[E, rows, cols]``) get one block
 grid per leading index (scale ``[E, ceil(rows / 128), ceil(cols / 128)]``, vLLM's
-``w13_weight_scale_inv`` layout).
+``w13_weight_scale_inv`` layout). The same layout in 64 x 64 blocks (``weight_block_size
+[64, 64]``, :data:`BLOCK_SIDES`) serves models whose fused projections are not whole 128-row
+blocks; vLLM then runs its Triton block kernel, which keeps the bytes as they are too. Every
+function here takes the ``block``; 128 x 128 when not given.
 
 Quantization of one block, exactly (:func:`quantize_block_fp8`; a plain reference written
 independently is in tests/unit/test_fp8.py):
@@ -52,7 +55,13 @@ from typing import Any
 import torch
 
 BLOCK = (128, 128)
-"""Rows x columns of one quantization block (``weight_block_size``)."""
+"""Rows x columns of one quantization block (``weight_block_size``): DeepSeek's, the default."""
+
+BLOCK_SIDES = (64, 128)
+"""The square blocks deltarl quantizes to. 128 x 128 is the layout of DeepSeek-style checkpoints,
+which vLLM serves on Hopper with its CUTLASS block kernels; 64 x 64 is for models whose fused
+projections are not whole 128-row blocks (SmolLM2-135M: hidden size 576, k/v 192 rows), which
+vLLM serves with its Triton block kernel (docs/vllm.md, fp8 workers)."""
 
 E4M3_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` value; scale = amax / E4M3_MAX."""
@@ -285,23 +294,47 @@ def quantization_config(
     return config
 
 
-def is_block_fp8_config(config: Any) -> bool:
-    """Whether a checkpoint's ``quantization_config`` (a dict, or an object with those
-    attributes) is the block fp8 this module produces: ``quant_method`` fp8, dynamic
-    activations, ``weight_block_size`` :data:`BLOCK`."""
+def block_of(side: int) -> tuple[int, int]:
+    """The square block of ``side`` (one of :data:`BLOCK_SIDES`); a ValueError otherwise."""
+    if side not in BLOCK_SIDES:
+        raise ValueError(
+            f"block fp8 in {side} x {side} blocks: deltarl quantizes to "
+            f"{' or '.join(f'{b} x {b}' for b in BLOCK_SIDES)} blocks"
+        )
+    return side, side
+
+
+def config_block(config: Any) -> tuple[int, int] | None:
+    """The block of a checkpoint's ``quantization_config`` (a dict, or an object with those
+    attributes) when it is the block fp8 this module produces (``quant_method`` fp8, dynamic
+    activations, square ``weight_block_size`` of a side in :data:`BLOCK_SIDES`); None when it is
+    not block fp8 at all. A block-fp8 config in another block is a ValueError naming it."""
 
     def get(key: str) -> Any:
         return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
 
-    if config is None:
-        return False
-    block = get("weight_block_size")
-    return (
-        get("quant_method") == "fp8"
-        and get("activation_scheme") in (None, "dynamic")
-        and block is not None
-        and [int(b) for b in block] == list(BLOCK)
-    )
+    if config is None or get("quant_method") != "fp8" or get("weight_block_size") is None:
+        return None
+    if get("activation_scheme") not in (None, "dynamic"):
+        return None
+    try:
+        rows, cols = (int(b) for b in get("weight_block_size"))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"quantization_config.weight_block_size {get('weight_block_size')!r}: not two integers"
+        ) from None
+    if rows != cols or rows not in BLOCK_SIDES:
+        raise ValueError(
+            f"quantization_config.weight_block_size [{rows}, {cols}]: deltarl quantizes to "
+            f"{' or '.join(f'[{b}, {b}]' for b in BLOCK_SIDES)} blocks"
+        )
+    return rows, cols
+
+
+def is_block_fp8_config(config: Any) -> bool:
+    """Whether a checkpoint's ``quantization_config`` is block fp8 that deltarl produces
+    (:func:`config_block`)."""
+    return config_block(config) is not None
 
 
 def fp8_bytes(shape: Iterable[int], block: tuple[int, int] = BLOCK) -> int:
@@ -312,10 +345,13 @@ def fp8_bytes(shape: Iterable[int], block: tuple[int, int] = BLOCK) -> int:
 
 __all__ = [
     "BLOCK",
+    "BLOCK_SIDES",
     "E4M3_MAX",
     "FP8_DTYPE",
     "SCALE_FLOOR",
     "SCALE_SUFFIX",
+    "block_of",
+    "config_block",
     "dequantize_block_fp8",
     "fp8_bytes",
     "fp8_layout",

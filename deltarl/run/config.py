@@ -34,7 +34,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -49,6 +49,8 @@ SHARED_FIELDS: dict[str, dict[str, str]] = {
         "episodes.group_size": "group_size",
         "engine.seed": "seed",
         "episodes.routing_replay": "routing_replay",
+        "fp8": "fp8",
+        "fp8_block": "fp8_block",
     },
     "trainer": {
         "model": "model",
@@ -57,6 +59,8 @@ SHARED_FIELDS: dict[str, dict[str, str]] = {
         "batch.group_size": "group_size",
         "batch.max_staleness": "max_staleness",
         "sampling.routing_replay": "routing_replay",
+        "publish.fp8": "fp8",
+        "publish.fp8_block": "fp8_block",
     },
     "env": {},
     "teacher": {},
@@ -150,6 +154,16 @@ class SharedSettings(BaseModel):
         default=False,
         description="Mixture-of-experts models: workers record each token's experts, the "
         "trainer's forward routes through them (docs/rollout.md).",
+    )
+    fp8: bool = Field(
+        default=False,
+        description="fp8 workers: the trainer publishes every version in block fp8 and the "
+        "workers (vllm engine) serve it bit for bit (docs/vllm.md, fp8 workers).",
+    )
+    fp8_block: Literal[64, 128] = Field(
+        default=128,
+        description="With fp8: the side of the square quantization blocks, 128 (DeepSeek's) or "
+        "64 (models whose fused projections are not whole 128-row blocks, e.g. SmolLM2-135M).",
     )
 
 

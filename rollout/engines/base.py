@@ -336,6 +336,14 @@ class VllmEngineSettings(BaseModel):
         "tensor_parallel_size > 1): each GPU holds whole experts, a contiguous range of them, "
         "instead of every expert's tensor-parallel slice; the engine maps either (docs/vllm.md).",
     )
+    fp8_block: Literal[64, 128] | None = Field(
+        default=None,
+        description="Serve the policy in block fp8 with square blocks of this side (vLLM's "
+        "fp8 quantization: the model's config gets the matching quantization_config, vLLM "
+        "runs with VLLM_USE_DEEP_GEMM=0 and without Marlin's fp8 kernel, docs/vllm.md); set by "
+        "the worker from fp8 and fp8_block. None: as the model's config says (bf16, or a "
+        "block-fp8 checkpoint's own blocks).",
+    )
     return_routed_experts: bool = Field(
         default=False,
         description="Start vLLM with enable_return_routed_experts, so that generate() can "

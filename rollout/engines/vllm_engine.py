@@ -108,7 +108,12 @@ from deltarl.rollout.engines.base import (
 )
 from deltarl.rollout.engines.vllm_mapping import TensorSpec, fp8_specs, specs_of
 from deltarl.rollout.engines.vllm_shards import Box, ShardedWeights, connect, new_key
-from deltarl.rollout.engines.vllm_transfer import BACKEND_NAME, WORKER_EXTENSION, register
+from deltarl.rollout.engines.vllm_transfer import (
+    BACKEND_NAME,
+    WORKER_EXTENSION,
+    register,
+    set_fp8_environment,
+)
 from deltarl.teacher.engines.vllm_engine import ranked_entries, shutdown_llm
 
 logger = logging.getLogger(__name__)
@@ -139,28 +144,57 @@ def import_vllm() -> Any:
     return vllm
 
 
-def hf_specs(model: str, dtype: str) -> list[TensorSpec]:
+def hf_specs(model: str, dtype: str, fp8_block: int | None = None) -> list[TensorSpec]:
     """The trainer's tensors: the Hugging Face model's parameters (tied ones once), built on
-    the meta device from ``model``'s config (no weights read); in block fp8 when the config's
-    ``quantization_config`` is (a trainer with ``publish.fp8``)."""
+    the meta device from ``model``'s config (no weights read); in block fp8 (a trainer with
+    ``publish.fp8``) when the config's ``quantization_config`` is, or with ``fp8_block`` (the
+    engine's setting, which :func:`llm_kwargs` turns into that config for vLLM)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from deltarl.weightsync.fp8 import is_block_fp8_config
+    from deltarl.weightsync.fp8 import block_of, config_block
     from deltarl.weightsync.model_state import publishable_state
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     specs = specs_of(publishable_state(hf))  # float buffers too (DeepSeek-V3's router bias)
-    fp8 = is_block_fp8_config(getattr(config, "quantization_config", None))
-    return fp8_specs(specs) if fp8 else specs
+    block = config_block(getattr(config, "quantization_config", None))
+    if fp8_block is not None:
+        if block not in (None, block_of(fp8_block)):
+            raise ValueError(
+                f"{model}: a block-fp8 checkpoint in {block[0]} x {block[1]} blocks, and the "
+                f"engine's fp8_block asks for {fp8_block} x {fp8_block}"
+            )
+        block = block_of(fp8_block)
+    return fp8_specs(specs, block) if block is not None else specs
 
 
-def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
+def fp8_overrides(settings: VllmEngineSettings, specs: list[TensorSpec]) -> dict[str, Any]:
+    """vLLM's ``hf_overrides`` that make it serve ``settings.model`` in block fp8 of
+    ``settings.fp8_block`` (``specs``: :func:`hf_specs` of the same settings): the
+    ``quantization_config`` a block-fp8 checkpoint of the model would carry, the tensors kept in
+    higher precision listed in ``modules_to_not_convert``. Its weights are dummies until the
+    bucket's fp8 anchor arrives."""
+    from deltarl.weightsync.fp8 import block_of, kept_modules, quantization_config
+
+    if settings.fp8_block is None:
+        return {}
+    shapes = {s.name: s.shape for s in specs}
+    config = quantization_config(block=block_of(settings.fp8_block))
+    config["modules_to_not_convert"] = kept_modules(shapes, shapes)
+    return {"quantization_config": config}
+
+
+def llm_kwargs(
+    settings: VllmEngineSettings, specs: list[TensorSpec] | None = None
+) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for the engine (also used by bench/vllm_speed.py to
-    time plain vLLM with the same settings)."""
+    time plain vLLM with the same settings); ``specs``: :func:`hf_specs` of the settings when
+    the caller has them (an fp8 engine needs them)."""
     from vllm.config.weight_transfer import WeightTransferConfig
 
+    if settings.fp8_block is not None and specs is None:
+        specs = hf_specs(settings.model, settings.dtype, settings.fp8_block)
     return {
         "model": settings.model,
         "dtype": settings.dtype,
@@ -182,6 +216,7 @@ def llm_kwargs(settings: VllmEngineSettings) -> dict[str, Any]:
         "skip_tokenizer_init": True,  # token ids in and out; the worker has its tokenizer
         "weight_transfer_config": WeightTransferConfig(backend=BACKEND_NAME),
         "worker_extension_cls": WORKER_EXTENSION,
+        "hf_overrides": fp8_overrides(settings, specs or []),
     }
 
 
@@ -275,8 +310,10 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         register()  # in case the entry point is not installed (e.g. a source checkout)
-        specs = hf_specs(settings.model, settings.dtype)
-        llm = vllm.LLM(**llm_kwargs(settings))
+        specs = hf_specs(settings.model, settings.dtype, settings.fp8_block)
+        if settings.fp8_block is not None:
+            set_fp8_environment()  # inherited by vLLM's engine and worker processes
+        llm = vllm.LLM(**llm_kwargs(settings, specs))
         try:  # map the checkpoint tensors onto vLLM's parameters (MappingError if impossible)
             llm.init_weight_transfer_engine(
                 {"init_info": {"tensors": [s.to_json() for s in specs]}}

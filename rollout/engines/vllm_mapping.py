@@ -62,7 +62,7 @@ import torch
 
 from deltarl.rollout.engines.vllm_shards import Box, box_of
 from deltarl.weightsync.codec.bits import dtype_name
-from deltarl.weightsync.fp8 import fp8_layout
+from deltarl.weightsync.fp8 import BLOCK, fp8_layout
 
 _PROBE_LOCK = threading.Lock()  # Tensor.copy_ is patched process-wide while probing
 
@@ -108,12 +108,12 @@ def specs_of(state: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()]
 
 
-def fp8_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+def fp8_specs(specs: list[TensorSpec], block: tuple[int, int] = BLOCK) -> list[TensorSpec]:
     """The tensors of the block-fp8 version of a model whose bf16 tensors are ``specs``
     (:func:`~deltarl.weightsync.fp8.fp8_layout`: quantized weights as
-    ``float8_e4m3fn``, each followed by its ``*_scale_inv`` float32 scales), i.e. what a trainer
-    with ``publish.fp8`` publishes and what a block-fp8 checkpoint holds."""
-    layout = fp8_layout({s.name: (getattr(torch, s.dtype), s.shape) for s in specs})
+    ``float8_e4m3fn``, each followed by its ``*_scale_inv`` float32 scales, one per ``block``),
+    i.e. what a trainer with ``publish.fp8`` publishes and what a block-fp8 checkpoint holds."""
+    layout = fp8_layout({s.name: (getattr(torch, s.dtype), s.shape) for s in specs}, block)
     return [TensorSpec(n, dtype_name(d), shape) for n, (d, shape) in layout.items()]
 
 

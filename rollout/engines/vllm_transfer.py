@@ -57,7 +57,7 @@ from deltarl.weightsync.delta import (
 )
 from deltarl.weightsync.digest import combine_digests, tensor_digest
 from deltarl.weightsync.errors import CorruptDeltaError, VerificationError
-from deltarl.weightsync.fp8 import is_block_fp8_config
+from deltarl.weightsync.fp8 import config_block
 
 logger = logging.getLogger(__name__)
 
@@ -172,23 +172,74 @@ def check_supported(vllm_config: Any) -> None:
     quantization = getattr(model, "quantization", None)
     if not quantization:
         return
-    hf_config = getattr(model, "hf_config", None)
-    if quantization != "fp8" or not is_block_fp8_config(
-        getattr(hf_config, "quantization_config", None)
-    ):
+    config = getattr(getattr(model, "hf_config", None), "quantization_config", None)
+    block, why = None, ""
+    if quantization == "fp8":
+        try:
+            block = config_block(config)
+        except ValueError as err:
+            why = f"; {err}"
+    if block is None:
         raise ValueError(
             f"the deltarl weight-transfer backend needs unquantized weights or block fp8 (got "
-            f"quantization={quantization!r}): bit-exact deltas patch the checkpoint's bytes"
+            f"quantization={quantization!r}{why}): bit-exact deltas patch the checkpoint's bytes"
         )
-    if os.environ.get("VLLM_USE_DEEP_GEMM", "1") != "0":
-        # DeepGEMM requantizes block-fp8 weights to power-of-two (E8M0) scales and re-lays the
-        # scales when it loads (fp8_utils.deepgemm_post_process_fp8_weight_block): the served
-        # bytes are not the checkpoint's
+    problem = fp8_environment_problem()
+    if problem is not None:
+        raise ValueError(f"block fp8 with the deltarl backend: {problem}")
+
+
+FP8_ENVIRONMENT = {
+    "VLLM_USE_DEEP_GEMM": "0",
+    "VLLM_DISABLED_KERNELS": "MarlinFP8ScaledMMLinearKernel",
+}
+"""What vLLM's processes need so that block-fp8 weights are served as loaded:
+
+* ``VLLM_USE_DEEP_GEMM=0``: DeepGEMM requantizes block-fp8 weights to power-of-two (E8M0)
+  scales and re-lays the scales when it loads (``fp8_utils.deepgemm_post_process_fp8_weight_
+  block``);
+* Marlin's fp8 kernel disabled: for blocks CUTLASS does not take (64 x 64) vLLM would choose it
+  before Triton's, and it repacks the weights.
+
+With both, Hopper serves 128 x 128 blocks with CUTLASS and 64 x 64 with Triton, each keeping the
+checkpoint's e4m3 bytes and scales."""
+
+
+def fp8_environment_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """What in ``env`` (default: this process's environment) keeps vLLM from serving block-fp8
+    bytes as loaded (:data:`FP8_ENVIRONMENT`), or None."""
+    env = os.environ if env is None else env
+    if env.get("VLLM_USE_DEEP_GEMM", "1") != "0":
+        return (
+            "needs VLLM_USE_DEEP_GEMM=0 (vLLM's CUTLASS and Triton block-fp8 kernels keep the "
+            "checkpoint's e4m3 bytes and scales; DeepGEMM rewrites them at load)"
+        )
+    if FP8_ENVIRONMENT["VLLM_DISABLED_KERNELS"] not in env.get("VLLM_DISABLED_KERNELS", "").split(
+        ","
+    ):
+        return (
+            "needs MarlinFP8ScaledMMLinearKernel in VLLM_DISABLED_KERNELS (Marlin's fp8 kernel "
+            "repacks the weights it serves)"
+        )
+    return None
+
+
+def set_fp8_environment() -> None:
+    """Put :data:`FP8_ENVIRONMENT` into this process's environment, which vLLM's engine and
+    worker processes inherit (call it before the engine starts); a ValueError when the
+    environment asks for DeepGEMM explicitly."""
+    deep_gemm = os.environ.get("VLLM_USE_DEEP_GEMM", "0")
+    if deep_gemm != "0":
         raise ValueError(
-            "block fp8 with the deltarl backend needs VLLM_USE_DEEP_GEMM=0 (vLLM's CUTLASS "
-            "block-fp8 kernels keep the checkpoint's e4m3 bytes and scales; DeepGEMM rewrites "
-            "them at load)"
+            f"fp8 workers need VLLM_USE_DEEP_GEMM=0, and this process's environment sets it to "
+            f"{deep_gemm!r} (DeepGEMM rewrites block-fp8 weights at load)"
         )
+    os.environ["VLLM_USE_DEEP_GEMM"] = "0"
+    disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
+    marlin = FP8_ENVIRONMENT["VLLM_DISABLED_KERNELS"]
+    os.environ["VLLM_DISABLED_KERNELS"] = ",".join(
+        [*disabled, marlin] if marlin not in disabled else disabled
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -678,8 +678,8 @@ class Coordinator:
             grant, reason = 0, "suspect"
         elif (
             req.applied_version is not None
-            and latest - req.applied_version >= self.settings.max_staleness
-        ):
+            and latest - req.applied_version >= max(1, self.settings.max_staleness)
+        ):  # at the edge of the bound: the next version, likely before the group ends, drops it
             grant, reason = 0, "update_weights"
         elif grant == 0 and req.want > 0:
             reason = "queue_full"

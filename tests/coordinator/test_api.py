@@ -485,6 +485,22 @@ def test_admission(server: LiveServer) -> None:
     assert (a.grant, a.reason) == (0, "update_weights")
 
 
+@pytest.mark.parametrize(("max_staleness", "refused_from"), [(0, 1), (1, 1), (2, 2)])
+def test_admission_refuses_a_worker_whose_groups_would_arrive_stale(
+    make_server: Callable[..., LiveServer], max_staleness: int, refused_from: int
+) -> None:
+    """A worker at the newest version is always admitted (on-policy runs, max_staleness = 0,
+    included); one lagging max(1, max_staleness) versions or more must catch up first."""
+    trainer, worker, _ = clients(make_server(max_staleness=max_staleness))
+    worker.register(reg())
+    for v in range(4):
+        trainer.publish_version(manifest(v))
+    for lag in range(4):
+        a = worker.admission("w1", 2, applied_version=3 - lag)
+        want = (0, "update_weights") if lag >= refused_from else (2, "ok")
+        assert (a.grant, a.reason) == want, lag
+
+
 def test_a_version_is_recorded_as_a_summary_and_the_manifest_stays_in_the_bucket(
     server: LiveServer,
 ) -> None:

@@ -5,6 +5,8 @@ verified against the trainer's digests of the e4m3 bytes and the scales."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from fp8_engine import KV, D, FakeFp8Engine, FusedFp8Model, Q, master_weights
@@ -137,7 +139,11 @@ def test_vllm_block_fp8_is_supported_only_where_it_keeps_the_checkpoints_bytes(
 ) -> None:
     from types import SimpleNamespace
 
-    from deltarl.rollout.engines.vllm_transfer import check_supported
+    from deltarl.rollout.engines.vllm_transfer import (
+        FP8_ENVIRONMENT,
+        check_supported,
+        set_fp8_environment,
+    )
 
     def config(quantization: str | None, qc: dict | None) -> SimpleNamespace:
         return SimpleNamespace(
@@ -148,18 +154,31 @@ def test_vllm_block_fp8_is_supported_only_where_it_keeps_the_checkpoints_bytes(
         )
 
     block = fp8.quantization_config()
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    for k in FP8_ENVIRONMENT:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "SomeOtherKernel")
+    set_fp8_environment()  # what an fp8 engine does before vLLM starts
+    assert os.environ["VLLM_DISABLED_KERNELS"] == "SomeOtherKernel,MarlinFP8ScaledMMLinearKernel"
     check_supported(config("fp8", block))
-    for quantization, qc in (
-        ("fp8", None),  # per-tensor fp8: vLLM requantizes fused shards, transposes weights
-        ("fp8", {**block, "weight_block_size": [1, 128]}),
-        ("awq", block),
+    check_supported(config("fp8", fp8.quantization_config(block=(64, 64))))
+    for quantization, qc, why in (
+        ("fp8", None, ""),  # per-tensor fp8: vLLM requantizes fused shards, transposes weights
+        ("fp8", {**block, "weight_block_size": [1, 128]}, r"\[1, 128\]: deltarl quantizes"),
+        ("fp8", {**block, "weight_block_size": [32, 32]}, r"\[64, 64\] or \[128, 128\]"),
+        ("awq", block, ""),
     ):
-        with pytest.raises(ValueError, match="unquantized weights or block fp8"):
+        with pytest.raises(ValueError, match=f"unquantized weights or block fp8.*{why}"):
             check_supported(config(quantization, qc))
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "SomeOtherKernel")
+    with pytest.raises(ValueError, match="MarlinFP8ScaledMMLinearKernel in VLLM_DISABLED"):
+        check_supported(config("fp8", block))
     monkeypatch.delenv("VLLM_USE_DEEP_GEMM")
     with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM=0"):
         check_supported(config("fp8", block))
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "1")  # asked for explicitly: refused, not changed
+    with pytest.raises(ValueError, match="sets it to '1'"):
+        set_fp8_environment()
+    assert os.environ["VLLM_USE_DEEP_GEMM"] == "1"
 
 
 def test_hf_specs_of_a_block_fp8_checkpoint_are_the_fp8_layout(tmp_path) -> None:

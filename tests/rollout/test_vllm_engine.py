@@ -66,6 +66,7 @@ from deltarl.rollout.engines.vllm_transfer import (
 )
 from deltarl.rollout.settings import WorkerExperiment
 from deltarl.rollout.sync.weights import WeightSync
+from deltarl.weightsync import fp8
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import state_digest
 from deltarl.weightsync.errors import (
@@ -865,6 +866,42 @@ def test_prefix_caching_setting_reaches_vllm(fake_vllm: Any) -> None:
     assert isinstance(off, VllmEngineSettings) and off.prefix_caching is False
     assert llm_kwargs(off)["enable_prefix_caching"] is False
     assert llm_kwargs(VllmEngineSettings(model="m"))["enable_prefix_caching"] is True
+
+
+def test_fp8_workers_give_vllm_the_quantization_config_of_their_block(
+    fake_vllm: Any, tmp_path: Path
+) -> None:
+    """WorkerExperiment fp8 -> the engine's fp8_block -> vLLM's hf_overrides: the block-fp8
+    quantization_config a checkpoint of the model would carry (the kept modules listed), and
+    the engine's tensors in that block's fp8 layout."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=192, intermediate_size=384, num_hidden_layers=1,
+        num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    base = ["engine.type=vllm", f"engine.model={tmp_path}"]
+    assert WorkerExperiment.load(None, base).engine_settings().fp8_block is None  # type: ignore[union-attr]
+    assert llm_kwargs(WorkerExperiment.load(None, base).engine_settings())["hf_overrides"] == {}  # type: ignore[arg-type]
+    settings = WorkerExperiment.load(None, [*base, "fp8=true", "fp8_block=64"]).engine_settings()
+    assert isinstance(settings, VllmEngineSettings) and settings.fp8_block == 64
+    config = llm_kwargs(settings)["hf_overrides"]["quantization_config"]
+    assert config["weight_block_size"] == [64, 64] and config["quant_method"] == "fp8"
+    assert config["modules_to_not_convert"] == ["lm_head", "model.embed_tokens"]
+    specs = {s.name: s for s in hf_specs(str(tmp_path), "bfloat16", 64)}
+    k = "model.layers.0.self_attn.k_proj.weight"  # 64 rows: one block of 64, not of 128
+    assert specs[k].dtype == "float8_e4m3fn" and specs[k + "_scale_inv"].shape == (1, 3)
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            json.loads((tmp_path / "config.json").read_text())
+            | {"quantization_config": fp8.quantization_config()}
+        )
+    )
+    with pytest.raises(ValueError, match="in 128 x 128 blocks, and the engine's fp8_block asks"):
+        hf_specs(str(tmp_path), "bfloat16", 64)
+    with pytest.raises(ValueError, match="fp8 workers need the vllm engine"):
+        WorkerExperiment.load(None, ["fp8=true"])
 
 
 def test_weight_sync_follows_the_bucket_through_the_engine_views(bucket: Any) -> None:

@@ -3,11 +3,13 @@
 Run on a Hopper GPU machine with vLLM installed, in a process of its own (vLLM caches its
 DeepGEMM decision per process)::
 
-    VLLM_USE_DEEP_GEMM=0 pytest -m gpu -s tests/rollout/test_vllm_fp8_gpu.py
+    pytest -m gpu -s tests/rollout/test_vllm_fp8_gpu.py
 
 * A tiny Llama and a tiny Qwen3 are quantized by ``weightsync/fp8.py`` and written as
   DeepSeek-style block-fp8 checkpoints (``quantization_config`` with ``weight_block_size
-  [128, 128]``); vLLM serves them with ``VLLM_USE_DEEP_GEMM=0`` (CUTLASS block kernels). Inside
+  [128, 128]``), and a 2-layer model of SmolLM2-135M's widths in 64 x 64 blocks; vLLM serves
+  them with ``VLLM_USE_DEEP_GEMM=0`` and Marlin's fp8 kernel disabled (CUTLASS block kernels
+  for 128 x 128, Triton's for 64 x 64). Inside
   vLLM's worker the real probe (``vllm_mapping.probe_views`` on ``fp8_specs``) maps every e4m3
   weight and every float32 scale to a view of vLLM's runtime tensors, and those views hold the
   checkpoint's bytes exactly (nothing requantized or re-laid at load). Then an fp8 delta (the
@@ -17,7 +19,8 @@ DeepGEMM decision per process)::
   dequantized weights (and holding the bf16 weights the fp8 ones came from) is printed.
 * The vllm engine (``VllmEngine`` + ``WeightSync``) follows a bucket published by a
   ``WeightPublisher`` with ``publish.fp8``: anchor, then three deltas, each verified, at TP=1
-  and (two GPUs) TP=2; the paused apply is printed.
+  and (two GPUs) TP=2; and in 64 x 64 blocks from a bf16 model's config with the engine's
+  ``fp8_block`` (the path of fp8 workers in a run); the paused apply is printed.
 * The one-launch store kernel writes e4m3 bytes (8-bit stores) exactly as ``index_copy_``.
 """
 
@@ -35,6 +38,7 @@ from safetensors.torch import save_file
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
 from deltarl.rollout.engines.vllm_mapping import fp8_specs, probe_views, specs_of
+from deltarl.rollout.engines.vllm_transfer import FP8_ENVIRONMENT
 from deltarl.rollout.sync.weights import WeightSync
 from deltarl.teacher.engines.vllm_engine import shutdown_llm
 from deltarl.trainer.publish.weights import WeightPublisher
@@ -58,7 +62,8 @@ def _needs_vllm_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")  # CUTLASS: vLLM keeps the checkpoint's bytes
+    for key, value in FP8_ENVIRONMENT.items():  # CUTLASS or Triton: the checkpoint's bytes kept
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # apply_model runs in-process
 
 
@@ -75,10 +80,29 @@ def _common() -> dict[str, Any]:
     }
 
 
+def _smollm2_shaped() -> Any:
+    """SmolLM2-135M's widths (hidden 576, 9 heads of 64, 3 k/v heads: q 576 and k/v 192 rows,
+    MLP 1536), 2 layers: no fused projection is whole 128-row blocks, so it needs 64 x 64."""
+    return transformers.LlamaConfig(
+        vocab_size=4096,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+# layout -> (config, block side, the linear kernel vLLM must choose)
 LAYOUTS = {
     "llama": lambda: transformers.LlamaConfig(
         vocab_size=4096, tie_word_embeddings=False, architectures=["LlamaForCausalLM"], **_common()
     ),
+    "smollm2-shaped-64": _smollm2_shaped,
     # k/v projections of 2 heads x 128 = 256 rows: at tensor parallelism 2 each rank holds one
     # whole 128-row block of them (vLLM's loader cannot split a scale block between ranks;
     # tests/rollout/test_fp8_shards.py checks the split on CPU)
@@ -106,28 +130,34 @@ def _step(state: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, tor
     }
 
 
-def _write_checkpoint(cfg: Any, directory: Path, bf16: dict[str, torch.Tensor]) -> None:
+BLOCKS = {"smollm2-shaped-64": (64, 64)}  # the others: 128 x 128
+KERNELS = {(128, 128): "CutlassFp8BlockScaledMMKernel", (64, 64): "TritonFp8BlockScaledMMKernel"}
+
+
+def _write_checkpoint(
+    cfg: Any, directory: Path, bf16: dict[str, torch.Tensor], block: tuple[int, int] = fp8.BLOCK
+) -> None:
     """A DeepSeek-style block-fp8 checkpoint of ``bf16``: config.json with the
     quantization_config, model.safetensors with e4m3 weights, scales and bf16 tensors."""
     cfg.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = fp8.quantization_config(bf16)
+    config["quantization_config"] = fp8.quantization_config(bf16, block)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(fp8.quantize_state(bf16), str(directory / "model.safetensors"))
+    save_file(fp8.quantize_state(bf16, block), str(directory / "model.safetensors"))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dequantized(state: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
     """The bf16 weights an fp8 version stands for (e4m3 x scale per block)."""
     out = {}
     for n, t in state.items():
         if n.endswith(fp8.SCALE_SUFFIX):
             continue
         if t.dtype == fp8.FP8_DTYPE:
-            t = fp8.dequantize_block_fp8(t, state[fp8.scale_name(n)]).to(torch.bfloat16)
+            t = fp8.dequantize_block_fp8(t, state[fp8.scale_name(n)], block).to(torch.bfloat16)
         out[n] = t
     return out
 
@@ -155,14 +185,14 @@ def test_vllm_serves_the_checkpoints_fp8_bytes_and_takes_a_delta_bit_exactly(
 ) -> None:
     import vllm
 
-    cfg = LAYOUTS[layout]()
+    cfg, block = LAYOUTS[layout](), BLOCKS.get(layout, fp8.BLOCK)
     hf, v0_bf16 = _bf16(cfg)
     v1_bf16 = _step(v0_bf16, 2e-3, seed=1)  # a step large enough to move e4m3 bytes
-    _write_checkpoint(cfg, tmp_path / "model", v0_bf16)
-    v0, v1 = fp8.quantize_state(v0_bf16), fp8.quantize_state(v1_bf16)
+    _write_checkpoint(cfg, tmp_path / "model", v0_bf16, block)
+    v0, v1 = fp8.quantize_state(v0_bf16, block), fp8.quantize_state(v1_bf16, block)
     delta = compute_delta(v0, v1, 0, 1)
     assert delta.changed and any(p.changed for n, p in delta.patches.items() if "proj" in n)
-    specs = fp8_specs(specs_of(v0_bf16))
+    specs = fp8_specs(specs_of(v0_bf16), block)
     assert {s.name for s in specs} == set(v0)
 
     llm = vllm.LLM(
@@ -215,7 +245,7 @@ def test_vllm_serves_the_checkpoints_fp8_bytes_and_takes_a_delta_bit_exactly(
         del llm
         torch.cuda.empty_cache()
 
-    assert before["kernels"] == ["CutlassFp8BlockScaledMMKernel"], before["kernels"]
+    assert before["kernels"] == [KERNELS[block]], before["kernels"]
     assert before["dtypes"] == {n: str(t.dtype) for n, t in v0.items()}
     wrong = [n for n, d in before["digests"].items() if d != tensor_digest(v0[n])]
     assert not wrong, f"vLLM does not serve the checkpoint's bytes of {wrong[:5]}"
@@ -224,24 +254,38 @@ def test_vllm_serves_the_checkpoints_fp8_bytes_and_takes_a_delta_bit_exactly(
     print(f"{layout}: delta of {delta.changed} elements applied by {report['how']}, verified")
 
     gaps = {
-        "dequantized v0": _logprob_gap(hf, _dequantized(v0), prompts, out0),
+        "dequantized v0": _logprob_gap(hf, _dequantized(v0, block), prompts, out0),
         "bf16 v0 (the trainer)": _logprob_gap(hf, v0_bf16, prompts, out0),
-        "dequantized v1": _logprob_gap(hf, _dequantized(v1), prompts, out1),
-        "dequantized v0 after v1 (stale)": _logprob_gap(hf, _dequantized(v0), prompts, out1),
+        "dequantized v1": _logprob_gap(hf, _dequantized(v1, block), prompts, out1),
+        "dequantized v0 after v1 (stale)": _logprob_gap(hf, _dequantized(v0, block), prompts, out1),
     }
     print(f"{layout}: mean |logprob difference| of vLLM fp8 to transformers holding: {gaps}")
     assert all(g == g and g < 10 for g in gaps.values())
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_vllm_engine_follows_an_fp8_bucket(tp: int, tmp_path: Path, bucket: Any) -> None:
+@pytest.mark.parametrize(("tp", "side"), [(1, 128), (2, 128), (1, 64)])
+def test_vllm_engine_follows_an_fp8_bucket(
+    tp: int, side: int, tmp_path: Path, bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """128: the engine starts from a block-fp8 checkpoint's config. 64: from a bf16 model's
+    config with the engine's ``fp8_block`` (what fp8 workers of a run do), on SmolLM2's widths;
+    the engine sets vLLM's environment itself."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    cfg = LAYOUTS["qwen3-tied"]()
-    _, v0_bf16 = _bf16(cfg)
-    _write_checkpoint(cfg, tmp_path / "model", v0_bf16)  # the engine reads its config only
+    block = (side, side)
+    if side == 128:
+        cfg = LAYOUTS["qwen3-tied"]()
+        _, v0_bf16 = _bf16(cfg)
+        _write_checkpoint(cfg, tmp_path / "model", v0_bf16)  # the engine reads its config only
+    else:
+        cfg = _smollm2_shaped()
+        _, v0_bf16 = _bf16(cfg)
+        cfg.save_pretrained(tmp_path / "model")
+        for key in FP8_ENVIRONMENT:
+            monkeypatch.delenv(key)
     master = {n: t.float() for n, t in v0_bf16.items()}
-    pub = WeightPublisher(bucket, PublishSettings(fp8=True, background=False, anchor_every=0))
+    settings = PublishSettings(fp8=True, fp8_block=side, background=False, anchor_every=0)
+    pub = WeightPublisher(bucket, settings)
     expected = []
     engine = make_engine(
         VllmEngineSettings(
@@ -250,6 +294,7 @@ def test_vllm_engine_follows_an_fp8_bucket(tp: int, tmp_path: Path, bucket: Any)
             max_model_len=512,
             enforce_eager=True,
             tensor_parallel_size=tp,
+            fp8_block=None if side == 128 else side,
         )
     )
     try:
@@ -262,7 +307,7 @@ def test_vllm_engine_follows_an_fp8_bucket(tp: int, tmp_path: Path, bucket: Any)
                     t.add_(torch.randn(t.shape, generator=g).sign() * 1e-3)
             pub.publish(master)
             expected.append(
-                fp8.quantize_state({n: t.to(torch.bfloat16) for n, t in master.items()})
+                fp8.quantize_state({n: t.to(torch.bfloat16) for n, t in master.items()}, block)
             )
             report = sync.sync_to()
             assert report.version == v and [s.kind for s in report.steps] == (
@@ -280,7 +325,10 @@ def test_vllm_engine_follows_an_fp8_bucket(tp: int, tmp_path: Path, bucket: Any)
             shards = engine.sharded_weights()
             assert shards.mismatches(list(expected[-1]), expected[-1]) == []
         pauses = sorted(s.pause_s for s in sync.timings if s.kind == "delta")
-        print(f"fp8 tp={tp}: 3 deltas verified, paused apply max {pauses[-1] * 1e3:.2f} ms")
+        print(
+            f"fp8 {side}x{side} tp={tp}: 3 deltas verified, paused apply max "
+            f"{pauses[-1] * 1e3:.2f} ms"
+        )
     finally:
         engine.close()
         pub.close()

@@ -52,3 +52,28 @@ def test_fp8_versions_are_the_quantized_bf16_cast_and_rebuild_bit_exactly(
     assert same_bytes(got, v6) and kinds == ["anchor"]
     got, kinds = rebuild(bucket, expected[1], at=1)  # from v1: deltas (chained after the first)
     assert same_bytes(got, v6) and kinds[0] == "delta" and "anchor" not in kinds
+
+
+def test_fp8_block_64_publishes_64_blocks(tmp_path: Path) -> None:
+    bucket = FlakyBucket(tmp_path / "bucket")
+    settings = PublishSettings(fp8=True, fp8_block=64, anchor_every=0, background=False)
+    pub = WeightPublisher(bucket, settings)
+    master = {n: t.float() for n, t in bf16_model(0).items()}
+    expected = []
+    for step in range(3):
+        pub.publish(master, step=step)
+        expected.append(
+            fp8.quantize_state({n: t.to(torch.bfloat16) for n, t in master.items()}, (64, 64))
+        )
+        adam_like_step(master, 3e-4, seed=step)
+    pub.close()
+    reader = BucketReader(bucket)
+    assert [reader.manifest(v).state_digest for v in range(3)] == [
+        state_digest(s) for s in expected
+    ]
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert expected[0][up + "_scale_inv"].shape == fp8.scale_shape(SHAPES[up], (64, 64))
+    got, kinds = rebuild(bucket, expected[0], at=0)
+    assert same_bytes(got, expected[-1]) and kinds and "anchor" not in kinds
+    with pytest.raises(ValueError, match="fp8_block"):
+        PublishSettings(fp8=True, fp8_block=96)  # type: ignore[arg-type]

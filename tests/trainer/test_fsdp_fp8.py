@@ -187,3 +187,45 @@ def test_fsdp_fp8_versions_are_one_process_bytes_with_blocks_across_ranks(
     assert sync.verified_digest() == (VERSIONS - 1, sharded.manifest(VERSIONS - 1).state_digest)
     sync.sync_to(VERSIONS)
     assert same_bytes(engine.tensors, states[VERSIONS])
+
+
+SETTINGS_64 = SETTINGS.model_copy(update={"fp8_block": 64})
+
+
+def rank_main_64(rank: int, root: str) -> None:
+    """Three versions in 64 x 64 blocks (``publish.fp8_block = 64``) from two ranks."""
+    ctx, device = join(rank, root)
+    model = shard_fsdp(Params(masters(0)), ctx, device)
+    pub = ShardedPublisher(LocalBucket(Path(root) / "bucket"), SETTINGS_64, ctx)
+    for step in range(3):
+        rows = local_rows(model, ctx)
+        with torch.no_grad():
+            for key, t in rows.items():
+                name, lo, hi = parse_slice_key(key)
+                t.copy_(masters(step)[name][lo:hi])
+        if ctx.is_main:  # tells the other rank what to publish (as the trainer's loop does)
+            assert pub.publish(rows, step=step) == step
+        else:
+            _, (version, at_step, anchor) = broadcast(None, ctx)
+            assert pub.publish_local(rows, version, at_step, anchor)
+    shutdown_distributed(ctx)
+
+
+@pytest.mark.slow
+def test_fsdp_fp8_in_64_blocks_is_one_process_bytes(tmp_path: Path, one_thread: None) -> None:
+    """The block side reaches every rank: the ranks' boundary at q_proj's row 96 falls inside
+    the 64-row block of rows 64-127 (rank 0 owns its scale), and the bytes are one process's."""
+    spawn_ranks(rank_main_64, tmp_path, 2)
+    sharded = BucketReader(LocalBucket(tmp_path / "bucket"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    for v in range(3):
+        state = fp8.quantize_state(
+            {n: t.to(torch.bfloat16) for n, t in masters(v).items()}, (64, 64)
+        )
+        m = sharded.manifest(v)
+        assert m.layout is not None and layout_digest(state, m.layout) == m.state_digest, v
+    assert {f"{q}_scale_inv[0:2]", f"{q}_scale_inv[2:3]"} <= set(m.layout)
+    specs = fp8.fp8_layout({n: (torch.bfloat16, s) for n, s in MODEL_SHAPES.items()}, (64, 64))
+    engine = DictEngine(specs)
+    WeightSync(engine, sharded).sync_to(2)  # type: ignore[arg-type]
+    assert same_bytes(engine.tensors, state)

@@ -195,8 +195,45 @@ def test_state_layout_and_checkpoint_config() -> None:
         fp8.quantize_state({**state, "model.layers.0.mlp.up_proj.weight_scale_inv": torch.zeros(1)})
 
 
-@pytest.mark.parametrize(("rows", "world"), [(320, 2), (300, 3), (576, 4), (130, 3), (64, 3)])
-def test_row_shards_quantize_like_the_whole_tensor(rows: int, world: int) -> None:
+@pytest.mark.parametrize(("rows", "cols"), [(300, 260), (576, 320)])
+def test_64_blocks_equal_the_reference(rows: int, cols: int) -> None:
+    """The 64 x 64 blocks (``fp8_block = 64``) by the same rule: one scale per 64 x 64 block."""
+    x = _awkward(rows, cols, seed=rows * cols).to(torch.bfloat16)
+    q, s = fp8.quantize_block_fp8(x, (64, 64))
+    assert tuple(s.shape) == (-(-rows // 64), -(-cols // 64))
+    ref_q, ref_s = ref_quantize(x.float().numpy(), (64, 64))
+    assert np.array_equal(s.numpy().view(np.uint32), ref_s.view(np.uint32))
+    assert np.array_equal(as_bytes(q), ref_q)
+    q128, _ = fp8.quantize_block_fp8(x)
+    assert not np.array_equal(as_bytes(q128), ref_q)  # the block side matters
+    layout = fp8.fp8_layout(
+        {"m.layers.0.mlp.up_proj.weight": (torch.bfloat16, (rows, cols))}, (64, 64)
+    )
+    assert layout["m.layers.0.mlp.up_proj.weight_scale_inv"] == (torch.float32, tuple(s.shape))
+
+
+def test_block_sides_and_checkpoint_configs() -> None:
+    assert fp8.block_of(64) == (64, 64) and fp8.block_of(128) == fp8.BLOCK
+    with pytest.raises(ValueError, match="32 x 32 blocks: deltarl quantizes to 64 x 64 or 128"):
+        fp8.block_of(32)
+    for side in fp8.BLOCK_SIDES:
+        config = fp8.quantization_config(block=(side, side))
+        assert fp8.config_block(config) == (side, side) and fp8.is_block_fp8_config(config)
+    assert fp8.config_block(None) is None
+    assert fp8.config_block({"quant_method": "awq", "weight_block_size": [128, 128]}) is None
+    assert fp8.config_block({"quant_method": "fp8"}) is None  # per-tensor fp8
+    static = {**fp8.quantization_config(), "activation_scheme": "static"}
+    assert fp8.config_block(static) is None
+    for bad in ([128, 64], [256, 256], ["a", 1], 128):
+        with pytest.raises(ValueError, match="weight_block_size"):
+            fp8.config_block({"quant_method": "fp8", "weight_block_size": bad})
+
+
+@pytest.mark.parametrize(
+    ("rows", "world", "side"),
+    [(320, 2, 128), (300, 3, 128), (576, 4, 128), (130, 3, 128), (64, 3, 128), (300, 4, 64)],
+)
+def test_row_shards_quantize_like_the_whole_tensor(rows: int, world: int, side: int) -> None:
     """FSDP2 splits rows in chunks of ceil(rows / world): a 128-row block can straddle two ranks
     (or more). Each rank's partial amax grid, max-reduced, gives every rank the same scales;
     each quantizes its own rows; the owners of each block's first row publish its scale row.
@@ -204,18 +241,19 @@ def test_row_shards_quantize_like_the_whole_tensor(rows: int, world: int) -> Non
     g = torch.Generator().manual_seed(rows + world)
     x = (torch.randn(rows, 200, generator=g) * 0.02).to(torch.bfloat16)
     x[rows // 2, 3] = 1.0  # a large value on one rank raises a block that other ranks share
-    whole_q, whole_s = fp8.quantize_block_fp8(x)
+    block = (side, side)
+    whole_q, whole_s = fp8.quantize_block_fp8(x, block)
     chunk = -(-rows // world)
     spans = [(lo, min(lo + chunk, rows)) for lo in range(0, rows, chunk)]
     spans += [(rows, rows)] * (world - len(spans))  # ranks with no rows
-    grids = [fp8.partial_amax(x[lo:hi], lo, rows) for lo, hi in spans]
+    grids = [fp8.partial_amax(x[lo:hi], lo, rows, block) for lo, hi in spans]
     amax = torch.stack(grids).amax(0)  # the all-reduce MAX
     qs, owned = [], []
     for lo, hi in spans:
-        q, s = fp8.quantize_rows(x[lo:hi], lo, amax)
+        q, s = fp8.quantize_rows(x[lo:hi], lo, amax, block)
         assert torch.equal(s, whole_s)
         qs.append(q)
-        first, end = fp8.owned_scale_rows(lo, hi)
+        first, end = fp8.owned_scale_rows(lo, hi, block)
         owned += range(first, end)
     assert torch.equal(torch.cat(qs).view(torch.uint8), whole_q.view(torch.uint8))
     assert owned == list(range(whole_s.shape[0]))  # the owners tile the scale grid

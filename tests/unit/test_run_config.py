@@ -334,3 +334,34 @@ def test_the_distill_demo_plan_runs_a_teacher_with_the_jsd_loss() -> None:
     assert config.trainer["loss"] == {"distill": "jsd"}
     config = replace(plan, distill=True, teacher_model="/t").run_config()
     assert config.teacher is not None and config.teacher["model"] == "/t"
+
+
+def test_fp8_is_declared_once_for_the_trainer_and_the_vllm_workers(tmp_path: Path) -> None:
+    """[run] fp8 and fp8_block reach the trainer's publication and every worker's engine; a
+    worker whose engine cannot serve fp8 is refused when the file is read."""
+    base = load_run_config(ROOT / "examples" / "demo-wordle.toml")
+    with pytest.raises(RunConfigError, match=r"\[rollout\].*fp8 workers need the vllm engine"):
+        base.with_overrides(["run.fp8=true"])
+    config = base.with_overrides(
+        ["run.fp8=true", "run.fp8_block=64", 'rollout.engine={type="vllm"}']
+    )
+    launches = derive(
+        config,
+        run_dir=tmp_path,
+        model="/models/m",
+        endpoints=Endpoints("127.0.0.1", 8700, 8001),
+        tokens=TOKENS,
+        bucket_uri=str(tmp_path / "bucket"),
+    )
+    by = {x.name: x for x in launches}
+    exp = ExperimentSettings.load(
+        Path(by["trainer"].args[by["trainer"].args.index("--config") + 1])
+    )
+    assert exp.publish.fp8 and exp.publish.fp8_block == 64
+    for w in ("worker-1", "worker-2"):
+        we = WorkerExperiment.load(Path(by[w].args[by[w].args.index("--config") + 1]))
+        assert we.engine_settings().fp8_block == 64  # type: ignore[union-attr]
+    plain = base.with_overrides(['rollout.engine={type="vllm"}'])
+    assert plain.run.fp8 is False
+    with pytest.raises(RunConfigError, match=r"run.fp8_block: Input should be 64 or 128"):
+        base.with_overrides(["run.fp8_block=32"])

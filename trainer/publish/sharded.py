@@ -89,7 +89,7 @@ from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.weightsync.digest import combine_digests, tensor_digest
 from deltarl.weightsync.errors import StateMismatchError
-from deltarl.weightsync.fp8 import FP8_DTYPE, SCALE_SUFFIX
+from deltarl.weightsync.fp8 import FP8_DTYPE, SCALE_SUFFIX, block_of
 from deltarl.weightsync.manifest import ObjectPart, parse_slice_key, slice_key
 from deltarl.weightsync.proof import ProofSpec, answer_from, new_nonce, sampled_pieces
 from deltarl.weightsync.writer import BucketWriter, NewObject
@@ -432,7 +432,11 @@ class ShardedPublisher(VersionBook):
         try:
             if self.settings.fp8:  # a collective that every rank reaches (sharded_fp8.py)
                 state, self._fp8_layout = quantize_local_rows(
-                    state, super().dtype_of, self.ctx.world_size, layout=self._fp8_layout
+                    state,
+                    super().dtype_of,
+                    self.ctx.world_size,
+                    block_of(self.settings.fp8_block),
+                    layout=self._fp8_layout,
                 )
                 self._fp8_names = frozenset(self._fp8_layout)
             new, record = self._encode_and_upload(state, version, anchor)

@@ -131,7 +131,9 @@ def quantize_local_rows(
             error = (
                 f"this rank's rows of {moved[:3] or 'its tensors'} differ from the last version's"
             )
-    reduced = sorted(n for n, (shape, r) in layout.items() if len(shape) == 2 and straddled(r))
+    reduced = sorted(
+        n for n, (shape, r) in layout.items() if len(shape) == 2 and straddled(r, block)
+    )
     grids = _reduced_amax(state, local, layout, reduced, dtype_of, block, error)
 
     out: dict[str, torch.Tensor] = {}

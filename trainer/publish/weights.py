@@ -73,7 +73,7 @@ from deltarl.weightsync.codec.context import DeltaContext
 from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import combine_digests, state_digests
-from deltarl.weightsync.fp8 import quantize_state
+from deltarl.weightsync.fp8 import block_of, quantize_state
 from deltarl.weightsync.manifest import VersionManifest
 from deltarl.weightsync.model_state import fp32_names, publish_dtype
 from deltarl.weightsync.model_state import publishable_state as publishable_state
@@ -524,7 +524,9 @@ class WeightPublisher(VersionBook):
         t_start = time.perf_counter()
         if snap.ready is not None:
             snap.ready.synchronize()
-        new = quantize_state(snap.state) if self.settings.fp8 else snap.state
+        new = snap.state
+        if self.settings.fp8:
+            new = quantize_state(new, block_of(self.settings.fp8_block))
         base, base_version = self._base, self._last_version
         with_delta = base is not None and base_version is not None and not self._failed
         numel = sum(t.numel() for t in new.values())

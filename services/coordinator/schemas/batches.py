@@ -204,7 +204,9 @@ class AdmissionResponse(WireModel):
     ``fair_share = (target_queue_groups - queued) // active_workers``: a worker may always fill
     its fair share of the budget, whatever the others report in flight (one worker's claim cannot
     starve the rest). 0 when the worker's weights are already so old that what it generates
-    would be refused (``latest - applied_version >= max_staleness``): it must catch up first.
+    would likely be refused (``latest - applied_version >= max(1, max_staleness)``: at the
+    bound, the next version drops it): it must catch up first. A worker at the latest version
+    is admitted under any bound, ``max_staleness = 0`` (on-policy) included.
     """
 
     grant: int = Field(ge=0, le=1_000_000, description="Groups the worker may start now (<= want).")
