@@ -33,7 +33,7 @@ case $AB in
   hints) ARMS=(grpo hints); PARALLEL=0; COMMON+=(--engine transformers)
     CMD="HINT_COEF=$HINT_COEF SEEDS=\"$SEEDS\" STEPS=$STEPS LAST=$LAST bash bench/gpu_hint_capitals.sh RES" ;;
   fp8) ARMS=(bf16 fp8); PARALLEL=1
-    COMMON+=(--engine vllm --workers 1 --gpu-memory-utilization 0.2)
+    COMMON+=(--engine vllm --workers 1 --gpu-memory-utilization 0.1)
     CMD="AB=fp8 SEEDS=\"$SEEDS\" STEPS=$STEPS LAST=$LAST bash bench/gpu_capitals_ab.sh RES" ;;
   *) echo "AB=$AB: hints or fp8" >&2; exit 2 ;;
 esac

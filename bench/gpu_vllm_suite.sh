@@ -142,7 +142,7 @@ for step in "${steps[@]}"; do
       --model-kind smollm2-moe --set 'run.routing_replay=true' --gpu-memory-utilization 0.3 \
       --run-dir "$RES/wordle-vllm-moe-r3" "${WORDLE[@]}" --result ;;
     system_moe_1gpu_s0) run system_moe_1gpu_s0 python3 bench/wordle_gpu_run.py --engine vllm \
-      --model-kind smollm2-moe --set 'run.max_staleness=0' --gpu-memory-utilization 0.3 \
+      --model-kind smollm2-moe --set 'run.max_staleness=0' --gpu-memory-utilization 0.2 \
       --run-dir "$RES/wordle-vllm-moe-s0" "${WORDLE[@]}" --result ;;
     faults) DELTARL_TEST_ROLLOUT_ENGINE=vllm DELTARL_TEST_TIMEOUT_SCALE=4 DELTARL_FAULTS_SUMMARY="$RES/faults.json" \
       run faults python3 -m pytest -q -s -p no:cacheprovider \
