@@ -113,6 +113,7 @@ from deltarl.weightsync.errors import (
     StateMismatchError,
     VerificationError,
 )
+from deltarl.weightsync.fp8 import SCALE_SUFFIX
 from deltarl.weightsync.manifest import ObjectRef, VersionManifest
 from deltarl.weightsync.planner import CatchUpPlan, plan_catch_up
 from deltarl.weightsync.proof import ProofSpec, proof_answer
@@ -986,11 +987,15 @@ def _check_same_tensors(
 ) -> None:
     """Refuse an anchor whose tensors are not exactly the engine's (names, dtypes, shapes)."""
     missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    differ = [
+        n
+        for n in sorted(set(params) & set(state))
+        if params[n].dtype != state[n].dtype or params[n].shape != state[n].shape
+    ]
     wrong = [
         f"{n}: engine {params[n].dtype}{list(params[n].shape)}, anchor "
         f"{state[n].dtype}{list(state[n].shape)}"
-        for n in sorted(set(params) & set(state))
-        if params[n].dtype != state[n].dtype or params[n].shape != state[n].shape
+        for n in differ
     ]
     if missing or extra or wrong:
         fp8 = [
@@ -998,13 +1003,14 @@ def _check_same_tensors(
             for side, tensors in (("bucket", state), ("engine", params))
             if any(t.dtype == torch.float8_e4m3fn for t in tensors.values())
         ]
-        hint = (
-            f" (the {' and the '.join(fp8)} hold{'s' if len(fp8) == 1 else ''} block fp8: a "
-            "trainer with publish.fp8 needs workers serving a block-fp8 checkpoint of the same "
-            "model, docs/vllm.md)"
-            if len(fp8) == 1
-            else " (same model and dtype on both sides?)"
-        )
+        hint = " (same model and dtype on both sides?)"
+        if len(fp8) == 1:
+            hint = (
+                f" (the {fp8[0]} holds block fp8: a trainer with publish.fp8 needs fp8 workers "
+                "of the same model, [run] fp8 in a run config, docs/vllm.md)"
+            )
+        elif fp8 and all(n.endswith(SCALE_SUFFIX) for n in differ) and not missing + extra:
+            hint = " (both hold block fp8 with different scale shapes: the same fp8_block?)"
         raise StateMismatchError(
             f"the bucket's model is not the engine's: anchor lacks {missing[:5]}, has extra "
             f"{extra[:5]}, mismatched {wrong[:3]}{hint}"

@@ -133,6 +133,17 @@ def test_a_bf16_engine_refuses_an_fp8_bucket(bucket: LocalBucket) -> None:
     with pytest.raises(StateMismatchError, match="block fp8"):
         sync.sync_to()
 
+    class Blocks64Engine(FakeFp8Engine):  # fp8 in 64 x 64 blocks, the bucket in 128 x 128
+        def __init__(self) -> None:
+            self.steps = 1
+            bf16 = {n: (torch.bfloat16, tuple(t.shape)) for n, t in master_weights().items()}
+            layout = fp8.fp8_layout(bf16, (64, 64))
+            self.views = {n: torch.zeros(shape, dtype=d) for n, (d, shape) in layout.items()}
+
+    sync = WeightSync(Blocks64Engine(), BucketReader(bucket), max_attempts=1)
+    with pytest.raises(StateMismatchError, match="different scale shapes: the same fp8_block"):
+        sync.sync_to()
+
 
 def test_vllm_block_fp8_is_supported_only_where_it_keeps_the_checkpoints_bytes(
     monkeypatch: pytest.MonkeyPatch,
