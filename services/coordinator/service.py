@@ -676,10 +676,11 @@ class Coordinator:
             grant, reason = 0, "no_version"
         elif self.settings.refuse_suspect_workers and worker.suspect:
             grant, reason = 0, "suspect"
-        elif (
-            req.applied_version is not None
-            and latest - req.applied_version >= max(1, self.settings.max_staleness)
-        ):  # at the edge of the bound: the next version, likely before the group ends, drops it
+        # at the bound, the next version (likely before the group ends) drops what it starts;
+        # a worker at the newest version is always admitted (max_staleness = 0: on-policy)
+        elif req.applied_version is not None and latest - req.applied_version >= max(
+            1, self.settings.max_staleness
+        ):
             grant, reason = 0, "update_weights"
         elif grant == 0 and req.want > 0:
             reason = "queue_full"
