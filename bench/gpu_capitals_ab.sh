@@ -11,7 +11,7 @@
 #             -> bench/results/fp8_capitals_<gpu>_smollm2-135m.json
 # RES/summary.json holds, per arm and seed, the trained batches' mean reward per step, the mean
 # of the last LAST steps, the median over steps of the trainer-vs-worker logprob gap
-# (mismatch/abs_logprob_diff) and of the importance weight, and arm B minus arm A; it is
+# (mismatch/abs_logprob_diff/mean) and of the importance weight, and arm B minus arm A; it is
 # rewritten after every run and also written with the date, machine and command to the result.
 #   AB=fp8 [SEEDS="0 1 2"] [STEPS=15] [LAST=5] [HINT_COEF=5.0] bash bench/gpu_capitals_ab.sh RES
 set -uo pipefail
@@ -61,8 +61,8 @@ for seed in seeds:
         path = res / f"{arm}-{seed}" / "trainer" / "metrics.jsonl"
         rows = [json.loads(x) for x in path.open()] if path.exists() else []
         rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-        gaps = [r["mismatch/abs_logprob_diff"] for r in rows if "mismatch/abs_logprob_diff" in r]
-        weights = [r["is/weight"] for r in rows if "is/weight" in r]
+        gaps = [r[k] for r in rows if (k := "mismatch/abs_logprob_diff/mean") in r]
+        weights = [r[k] for r in rows if (k := "is/weight/mean") in r]
         row[arm] = {
             "rewards": [round(x, 4) for x in rewards],
             "last_mean": round(mean(rewards[-last:]), 4) if rewards else None,
@@ -83,12 +83,20 @@ write_json(result_path(f"{ab}_capitals", gpu_tag(1), "smollm2-135m"), {"meta": a
 print(json.dumps(out, indent=1))
 PY
 }
-run_arm() {  # arm seed
-  local t0=$SECONDS
-  # shellcheck disable=SC2046  # arm_args prints separate words
-  python3 bench/wordle_gpu_run.py --run-dir "$RES/$1-$2" --seed "$2" "${COMMON[@]}" \
-    $(arm_args "$1") >"$RES/$1-$2.log" 2>&1
-  echo "$1-$2 rc=$? $((SECONDS - t0))s" >>"$RES/status"
+run_arm() {  # arm seed; a run that fails is run once more (vLLM's start-up memory check fails
+  # when another process on the GPU frees memory while it profiles)
+  local t0 rc
+  for attempt in 1 2; do
+    t0=$SECONDS
+    rm -rf "$RES/$1-$2"
+    # shellcheck disable=SC2046  # arm_args prints separate words
+    python3 bench/wordle_gpu_run.py --run-dir "$RES/$1-$2" --seed "$2" "${COMMON[@]}" \
+      $(arm_args "$1") >"$RES/$1-$2.log" 2>&1
+    rc=$?
+    echo "$1-$2 rc=$rc $((SECONDS - t0))s (attempt $attempt)" >>"$RES/status"
+    [ $rc = 0 ] && break
+    cp "$RES/$1-$2.log" "$RES/$1-$2.failed.log"
+  done
 }
 for seed in $SEEDS; do
   if [ "$PARALLEL" = 1 ]; then
