@@ -2,8 +2,8 @@
 
 For every optimizer step cached by ``bench/real_deltas.py`` (generated on first use), the bf16
 state the trainer publishes and its block-fp8 version (``publish.fp8``: every linear weight
-quantized to e4m3 with one float32 scale per 128x128 block, ``weightsync/fp8.py``; the
-tied embedding stays bf16) are diffed against the step before, and reported side by side:
+quantized to e4m3 with one float32 scale per 128x128 block, or 64x64 with ``--block 64``,
+``weightsync/fp8.py``; the tied embedding stays bf16) are diffed against the step before, and reported side by side:
 
 * changed fraction: of the bf16 elements; of the e4m3 elements, and of the *same* tensors in
   bf16 (the quantized ones: apples to apples);
@@ -22,12 +22,12 @@ on the same number of cores overwrites.
 Usage::
 
     python bench/fp8_deltas.py --steps 6
+    python bench/fp8_deltas.py --steps 6 --block 64
     python bench/fp8_deltas.py --lr 1e-6 --steps 3      # quicker
 
-Caveat: SmolLM2's hidden size (576) is not a multiple of 128, so its q/k/v and gate/up
-projections could not be fused by vLLM in block fp8 (vLLM requires block-aligned shards); the
-quantization here is the same rule applied to the trainer's tensors (edge blocks included), which
-is what the delta sizes depend on.
+SmolLM2's hidden size (576) is not a multiple of 128, so vLLM can serve it in block fp8 only in
+64 x 64 blocks (``--block 64``, what its fp8 workers serve); 128 x 128 is the layout of larger
+models, measured here by the same rule on SmolLM2's tensors (edge blocks included).
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def coded(
     }
 
 
-def scale_changes(delta: Delta, old: dict[str, torch.Tensor], quantized: list[str]) -> dict:
+def scale_changes(
+    delta: Delta, old: dict[str, torch.Tensor], quantized: list[str], side: int
+) -> dict:
     """Changed block scales, and the e4m3 bytes that changed inside those blocks."""
     changed = total = bytes_in_changed_blocks = 0
     for name in quantized:
@@ -105,7 +107,7 @@ def scale_changes(delta: Delta, old: dict[str, torch.Tensor], quantized: list[st
         blocks = set(sp.index.tolist())
         idx = torch.from_numpy(delta.patches[name].index)
         lead, rc = idx // (rows * cols), idx % (rows * cols)
-        block = (lead * grid[-2] + (rc // cols) // 128) * grid[-1] + (rc % cols) // 128
+        block = (lead * grid[-2] + (rc // cols) // side) * grid[-1] + (rc % cols) // side
         bytes_in_changed_blocks += sum(1 for b in block.tolist() if b in blocks)
     return {"changed": changed, "total": total, "bytes_in_changed_blocks": bytes_in_changed_blocks}
 
@@ -117,20 +119,21 @@ def anchors(state: dict[str, torch.Tensor]) -> dict[str, int]:
     }
 
 
-def bench_lr(lr: float, steps: int, threads: int) -> list[dict[str, Any]]:
+def bench_lr(lr: float, steps: int, threads: int, side: int) -> list[dict[str, Any]]:
     states = real_deltas.load_steps(lr)[: steps + 1]
     quantized = sorted(n for n, t in states[0].items() if fp8.is_quantized(n, t.shape, t.dtype))
     qset = set(quantized)
     fp8_names = qset | {fp8.scale_name(n) for n in quantized}
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    prev_q = fp8.quantize_state(states[0])
+    block = fp8.block_of(side)
+    prev_q = fp8.quantize_state(states[0], block)
     first_quantize_s = time.perf_counter() - t0
     bf16_ctx = fp8_ctx = None
     for step in range(1, len(states)):
         old, new = states[step - 1], states[step]
         t0 = time.perf_counter()
-        new_q = fp8.quantize_state(new)
+        new_q = fp8.quantize_state(new, block)
         quantize_s = time.perf_counter() - t0
         old_q = prev_q
         d16 = compute_delta(old, new, step - 1, step)
@@ -150,7 +153,7 @@ def bench_lr(lr: float, steps: int, threads: int) -> list[dict[str, Any]]:
                 "changed": sum(d8.patches[n].changed for n in quantized),
                 "numel": sum(d8.patches[n].numel for n in quantized),
             },
-            "scales": scale_changes(d8, old_q, quantized),
+            "scales": scale_changes(d8, old_q, quantized, side),
         }
         v = row["fp8_values_only"]
         v["density"] = v["changed"] / v["numel"]
@@ -202,7 +205,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per learning rate")
     ap.add_argument("--threads", type=int, default=2, help="codec threads")
     ap.add_argument(
-        "--json", type=Path, help="default: bench/results/fp8_deltas_cpu<N>_smollm2-135m.json"
+        "--block", type=int, choices=fp8.BLOCK_SIDES, default=128, help="side of the fp8 blocks"
+    )
+    ap.add_argument(
+        "--json",
+        type=Path,
+        help="default: bench/results/fp8_deltas_cpu<N>_smollm2-135m[-block64].json",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -212,9 +220,11 @@ def main() -> None:
             real_deltas.step_paths(lr)
         except FileNotFoundError:
             real_deltas.train(lr, args.steps, real_deltas.DEFAULT_OUT, 4, 256, 0, 0.0)
-    results = {f"{lr:.0e}": bench_lr(lr, args.steps, args.threads) for lr in lrs}
+    results = {f"{lr:.0e}": bench_lr(lr, args.steps, args.threads, args.block) for lr in lrs}
     about = meta(model="SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), AdamW, fp32 masters")
-    out = args.json or result_path("fp8_deltas", cpu_tag(), "smollm2-135m")
+    about["block"] = [args.block, args.block]
+    name = "smollm2-135m" + ("" if args.block == 128 else f"-block{args.block}")
+    out = args.json or result_path("fp8_deltas", cpu_tag(), name)
     write_json(out, {"meta": about, "results": results})
 
 

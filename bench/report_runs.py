@@ -361,29 +361,52 @@ def hints_wordle(results: list[Result]) -> Lines:
     )
 
 
-def hints_capitals(results: list[Result]) -> Lines:
-    rows = []
+def _capitals_ab(results: list[Result], about: str) -> Lines:
+    """bench/gpu_capitals_ab.sh's two arms per seed (the hints results predate the gap
+    columns)."""
+    rows, gaps = [], False
     for r in results:
         last = r.data["last"]
         for seed, row in r.data["seeds"].items():
-            for arm in ("grpo", "hints"):
+            for arm in r.data.get("arms", ["grpo", "hints"]):
                 a = row[arm]
+                gaps = gaps or "logprob_gap_median" in a
                 rows.append(
                     [
                         seed,
                         arm,
                         " ".join(f"{x:.2f}".lstrip("0") for x in a["rewards"]) or "(failed)",
                         num(a["last_mean"], 3),
+                        num(a.get("logprob_gap_median"), 3),
+                        num(a.get("is_weight_median"), 3),
                     ]
                 )
-    return [
-        *table(
-            ["seed", "arm", "trained batches' mean reward per step", f"mean of the last {last}"],
-            rows,
-        ),
-        "",
+    header = ["seed", "arm", "trained batches' mean reward per step", f"mean of the last {last}"]
+    if gaps:
+        header += ["logprob gap, median over steps", "importance weight, median"]
+    else:
+        rows = [row[:4] for row in rows]
+    return [*table(header, rows), "", about]
+
+
+def hints_capitals(results: list[Result]) -> Lines:
+    return _capitals_ab(
+        results,
         "The capitals task (charset env, target A-Z: reply in capital letters), "
         "SmolLM2-135M-Instruct, two transformers workers and the trainer on one GPU, 15 steps "
         "of 2 groups of 6, lr 1e-4; the hints arm adds the environment's hint scored by the "
         "worker's policy and `loss.hint_coef` 1.0.",
-    ]
+    )
+
+
+def fp8_capitals(results: list[Result]) -> Lines:
+    return _capitals_ab(
+        results,
+        "The capitals task, SmolLM2-135M-Instruct, one vllm worker and the trainer per run, the "
+        "two arms of a seed side by side on one GPU, 15 steps of 2 groups of 6, lr 1e-4, "
+        "staleness up to 2; the fp8 arm's worker serves every version in 64 x 64 block fp8 "
+        "(`[run] fp8`, `fp8_block = 64`), verified bit for bit like the bf16 one. The logprob "
+        "gap is the mean |trainer - worker| per token of a step's trained tokens (the trainer "
+        "scores in bf16, so the fp8 arm's gap includes the quantization; at this learning rate "
+        "both include the policy lag of stale trajectories); a missing value: not recorded.",
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from report_format import Section, gpus
 from report_fp8 import fp8_1t
 from report_runs import (
+    fp8_capitals,
     hints_capitals,
     hints_wordle,
     system,
@@ -175,6 +176,12 @@ SECTIONS = [
         "Hinted self-distillation on the capitals task",
         "GRPO alone against GRPO plus hints on a task SmolLM2 can read the hint for, three seeds.",
         hints_capitals,
+    ),
+    Section(
+        "fp8_capitals",
+        "Learning with fp8 workers",
+        "The capitals task with bf16 workers against fp8 workers, same seeds and steps.",
+        fp8_capitals,
     ),
     Section(
         "teacher_vllm",
