@@ -52,6 +52,8 @@
 #            default 8; 48 is the whole model), publication by DELTARL_MOE_RANKS ranks (default
 #            2; ranks take the GPUs round-robin) over DELTARL_MOE_STEPS steps (default 4) and the
 #            apply into vLLM
+#   moe_scale_fp8  moe_scale with --fp8: the ranks publish block fp8, vLLM serves the experts
+#            in fp8 (its fused MoE's block-fp8 path) and takes every delta in one pause
 #   system_moe  system_fsdp with the mixture of experts upcycled from SmolLM2 (--model-kind
 #            smollm2-moe: 8 experts, top-2): FSDP2 trainer on GPUs 0-1, a vllm worker on each of
 #            GPUs 2 and 3; its summary holds the trainer-vs-worker logprob gap (beside
@@ -127,6 +129,9 @@ for step in "${steps[@]}"; do
       bash bench/gpu_capitals_ab.sh "$RES/fp8-capitals" ;;
     moe_scale) run moe_scale timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
       --ranks "${DELTARL_MOE_RANKS:-2}" --steps "${DELTARL_MOE_STEPS:-4}" --engine vllm \
+      --gpu-memory-utilization "${DELTARL_MOE_GPU_MEM:-0.45}" ;;
+    moe_scale_fp8) run moe_scale_fp8 timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
+      --ranks "${DELTARL_MOE_RANKS:-2}" --steps "${DELTARL_MOE_STEPS:-4}" --engine vllm --fp8 \
       --gpu-memory-utilization "${DELTARL_MOE_GPU_MEM:-0.45}" ;;
     system_moe) run system_moe python3 bench/wordle_gpu_run.py --engine vllm --model-kind smollm2-moe \
       --trainer-nproc 2 --set 'trainer.parallel="fsdp"' --worker-gpus 2 3 --gpu-memory-utilization 0.3 \

@@ -26,8 +26,15 @@ Output: one JSON with the settings, machine, date and command, a line per publis
 changed element), a line per applied delta, a summary and, with fewer than 48 layers, the
 per-step numbers scaled to 48 layers (publish work and bytes grow with the elements; stated as
 an extrapolation, not a measurement). It goes to
-``bench/results/moe_scale_<hardware>_qwen3-30b-a3b-<L>layers.json`` (``L`` layers; ``--json`` for
-another path; ``--tiny`` writes only with ``--json``), which a rerun overwrites.
+``bench/results/moe_scale_<hardware>_qwen3-30b-a3b-<L>layers[-fp8].json`` (``L`` layers; ``--json``
+for another path; ``--tiny`` writes only with ``--json``), which a rerun overwrites.
+
+``--fp8``: the ranks publish every version in block fp8 (``publish.fp8``, 128 x 128 blocks,
+every rank quantizing its rows) and the engine serves it (vLLM with the engine's ``fp8_block``:
+its fused experts in fp8; or tensors in the fp8 layout). The steps still move bf16 values by
+1-2 ULPs, of which the e4m3 bytes see only those that cross a rounding boundary: the changed
+fraction counts changed e4m3 bytes in the quantized tensors (far fewer than ``--density``) and
+changed values in those that stay bf16 (embeddings, LM head, norms, routers: ``--density``).
 
 Runs on any machine with CUDA GPUs, the ``weights`` and ``model`` extras and, for ``--engine
 vllm``, vLLM 0.33.0.
@@ -37,6 +44,7 @@ Usage::
     python bench/moe_scale.py --tiny --json /tmp/moe_scale_tiny.json          # CPU, ~1 min
     python bench/moe_scale.py --layers 8 --ranks 2 --steps 4 --engine vllm    # one GPU
     python bench/moe_scale.py --layers 48 --ranks 4 --steps 4 --engine tensors  # 4 GPUs
+    python bench/moe_scale.py --layers 8 --ranks 2 --steps 4 --engine vllm --fp8  # fp8, one GPU
 """
 
 from __future__ import annotations
@@ -198,7 +206,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
                 t.normal_(0.0, 0.02, generator=gen)
             rows[slice_key(name, lo, hi)] = t
     reports: list[dict[str, Any]] = []
-    settings = PublishSettings(anchor_every=0, chained_deltas=False)
+    settings = PublishSettings(anchor_every=0, chained_deltas=False, fp8=args.fp8)
     pub = ShardedPublisher(LocalBucket(args.bucket), settings, ctx, on_rank_report=reports.append)
 
     def publish(step: int) -> float:
@@ -270,12 +278,19 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
 
 
 class TensorEngine:
-    """The part of a rollout engine WeightSync uses: named bf16 tensors on one device."""
+    """The part of a rollout engine WeightSync uses: named tensors on one device (bf16, or the
+    block-fp8 layout of the same shapes)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], device: torch.device, fp8: bool = False
+    ) -> None:
+        from deltarl.weightsync.fp8 import fp8_layout
+
         self.device = device
+        specs = {n: (torch.bfloat16, s) for n, s in shapes.items()}
         self.tensors = {
-            n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()
+            n: torch.zeros(s, dtype=d, device=device)
+            for n, (d, s) in (fp8_layout(specs) if fp8 else specs).items()
         }
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
@@ -306,6 +321,7 @@ def follow(
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 max_model_len=1024,
                 enforce_eager=not args.cuda_graphs,
+                fp8_block=128 if args.fp8 else None,
             )
         )
     elif args.engine == "transformers":
@@ -317,7 +333,7 @@ def follow(
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         engine = TransformersEngine(model)
     else:
-        engine = TensorEngine(tensor_specs(cfg), device)
+        engine = TensorEngine(tensor_specs(cfg), device, args.fp8)
     start_s = time.perf_counter() - t0
     generates = args.engine != "tensors"
     try:
@@ -469,8 +485,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--decode-threads", type=int, default=None, help="the decoder's threads (its default)"
     )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="publish block fp8 (128 x 128) and apply it into an fp8 engine (vllm or tensors)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args(argv)
+    if args.fp8 and args.engine == "transformers":
+        ap.error("--fp8: the transformers engine serves bf16 only (use vllm or tensors)")
     cuda = torch.cuda.is_available() and not args.tiny
     args.device = args.device or ("cuda" if cuda else "cpu")
     args.layers = args.layers or (2 if args.tiny else FULL_LAYERS)
@@ -483,7 +506,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpus = min(args.ranks, torch.cuda.device_count()) if args.device == "cuda" else 0
     if args.json is None and not args.tiny:
         hardware = gpu_tag(gpus) if gpus else cpu_tag()
-        args.json = result_path("moe_scale", hardware, f"qwen3-30b-a3b-{args.layers}layers")
+        name = f"qwen3-30b-a3b-{args.layers}layers" + ("-fp8" if args.fp8 else "")
+        args.json = result_path("moe_scale", hardware, name)
     result: dict[str, Any] = {
         "meta": meta(gpus=gpus),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},

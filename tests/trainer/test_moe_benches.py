@@ -65,3 +65,16 @@ def test_moe_sparsity_measures_per_expert_changes_against_routed_tokens(tmp_path
         v for k, v in moe["parameters_by_group"].items() if k == "router"
     )
     assert "experts" in moe["summary"] and "experts" not in dense["summary"]
+
+
+@pytest.mark.slow
+def test_moe_scale_in_fp8_applies_verified_e4m3_deltas(tmp_path: Path) -> None:
+    out = tmp_path / "scale-fp8.json"
+    run("moe_scale.py", "--tiny", "--steps", "2", "--fp8", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["settings"]["fp8"] is True
+    steps = result["publish"]["steps"]
+    # 1-ULP bf16 moves at 1%: only those crossing an e4m3 rounding boundary change a byte (the
+    # embeddings, half of this tiny model, stay bf16 and change at 1%)
+    assert all(0 < s["changed_fraction"] < 0.008 for s in steps)
+    assert result["apply"]["verified_version"] == 2
