@@ -198,7 +198,8 @@ class SamplingSettings(_Settings):
         "temperature, model or tokenizer differing from the workers', or made-up logprobs "
         "(engine numerics alone give ~1e-6..1e-3; SmolLM2-135M sampled at T=0.8 and scored at "
         "T=1 gives ~0.045). Every on-policy group of a step over it, from two workers or more: "
-        "SamplingMismatchError. None: no check.",
+        "SamplingMismatchError. None: no check (the default with publish.fp8, whose workers "
+        "sample from the quantized weights the trainer does not score with).",
     )
     routing_replay: bool = Field(
         default=False,
@@ -417,6 +418,26 @@ class ExperimentSettings(_Settings):
         default_factory=ReportSettings,
         description="Console progress and experiment trackers (trackio, W&B).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fp8_onpolicy_check(cls, data: Any) -> Any:
+        """fp8 workers sample from the block-fp8 quantization of the weights, which the trainer
+        scores in bf16: their on-policy tokens differ by the quantization (tenths of a nat per
+        token on SmolLM2-135M), not by engine numerics, so the on-policy mismatch check would
+        refuse honest fp8 workers. With ``publish.fp8`` and no explicit
+        ``sampling.max_onpolicy_mismatch_kl`` the check is off (what they serve is still proven
+        by the weight challenges); a value set explicitly is kept."""
+        if not isinstance(data, dict):
+            return data
+        publish, sampling = data.get("publish"), data.get("sampling")
+        if not isinstance(publish, dict) or publish.get("fp8") is not True:
+            return data
+        if sampling is None:
+            sampling = {}
+        if not isinstance(sampling, dict) or "max_onpolicy_mismatch_kl" in sampling:
+            return data
+        return {**data, "sampling": {**sampling, "max_onpolicy_mismatch_kl": None}}
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentSettings:

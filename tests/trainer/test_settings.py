@@ -71,3 +71,17 @@ def test_override_syntax() -> None:
 def test_settings_import_no_torch() -> None:
     code = "import sys, deltarl.trainer.settings; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fp8_publication_turns_the_onpolicy_check_off_unless_set() -> None:
+    """fp8 workers' on-policy tokens come from the quantized weights, which the trainer does not
+    score with: the bf16 bound would refuse every honest fp8 worker's group."""
+    assert ExperimentSettings().sampling.max_onpolicy_mismatch_kl == 0.03
+    fp8 = ExperimentSettings.load(None, ["publish.fp8=true"])
+    assert fp8.sampling.max_onpolicy_mismatch_kl is None
+    kept = ExperimentSettings.load(
+        None, ["publish.fp8=true", "sampling.max_onpolicy_mismatch_kl=0.5"]
+    )
+    assert kept.sampling.max_onpolicy_mismatch_kl == 0.5
+    resolved = ExperimentSettings.model_validate_json(fp8.model_dump_json())
+    assert resolved == fp8  # a resolved settings file reads back the same
