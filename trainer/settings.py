@@ -430,11 +430,9 @@ class ExperimentSettings(_Settings):
         by the weight challenges); a value set explicitly is kept."""
         if not isinstance(data, dict):
             return data
-        publish, sampling = data.get("publish"), data.get("sampling")
+        publish, sampling = data.get("publish"), data.get("sampling", {})
         if not isinstance(publish, dict) or publish.get("fp8") is not True:
             return data
-        if sampling is None:
-            sampling = {}
         if not isinstance(sampling, dict) or "max_onpolicy_mismatch_kl" in sampling:
             return data
         return {**data, "sampling": {**sampling, "max_onpolicy_mismatch_kl": None}}

@@ -236,10 +236,9 @@ def set_fp8_environment() -> None:
         )
     os.environ["VLLM_USE_DEEP_GEMM"] = "0"
     disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
-    marlin = FP8_ENVIRONMENT["VLLM_DISABLED_KERNELS"]
-    os.environ["VLLM_DISABLED_KERNELS"] = ",".join(
-        [*disabled, marlin] if marlin not in disabled else disabled
-    )
+    if FP8_ENVIRONMENT["VLLM_DISABLED_KERNELS"] not in disabled:
+        disabled.append(FP8_ENVIRONMENT["VLLM_DISABLED_KERNELS"])
+    os.environ["VLLM_DISABLED_KERNELS"] = ",".join(disabled)
 
 
 @dataclass(frozen=True, slots=True)

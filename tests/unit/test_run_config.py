@@ -32,6 +32,24 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 TOKENS = Tokens(trainer="t" * 40, worker="w" * 40, env="e" * 40)
 
 
+def derived(config: RunConfig, tmp_path: Path) -> dict[str, Any]:
+    """The run's launches by name, derived with the tests' endpoints, tokens and bucket."""
+    launches = derive(
+        config,
+        run_dir=tmp_path,
+        model="/models/m",
+        endpoints=Endpoints("127.0.0.1", 8700, 8001),
+        tokens=TOKENS,
+        bucket_uri=str(tmp_path / "bucket"),
+    )
+    return {x.name: x for x in launches}
+
+
+def config_file(launch: Any) -> Path:
+    """The experiment file a launch is started with (its ``--config``)."""
+    return Path(launch.args[launch.args.index("--config") + 1])
+
+
 def write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "exp.toml"
     p.write_text(text)
@@ -131,15 +149,8 @@ def test_every_service_receives_the_shared_values_from_one_place(
     config = load_run_config(ROOT / "examples" / "demo-wordle.toml").with_overrides(
         ["run.temperature=0.7", "run.group_size=5", "run.max_staleness=3", "run.seed=2"]
     )
-    launches = derive(
-        config,
-        run_dir=tmp_path,
-        model="/models/m",
-        endpoints=Endpoints("127.0.0.1", 8700, 8001),
-        tokens=TOKENS,
-        bucket_uri=str(tmp_path / "bucket"),
-    )
-    assert [x.name for x in launches] == ["coordinator", "env", "worker-1", "worker-2", "trainer"]
+    by = derived(config, tmp_path)
+    assert list(by) == ["coordinator", "env", "worker-1", "worker-2", "trainer"]
 
     def settings(cls, env):  # type: ignore[no-untyped-def]
         for name in list(__import__("os").environ):
@@ -149,16 +160,12 @@ def test_every_service_receives_the_shared_values_from_one_place(
             monkeypatch.setenv(k, v)
         return cls()
 
-    by = {x.name: x for x in launches}
     coord = settings(CoordinatorSettings, by["coordinator"].env)
     env = settings(EnvSettings, by["env"].env)
     workers = [settings(RolloutSettings, by[w].env) for w in ("worker-1", "worker-2")]
-    experiments = [
-        WorkerExperiment.load(Path(by[w].args[by[w].args.index("--config") + 1]))
-        for w in ("worker-1", "worker-2")
-    ]
+    experiments = [WorkerExperiment.load(config_file(by[w])) for w in ("worker-1", "worker-2")]
     deploy = settings(TrainerDeployment, by["trainer"].env)
-    exp_file = Path(by["trainer"].args[by["trainer"].args.index("--config") + 1])
+    exp_file = config_file(by["trainer"])
     exp = ExperimentSettings.load(exp_file)
 
     assert coord.max_staleness == exp.batch.max_staleness == 3
@@ -176,7 +183,7 @@ def test_every_service_receives_the_shared_values_from_one_place(
         assert w.coordinator_url == "http://127.0.0.1:8700" and w.env_url == "http://127.0.0.1:8001"
         assert episodes.sampling.max_new_tokens == 32 and episodes.max_turns == 2
         assert we.turn_limit(None) == 2  # set: the env server is not asked
-    for launch in launches:
+    for launch in by.values():
         assert launch.env["DELTARL_BUCKET_URI"] == str(tmp_path / "bucket")
     assert exp.max_steps == 8 and exp.batch.micro_batch_size == 12
     assert json.loads(exp_file.read_text())["run_dir"] == str(tmp_path / "trainer")
@@ -189,7 +196,7 @@ def test_a_layout_starts_single_services_with_their_own_ids_and_seeds(tmp_path: 
     assert w.name == "w-x" and w.env["DELTARL_ROLLOUT_WORKER_ID"] == "w-x"
 
     def seed(launch: ServiceLaunch) -> int:
-        path = Path(launch.args[launch.args.index("--config") + 1])
+        path = config_file(launch)
         return WorkerExperiment.load(path).engine_settings().seed
 
     assert w.args[:2] == ["rollout", "--config"] and seed(w) == 1 * 3 + 2
@@ -317,7 +324,7 @@ def test_hints_scored_by_the_teacher_need_a_teacher_section(tmp_path: Path) -> N
         str(tmp_path / "bucket"),
     )
     worker = layout.worker(0)
-    experiment = WorkerExperiment.load(Path(worker.args[worker.args.index("--config") + 1]))
+    experiment = WorkerExperiment.load(config_file(worker))
     assert experiment.hints.scorer == "teacher" and not experiment.teacher.distill
     assert worker.env["DELTARL_ROLLOUT_TEACHER_URL"] == "http://127.0.0.1:8703"
     # a cross-field refusal reads as its own message, not a dump of the section
@@ -345,21 +352,11 @@ def test_fp8_is_declared_once_for_the_trainer_and_the_vllm_workers(tmp_path: Pat
     config = base.with_overrides(
         ["run.fp8=true", "run.fp8_block=64", 'rollout.engine={type="vllm"}']
     )
-    launches = derive(
-        config,
-        run_dir=tmp_path,
-        model="/models/m",
-        endpoints=Endpoints("127.0.0.1", 8700, 8001),
-        tokens=TOKENS,
-        bucket_uri=str(tmp_path / "bucket"),
-    )
-    by = {x.name: x for x in launches}
-    exp = ExperimentSettings.load(
-        Path(by["trainer"].args[by["trainer"].args.index("--config") + 1])
-    )
+    by = derived(config, tmp_path)
+    exp = ExperimentSettings.load(config_file(by["trainer"]))
     assert exp.publish.fp8 and exp.publish.fp8_block == 64
     for w in ("worker-1", "worker-2"):
-        we = WorkerExperiment.load(Path(by[w].args[by[w].args.index("--config") + 1]))
+        we = WorkerExperiment.load(config_file(by[w]))
         assert we.engine_settings().fp8_block == 64  # type: ignore[union-attr]
     plain = base.with_overrides(['rollout.engine={type="vllm"}'])
     assert plain.run.fp8 is False
