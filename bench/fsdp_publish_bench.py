@@ -22,6 +22,12 @@ as a rollout GPU holds it) and prints the last delta's ``paused_apply_s`` and
 ``fetch_to_applied_s`` (download + decode + stage + paused apply of that delta;
 publish-to-applied = ``publish_s`` + this). A ``"summary"`` line closes the run.
 
+With ``--fp8`` (block side 128 or 64), every step is also published as block fp8
+(``publish.fp8``) by a second publisher into a second bucket, the two in alternating order, and
+each line gets an ``"fp8"`` object with the same fields for that version (its ``numel`` counts
+the e4m3 elements, their float32 scales and the tensors kept in bf16): fp8 beside bf16 on the
+same steps.
+
 Runs on any machine with N CUDA GPUs (NCCL) and the ``weights`` and ``model`` extras; the 7b
 preset needs 4 GPUs of 80 GB, the 14b one 4 of 141 GB. Rank 0 also writes the lines, after a
 ``{"meta": ...}`` line, to ``bench/results/fsdp_publish_<N>x<gpu>_<preset>.jsonl`` (``--out`` for
@@ -33,6 +39,8 @@ Usage::
     python -m torch.distributed.run --nproc_per_node 2 bench/fsdp_publish_bench.py --preset tiny --apply
     # 4 GPUs, the 7B configuration
     torchrun --nproc_per_node 4 bench/fsdp_publish_bench.py --preset 7b --steps 8
+    # 2 GPUs, the 7B configuration, bf16 and block-fp8 versions of the same steps
+    torchrun --nproc_per_node 2 bench/fsdp_publish_bench.py --preset 7b --steps 6 --fp8 128
 """
 
 from __future__ import annotations
@@ -185,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--codec-threads", type=int, default=None)
     ap.add_argument("--apply", action="store_true", help="rank 0 follows on its device")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument(
+        "--fp8",
+        type=int,
+        choices=(64, 128),
+        default=None,
+        help="also publish every step as block fp8 with this block side (see the docstring)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args(argv)
 
@@ -222,6 +237,15 @@ def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
         anchor_every=0, chained_deltas=False, codec_threads=args.codec_threads
     )
     pub = ShardedPublisher(bucket, settings, ctx, on_rank_report=rank_reports.append)
+    fp8_reports: list[dict[str, Any]] = []
+    pub8 = None
+    if args.fp8:
+        pub8 = ShardedPublisher(
+            LocalBucket(f"{bucket_dir}-fp8"),
+            settings.model_copy(update={"fp8": True, "fp8_block": args.fp8}),
+            ctx,
+            on_rank_report=fp8_reports.append,
+        )
     cuda = device.startswith("cuda")
 
     def publish(pub: ShardedPublisher, model: torch.nn.Module, step: int, anchor: bool) -> float:
@@ -235,6 +259,8 @@ def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
         return time.perf_counter() - t0
 
     publish(pub, model, 0, anchor=True)
+    if pub8 is not None:
+        publish(pub8, model, 0, anchor=True)
     gen = torch.Generator().manual_seed(1000 + ctx.rank)
     lines: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
@@ -250,72 +276,31 @@ def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
         if cuda:
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
-        publish_s = publish(pub, model, step, anchor=False)
-        mine = {
-            **rank_reports[-1],
-            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
-            "codec_threads": pub.threads,
-        }
-        every: list[Any] = [None] * ctx.world_size
-        tdist.all_gather_object(every, mine)
+        # bf16 and fp8 in alternating order: neither always pays a cold cache
+        pubs = [pub] if pub8 is None else [pub, pub8]
+        times = {id(p): publish(p, model, step, False) for p in pubs[:: 1 if step % 2 else -1]}
+        every = gather(rank_reports[-1], pub, cuda, ctx)
+        line = {"step": step, "version": step, "preset": args.preset, "ranks": ctx.world_size}
+        line |= {"train_step_s": step_s, "loss": float(loss.detach())}
+        line |= version_line(every, times[id(pub)])
+        if pub8 is not None:
+            line["fp8"] = version_line(gather(fp8_reports[-1], pub8, cuda, ctx), times[id(pub8)])
         if ctx.is_main:
-            changed = sum(r["changed"] for r in every)
-            numel = sum(r["numel"] for r in every)
-            size = sum(r["delta_bytes"] or 0 for r in every)
-            line = {
-                "step": step,
-                "version": step,
-                "preset": args.preset,
-                "ranks": ctx.world_size,
-                "train_step_s": step_s,
-                "loss": float(loss.detach()),
-                "detect_s": [r["cast_s"] + r["diff_s"] for r in every],
-                "encode_s": [r["encode_s"] for r in every],
-                "upload_s": [r["upload_s"] for r in every],
-                # detect = loop (the device queue, one tensor at a time) + wait (what still ran
-                # after it: scans landing, digests, the encoder's first phase in the pool)
-                "loop_s": [r.get("loop_s") for r in every],
-                "wait_s": [r.get("wait_s") for r in every],
-                "publish_s": publish_s,
-                "bytes": size,
-                "changed": changed,
-                "numel": numel,
-                "changed_fraction": changed / max(numel, 1),
-                "bits_per_changed": 8 * size / max(changed, 1),
-                "memory_bytes": [r["memory_bytes"] for r in every],
-                "host_memory_bytes": [r["host_memory_bytes"] for r in every],
-                "peak_gpu_bytes": [r["peak_gpu_bytes"] for r in every],
-                "codec_threads": [r["codec_threads"] for r in every],
-            }
             lines.append(line)
             print(json.dumps(line), flush=True)
 
     shapes = {n: t.shape for n, t in model.state_dict().items()}  # global shapes
     pub.close()
-    del model, opt, sched, pub  # the follower needs the GPU memory
+    if pub8 is not None:
+        pub8.close()
+    del model, opt, sched, pub, pub8  # the follower needs the GPU memory
     if cuda:
         torch.cuda.empty_cache()
     summary: dict[str, Any] = {"summary": True, "preset": args.preset, "ranks": ctx.world_size}
     if ctx.is_main and lines:
-        summary.update(
-            {
-                "publish_s_median": statistics.median(x["publish_s"] for x in lines),
-                # step 1 pays one-off costs (numba compiles, first allocations)
-                "publish_s_median_after_first": statistics.median(
-                    x["publish_s"] for x in (lines[1:] or lines)
-                ),
-                "publish_s_max": max(x["publish_s"] for x in lines),
-                "detect_s_max": max(max(x["detect_s"]) for x in lines),
-                "encode_s_max": max(max(x["encode_s"]) for x in lines),
-                "upload_s_max": max(max(x["upload_s"]) for x in lines),
-                "bits_per_changed_median": statistics.median(x["bits_per_changed"] for x in lines),
-                "changed_fraction_median": statistics.median(x["changed_fraction"] for x in lines),
-                "memory_bytes_max_rank": max(max(x["memory_bytes"]) for x in lines),
-                "host_memory_bytes_max_rank": max(max(x["host_memory_bytes"]) for x in lines),
-                "peak_gpu_bytes_max_rank": max(max(x["peak_gpu_bytes"]) for x in lines),
-                "bucket": args.bucket,
-            }
-        )
+        summary |= medians(lines) | {"bucket": args.bucket}
+        if args.fp8:
+            summary["fp8"] = medians([x["fp8"] for x in lines]) | {"block": args.fp8}
     if ctx.is_main and args.apply:
         layout = BucketReader(bucket).manifest(args.steps).layout or ()
         names = {parse_slice_key(k)[0] for k in layout}
@@ -326,15 +311,75 @@ def run(args: argparse.Namespace, ctx: Any, device: str) -> None:
     if ctx.is_main:
         print(json.dumps(summary), flush=True)
         write_result(args, ctx.world_size, cuda, [*lines, summary])
-        if args.bucket is None:  # a temp bucket: an anchor of the whole model, remove it
+        if args.bucket is None:  # temp buckets: anchors of the whole model, remove them
             shutil.rmtree(bucket_dir, ignore_errors=True)
+            shutil.rmtree(f"{bucket_dir}-fp8", ignore_errors=True)
+
+
+def gather(report: dict[str, Any], pub: ShardedPublisher, cuda: bool, ctx: Any) -> list[Any]:
+    """Every rank's report of the version ``pub`` just published (a collective)."""
+    mine = {
+        **report,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+        "codec_threads": pub.threads,
+    }
+    every: list[Any] = [None] * ctx.world_size
+    tdist.all_gather_object(every, mine)
+    return every
+
+
+def version_line(every: list[dict[str, Any]], publish_s: float) -> dict[str, Any]:
+    """One version's numbers from the ranks' reports (rank 0's wall time of the publication)."""
+    changed = sum(r["changed"] for r in every)
+    numel = sum(r["numel"] for r in every)
+    size = sum(r["delta_bytes"] or 0 for r in every)
+    return {
+        "detect_s": [r["cast_s"] + r["diff_s"] for r in every],
+        "encode_s": [r["encode_s"] for r in every],
+        "upload_s": [r["upload_s"] for r in every],
+        # detect = loop (the device queue, one tensor at a time) + wait (what still ran
+        # after it: scans landing, digests, the encoder's first phase in the pool)
+        "loop_s": [r.get("loop_s") for r in every],
+        "wait_s": [r.get("wait_s") for r in every],
+        "publish_s": publish_s,
+        "bytes": size,
+        "changed": changed,
+        "numel": numel,
+        "changed_fraction": changed / max(numel, 1),
+        "bits_per_changed": 8 * size / max(changed, 1),
+        "memory_bytes": [r["memory_bytes"] for r in every],
+        "host_memory_bytes": [r["host_memory_bytes"] for r in every],
+        "peak_gpu_bytes": [r["peak_gpu_bytes"] for r in every],
+        "codec_threads": [r["codec_threads"] for r in every],
+    }
+
+
+def medians(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's summary of one format's version lines."""
+    return {
+        "publish_s_median": statistics.median(x["publish_s"] for x in lines),
+        # step 1 pays one-off costs (numba compiles, first allocations)
+        "publish_s_median_after_first": statistics.median(
+            x["publish_s"] for x in (lines[1:] or lines)
+        ),
+        "publish_s_max": max(x["publish_s"] for x in lines),
+        "detect_s_max": max(max(x["detect_s"]) for x in lines),
+        "encode_s_max": max(max(x["encode_s"]) for x in lines),
+        "upload_s_max": max(max(x["upload_s"]) for x in lines),
+        "bits_per_changed_median": statistics.median(x["bits_per_changed"] for x in lines),
+        "changed_fraction_median": statistics.median(x["changed_fraction"] for x in lines),
+        "memory_bytes_max_rank": max(max(x["memory_bytes"]) for x in lines),
+        "host_memory_bytes_max_rank": max(max(x["host_memory_bytes"]) for x in lines),
+        "peak_gpu_bytes_max_rank": max(max(x["peak_gpu_bytes"]) for x in lines),
+    }
 
 
 def write_result(args: argparse.Namespace, ranks: int, cuda: bool, lines: list[Any]) -> None:
     """The run's lines after a meta line, to ``--out`` or (on GPUs) the default result path."""
     out = args.out
     if out is None and cuda and args.preset != "tiny":
-        out = result_path("fsdp_publish", gpu_tag(ranks), args.preset, "jsonl")
+        what = args.preset if args.fp8 is None else f"{args.preset}-fp8-block{args.fp8}"
+        out = result_path("fsdp_publish", gpu_tag(ranks), what, "jsonl")
     if out is None:
         return
     gpus = ranks if cuda else 0

@@ -46,6 +46,10 @@
 #   fp8      block-fp8 workers: tests/rollout/test_vllm_fp8_gpu.py with VLLM_USE_DEEP_GEMM=0 (vLLM
 #            serves the checkpoint's e4m3 bytes and scales, a delta applied in one pause and
 #            verified, the engine following a publish.fp8 bucket at TP=1 and on 2 GPUs TP=2)
+#   fsdp_fp8_nccl  the FSDP2 fp8 publication test on 2 GPUs (NCCL ranks quantizing on their GPUs,
+#            tests/trainer/test_fsdp_fp8.py): the same bytes as one CPU process
+#   fsdp7b_fp8  bench/fsdp_publish_bench.py on 2 GPUs, the 7B configuration (Qwen2.5-7B's shapes,
+#            random init, real AdamW steps): bf16 and 128 x 128 block-fp8 versions of the same steps
 #   fp8_capitals  learning with fp8 workers: bench/gpu_capitals_ab.sh with AB=fp8 (the capitals
 #            task, bf16 vs block-fp8 vllm workers, seeds DELTARL_SUITE_SEEDS, default "0 1")
 #   moe_scale  bench/moe_scale.py: Qwen3-30B-A3B's layer shapes (DELTARL_MOE_LAYERS layers,
@@ -125,6 +129,10 @@ for step in "${steps[@]}"; do
       tests/rollout/test_vllm_moe_gpu.py tests/rollout/test_vllm_moe.py ;;
     fp8) VLLM_USE_DEEP_GEMM=0 run fp8 timeout 600 python3 -m pytest -q -s -p no:cacheprovider \
       -o faulthandler_timeout=200 tests/rollout/test_vllm_fp8_gpu.py ;;
+    fsdp_fp8_nccl) run fsdp_fp8_nccl timeout 300 python3 -m pytest -q -s -p no:cacheprovider \
+      -o faulthandler_timeout=200 tests/trainer/test_fsdp_fp8.py -k cuda ;;
+    fsdp7b_fp8) run fsdp7b_fp8 timeout 900 python3 -m torch.distributed.run --nproc_per_node 2 \
+      bench/fsdp_publish_bench.py --preset 7b --steps "${DELTARL_FSDP_STEPS:-6}" --fp8 128 ;;
     fp8_capitals) AB=fp8 SEEDS="${DELTARL_SUITE_SEEDS:-0 1}" run fp8_capitals \
       bash bench/gpu_capitals_ab.sh "$RES/fp8-capitals" ;;
     moe_scale) run moe_scale timeout 900 python3 bench/moe_scale.py --layers "${DELTARL_MOE_LAYERS:-8}" \
@@ -157,7 +165,7 @@ for step in "${steps[@]}"; do
 done
 # the test steps' outcomes, merged into bench/results/gpu_tests_<gpus>_vllm.json
 logs=()
-for step in tests prefix faults tests_tp moe fp8; do
+for step in tests prefix faults tests_tp moe fp8 fsdp_fp8_nccl; do
   [ -f "$RES/$step.log" ] && logs+=("$RES/$step.log")
 done
 [ ${#logs[@]} -gt 0 ] && python3 bench/gpu_tests_result.py "${logs[@]}"

@@ -1,4 +1,4 @@
-"""fp8 versions under FSDP2 (2 gloo ranks on CPU): every rank quantizes its own rows, and the
+"""fp8 versions under FSDP2 (2 gloo ranks on CPU, and 2 NCCL ranks on 2 GPUs): every rank quantizes its own rows, and the
 version is the same bytes as one process's ``publish.fp8`` version of the same weights, although
 128-row blocks straddle the ranks (their scales come from the amax reduced over both ranks, and
 the rank holding a block's first row publishes its scale). A worker follows the sharded versions
@@ -7,6 +7,7 @@ bit-exactly; a rank with non-finite rows fails the version on every rank, withou
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,12 @@ from test_weight_publisher import rebuild
 
 from deltarl.buckets.local import LocalBucket
 from deltarl.rollout.sync.weights import WeightSync
-from deltarl.trainer.learn.distributed import broadcast, shard_fsdp, shutdown_distributed
+from deltarl.trainer.learn.distributed import (
+    broadcast,
+    init_distributed,
+    shard_fsdp,
+    shutdown_distributed,
+)
 from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.publish.sharded_fp8 import straddled
 from deltarl.trainer.publish.weights import PublishFailedError, WeightPublisher
@@ -64,8 +70,12 @@ class Params(torch.nn.Module):
             owner.register_parameter(leaf, torch.nn.Parameter(t.clone()))
 
 
-def rank_main(rank: int, root: str) -> None:
-    ctx, device = join(rank, root)
+def rank_main(rank: int, root: str, on: str = "cpu") -> None:
+    if on == "cuda":  # NCCL: the amax reduction and the scans on the GPUs
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"})
+        ctx, device = init_distributed("cuda", timeout_s=120, init_method=f"file://{root}/rv")
+    else:
+        ctx, device = join(rank, root)
     model = shard_fsdp(Params(masters(0)), ctx, device)
     bucket = LocalBucket(Path(root) / "bucket")
 
@@ -124,11 +134,25 @@ class DictEngine:
         return self.tensors
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize(
+    "on",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+            ],
+        ),
+    ],
+)
 def test_fsdp_fp8_versions_are_one_process_bytes_with_blocks_across_ranks(
-    tmp_path: Path, one_thread: None
+    tmp_path: Path, one_thread: None, on: str
 ) -> None:
-    spawn_ranks(rank_main, tmp_path, 2)
+    """On CUDA the ranks quantize on their GPUs and reduce the amax grids over NCCL: the bytes
+    are still one CPU process's."""
+    spawn_ranks(rank_main, tmp_path, 2, on)
     assert json.loads((tmp_path / "rank1.json").read_text()) == [True] * VERSIONS + [False, True]
 
     # one process publishing the same weights
