@@ -20,7 +20,10 @@ WeightSync`) with ``--engine``: ``vllm`` (vLLM 0.33 serving the same config with
 applied in one pause, while it generates), ``tensors`` (plain bf16 tensors on the device, the
 apply path without an engine) or ``transformers``. Per delta: paused apply, fetch-to-applied
 (download + decode + stage + wait + pause) and publish-to-applied (that version's publish +
-fetch-to-applied, the trainer and the worker on one machine through a local bucket).
+fetch-to-applied, the trainer and the worker on one machine through a local bucket). The
+following process sets Python's thread switch interval as a rollout worker does (0.2 ms,
+``--switch-interval-ms``): with Python's 5 ms the decoder's threads wait for the GIL behind the
+engine's generating thread at every hand-off.
 
 Output: one JSON with the settings, machine, date and command, a line per published step (publish seconds, detect / encode / upload per rank, bytes, changed fraction, bits per
 changed element), a line per applied delta, a summary and, with fewer than 48 layers, the
@@ -307,6 +310,8 @@ def follow(
     from deltarl.rollout.sync.weights import WeightSync
     from deltarl.weightsync.reader import BucketReader
 
+    if args.switch_interval_ms > 0:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     engine: Any
     t0 = time.perf_counter()
@@ -484,6 +489,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument(
         "--decode-threads", type=int, default=None, help="the decoder's threads (its default)"
+    )
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.2,
+        help="sys.setswitchinterval of the following process, as a rollout worker sets it "
+        "(GIL_SWITCH_INTERVAL_S; 0: Python's 5 ms): the decoder hands the GIL back and forth "
+        "with the engine's Python threads",
     )
     ap.add_argument(
         "--fp8",
