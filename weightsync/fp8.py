@@ -230,14 +230,20 @@ def quantize_state(
 ) -> dict[str, torch.Tensor]:
     """The block-fp8 version of ``state``: every tensor :func:`is_quantized` selects becomes its
     e4m3 values (same name) plus its scales (:func:`scale_name`); every other tensor is kept
-    as it is (the same tensor object, not a copy). Refuses a state that already holds a name a
-    scale would take."""
+    as it is (the same tensor object, not a copy), and so is a tensor already in e4m3 beside its
+    scales (quantized where it lived, e.g. on its GPU). Refuses a state that already holds a
+    name a scale would take, and e4m3 without its scales."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
+        sname = scale_name(name)
+        if t.dtype == FP8_DTYPE and is_quantized(name, t.shape):
+            if sname not in state:
+                raise ValueError(f"{name}: e4m3 values without their scales {sname!r}")
+            out[name] = t
+            continue
         if not is_quantized(name, t.shape, t.dtype):
             out[name] = t
             continue
-        sname = scale_name(name)
         if sname in state:
             raise ValueError(f"{name}: the state already holds a tensor named {sname!r}")
         out[name], out[sname] = quantize_block_fp8(t, block, name=name)

@@ -4,11 +4,12 @@
 
 1. **snapshot** (caller's thread): cast every tensor to bf16 and copy it into a host buffer
    (pinned and asynchronous for CUDA tensors; buffers are reused from step to step, so host
-   memory stays at two bf16 copies of the model); with ``publish.fp8`` the snapshot is then
-   quantized to block fp8 in the publishing thread (:func:`~deltarl.weightsync.fp8.
-   quantize_state`: e4m3 values + float32 block scales for linear weights, bf16 for the rest),
-   and everything below works on that fp8 state (host memory: one bf16 snapshot and two fp8
-   versions);
+   memory stays at two bf16 copies of the model); with ``publish.fp8`` the linear weights are
+   quantized to block fp8 (:func:`~deltarl.weightsync.fp8.quantize_state`: e4m3 values +
+   float32 block scales, bf16 for the rest): CUDA tensors on their GPU before the copy (the
+   host receives and keeps one byte an element: two fp8 versions), CPU tensors from the bf16
+   snapshot in the publishing thread (one bf16 snapshot and two fp8 versions); everything
+   below works on that fp8 state;
 2. **diff**: :func:`~deltarl.weightsync.delta.compute_delta` against the host mirror of
    the last published state, whose tensor digests are remembered (only the new state is hashed);
 3. **encode**: the delta in the configured format (``compact`` by default), and an anchor when
@@ -73,7 +74,13 @@ from deltarl.weightsync.codec.context import DeltaContext
 from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import combine_digests, state_digests
-from deltarl.weightsync.fp8 import block_of, quantize_state
+from deltarl.weightsync.fp8 import (
+    block_of,
+    is_quantized,
+    quantize_block_fp8,
+    quantize_state,
+    scale_name,
+)
 from deltarl.weightsync.manifest import VersionManifest
 from deltarl.weightsync.model_state import fp32_names, publish_dtype
 from deltarl.weightsync.model_state import publishable_state as publishable_state
@@ -312,6 +319,11 @@ class WeightPublisher(VersionBook):
     :class:`PublishReport`.
     """
 
+    #: devices whose tensors a ``publish.fp8`` snapshot quantizes where they are (in the caller's
+    #: thread, before the copy to the host); tensors elsewhere are quantized in the publishing
+    #: thread, off the training loop's path
+    QUANTIZE_ON: frozenset[str] = frozenset({"cuda"})
+
     def __init__(
         self,
         bucket: Bucket,
@@ -467,24 +479,28 @@ class WeightPublisher(VersionBook):
 
     def _snapshot(self, state: Mapping[str, torch.Tensor]) -> _Snapshot:
         t0 = time.perf_counter()
-        spare, self._spare = self._spare, None
+        spare, self._spare = self._spare or {}, None
         out: dict[str, torch.Tensor] = {}
         cuda = False
+        block = block_of(self.settings.fp8_block) if self.settings.fp8 else None
         for name, t in state.items():
             src = t.detach()
             if not src.is_floating_point():
                 raise ValueError(f"{name}: {src.dtype} is not a floating-point weight")
-            buf = spare.get(name) if spare is not None else None
             dtype = self.dtype_of(name)
-            if buf is None or buf.shape != src.shape or buf.dtype != dtype:
-                pin = src.device.type == "cuda"
-                buf = torch.empty(src.shape, dtype=dtype, pin_memory=pin)
-            if src.device.type == "cuda":
-                cuda = True
-                buf.copy_(src.to(dtype), non_blocking=True)
-            else:
-                buf.copy_(src)
-            out[name] = buf
+            on_device = src.device.type in self.QUANTIZE_ON
+            if block is not None and on_device and is_quantized(name, src.shape, dtype):
+                try:  # on the device: the host gets 1 byte an element (and the scales), not 2
+                    q, scale = quantize_block_fp8(src.to(dtype), block, name=name)
+                except ValueError:
+                    pass  # non-finite: copied as it is, refused by the publishing thread
+                else:
+                    for key, x in ((name, q), (scale_name(name), scale)):
+                        out[key] = _host_copy(x, x.dtype, spare.get(key))
+                    cuda = cuda or src.device.type == "cuda"
+                    continue
+            out[name] = _host_copy(src, dtype, spare.get(name))
+            cuda = cuda or src.device.type == "cuda"
         ready = None
         if cuda:
             ready = torch.cuda.Event()
@@ -744,6 +760,17 @@ class WeightPublisher(VersionBook):
             path.unlink(missing_ok=True)
             raise
         return path, path
+
+
+def _host_copy(src: torch.Tensor, dtype: torch.dtype, buf: torch.Tensor | None) -> torch.Tensor:
+    """``src`` in ``dtype`` copied into ``buf`` (a host buffer of an earlier version, when it
+    fits) or a new one. A CUDA tensor is cast on its device and copied asynchronously into
+    pinned memory."""
+    cuda = src.device.type == "cuda"
+    if buf is None or buf.shape != src.shape or buf.dtype != dtype:
+        buf = torch.empty(src.shape, dtype=dtype, pin_memory=cuda)
+    buf.copy_(src.to(dtype) if cuda else src, non_blocking=cuda)
+    return buf
 
 
 def _fp8_spare(
