@@ -120,10 +120,12 @@ def scale_shape(shape: Iterable[int], block: tuple[int, int] = BLOCK) -> tuple[i
 
 
 def quantize_block_fp8(
-    t: torch.Tensor, block: tuple[int, int] = BLOCK, *, name: str = "tensor"
+    t: torch.Tensor, block: tuple[int, int] = BLOCK, *, name: str = "tensor", check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(e4m3 values, float32 scales)`` of ``t`` (2-D or more; blocks over the last two
-    dimensions), on ``t``'s device, contiguous. The rule is the module docstring's."""
+    dimensions), on ``t``'s device, contiguous. The rule is the module docstring's.
+    ``check``: raise ValueError on non-finite values (a wait for the device); without it a
+    non-finite block gets a non-finite scale, which :func:`quantize_state` refuses later."""
     if t.dim() < 2:
         raise ValueError(f"{name}: block fp8 needs at least 2 dimensions, got {list(t.shape)}")
     if not t.is_floating_point():
@@ -146,13 +148,17 @@ def quantize_block_fp8(
     if nr * br != rows:
         row_amax = torch.nn.functional.pad(row_amax, (0, 0, 0, nr * br - rows))
     amax = row_amax.view(x.shape[0], nr, br, nc).amax(dim=2)
-    if not bool(torch.isfinite(amax).all()):
-        raise ValueError(f"{name}: holds non-finite values, which block fp8 cannot represent")
+    if check and not bool(torch.isfinite(amax).all()):
+        raise _non_finite(name)
     scale = _scales_of(amax)
     per_row = scale.repeat_interleave(br, dim=1)[:, :rows, :, None]  # [B, rows, nc, 1]
     q = (cells / per_row).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     q = q.view(x.shape[0], rows, nc * bc)[..., :cols].reshape(t.shape).contiguous()
     return q, scale.reshape(*lead, nr, nc).contiguous()
+
+
+def _non_finite(name: str) -> ValueError:
+    return ValueError(f"{name}: holds non-finite values, which block fp8 cannot represent")
 
 
 def _scales_of(amax: torch.Tensor) -> torch.Tensor:
@@ -231,7 +237,8 @@ def quantize_state(
     """The block-fp8 version of ``state``: every tensor :func:`is_quantized` selects becomes its
     e4m3 values (same name) plus its scales (:func:`scale_name`); every other tensor is kept
     as it is (the same tensor object, not a copy), and so is a tensor already in e4m3 beside its
-    scales (quantized where it lived, e.g. on its GPU). Refuses a state that already holds a
+    scales (quantized where it lived, e.g. on its GPU, unchecked: a non-finite scale is refused
+    here). Refuses a state that already holds a
     name a scale would take, and e4m3 without its scales."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -239,6 +246,8 @@ def quantize_state(
         if t.dtype == FP8_DTYPE and is_quantized(name, t.shape):
             if sname not in state:
                 raise ValueError(f"{name}: e4m3 values without their scales {sname!r}")
+            if not bool(torch.isfinite(state[sname]).all()):  # quantized unchecked
+                raise _non_finite(name)
             out[name] = t
             continue
         if not is_quantized(name, t.shape, t.dtype):

@@ -149,6 +149,23 @@ def test_non_finite_values_are_refused() -> None:
         fp8.quantize_block_fp8(torch.zeros(5))
 
 
+def test_a_state_quantized_elsewhere_is_kept_and_checked() -> None:
+    """e4m3 tensors beside their scales (quantized on a GPU, unchecked) pass quantize_state as
+    they are; a non-finite scale or missing scales are refused there."""
+    w = "model.layers.0.mlp.up_proj.weight"
+    x = torch.randn(256, 128).to(torch.bfloat16)
+    done = fp8.quantize_state({w: x})
+    again = fp8.quantize_state(done)
+    assert all(again[n] is t for n, t in done.items()) and again.keys() == done.keys()
+    x[3, 4] = float("nan")
+    q, scale = fp8.quantize_block_fp8(x, check=False)  # no wait for the device
+    assert not bool(torch.isfinite(scale).all())
+    with pytest.raises(ValueError, match=f"{w}: holds non-finite values"):
+        fp8.quantize_state({w: q, fp8.scale_name(w): scale})
+    with pytest.raises(ValueError, match="without their scales"):
+        fp8.quantize_state({w: q})
+
+
 @pytest.mark.parametrize(
     ("name", "shape", "quantized"),
     [

@@ -490,15 +490,14 @@ class WeightPublisher(VersionBook):
             dtype = self.dtype_of(name)
             on_device = src.device.type in self.QUANTIZE_ON
             if block is not None and on_device and is_quantized(name, src.shape, dtype):
-                try:  # on the device: the host gets 1 byte an element (and the scales), not 2
-                    q, scale = quantize_block_fp8(src.to(dtype), block, name=name)
-                except ValueError:
-                    pass  # non-finite: copied as it is, refused by the publishing thread
-                else:
-                    for key, x in ((name, q), (scale_name(name), scale)):
-                        out[key] = _host_copy(x, x.dtype, spare.get(key))
-                    cuda = cuda or src.device.type == "cuda"
-                    continue
+                # on the device, without waiting for it: the host gets 1 byte an element (and
+                # the scales), not 2; a non-finite block's scale fails the version in the
+                # publishing thread (quantize_state)
+                q, scale = quantize_block_fp8(src.to(dtype), block, name=name, check=False)
+                for key, x in ((name, q), (scale_name(name), scale)):
+                    out[key] = _host_copy(x, x.dtype, spare.get(key))
+                cuda = cuda or src.device.type == "cuda"
+                continue
             out[name] = _host_copy(src, dtype, spare.get(name))
             cuda = cuda or src.device.type == "cuda"
         ready = None
