@@ -164,10 +164,16 @@ def sparse_step(
 def _move(bits: torch.Tensor, rate: torch.Tensor, gen: torch.Generator) -> int:
     u = torch.rand(bits.shape, generator=gen, device=bits.device)
     mask = u < rate
-    # +-1 ULP, +-2 for a tenth of them (the same uniform draw decides, no second one)
+    # +-1 ULP, +-2 for a tenth of them (the same uniform draw decides, no second one), on the
+    # magnitude with the sign kept: a value never crosses zero into a NaN pattern (0x0000 - 1)
+    # or grows past the largest finite one, as no step of a finite weight does (block fp8
+    # refuses non-finite weights)
     step = torch.where(u < rate * 0.05, 2, 1) * torch.where(u < rate * 0.5, 1, -1)
-    bits.add_(torch.where(mask, step, 0).to(torch.int16))
-    return int(mask.sum())
+    mag = (bits & 0x7FFF).to(torch.int32)
+    new = (mag + torch.where(mask, step, 0)).clamp_(0, 0x7F7F)
+    moved = int((new != mag).sum())
+    bits.copy_((bits & -0x8000) | new.to(torch.int16))
+    return moved
 
 
 def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
