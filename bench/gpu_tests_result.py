@@ -4,8 +4,9 @@ bench/gpu_vllm_suite.sh logs every step to ``RESULTS_DIR/<step>.log``, whose fir
 ``=== <step>: <command>``. For every such log that ran pytest, this reads the command and the
 final summary line (``43 passed, 6 skipped ... in 222.24s``) and the names of the failed tests,
 and merges them into ``bench/results/gpu_tests_<hardware>_vllm.json`` (``--out`` for another
-path): a run of the same command replaces the earlier one, other commands stay, so the file
-holds the last run of each. bench/report.py renders it as the page's "GPU test runs".
+path): a run replaces an earlier one of the same tests (the same filters over the same test
+files or fewer; environment, timeout and pytest options aside), other runs stay, so the file
+holds the last run of each selection. bench/report.py renders it as the page's "GPU test runs".
 
 On the GPU machine, after the suite (bench/gpu_vllm_suite.sh does this itself)::
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,19 +86,42 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print("no pytest run with a summary line in those logs", file=sys.stderr)
         return 1
-    if a.hardware is None:
+    gpus = 0
+    if a.hardware is None or a.machine is None:
         import torch
 
-        a.hardware = gpu_tag(torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+    a.hardware = a.hardware or gpu_tag(gpus)
     out = a.out or result_path("gpu_tests", a.hardware, "vllm")
-    about = meta(gpus=0 if a.machine else 1) | {"command": "each run's command in the table"}
+    about = meta(gpus=0 if a.machine else gpus) | {"command": "each run's command in the table"}
     about |= {k: v for k, v in (("machine", a.machine), ("date", a.date)) if v}
     for run in runs:
         run["date"] = about["date"]
     old = json.loads(out.read_text())["runs"] if out.exists() else []
-    new = {run["command"] for run in runs}
-    write_json(out, {"meta": about, "runs": [r for r in old if r["command"] not in new] + runs})
+    kept = [r for r in old if not any(covers(run["command"], r["command"]) for run in runs)]
+    write_json(out, {"meta": about, "runs": kept + runs})
     return 0
+
+
+def selection(command: str) -> tuple[frozenset[str], tuple[str, ...]]:
+    """What a pytest command runs: its test paths, and its -k / -m filters."""
+    words = shlex.split(command)
+    words = words[words.index("pytest") + 1 :] if "pytest" in words else words
+    paths, filters = set(), []
+    for i, w in enumerate(words):
+        if w in ("-k", "-m") and i + 1 < len(words):
+            filters.append(f"{w} {words[i + 1]}")
+        elif w.endswith(".py") or "::" in w:
+            paths.add(w)
+    return frozenset(paths), tuple(filters)
+
+
+def covers(new: str, old: str) -> bool:
+    """Whether a run of ``new`` supersedes one of ``old``: the same filters over the same test
+    files or more (environment, timeout and pytest options aside)."""
+    new_paths, new_filters = selection(new)
+    old_paths, old_filters = selection(old)
+    return new_filters == old_filters and bool(old_paths) and old_paths <= new_paths
 
 
 if __name__ == "__main__":

@@ -91,6 +91,19 @@ def test_gpu_test_logs_become_a_result(tmp_path: Path) -> None:
     assert run["failed"] == ["tests/rollout/test_vllm_fp8_gpu.py::test_one[2]"]
     assert run["date"] == "2031-01-02"
 
+    # a later run of the same tests (and more) replaces it; another selection stays beside it
+    log.write_text(
+        "=== fp8: VLLM_USE_DEEP_GEMM=0 timeout 300 python3 -m pytest -q -o x=1 "
+        "tests/rollout/test_vllm_fp8_gpu.py tests/rollout/test_fp8_sync.py\n7 passed in 9.0s\n"
+    )
+    other = tmp_path / "tp.log"
+    other.write_text(
+        "=== tp: python3 -m pytest -q tests/rollout/test_vllm_fp8_gpu.py -k tp\n2 passed in 3s\n"
+    )
+    subprocess.run([*cmd[:2], str(log), str(other), *cmd[3:], "--out", str(out)], check=True)
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["result"] for r in runs] == ["7 passed, 9 s", "2 passed, 3 s"]
+
 
 def test_a_wordle_arms_run_becomes_a_result_the_page_renders(tmp_path: Path) -> None:
     # a bench/gpu_wordle_arms.sh results directory, rebuilt from the current plain result
