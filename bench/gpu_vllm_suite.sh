@@ -41,7 +41,8 @@
 #            in bfloat16 (within bf16 rounding of the logits) and in float32 (plain tolerance)
 #   tests_tp the gpu tests of tensor parallelism, Engine.score on vLLM and the vLLM teacher
 #   moe      mixture of experts: tests/rollout/test_vllm_moe_gpu.py (a tiny Qwen3-MoE followed
-#            through real trainer steps at TP=1, and at TP=2 / expert parallelism 2 on 2 GPUs)
+#            through real trainer steps at TP=1, and at TP=2 / expert parallelism 2 on 2 GPUs, in
+#            bf16 and in block fp8)
 #            and the CPU tests of the expert mapping
 #   fp8      block-fp8 workers: tests/rollout/test_vllm_fp8_gpu.py with VLLM_USE_DEEP_GEMM=0 (vLLM
 #            serves the checkpoint's e4m3 bytes and scales, a delta applied in one pause and

@@ -15,7 +15,9 @@ anchor supplies the weights). A trainer (transformers, fp32 master weights, the 
   views hash to the trainer's digests; TP=2: every rank's shard against the verified mirror);
 * generation changes after the applies, and the processed logprobs are those of the
   transformers model holding the trainer's weights (kernel noise, far below a wrong mapping's
-  difference: layer 0's gate and up halves swapped in every expert).
+  difference: layer 0's gate and up halves swapped in every expert);
+* in block fp8 (``publish.fp8``, the engine's ``fp8_block``), the same at TP 1, TP 2 and EP 2:
+  vLLM's fused experts in fp8 hold the trainer's e4m3 bytes and scales after every delta.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ import torch
 import transformers
 
 from deltarl.rollout.engines import SamplingParams, VllmEngineSettings, make_engine
+from deltarl.rollout.engines.vllm_transfer import FP8_ENVIRONMENT
 from deltarl.rollout.sync.weights import WeightSync
 from deltarl.trainer.publish.weights import WeightPublisher
+from deltarl.trainer.settings import PublishSettings
+from deltarl.weightsync import fp8
 from deltarl.weightsync.delta import compute_delta, stage_delta
 from deltarl.weightsync.model_state import publishable_state
 from deltarl.weightsync.reader import BucketReader
@@ -210,3 +215,71 @@ def test_moe_follows_real_trainer_steps_in_one_pause_bit_exactly(
         f"moe tp={tp} ep={ep}: pauses {', '.join(f'{p:.2f}' for p in pauses)} ms, "
         f"{experts} expert elements changed over {STEPS} steps; " + check_logprobs(cfg, state, out)
     )
+
+
+def fp8_moe_config() -> transformers.Qwen3MoeConfig:
+    """moe_config with every fused shard whole 128-row blocks at TP 2 (q/k/v 256 rows, experts'
+    gate and up 256 rows each, down 256 columns): vLLM's loader does not split a block."""
+    cfg = moe_config()
+    cfg.moe_intermediate_size = 256
+    cfg.num_key_value_heads = 4
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep"), [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-ep"]
+)
+def test_fp8_moe_follows_real_trainer_steps_bit_exactly(
+    tp: int, ep: bool, tmp_path: Path, bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block-fp8 experts (``publish.fp8``, the engine's ``fp8_block`` over a bf16 config, as a
+    run's fp8 workers start): the trainer's CUDA weights quantized on its GPU, every delta's
+    e4m3 bytes and scales of every expert landing in one pause, every rank bit-identical to
+    the trainer's quantization."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    for key in FP8_ENVIRONMENT:  # the engine sets vLLM's environment itself
+        monkeypatch.delenv(key, raising=False)
+    cfg = fp8_moe_config()
+    cfg.save_pretrained(tmp_path / "model")
+    model = trainer_model(cfg)
+    engine = make_engine(
+        VllmEngineSettings(
+            model=str(tmp_path / "model"),
+            gpu_memory_utilization=0.15,
+            max_model_len=512,
+            enforce_eager=True,
+            tensor_parallel_size=tp,
+            expert_parallel=ep,
+            fp8_block=128,
+        )
+    )
+    settings = PublishSettings(fp8=True, fp8_block=128, background=False, anchor_every=0)
+    try:
+        with WeightPublisher(bucket, settings) as pub:
+            pub.follow_precision(model)
+            pub.publish(publishable_state(model), anchor=True)
+            sync = WeightSync(engine, BucketReader(bucket))
+            assert sync.sync_to().version == 0
+            for _ in adamw_steps(model, STEPS, lr=3e-3):
+                pub.publish(publishable_state(model))
+            state = fp8.quantize_state(published(model, pub))
+        report = sync.sync_to()
+        assert report.version == STEPS and [s.kind for s in report.steps] == ["delta"] * STEPS
+        assert [s.apply for s in report.steps] == ["kernel"] * STEPS, report.steps
+        up = "model.layers.0.mlp.experts.gate_up_proj"
+        assert state[up].dtype == torch.float8_e4m3fn and fp8.scale_name(up) in state
+        shards = engine.sharded_weights()
+        if shards is None:
+            views = engine.named_parameters()
+            assert set(views) == set(state)
+            for name, t in state.items():
+                assert torch.equal(views[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+        else:
+            assert shards.mismatches(list(state), state) == []
+        out = sync.generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=0))
+        assert all(sync.check(c) == "verified" and c.version_max == STEPS for c in out)
+    finally:
+        engine.close()
+    pauses = [s.pause_s * 1e3 for s in report.steps]
+    print(f"fp8 moe tp={tp} ep={ep}: pauses {', '.join(f'{p:.2f}' for p in pauses)} ms")
