@@ -79,6 +79,23 @@ def trainer_model(cfg: Any) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to("cuda")
 
 
+def trainer_and_engine(cfg: Any, tmp_path: Path, tp: int, ep: bool, **engine: Any) -> Any:
+    """The trainer's model (CUDA, fp32) and a vllm engine serving ``cfg`` (dummy weights until
+    the bucket's anchor) at tensor parallelism ``tp``, with expert parallelism if ``ep``."""
+    cfg.save_pretrained(tmp_path / "model")
+    model = trainer_model(cfg)
+    settings = VllmEngineSettings(
+        model=str(tmp_path / "model"),
+        gpu_memory_utilization=0.15,
+        max_model_len=512,
+        enforce_eager=True,
+        tensor_parallel_size=tp,
+        expert_parallel=ep,
+        **engine,
+    )
+    return model, make_engine(settings)
+
+
 def adamw_steps(model: torch.nn.Module, steps: int, lr: float) -> Any:
     """Real AdamW steps (next-token loss on random tokens, bf16 autocast); yields after each."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -142,18 +159,7 @@ def test_moe_follows_real_trainer_steps_in_one_pause_bit_exactly(
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
     cfg = moe_config()
-    cfg.save_pretrained(tmp_path / "model")
-    model = trainer_model(cfg)
-    engine = make_engine(
-        VllmEngineSettings(
-            model=str(tmp_path / "model"),
-            gpu_memory_utilization=0.15,
-            max_model_len=512,
-            enforce_eager=True,
-            tensor_parallel_size=tp,
-            expert_parallel=ep,
-        )
-    )
+    model, engine = trainer_and_engine(cfg, tmp_path, tp, ep)
     try:
         with WeightPublisher(bucket) as pub:
             pub.follow_precision(model)
@@ -241,19 +247,7 @@ def test_fp8_moe_follows_real_trainer_steps_bit_exactly(
     for key in FP8_ENVIRONMENT:  # the engine sets vLLM's environment itself
         monkeypatch.delenv(key, raising=False)
     cfg = fp8_moe_config()
-    cfg.save_pretrained(tmp_path / "model")
-    model = trainer_model(cfg)
-    engine = make_engine(
-        VllmEngineSettings(
-            model=str(tmp_path / "model"),
-            gpu_memory_utilization=0.15,
-            max_model_len=512,
-            enforce_eager=True,
-            tensor_parallel_size=tp,
-            expert_parallel=ep,
-            fp8_block=128,
-        )
-    )
+    model, engine = trainer_and_engine(cfg, tmp_path, tp, ep, fp8_block=128)
     settings = PublishSettings(fp8=True, fp8_block=128, background=False, anchor_every=0)
     try:
         with WeightPublisher(bucket, settings) as pub:
