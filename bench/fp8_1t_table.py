@@ -3,6 +3,9 @@ applied by rollout replicas, **extrapolated** from measured rates (nothing here 
 
     python bench/fp8_1t_table.py            # prints the tables, writes the result JSON
 
+The inputs are named result files (``--densities``, ``--publish``, ``--apply``; the defaults are
+the committed result's), so a rerun computes the same table until they are changed on purpose.
+
 Inputs, each named in the result:
 
 * the model: Kimi-K2's public ``config.json`` (moonshotai/Kimi-K2-Instruct, DeepSeek-V3
@@ -193,7 +196,9 @@ def publish_rates(paths: list[Path]) -> list[dict[str, Any]]:
             data = json.loads(path.read_text())
             steps = data["publish"]["steps"]
             ranks = data["settings"]["ranks"]
-            gpus = f"{len(data['machine']['gpus'])} GPU for {ranks} ranks"
+            tag = path.stem.split("_")[2]  # moe_scale_<hardware>_...: h200, 4xh200
+            count = int(tag.split("x")[0]) if "x" in tag else 1
+            gpus = f"{count} GPU for {ranks} ranks"
         steps = [s for s in steps if s["step"] > 1] or steps
         rows = []
         for s in steps:
@@ -317,14 +322,25 @@ def main(argv: list[str] | None = None) -> None:
         "--bus-gbyte", type=float, default=50.0, help="all-reduce bus bandwidth, GB/s"
     )
     parser.add_argument("--out", type=Path, default=None)
+    # the inputs by name (in bench/results/): a rerun computes from the same files
+    parser.add_argument("--densities", default="fp8_deltas_cpu2_smollm2-135m.json")
+    parser.add_argument(
+        "--publish",
+        nargs="+",
+        default=[
+            "fsdp_publish_4xh200_14b.jsonl",
+            "fsdp_publish_4xh200_7b.jsonl",
+            "moe_scale_h200_qwen3-30b-a3b-4layers.json",
+        ],
+        help="sources of per-rank publication rates (fsdp_publish_*.jsonl, moe_scale_*.json)",
+    )
+    parser.add_argument("--apply", default="moe_scale_h200_qwen3-30b-a3b-4layers.json")
     args = parser.parse_args(argv)
 
     res = common.RESULTS
-    dens_file = sorted(res.glob("fp8_deltas_*.json"))[0]
-    pub_files = sorted(res.glob("fsdp_publish_*h200*.jsonl")) + sorted(
-        res.glob("moe_scale_h200_*.json")
-    )
-    apply_file = sorted(res.glob("moe_scale_h200_*.json"))[0]
+    dens_file = res / args.densities
+    pub_files = [res / name for name in args.publish]
+    apply_file = res / args.apply
 
     sizes = model_sizes(kimi_specs(KIMI_K2), KIMI_K2)
     scenarios = densities(dens_file)

@@ -128,3 +128,15 @@ def test_a_wordle_arms_run_becomes_a_result_the_page_renders(tmp_path: Path) -> 
     got = report("--results", str(results))
     assert got.returncode == 0, got.stderr
     assert "plain feedback: + GRPO at lr 1e-5 (`long`) | 228 |" in got.stdout
+
+
+@pytest.mark.slow
+def test_the_1t_extrapolation_reruns_to_its_committed_numbers(tmp_path: Path) -> None:
+    """bench/fp8_1t_table.py computes from named result files: a rerun gives the committed
+    result's inputs and rows (only the date and the note can differ)."""
+    out = tmp_path / "fp8_1t.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "fp8_1t_table.py"), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120, cwd=ROOT / "bench")
+    got = json.loads(out.read_text())
+    committed = json.loads((RESULTS / "fp8_1t_h200_kimi-k2-extrapolated.json").read_text())
+    assert got["inputs"] == committed["inputs"] and got["rows"] == committed["rows"]
