@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "bench" / "report.py"
 RESULTS = ROOT / "bench" / "results"
