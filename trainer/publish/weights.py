@@ -488,6 +488,7 @@ class WeightPublisher(VersionBook):
             if not src.is_floating_point():
                 raise ValueError(f"{name}: {src.dtype} is not a floating-point weight")
             dtype = self.dtype_of(name)
+            cuda = cuda or src.device.type == "cuda"
             on_device = src.device.type in self.QUANTIZE_ON
             if block is not None and on_device and is_quantized(name, src.shape, dtype):
                 # on the device, without waiting for it: the host gets 1 byte an element (and
@@ -496,10 +497,8 @@ class WeightPublisher(VersionBook):
                 q, scale = quantize_block_fp8(src.to(dtype), block, name=name, check=False)
                 for key, x in ((name, q), (scale_name(name), scale)):
                     out[key] = _host_copy(x, x.dtype, spare.get(key))
-                cuda = cuda or src.device.type == "cuda"
-                continue
-            out[name] = _host_copy(src, dtype, spare.get(name))
-            cuda = cuda or src.device.type == "cuda"
+            else:
+                out[name] = _host_copy(src, dtype, spare.get(name))
         ready = None
         if cuda:
             ready = torch.cuda.Event()
