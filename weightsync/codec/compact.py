@@ -537,6 +537,10 @@ def _assemble(
     """``patch``'s indices and values from its decoded chunks (chunk-local indices, each chunk's
     checked in order and inside it): the chunks in element order, refused if their ranges
     overlap, copied into place on the pool (a serial concatenation cost ~7 ns a change)."""
+    if len(chunks) == 1:  # the common case: nothing to join
+        ref, idx, val = chunks[0]
+        patch.index, patch.value = (idx + ref.start if ref.start else idx), val
+        return
     chunks = sorted(chunks, key=lambda c: c[0].start)
     for (a, _, _), (b, _, _) in itertools.pairwise(chunks):
         if a.start + a.count > b.start:
