@@ -15,12 +15,14 @@ from deltarl.weightsync import (
     apply_delta,
     compute_delta,
 )
+from deltarl.weightsync.codec import kernels
 from deltarl.weightsync.codec.compact import decode_compact, encode_compact, footer_summary
 from deltarl.weightsync.codec.entropy import (
     ALPHABET,
+    SMALL,
+    TOP_BITS,
     diff_to_symbols,
     rice_parameter,
-    symbols_to_diff,
 )
 
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -166,7 +168,40 @@ def test_symbol_mapping_round_trips_every_difference():
     sym, extra, width = diff_to_symbols(d)
     assert sym.min() >= 0 and sym.max() < ALPHABET
     assert np.all(extra < (np.int64(1) << width) + (width == 0))
-    assert np.array_equal(symbols_to_diff(sym, extra), d)
+    assert np.array_equal(decode_diffs(sym, extra, width, bits=32), d & 0xFFFFFFFF)
+    # the decoder refuses a difference wider than the elements, and extra bits that run out
+    out = np.empty(sym.size, np.int64)
+    ref = np.zeros(sym.size, np.int64)
+    wide = kernels.decode_values(
+        sym, np.zeros(1 << 20, np.uint8), ref, sym[:0], False, 16, TOP_BITS, SMALL, out
+    )
+    assert wide == -2
+    short = kernels.decode_values(
+        sym, np.zeros(8, np.uint8), ref, sym[:0], False, 32, TOP_BITS, SMALL, out
+    )
+    assert short == -1
+
+
+def decode_diffs(
+    sym: np.ndarray,
+    extra: np.ndarray,
+    width: np.ndarray,
+    bits: int,
+    ref: np.ndarray | None = None,
+    forbidden: np.ndarray | None = None,
+) -> np.ndarray:
+    """What the decoder's value kernel makes of symbols and their extra bits (written as the
+    encoder writes them) against ``ref`` (default zeros): ``ref + diff`` wrapped to ``bits``."""
+    buf = np.zeros(-(-int(width.sum()) // 8) + 1, np.uint8)
+    kernels.raw_bits_encode(extra, width, buf)
+    out = np.empty(sym.size, np.int64)
+    ref = np.zeros(sym.size, np.int64) if ref is None else ref
+    chained = forbidden is not None
+    used = kernels.decode_values(
+        sym, buf, ref, forbidden if chained else sym[:0], chained, bits, TOP_BITS, SMALL, out
+    )
+    assert used == int(width.sum())
+    return out
 
 
 def test_rice_parameter_is_an_integer_function():

@@ -16,7 +16,6 @@ from deltarl.weightsync.codec.context import (
     N_MOVE_BUCKETS,
     predict,
     skip_forbidden,
-    unskip_forbidden,
 )
 from deltarl.weightsync.codec.entropy import (
     ALPHABET,
@@ -30,11 +29,8 @@ from deltarl.weightsync.codec.entropy import (
     quantize_frequencies,
     read_table,
     rice_parameter,
-    symbol_extra_widths,
-    symbols_to_diff,
     table_bytes,
     varints,
-    wrapped_add,
     wrapped_diff,
 )
 from deltarl.weightsync.errors import CorruptDeltaError
@@ -535,15 +531,23 @@ def decode_chunk(
     rans = raw[rice_len : rice_len + rans_len]
     if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
         raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
-    widths = symbol_extra_widths(symbols)
-    if widths.size and int(widths.max()) + 1 + TOP_BITS > fmt.width:
+    values = np.empty(k, fmt.bits_dtype)
+    chained = forbidden is not None
+    used = kernels.decode_values(
+        symbols,
+        raw[rice_len + rans_len :],
+        ref_bits,
+        forbidden if chained else symbols[:0],
+        chained,
+        fmt.width,
+        TOP_BITS,
+        SMALL,
+        values,
+    )
+    if used == -2:
         raise CorruptDeltaError(
             f"{ref.tensor}: value stream holds a difference wider than the dtype"
         )
-    extra = np.empty(k, np.int64)
-    if kernels.raw_bits_decode(raw[rice_len + rans_len :], widths, extra) < 0:
+    if used < 0:
         raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
-    d = symbols_to_diff(symbols, extra)
-    if forbidden is not None:
-        d = unskip_forbidden(d, forbidden)
-    return index, wrapped_add(ref_bits, d, fmt)
+    return index, values

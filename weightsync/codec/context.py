@@ -206,8 +206,3 @@ def skip_forbidden(d: np.ndarray, f: np.ndarray) -> np.ndarray:
     non-zero integers, bijectively: a changed element's residual from its prediction may be 0,
     and the symbol alphabet has no 0."""
     return d - ((f < d) & (d <= 0)) + ((d >= 0) & (d < f))
-
-
-def unskip_forbidden(d: np.ndarray, f: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`skip_forbidden`."""
-    return d + ((f < 0) & (d >= f) & (d <= -1)) - ((f > 0) & (d >= 1) & (d <= f))

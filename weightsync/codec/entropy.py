@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from deltarl.weightsync.codec import kernels
-from deltarl.weightsync.codec.bits import FloatFormat
 from deltarl.weightsync.errors import CorruptDeltaError
 
 TOP_BITS = 3  # bits after the leading one of a large |diff| that are entropy-coded
@@ -30,13 +29,6 @@ def wrapped_diff(new: np.ndarray, old: np.ndarray, width: int) -> np.ndarray:
     return np.where(d >= span // 2, d - span, d)
 
 
-def wrapped_add(old: np.ndarray, d: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    span = 1 << fmt.width
-    v = (old.astype(np.int64) + d) & (span - 1)
-    v = np.where(v >= span // 2, v - span, v)
-    return v.astype(fmt.bits_dtype)
-
-
 def diff_to_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Map non-zero diffs to (symbol, extra-bit value, extra-bit width).
 
@@ -51,19 +43,6 @@ def diff_to_symbols(d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     width = np.empty(d.size, np.int64)
     kernels.diff_symbols(d, TOP_BITS, SMALL, sym, extra, width)
     return sym, extra, width
-
-
-def symbol_extra_widths(sym: np.ndarray) -> np.ndarray:
-    return np.where(sym < 16, 0, ((sym - 16) >> (TOP_BITS + 1)) + 3 - TOP_BITS).astype(np.int64)
-
-
-def symbols_to_diff(sym: np.ndarray, extra: np.ndarray) -> np.ndarray:
-    neg = (sym & 1).astype(bool)
-    width = symbol_extra_widths(sym)
-    top = ((sym - 16) >> 1) & ((1 << TOP_BITS) - 1)
-    large = (np.int64(1) << (width + TOP_BITS)) | (top << width) | extra
-    a = np.where(sym < 16, sym // 2 + 1, large)
-    return np.where(neg, -a, a)
 
 
 def rice_parameter(n: np.ndarray, coded: np.ndarray) -> np.ndarray:

@@ -23,6 +23,8 @@ from numba import njit
 RANS_L = 1 << 23
 PROB_BITS = 14
 PROB_SCALE = 1 << PROB_BITS
+# zero bits before the first one bit of a non-zero byte (MSB first)
+_LEADING_ZEROS = np.array([8 - int(b).bit_length() for b in range(256)], np.int64)
 
 
 @njit(nogil=True, cache=True)
@@ -266,27 +268,49 @@ def rice_encode(values, kparams, out):  # pragma: no cover - jit
 
 @njit(nogil=True, cache=True)
 def rice_decode(buf, kparams, out):  # pragma: no cover - jit
-    """Decode ``out.size`` Rice codes. Returns bits consumed, or -1 on overrun (corrupt input)."""
-    nbits = buf.size * 8
-    pos = 0
+    """Decode ``out.size`` Rice codes. Returns bits consumed, or -1 on overrun (corrupt input).
+
+    The bits pass through a register (``acc`` holds ``have`` of them, refilled a byte at a
+    time), and a run of zeros is counted a byte at a time, so a code costs a few operations
+    instead of a load per bit. Bits past the buffer read as zero and are counted, so an
+    overrun is found from the total consumed."""
+    nbits = np.int64(buf.size) * 8
+    n = buf.size
+    p = 0  # next byte to load
+    acc = np.int64(0)
+    have = np.int64(0)
+    pos = np.int64(0)  # bits consumed
     for j in range(out.size):
-        q = 0
+        q = np.int64(0)
         while True:
-            if pos >= nbits:
-                return -1
-            bit = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
-            pos += 1
-            if bit:
-                break
-            q += 1
-        k = kparams[j]
-        if pos + k > nbits:
+            if have < 8:
+                acc = (acc << 8) | (np.int64(buf[p]) if p < n else np.int64(0))
+                p += 1
+                have += 8
+            top = (acc >> (have - 8)) & 0xFF
+            if top == 0:
+                q += 8
+                have -= 8
+                pos += 8
+                if pos > nbits:
+                    return -1
+                continue
+            z = np.int64(_LEADING_ZEROS[top])
+            q += z
+            have -= z + 1
+            pos += z + 1
+            break
+        k = np.int64(kparams[j])
+        while have < k:
+            acc = (acc << 8) | (np.int64(buf[p]) if p < n else np.int64(0))
+            p += 1
+            have += 8
+        have -= k
+        pos += k
+        if pos > nbits:
             return -1
-        v = q
-        for _ in range(k):
-            v = (v << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-            pos += 1
-        out[j] = v
+        out[j] = (q << k) | ((acc >> have) & ((np.int64(1) << k) - 1))
+        acc &= (np.int64(1) << have) - 1
     return pos
 
 
@@ -302,18 +326,43 @@ def raw_bits_encode(values, widths, out):  # pragma: no cover - jit
 
 
 @njit(nogil=True, cache=True)
-def raw_bits_decode(buf, widths, out):  # pragma: no cover - jit
-    nbits = buf.size * 8
-    pos = 0
-    for j in range(out.size):
-        w = widths[j]
-        if pos + w > nbits:
-            return -1
-        v = 0
-        for _ in range(w):
-            v = (v << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-            pos += 1
-        out[j] = v
+def decode_values(
+    symbols, buf, ref, forbidden, chained, width, top_bits, small, out
+):  # pragma: no cover - jit
+    """The values of a chunk from its rANS symbols, in one pass: each symbol's extra bits read
+    from ``buf`` (MSB first), the signed difference it names (the inverse of
+    :func:`_symbol`), in a chained chunk moved past the forbidden residual
+    (the inverse of ``context.skip_forbidden``), added to ``ref`` wrapped to ``width`` bits, into ``out``.
+
+    Returns the extra bits consumed; -1 if ``buf`` ends early, -2 if a symbol names a
+    difference wider than ``width`` (corrupt input either way)."""
+    nbits = np.int64(buf.size) * 8
+    pos = np.int64(0)
+    span = np.int64(1) << width
+    for j in range(symbols.size):
+        s = np.int64(symbols[j])
+        if s < 2 * small:
+            a = (s >> 1) + 1
+        else:
+            w = ((s - 2 * small) >> (top_bits + 1)) + 3 - top_bits
+            if w + 1 + top_bits > width:
+                return -2
+            if pos + w > nbits:
+                return -1
+            extra = np.int64(0)
+            for _ in range(w):
+                extra = (extra << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
+                pos += 1
+            top = ((s - 2 * small) >> 1) & ((np.int64(1) << top_bits) - 1)
+            a = (np.int64(1) << (w + top_bits)) | (top << w) | extra
+        d = -a if s & 1 else a
+        if chained:
+            f = np.int64(forbidden[j])
+            if f < 0 and f <= d <= -1:
+                d += 1
+            elif f > 0 and 1 <= d <= f:
+                d -= 1
+        out[j] = (np.int64(ref[j]) + d) & (span - 1)
     return pos
 
 
