@@ -410,7 +410,8 @@ def moe_scale(results: list[Result]) -> Lines:
         s, st = r.data["summary"], r.data["settings"]
         row = [
             f"{st['layers']} layers, {st['ranks']} ranks, {hardware_words(r.hardware)}"
-            + (", **block fp8**" if st.get("fp8") else ""),
+            + (", **block fp8**" if st.get("fp8") else "")
+            + (", decoded in a child process" if st.get("decode_process") else ""),
             f"{s['numel'] / 1e9:.2f} B",
             spread(x["publish_s"] for x in r.data["publish"]["steps"][1:]),
             mb(s["bytes_median"]),
