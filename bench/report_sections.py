@@ -36,6 +36,7 @@ from report_weights import (
     codec,
     codec_gpu,
     device_scan,
+    digest,
     encode_rank,
     fp8,
     fsdp_publish,
@@ -142,6 +143,14 @@ SECTIONS = [
         "Publication of a sparse expert update by ranks holding whole experts, and its apply "
         "into a vLLM engine serving the same shapes.",
         moe_scale,
+    ),
+    Section(
+        "digest",
+        "Verification digests of a large state",
+        "What proving a version costs the worker: the xxh3-128 digest of every changed tensor, "
+        "one tensor at a time against several on threads (`tensor_digests`), for stacked "
+        "expert tensors on a GPU.",
+        digest,
     ),
     Section(
         "moe_sparsity",

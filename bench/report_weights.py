@@ -514,3 +514,30 @@ def moe_sparsity(results: list[Result]) -> Lines:
             "routed do not."
         ),
     )
+
+
+def digest(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        d, st = r.data, r.data["settings"]
+        ways = d["ways"]
+        rows.append(
+            [
+                hardware_words(r.hardware),
+                f"{st['tensors']} x [{st['shape'].replace(',', ', ')}] bf16 on {st['device']}",
+                f"{d['bytes'] / 1e9:.1f} GB",
+                f"{spread(ways['one_at_a_time']['seconds'])} "
+                f"({num(ways['one_at_a_time']['gb_per_s_median'], 1)} GB/s)",
+                f"{spread(ways['threads']['seconds'])} "
+                f"({num(ways['threads']['gb_per_s_median'], 1)} GB/s), {st['threads']} threads",
+            ]
+        )
+    header = ["machine", "tensors", "bytes", "one at a time, s", "on threads, s"]
+    return table(
+        header,
+        rows,
+        after=(
+            "Both ways give the same digests, and the CPU copy's. The first threaded pass "
+            "includes pinning each thread's two staging buffers."
+        ),
+    )

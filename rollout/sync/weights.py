@@ -104,7 +104,7 @@ from deltarl.weightsync.delta import (
     scatter_patch,
     stage_delta,
 )
-from deltarl.weightsync.digest import combine_digests, tensor_digest
+from deltarl.weightsync.digest import combine_digests, tensor_digests
 from deltarl.weightsync.errors import (
     BaseMismatchError,
     ContextMismatchError,
@@ -798,9 +798,15 @@ class WeightSync:
             params = self._params(ref.layout)
         digests = dict(self._digests)
         try:
-            for name, p in delta.patches.items():
-                if self.full_verify or p.changed or p.base_digest != p.result_digest:
-                    digests[name] = tensor_digest(params[name])
+            digests.update(
+                tensor_digests(
+                    {
+                        name: params[name]
+                        for name, p in delta.patches.items()
+                        if self.full_verify or p.changed or p.base_digest != p.result_digest
+                    }
+                )
+            )
         except BaseException as err:  # the applied state must not stay "pending" forever
             self._set_unhealthy(f"verification of v{ref.version} could not complete: {err}", seq)
             raise
@@ -879,7 +885,7 @@ class WeightSync:
                             t.copy_(state[name])
                     _warm_scatter(params)
                     self._sync_device()
-                    got = {n: tensor_digest(t) for n, t in params.items()}
+                    got = tensor_digests(params)
                     bad = [n for n in got if got[n] != digests[n]]
             except BaseException as err:
                 self._set_unhealthy(f"load of anchor v{ref.version} was interrupted: {err}", seq)

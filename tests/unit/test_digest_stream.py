@@ -5,12 +5,19 @@ the GPU path differs only in where the copies come from and their events."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import xxhash
 
 from deltarl.weightsync import digest
 from deltarl.weightsync.codec.bits import dtype_name
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _streamed(t: torch.Tensor, piece_bytes: int) -> str:
@@ -68,3 +75,45 @@ def test_a_large_cuda_tensor_streams_to_the_cpu_digest() -> None:
     assert cpu.numel() * cpu.element_size() > digest.STREAM_BYTES
     assert digest.tensor_digest(dev) == digest.tensor_digest(cpu)
     assert digest.tensor_digest(dev.transpose(1, 2)) == digest.tensor_digest(cpu.transpose(1, 2))
+
+
+def test_digests_on_threads_equal_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(digest, "DIGEST_THREADS", 3)
+    monkeypatch.setattr(digest, "PARALLEL_BYTES", 1)  # these small tensors go to the threads
+    state = {f"t{i}": t for i, t in enumerate(_tensors())}
+    serial = {n: digest.tensor_digest(t) for n, t in state.items()}
+    threaded = digest.tensor_digests(state)
+    assert threaded == serial and list(threaded) == list(state)
+    assert digest.state_digests(state) == serial
+
+
+def test_a_forked_child_gets_its_own_digest_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a child forked from a process with the pool inherits it without its threads: using it
+    # would wait forever, so the pool is made again when the process id differs
+    pool = digest._executor()
+    assert digest._executor() is pool
+    monkeypatch.setattr(digest.os, "getpid", lambda: -1)
+    other = digest._executor()
+    assert other is not pool
+    assert other.submit(lambda: 7).result(timeout=10) == 7
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_on_threads_equal_their_cpu_digests() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(2)
+    cpu = {f"e{i}": torch.randn(8, 1536, 2048, generator=g).to(torch.bfloat16) for i in range(4)}
+    dev = {n: t.to(f"cuda:{torch.cuda.device_count() - 1}") for n, t in cpu.items()}
+    assert digest.tensor_digests(dev) == digest.tensor_digests(cpu)
+
+
+def test_digest_bench_compares_both_ways(tmp_path: Path) -> None:
+    out = tmp_path / "digest.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "digest_bench.py"), "--device", "cpu"]
+    cmd += ["--tensors", "3", "--shape", "4,64,64", "--repeats", "2", "--json", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    d = json.loads(out.read_text())
+    assert d["bytes"] == 3 * 4 * 64 * 64 * 2
+    assert set(d["ways"]) == {"one_at_a_time", "threads"}
+    assert all(len(w["seconds"]) == 2 and w["median_s"] > 0 for w in d["ways"].values())
