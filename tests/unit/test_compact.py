@@ -252,3 +252,21 @@ def test_malformed_version_2_chunk_headers_are_refused():
             decode(header)
     with pytest.raises(CorruptDeltaError, match="position stream ends early"):
         decode([1, 0, 6, 2 * 1 + 0])  # a well-formed header: only the empty body is wrong
+
+
+@pytest.mark.parametrize("kmax", [0, 3, 12, 40])
+def test_rice_codes_round_trip_and_a_short_stream_is_refused(kmax: int) -> None:
+    rng = np.random.default_rng(kmax)
+    k = rng.integers(0, kmax + 1, 5000).astype(np.uint8)
+    # values around 2**k, some with long unary parts (q up to ~40 zero bits)
+    v = (rng.integers(0, 1 << 20, 5000) % ((np.int64(1) << k.astype(np.int64)) * 40 + 1)).astype(
+        np.int64
+    )
+    nbits = int(kernels.rice_bits(v, k))
+    buf = np.zeros(-(-nbits // 8), np.uint8)
+    assert kernels.rice_encode(v, k, buf) == nbits
+    out = np.empty(v.size, np.int64)
+    assert kernels.rice_decode(buf, k, out) == nbits
+    assert np.array_equal(out, v)
+    assert kernels.rice_decode(buf[: buf.size // 2], k, out) == -1
+    assert kernels.rice_decode(buf[:0], k, out) == -1

@@ -299,6 +299,7 @@ def rice_decode(buf, kparams, out):  # pragma: no cover - jit
             q += z
             have -= z + 1
             pos += z + 1
+            acc &= (np.int64(1) << have) - 1  # at most 15 bits stay, so k <= 48 fits
             break
         k = np.int64(kparams[j])
         while have < k:
