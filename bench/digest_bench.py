@@ -1,4 +1,4 @@
-"""Verification digests of a large state: one tensor at a time against ``tensor_digests``' threads.
+"""Verification digests of a large state: one tensor at a time against ``state_digests``' threads.
 
 A worker proves each version by hashing every tensor a delta changed, which at 1% density on an
 MoE is every tensor: 61 GB for Qwen3-30B-A3B's shapes, 10-11 s per version one tensor at a time
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     ways = {
         "one_at_a_time": lambda: {n: digest.tensor_digest(t) for n, t in state.items()},
-        "threads": lambda: digest.tensor_digests(state),
+        "threads": lambda: digest.state_digests(state),
     }
     seconds: dict[str, list[float]] = {w: [] for w in ways}
     got: dict[str, dict[str, str]] = {}

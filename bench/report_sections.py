@@ -148,7 +148,7 @@ SECTIONS = [
         "digest",
         "Verification digests of a large state",
         "What proving a version costs the worker: the xxh3-128 digest of every changed tensor, "
-        "one tensor at a time against several on threads (`tensor_digests`), for stacked "
+        "one tensor at a time against several on threads (`state_digests`), for stacked "
         "expert tensors on a GPU.",
         digest,
     ),

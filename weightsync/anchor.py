@@ -47,7 +47,7 @@ import xxhash
 import zstandard
 
 from deltarl.weightsync.codec.bits import dtype_name
-from deltarl.weightsync.digest import combine_digests, tensor_digests
+from deltarl.weightsync.digest import combine_digests, state_digests
 from deltarl.weightsync.errors import CorruptDeltaError
 
 logger = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ def write_anchor(
     if version < 0:
         raise ValueError(f"anchor version must be >= 0, got {version}")
     names = sorted(state)
-    digests = dict(digests) if digests is not None else tensor_digests({n: state[n] for n in names})
+    digests = dict(digests) if digests is not None else state_digests({n: state[n] for n in names})
     if set(digests) != set(names):
         raise ValueError("digests must name exactly the tensors of state")
     specs = [(n, state[n].dtype, tuple(state[n].shape)) for n in names]
@@ -388,10 +388,10 @@ def _read_stream(
     if "deltarl.kind" not in meta and not require_digests:
         model_version = meta.get("model_version")
         version = int(model_version) if model_version and model_version.isdigit() else None
-        return state, version, tensor_digests(state)
+        return state, version, state_digests(state)
     anchor_version, _, digests = _parse_anchor_meta(meta, set(state))
     if verify:
-        got = tensor_digests(state)
+        got = state_digests(state)
         bad = [n for n in sorted(state) if got[n] != digests[n]]
         if bad:
             raise CorruptDeltaError(

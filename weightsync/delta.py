@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from deltarl.weightsync.codec.bits import bits_view, dtype_name, float_format
-from deltarl.weightsync.digest import combine_digests, tensor_digest, tensor_digests
+from deltarl.weightsync.digest import combine_digests, state_digests, tensor_digest
 from deltarl.weightsync.errors import (
     BaseMismatchError,
     CorruptDeltaError,
@@ -542,7 +542,7 @@ def verify_result(state: Mapping[str, torch.Tensor], delta: Delta) -> dict[str, 
 
     Raises :class:`VerificationError` (the state is poisoned) on any mismatch.
     """
-    digests = tensor_digests({n: state[n] for n in delta.patches})
+    digests = state_digests({n: state[n] for n in delta.patches})
     bad = [n for n, p in delta.patches.items() if digests[n] != p.result_digest]
     if bad:
         raise VerificationError(

@@ -115,7 +115,7 @@ def combine_digests(digests: Mapping[str, str]) -> str:
     return h.hexdigest()
 
 
-def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def state_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """:func:`tensor_digest` of every tensor, on :data:`DIGEST_THREADS` threads when there is
     enough to hash (the same digests as one at a time)."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -138,10 +138,6 @@ def _executor() -> ThreadPoolExecutor:
         if _pool is None or _pool[0] != os.getpid():
             _pool = (os.getpid(), ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="digest"))
         return _pool[1]
-
-
-def state_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    return tensor_digests(state)
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:

@@ -58,7 +58,7 @@ from deltarl.weightsync.delta import (
     apply_staged,
     stage_delta,
 )
-from deltarl.weightsync.digest import tensor_digest, tensor_digests
+from deltarl.weightsync.digest import state_digests, tensor_digest
 from deltarl.weightsync.errors import StateMismatchError
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ class ShardServer:
             if self.device.type == "cuda":
                 # a digest reads the weights after the apply (already synchronized), not during
                 torch.cuda.synchronize(self.device)
-            return {"digests": tensor_digests({n: self.views[n] for n in names})}
+            return {"digests": state_digests({n: self.views[n] for n in names})}
         raise ValueError(f"unknown request {op!r}")
 
     def _put(self, version: int, item: tuple[str, Any]) -> None:

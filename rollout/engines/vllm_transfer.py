@@ -55,7 +55,7 @@ from deltarl.weightsync.delta import (
     stage_delta,
     verify_base,
 )
-from deltarl.weightsync.digest import combine_digests, tensor_digests
+from deltarl.weightsync.digest import combine_digests, state_digests
 from deltarl.weightsync.errors import CorruptDeltaError, VerificationError
 from deltarl.weightsync.fp8 import config_block
 
@@ -300,7 +300,7 @@ class DeltaReceiver:
         views = self.views
         assert views is not None
         if self.digests is None:
-            self.digests = tensor_digests(views)
+            self.digests = state_digests(views)
         verify_base(views, delta, state_digests=self.digests)  # nothing written on a mismatch
         t0 = time.perf_counter()
         staged = stage_delta(delta, self.device, views)
@@ -317,7 +317,7 @@ class DeltaReceiver:
         recheck = [
             n for n, p in delta.patches.items() if p.changed or p.base_digest != p.result_digest
         ]
-        digests.update(tensor_digests({name: views[name] for name in recheck}))
+        digests.update(state_digests({name: views[name] for name in recheck}))
         bad = [
             n
             for n in recheck

@@ -104,7 +104,7 @@ from deltarl.weightsync.delta import (
     scatter_patch,
     stage_delta,
 )
-from deltarl.weightsync.digest import combine_digests, tensor_digests
+from deltarl.weightsync.digest import combine_digests, state_digests
 from deltarl.weightsync.errors import (
     BaseMismatchError,
     ContextMismatchError,
@@ -799,7 +799,7 @@ class WeightSync:
         digests = dict(self._digests)
         try:
             digests.update(
-                tensor_digests(
+                state_digests(
                     {
                         name: params[name]
                         for name, p in delta.patches.items()
@@ -885,7 +885,7 @@ class WeightSync:
                             t.copy_(state[name])
                     _warm_scatter(params)
                     self._sync_device()
-                    got = tensor_digests(params)
+                    got = state_digests(params)
                     bad = [n for n in got if got[n] != digests[n]]
             except BaseException as err:
                 self._set_unhealthy(f"load of anchor v{ref.version} was interrupted: {err}", seq)

@@ -82,7 +82,7 @@ def test_digests_on_threads_equal_one_at_a_time(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(digest, "PARALLEL_BYTES", 1)  # these small tensors go to the threads
     state = {f"t{i}": t for i, t in enumerate(_tensors())}
     serial = {n: digest.tensor_digest(t) for n, t in state.items()}
-    threaded = digest.tensor_digests(state)
+    threaded = digest.state_digests(state)
     assert threaded == serial and list(threaded) == list(state)
     assert digest.state_digests(state) == serial
 
@@ -105,7 +105,7 @@ def test_cuda_tensors_on_threads_equal_their_cpu_digests() -> None:
     g = torch.Generator().manual_seed(2)
     cpu = {f"e{i}": torch.randn(8, 1536, 2048, generator=g).to(torch.bfloat16) for i in range(4)}
     dev = {n: t.to(f"cuda:{torch.cuda.device_count() - 1}") for n, t in cpu.items()}
-    assert digest.tensor_digests(dev) == digest.tensor_digests(cpu)
+    assert digest.state_digests(dev) == digest.state_digests(cpu)
 
 
 def test_digest_bench_compares_both_ways(tmp_path: Path) -> None:
