@@ -15,10 +15,12 @@ from states import mixed_fused_state, perturb
 
 from deltarl.weightsync import CorruptDeltaError, compute_delta
 from deltarl.weightsync import apply_kernel as kernel_module
+from deltarl.weightsync import delta as delta_module
 from deltarl.weightsync.codec.bits import bits_view
 from deltarl.weightsync.delta import (
     StagedDelta,
     _check_bounds,
+    _host_concat,
     _stage_batched,
     _store_plan,
     _targets,
@@ -92,11 +94,14 @@ def _clone_keeping_views(state):
     return out
 
 
-def test_bounds_are_checked_before_anything_is_stored(state):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_bounds_are_checked_before_anything_is_stored(state, threaded, monkeypatch):
+    if threaded:  # as for a large delta: the checks run on threads
+        monkeypatch.setattr(delta_module, "PARALLEL_STAGE_ELEMS", 1)
     delta = compute_delta(state, perturb(state, 0.2), 0, 1)
     patches = list(iter_changed_tensors(delta))
     _check_bounds(patches)
-    bad = patches[0]
+    bad = patches[-1]
     bad.index = bad.index.copy()
     bad.index[-1] = bad.numel
     with pytest.raises(CorruptDeltaError, match="outside"):
@@ -104,6 +109,16 @@ def test_bounds_are_checked_before_anything_is_stored(state):
     bad.index[-1] = -1
     with pytest.raises(CorruptDeltaError, match="outside"):
         _check_bounds([bad])
+
+
+def test_large_host_concatenations_run_on_threads_and_keep_the_order(monkeypatch):
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-(2**40), 2**40, int(n)) for n in rng.integers(0, 5000, 40)]
+    serial = _host_concat(arrays, np.dtype(np.int64), pin=False)
+    monkeypatch.setattr(delta_module, "PARALLEL_STAGE_ELEMS", 1)
+    threaded = _host_concat(arrays, np.dtype(np.int64), pin=False)
+    assert np.array_equal(threaded.numpy(), np.concatenate(arrays))
+    assert torch.equal(serial, threaded)
 
 
 def test_cpu_uses_index_copy_and_refuses_triton(state):
