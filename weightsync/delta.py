@@ -419,15 +419,12 @@ def _host_concat(arrays: list[np.ndarray], dtype: np.dtype, pin: bool) -> torch.
     if not total:
         return out
     dst = out.numpy()
-    if total < PARALLEL_STAGE_ELEMS or len(arrays) < 2:
-        np.concatenate(arrays, out=dst)
-        return out
     ends = np.cumsum([a.size for a in arrays]).tolist()
 
     def place(i: int) -> None:
         dst[ends[i] - arrays[i].size : ends[i]] = arrays[i]
 
-    _on_threads(place, len(arrays))
+    _for_each(place, len(arrays), total)
     return out
 
 
@@ -436,8 +433,13 @@ STAGE_THREADS = max(1, min(8, os.cpu_count() or 1))
 PARALLEL_STAGE_ELEMS = 1 << 23
 
 
-def _on_threads(fn: Callable[[int], None], n: int) -> None:
-    """``fn(0) ... fn(n - 1)`` on :data:`STAGE_THREADS` threads (errors raised here)."""
+def _for_each(fn: Callable[[int], None], n: int, elems: int) -> None:
+    """``fn(0) ... fn(n - 1)``: on :data:`STAGE_THREADS` threads where they cover
+    ``PARALLEL_STAGE_ELEMS`` elements or more, else here (errors raised here either way)."""
+    if elems < PARALLEL_STAGE_ELEMS or n < 2:
+        for i in range(n):
+            fn(i)
+        return
     with ThreadPoolExecutor(min(STAGE_THREADS, n)) as pool:
         list(pool.map(fn, range(n)))
 
@@ -494,11 +496,7 @@ def _check_bounds(patches: Sequence[TensorPatch]) -> None:
                 f"{p.name}: indices outside the tensor's {p.numel} elements; nothing was written"
             )
 
-    if sum(p.changed for p in patches) < PARALLEL_STAGE_ELEMS or len(patches) < 2:
-        for i in range(len(patches)):
-            check(i)
-    else:
-        _on_threads(check, len(patches))
+    _for_each(check, len(patches), sum(p.changed for p in patches))
 
 
 def _store_plan(
