@@ -189,7 +189,7 @@ def manifest(version: int) -> dict[str, object]:
         obj = ObjectRef(
             key=f"objects/{tag}/d.dlt",
             kind="delta",
-            format="deltarl-compact-v2",
+            format="deltarl-compact-v3",
             size=1_500_000 + random.randrange(500_000),
             xxh3_128="1" * 32,
             version=version,

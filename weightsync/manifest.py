@@ -55,6 +55,7 @@ _MANIFEST_KEY = re.compile(rf"^manifests/v(\d{{{VERSION_DIGITS}}})\.json$")
 FORMAT_EXTENSIONS: dict[str, str] = {
     "deltarl-compact-v1": "dlt",
     "deltarl-compact-v2": "dlt",
+    "deltarl-compact-v3": "dlt",
     "trl-sparse-raw": "safetensors",
     "trl-sparse-gap_delta": "safetensors",
     "safetensors": "safetensors",

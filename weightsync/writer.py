@@ -72,13 +72,13 @@ _CHUNK = 1 << 22
 class NewObject:
     """One encoded object handed to :meth:`BucketWriter.publish` by the codec.
 
-    Example: ``NewObject("delta", "deltarl-compact-v2", blob, base_version=11,
+    Example: ``NewObject("delta", "deltarl-compact-v3", blob, base_version=11,
     base_digest=delta.base_digest, changed=delta.changed)``; a chained delta adds
     ``context_version=10`` (it decodes only after the delta 10 -> 11).
     """
 
     kind: ObjectKind  # "anchor" or "delta"
-    format: str  # "deltarl-compact-v2", "trl-sparse-gap_delta", "safetensors", "safetensors+zstd"
+    format: str  # "deltarl-compact-v3", "trl-sparse-gap_delta", "safetensors", "safetensors+zstd"
     # the encoded bytes, a local file holding them, or the parts of a sharded object, already
     # uploaded by the ranks that hold them (:meth:`BucketWriter.upload_part`)
     source: bytes | Path | tuple[ObjectPart, ...]

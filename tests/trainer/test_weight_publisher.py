@@ -394,7 +394,7 @@ def test_chained_deltas_published_and_decode_bit_identically(
         ref = chained[0]
         assert ref.base_version == w - 1 and ref.context_version == w - 2
         assert ref.base_digest == standalone[0].base_digest and ref.changed == standalone[0].changed
-        assert ref.format == standalone[0].format == "deltarl-compact-v2"
+        assert ref.format == standalone[0].format == "deltarl-compact-v3"
         assert reports[w].chained_bytes == ref.size and reports[w].delta_bytes == standalone[0].size
         assert reports[w].metrics()["publish/chained_bytes"] == ref.size
         assert ref.size < standalone[0].size  # the drift repeats the previous moves

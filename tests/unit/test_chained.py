@@ -111,9 +111,9 @@ def triples(draw):
 
 @pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(triples(), st.sampled_from([7, 64, 1 << 24]))
-def test_chained_round_trip_is_bit_exact(states, chunk_elems):
-    chained_round_trip(*states, chunk_elems=chunk_elems, threads=2)
+@given(triples(), st.sampled_from([7, 64, 1 << 24]), st.sampled_from(["contexts", "gaps"]))
+def test_chained_round_trip_is_bit_exact(states, chunk_elems, positions):
+    chained_round_trip(*states, chunk_elems=chunk_elems, threads=2, positions=positions)
 
 
 def momentum_states(steps: int, n: int = 200_000, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -135,6 +135,12 @@ def test_chained_is_smaller_on_momentum_like_updates():
     chained = chained_round_trip(s0, s1, s2)
     standalone = len(encode_compact(compute_delta(s1, s2, 1, 2), s1))
     assert chained < 0.95 * standalone, (chained, standalone)
+
+
+def test_chained_deltas_with_positions_as_gaps_round_trip():
+    s0, s1, s2 = momentum_states(3, n=50_000)
+    by_gaps = chained_round_trip(s0, s1, s2, positions="gaps", chunk_elems=4096)
+    assert by_gaps > chained_round_trip(s0, s1, s2, chunk_elems=4096)
 
 
 def test_chained_needs_its_own_context():

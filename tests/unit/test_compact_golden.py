@@ -1,9 +1,10 @@
 """The compact encoder's bytes do not change when its internals are sped up.
 
-The digests below pin the bytes of format version 2; a faster encoder must produce the same
-bytes for the same delta, so receivers and stored deltas are unaffected. An object of version 1
-(kept in ``data/``) must still decode. The two kernels are also checked against
-the numpy code they replaced, kept below as the specification."""
+The digests below pin the bytes of format version 3, positions by context rank and as gaps; a
+faster encoder must produce the same bytes for the same delta, so receivers and stored deltas
+are unaffected. Objects of versions 1 and 2 (kept in ``data/``) must still decode. The two
+kernels are also checked against the numpy code they replaced, kept below as the
+specification."""
 
 from __future__ import annotations
 
@@ -40,12 +41,15 @@ def _state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return old, new
 
 
-GOLDEN = {  # format version 2 (chunk headers carry each context's Rice parameter)
-    1 << 24: "322a1c75a6dd6aa91b2fbb7b04953d308e9bb8a22d3ebf5b029a910b52840497",
-    1000: "7f3b9d2362d8d1563170faf6264fe59e8836787ea3de8e543c8fd421910009c0",
+GOLDEN = {  # format version 3: (chunk elements, positions) -> content digest
+    (1 << 24, "contexts"): "de71b1d1f46a84e9ab9d75a7152851dde1803ac813f7f3207ba2e5852d79866a",
+    (1000, "contexts"): "a7bea29c97e6493a9a19a5da85a1926af9b253af8c6ea195e24859c717558e7b",
+    (1 << 24, "gaps"): "bda7e3930c5649cbc92435fde693a4e93d6c5e2885e207878ea3c89bb6f8151f",
+    (1000, "gaps"): "387206aba3fa8979a4bfbd330bce00211a0983f87527884ec8278817c919a914",
 }
-V1_OBJECT = Path(__file__).parent / "data" / "compact-v1.dlt"  # the same delta at 1000-element
-# chunks, written by the version-1 encoder (the same state and versions as below)
+DATA = Path(__file__).parent / "data"
+# the same delta at 1000-element chunks, written by the encoders of format versions 1 and 2
+OLD_OBJECTS = {1: DATA / "compact-v1.dlt", 2: DATA / "compact-v2.dlt"}
 
 
 def content_digest(blob: bytes) -> str:
@@ -62,20 +66,22 @@ def content_digest(blob: bytes) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("chunk_elems", sorted(GOLDEN))
-def test_encoder_bytes_are_unchanged(chunk_elems: int) -> None:
+@pytest.mark.parametrize(("chunk_elems", "positions"), sorted(GOLDEN))
+def test_encoder_bytes_are_unchanged(chunk_elems: int, positions: str) -> None:
     old, new = _state()
     d = compute_delta(old, new, 3, 4)
-    blob = encode_compact(d, old, chunk_elems=chunk_elems, threads=2)
-    assert content_digest(blob) == GOLDEN[chunk_elems]
+    blob = encode_compact(d, old, chunk_elems=chunk_elems, threads=2, positions=positions)
+    assert content_digest(blob) == GOLDEN[(chunk_elems, positions)]
 
 
-def test_version_1_objects_still_decode() -> None:
-    """An object of format version 1 (no Rice parameters in its chunk headers: the decoder
-    counts the base's elements per context to derive them) decodes to the same delta."""
+@pytest.mark.parametrize("version", sorted(OLD_OBJECTS))
+def test_objects_of_earlier_versions_still_decode(version: int) -> None:
+    """Objects of format versions 1 (no Rice parameters in its chunk headers: the decoder
+    counts the base's elements per context to derive them) and 2 (every chunk by context rank,
+    its header without the positions flag) decode to the same delta."""
     old, new = _state()
-    blob = V1_OBJECT.read_bytes()
-    assert read_footer(blob)["format_version"] == 1
+    blob = OLD_OBJECTS[version].read_bytes()
+    assert read_footer(blob)["format_version"] == version
     got = decode_compact(blob, old)
     want = decode_compact(encode_compact(compute_delta(old, new, 3, 4), old), old)
     assert (got.base_version, got.version) == (3, 4)

@@ -49,15 +49,19 @@ def test_the_scan_equals_the_numba_scan(name: str) -> None:
         assert np.array_equal(scan.old, bits[start : start + count][local])
 
 
-def test_an_encoder_fed_the_scans_writes_the_same_bytes() -> None:
+@pytest.mark.parametrize("positions", ["contexts", "gaps"])
+def test_an_encoder_fed_the_scans_writes_the_same_bytes(positions: str) -> None:
     old, new = _state()
     delta = compute_delta(old, new, 3, 4)
     scans = {}
     for k in old:
         _, _, found = changes_and_scans(old[k], new[k], CHUNK)
         scans.update(((k, s), sc) for s, sc in found.items())
-    want = encode_compact(delta, old, chunk_elems=CHUNK, threads=2)
-    assert encode_compact(delta, None, chunk_elems=CHUNK, threads=2, scans=scans) == want
+    want = encode_compact(delta, old, chunk_elems=CHUNK, threads=2, positions=positions)
+    got = encode_compact(
+        delta, None, chunk_elems=CHUNK, threads=2, scans=scans, positions=positions
+    )
+    assert got == want
 
 
 def _chunks(pending) -> list[tuple[int, int]]:

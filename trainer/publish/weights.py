@@ -155,7 +155,7 @@ class PublishReport:
     """What publishing one version cost. Times in seconds, sizes in bytes.
 
     Example: ``PublishReport(version=12, step=12, base_version=11, anchor=False,
-    delta_format="deltarl-compact-v2", delta_bytes=301_220, chained_bytes=282_410,
+    delta_format="deltarl-compact-v3", delta_bytes=301_220, chained_bytes=282_410,
     anchor_bytes=None, changed=1_402_113, numel=134_515_008, full_bytes=269_030_016,
     snapshot_s=0.02, diff_s=0.11, encode_s=0.65, anchor_s=0.0, upload_s=0.05, register_s=0.004,
     total_s=0.82)``.

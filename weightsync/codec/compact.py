@@ -42,6 +42,7 @@ import zstandard
 from deltarl.weightsync.codec import kernels
 from deltarl.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.weightsync.codec.compact_chunks import (
+    POSITIONS,
     ChunkAnalysis,
     ChunkRef,
     ChunkScan,
@@ -116,6 +117,7 @@ def encode_compact(
     context: DeltaContext | None = None,
     rho16: int = RHO16_DEFAULT,
     scans: Mapping[tuple[str, int], ChunkScan] | None = None,
+    positions: str = "contexts",
 ) -> bytes:
     """Serialize ``delta`` in the compact format, using ``base`` (the state at the delta's base
     version; GPU tensors are copied to CPU one at a time) as side information.
@@ -129,6 +131,10 @@ def encode_compact(
     GPU holding the weights); then ``base`` is not read and may be None. Standalone only. The
     bytes are the same as with ``base``.
 
+    ``positions``: ``"contexts"`` (the fewest bytes; the decoder walks every element of a
+    changed chunk) or ``"gaps"`` (a decoder that reads only the changed elements; more bytes):
+    :data:`~.compact_chunks.POSITIONS`.
+
     Phase A analyses every chunk in parallel (contexts, ranks, symbols); then the value tables are
     chosen for the whole delta (shared per old exponent, or a context's own where that is cheaper
     including the table); phase B codes every chunk in parallel.
@@ -139,6 +145,8 @@ def encode_compact(
         raise ValueError("the compact encoder needs the base state or the chunks' scans")
     if chunk_elems < 1:
         raise ValueError("chunk_elems must be positive")
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, not {positions!r}")
     threads = threads or default_threads()
     if context is not None:
         _check_context_dtypes(context, delta)
@@ -172,10 +180,12 @@ def encode_compact(
                 raise ValueError(
                     f"scan of {name}[{start}:] covers {scan.count} elements, not {count}"
                 )
-            return analyse_chunk(name, start, None, index, value, fmt, scan=scan)
+            return analyse_chunk(
+                name, start, None, index, value, fmt, scan=scan, positions=positions
+            )
         old = olds[name][start : start + count]
         prev = _prediction(context, name, start, count, rho16)
-        return analyse_chunk(name, start, old, index, value, fmt, prev)
+        return analyse_chunk(name, start, old, index, value, fmt, prev, positions=positions)
 
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))

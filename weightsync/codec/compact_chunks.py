@@ -6,7 +6,7 @@ the entropy models both sides share are ``entropy.py``; the compiled loops are `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,10 @@ from deltarl.weightsync.codec.entropy import (
 from deltarl.weightsync.errors import CorruptDeltaError
 
 
+def _empty() -> np.ndarray:
+    return np.zeros(0, np.int64)
+
+
 @dataclass(slots=True)
 class ChunkAnalysis:
     """Everything phase A learns about one chunk; phase B turns it into bytes."""
@@ -45,18 +49,39 @@ class ChunkAnalysis:
     count: int
     ctx_ids: np.ndarray  # int64 [C], position contexts (old exponents) with changes, ascending
     kc: np.ndarray  # int64 [C], changes per position context
-    hist: np.ndarray  # int64 [C], the chunk's elements of each of those contexts
-    rice_k: np.ndarray  # int64 [C], the Rice parameter of each of those contexts' gaps
-    key: np.ndarray  # int64 [V], value contexts with changes, ascending (= shared-table keys)
-    counts: np.ndarray  # int64 [V, ALPHABET], symbol counts per value context
+    hist: np.ndarray  # int64 [C], the chunk's elements of each of those contexts (by_gaps: [])
+    rice_k: (
+        np.ndarray
+    )  # int64 [C], the Rice parameter of each of those contexts' gaps (by_gaps: [1])
     gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
     kparams: np.ndarray  # uint8, Rice parameter of each gap
-    symbols: np.ndarray  # uint16, one per changed element in index order
-    sym_ctx: np.ndarray  # int32, position in ``key`` of each symbol's value context
-    extra: np.ndarray  # uint32 extra-bit values
-    widths: np.ndarray  # uint8 extra-bit widths
     chained: bool = False  # values coded against a prediction from a context delta
+    by_gaps: bool = False  # positions coded as plain gaps (``POSITIONS``), not by context rank
+    # the value half (:func:`_with_values`)
+    key: np.ndarray = field(
+        default_factory=_empty
+    )  # int64 [V], value contexts with changes, ascending (= shared-table keys)
+    counts: np.ndarray = field(
+        default_factory=_empty
+    )  # int64 [V, ALPHABET], symbol counts per value context
+    symbols: np.ndarray = field(
+        default_factory=_empty
+    )  # uint16, one per changed element in index order
+    sym_ctx: np.ndarray = field(
+        default_factory=_empty
+    )  # int32, position in ``key`` of each symbol's value context
+    extra: np.ndarray = field(default_factory=_empty)  # uint32 extra-bit values
+    widths: np.ndarray = field(default_factory=_empty)  # uint8 extra-bit widths
     own: np.ndarray | None = None  # bool [V]: value context codes with its own table
+
+
+POSITIONS = ("contexts", "gaps")
+"""How a chunk codes its changed positions. ``contexts``: by rank within the old exponent's
+elements, the fewest bytes (an update is visible only above half an ULP, so small exponents
+change more often), but the decoder must walk every element of the chunk to turn ranks back into
+positions. ``gaps``: the gaps between consecutive changed positions, one Rice parameter per
+chunk; ~2.5 more bits per change on a real dense model's deltas, and a decoder that reads only
+the changed elements of the base."""
 
 
 def context_layout(fmt: FloatFormat) -> tuple[int, int]:
@@ -126,10 +151,16 @@ def analyse_chunk(
     fmt: FloatFormat,
     prediction: Prediction | None = None,
     scan: ChunkScan | None = None,
+    positions: str = "contexts",
 ) -> ChunkAnalysis:
     """Phase A for one chunk: ``old`` (the chunk's base bit patterns), ``index`` (chunk-local,
     increasing) and ``value`` (new bit patterns) of its changed elements. With ``scan`` (a
-    standalone delta only) ``old`` is not read and may be None."""
+    standalone delta only) ``old`` is not read and may be None. ``positions``: one of
+    :data:`POSITIONS`."""
+    if positions == "gaps":
+        return _analyse_by_gaps(tensor, start, old, index, value, fmt, prediction, scan)
+    if positions != "contexts":
+        raise ValueError(f"positions must be one of {POSITIONS}, not {positions!r}")
     if scan is not None:
         hist, ctx, rank, ref, count = _checked_scan(scan, index, value, fmt, prediction)
         nctx = hist.size
@@ -162,6 +193,113 @@ def analyse_chunk(
         ref, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
     else:
         forbidden, vctx = None, ctx
+    return _with_values(
+        ChunkAnalysis(
+            tensor=tensor,
+            start=start,
+            count=count,
+            ctx_ids=present,
+            kc=kc_all[present],
+            hist=hist[present],
+            rice_k=kparam_of_ctx[present].astype(np.int64),
+            # compact dtypes: this is held for every changed element until the chunk is coded
+            gaps=gaps,
+            kparams=kparams,
+            chained=prediction is not None,
+        ),
+        value,
+        ref,
+        forbidden,
+        vctx,
+        ctx,
+        present,
+        fmt,
+    )
+
+
+def _analyse_by_gaps(
+    tensor: str,
+    start: int,
+    old: np.ndarray | None,
+    index: np.ndarray,
+    value: np.ndarray,
+    fmt: FloatFormat,
+    prediction: Prediction | None,
+    scan: ChunkScan | None,
+) -> ChunkAnalysis:
+    """:func:`analyse_chunk` for positions coded as gaps: reads only the changed elements of the
+    base. The contexts listed in the header are the old exponents (value contexts standalone),
+    with their change counts, which the decoder checks against its base."""
+    shift, emask = context_layout(fmt)
+    if scan is not None:
+        _, ctx, _, ref, count = _checked_scan(scan, index, value, fmt, prediction)
+        ctx = ctx.astype(np.int64)
+        forbidden, vctx = None, ctx
+    else:
+        if old is None:
+            raise ValueError("analyse_chunk needs the chunk's base elements or its scan")
+        real = value != old[index]  # a composed delta may hold elements that changed back
+        if not bool(real.all()):
+            index, value = index[real], value[real]
+        ctx = (old[index].astype(np.int64) >> shift) & emask
+        count = old.size
+        # value_residuals takes chained contexts as 2 exponent + moved and uses the exponent
+        ref, forbidden, vctx = value_residuals(
+            old, index, 2 * ctx if prediction else ctx, fmt, prediction
+        )
+    kc_all = kernels.count_values(ctx, emask + 1)
+    present = np.flatnonzero(kc_all)
+    gaps = np.empty(index.size, np.uint32)  # < chunk size
+    kernels.index_gaps(index, gaps)
+    rice = _best_rice(gaps, count)
+    return _with_values(
+        ChunkAnalysis(
+            tensor=tensor,
+            start=start,
+            count=count,
+            ctx_ids=present,
+            kc=kc_all[present],
+            hist=np.zeros(0, np.int64),
+            rice_k=np.array([rice], np.int64),
+            gaps=gaps,
+            kparams=np.full(gaps.size, rice, np.uint8),
+            chained=prediction is not None,
+            by_gaps=True,
+        ),
+        value,
+        ref,
+        forbidden,
+        vctx,
+        ctx,
+        present,
+        fmt,
+    )
+
+
+def _best_rice(gaps: np.ndarray, count: int) -> int:
+    """The Rice parameter that codes ``gaps`` in the fewest bits, searched around the one a
+    geometric distribution of their mean would have."""
+    k0 = int(rice_parameter(np.array([count]), np.array([max(gaps.size, 1)]))[0])
+    g = gaps.astype(np.int64)
+    costs = {
+        k: int((g >> k).sum()) + g.size * (1 + k)
+        for k in range(max(0, k0 - 2), min(MAX_RICE, k0 + 3))
+    }
+    return min(costs, key=costs.__getitem__)
+
+
+def _with_values(
+    a: ChunkAnalysis,
+    value: np.ndarray,
+    ref: np.ndarray,
+    forbidden: np.ndarray | None,
+    vctx: np.ndarray,
+    ctx: np.ndarray,
+    present: np.ndarray,
+    fmt: FloatFormat,
+) -> ChunkAnalysis:
+    """Fill in ``a``'s value half: the value contexts, symbols and their counts of the changed
+    elements ``value`` coded against ``ref`` (and ``forbidden``, chained)."""
     # value contexts present, ascending (standalone they are the position contexts: each change
     # is one symbol of its own context), and each symbol's row among them
     vkeys = present if vctx is ctx else np.flatnonzero(np.bincount(vctx, minlength=1))
@@ -195,25 +333,14 @@ def analyse_chunk(
         counts = np.bincount(
             sym_ctx.astype(np.int64) * ALPHABET + symbols, minlength=vkeys.size * ALPHABET
         )
-    return ChunkAnalysis(
-        tensor=tensor,
-        start=start,
-        count=count,
-        ctx_ids=present,
-        kc=kc_all[present],
-        hist=hist[present],
-        rice_k=kparam_of_ctx[present].astype(np.int64),
-        key=vkeys,
-        counts=counts.reshape(vkeys.size, ALPHABET),
-        # compact dtypes: this is held for every changed element until the chunk is coded
-        gaps=gaps,
-        kparams=kparams,
-        symbols=symbols.astype(np.uint16, copy=False),
-        sym_ctx=sym_ctx,
-        extra=extra.astype(np.uint32, copy=False),
-        widths=widths.astype(np.uint8, copy=False),
-        chained=prediction is not None,
-    )
+    a.key = vkeys
+    a.counts = counts.reshape(vkeys.size, ALPHABET)
+    # compact dtypes: this is held for every changed element until the chunk is coded
+    a.symbols = symbols.astype(np.uint16, copy=False)
+    a.sym_ctx = sym_ctx
+    a.extra = extra.astype(np.uint32, copy=False)
+    a.widths = widths.astype(np.uint8, copy=False)
+    return a
 
 
 def _checked_scan(
@@ -342,14 +469,18 @@ def code_chunk(
 ) -> tuple[bytes, bytes, list[int]]:
     """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
 
-    The header lists the position contexts with changes as varints ``(context gap, 2 k + own,
-    2 rice + complement[, elements of the context in the chunk if complement])`` (``rice``: the
-    Rice parameter of its gaps; ``complement``: its gaps name the unchanged elements, because
-    more than half changed) followed by the chunk's own frequency tables; headers of all chunks
-    are compressed together. Format version 1 had neither: its decoder derived both from the
-    context's element count, counted from the base in a pass of its own. Standalone, value contexts are the position contexts, so ``own`` flags them; a
-    chained chunk has more value contexts: its ``own`` bits are 0 and a list
-    ``(count, value-context gaps...)`` of those with their own table precedes the tables.
+    The header starts with ``2 C + by_gaps`` (``C`` contexts listed). By context rank, it lists
+    the position contexts with changes as varints ``(context gap, 2 k + own, 2 rice +
+    complement[, elements of the context in the chunk if complement])`` (``rice``: the Rice
+    parameter of its gaps; ``complement``: its gaps name the unchanged elements, because more
+    than half changed). By gaps, the chunk's one Rice parameter, then the old exponents with
+    changes as ``(context gap, 2 k + own)``. The chunk's own frequency tables follow; headers of
+    all chunks are compressed together. Standalone, value contexts are the old exponents, so
+    ``own`` flags them; a chained chunk has more value contexts: its ``own`` bits are 0 and a
+    list ``(count, value-context gaps...)`` of those with their own table precedes the tables.
+    (Format version 2 headers start with ``C``: every chunk by context rank. Version 1 headers
+    had neither ``rice`` nor ``complement``: its decoder derived both from the context's element
+    count, counted from the base in a pass of its own.)
     """
     assert a.own is not None
     own_pos = np.flatnonzero(a.own)
@@ -358,22 +489,28 @@ def code_chunk(
         if own_pos.size
         else np.zeros((0, ALPHABET), np.int64)
     )
-    header = [int(a.ctx_ids.size)]
+    header = [2 * int(a.ctx_ids.size) + int(a.by_gaps)]
     prev = -1
     own_flags = a.own.tolist() if not a.chained else [False] * a.ctx_ids.size
-    for c, kcount, n, rice, own in zip(
-        a.ctx_ids.tolist(),
-        a.kc.tolist(),
-        a.hist.tolist(),
-        a.rice_k.tolist(),
-        own_flags,
-        strict=True,
-    ):
-        comp = 2 * kcount > n
-        header += [c - prev - 1, 2 * kcount + int(own), 2 * rice + int(comp)]
-        if comp:
-            header.append(n)
-        prev = c
+    if a.by_gaps:
+        header.append(int(a.rice_k[0]))
+        for c, kcount, own in zip(a.ctx_ids.tolist(), a.kc.tolist(), own_flags, strict=True):
+            header += [c - prev - 1, 2 * kcount + int(own)]
+            prev = c
+    else:
+        for c, kcount, n, rice, own in zip(
+            a.ctx_ids.tolist(),
+            a.kc.tolist(),
+            a.hist.tolist(),
+            a.rice_k.tolist(),
+            own_flags,
+            strict=True,
+        ):
+            comp = 2 * kcount > n
+            header += [c - prev - 1, 2 * kcount + int(own), 2 * rice + int(comp)]
+            if comp:
+                header.append(n)
+            prev = c
     if a.chained:
         header.append(int(own_pos.size))
         prev = -1
@@ -413,41 +550,31 @@ def decode_chunk(
     table_of_key: np.ndarray,
     shared: np.ndarray,
     prediction: Prediction | None = None,
-    version: int = 2,
+    version: int = 3,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode one chunk against ``old`` (its base elements): ``(chunk-local indices, new bit
     patterns)`` of its changed elements. ``version``: the object's format version (1: the
-    header holds no element counts; they are counted from the base)."""
-    keys, shift, emask = position_contexts(old, fmt, prediction)
-    nctx = emask + 1
+    header holds no element counts, they are counted from the base; 1 and 2: every chunk is
+    coded by context rank)."""
+    _, emask = context_layout(fmt)
+    n_exp = emask + 1
     rice_len, rans_len, _ = ref.streams
     raw = np.frombuffer(ref.body, np.uint8)
     r = VarintReader(ref.header, f"{ref.tensor}: chunk header")
-    n_present = r.varint()
-    if n_present > nctx:
-        raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
-    ctx_ids = np.empty(n_present, np.int64)
-    kc_present = np.empty(n_present, np.int64)
-    own = np.zeros(n_present, bool)
-    rice_present = np.zeros(n_present, np.int64)  # version 2
-    comp_present = np.zeros(n_present, bool)
-    n_comp = np.zeros(n_present, np.int64)  # a complement context's elements
-    c = -1
-    for i in range(n_present):
-        c += r.varint() + 1
-        v = r.varint()
-        if c >= nctx or v < 2:
+    first = r.varint()
+    by_gaps = version >= 3 and bool(first & 1)
+    n_present = first >> 1 if version >= 3 else first
+    if by_gaps:
+        rice_k = r.varint()
+        if rice_k > MAX_RICE or n_present > n_exp:
             raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
-        ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
-        if version >= 2:
-            w = r.varint()
-            rice_present[i], comp_present[i] = w >> 1, bool(w & 1)
-            if comp_present[i]:
-                n_comp[i] = r.varint()
-            if rice_present[i] > MAX_RICE or (
-                comp_present[i] and not kc_present[i] <= n_comp[i] < 2 * kc_present[i]
-            ):
-                raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
+        head = _read_contexts(r, ref.tensor, n_present, n_exp, with_rice=False)
+    else:
+        keys, shift, kmask = position_contexts(old, fmt, prediction)
+        if n_present > kmask + 1:
+            raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
+        head = _read_contexts(r, ref.tensor, n_present, kmask + 1, with_rice=version >= 2)
+    ctx_ids, kc_present, own = head[0], head[1], head[2]
     own_keys = ctx_ids[own]
     if prediction is not None:
         if own.any():
@@ -459,7 +586,7 @@ def decode_chunk(
         key = -1
         for i in range(n_own):
             key += r.varint() + 1
-            if key >= (nctx >> 1) * N_MOVE_BUCKETS:
+            if key >= n_exp * N_MOVE_BUCKETS:
                 raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
             own_keys[i] = key
     n_own = int(own_keys.size)
@@ -469,55 +596,23 @@ def decode_chunk(
         else np.zeros((0, ALPHABET), np.int64)
     )
     r.done()
-
-    kc = np.zeros(nctx, np.int64)
-    kc[ctx_ids] = kc_present
     if int(kc_present.sum()) > old.size:
         raise CorruptDeltaError(f"{ref.tensor}: chunk claims more changes than it has elements")
-    hist = np.full(nctx, old.size, np.int64)  # version 2: a bound, but where complement
-    if version >= 2:
-        comp = np.zeros(nctx, bool)
-        comp[ctx_ids] = comp_present
-        hist[ctx_ids[comp_present]] = n_comp[comp_present]
-        coded = np.where(comp, hist - kc, kc)
-        rice_of_ctx = np.zeros(nctx, np.int64)
-        rice_of_ctx[ctx_ids] = rice_present
-    else:  # counted from the base, and the rest derived from the counts as the encoder did
-        hist[:] = 0
-        kernels.context_histogram(keys, shift, emask, hist)
-        if np.any(kc > hist):
-            raise CorruptDeltaError(
-                f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
-            )
-        comp = 2 * kc > hist
-        coded = np.where(comp, hist - kc, kc)
-        coded[kc == 0] = 0
-        rice_of_ctx = rice_parameter(hist, coded)
-    gap_ctx = np.repeat(np.arange(nctx), coded)
-    kparams = rice_of_ctx[gap_ctx]
-    gaps = np.empty(gap_ctx.size, np.int64)
-    if kernels.rice_decode(raw[:rice_len], kparams, gaps) < 0:
-        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
-    ends = np.cumsum(coded)
-    starts = ends - coded
-    with_gaps = coded > 0
-    if gaps.size:  # each context's last coded rank (the sum of its gaps + 1, minus 1)
-        last = np.add.reduceat(gaps + 1, starts[with_gaps]) - 1
-        if np.any(last >= hist[with_gaps]):
-            raise CorruptDeltaError(
-                f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
-            )
-    k = int(kc.sum())
-    index = np.empty(k, np.int64)
-    ctx = np.empty(k, np.int64)
-    m = kernels.select_changed(keys, shift, emask, gaps, starts, ends, comp, index, ctx)
-    if m != k:
-        raise CorruptDeltaError(
-            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
-        )
 
-    ref_bits, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
-    nv = (nctx >> 1) * N_MOVE_BUCKETS if prediction is not None else nctx
+    if by_gaps:
+        index, old_at, ctx = _positions_by_gaps(
+            ref, raw[:rice_len], old, fmt, rice_k, ctx_ids, kc_present
+        )
+        if prediction is None:
+            ref_bits, forbidden, vctx = old_at, None, ctx
+        else:  # value_residuals takes chained contexts as 2 exponent + moved
+            ref_bits, forbidden, vctx = value_residuals(old, index, 2 * ctx, fmt, prediction)
+    else:
+        index, ctx = _positions_by_rank(ref, raw[:rice_len], old, keys, shift, kmask, head, version)
+        ref_bits, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+
+    k = index.size
+    nv = n_exp * N_MOVE_BUCKETS if prediction is not None else n_exp
     ctx_table = np.full(nv, -1, np.int64)
     ctx_table[:] = table_of_key[:nv]
     ctx_table[own_keys] = shared.shape[0] + np.arange(n_own)
@@ -551,3 +646,131 @@ def decode_chunk(
     if used < 0:
         raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
     return index, values
+
+
+_ContextList = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _read_contexts(
+    r: VarintReader, tensor: str, n_present: int, nctx: int, *, with_rice: bool
+) -> _ContextList:
+    """A chunk header's list of contexts: ``(context ids, changes, own, rice, complement,
+    elements of complement contexts)``, the last three only ``with_rice`` (format version 2 and
+    up, by context rank; zeros otherwise)."""
+    ctx_ids = np.empty(n_present, np.int64)
+    kc_present = np.empty(n_present, np.int64)
+    own = np.zeros(n_present, bool)
+    rice_present = np.zeros(n_present, np.int64)
+    comp_present = np.zeros(n_present, bool)
+    n_comp = np.zeros(n_present, np.int64)  # a complement context's elements
+    c = -1
+    for i in range(n_present):
+        c += r.varint() + 1
+        v = r.varint()
+        if c >= nctx or v < 2:
+            raise CorruptDeltaError(f"{tensor}: chunk header is malformed")
+        ctx_ids[i], kc_present[i], own[i] = c, v >> 1, bool(v & 1)
+        if with_rice:
+            w = r.varint()
+            rice_present[i], comp_present[i] = w >> 1, bool(w & 1)
+            if comp_present[i]:
+                n_comp[i] = r.varint()
+            if rice_present[i] > MAX_RICE or (
+                comp_present[i] and not kc_present[i] <= n_comp[i] < 2 * kc_present[i]
+            ):
+                raise CorruptDeltaError(f"{tensor}: chunk header is malformed")
+    return ctx_ids, kc_present, own, rice_present, comp_present, n_comp
+
+
+def _positions_by_gaps(
+    ref: ChunkRef,
+    stream: np.ndarray,
+    old: np.ndarray,
+    fmt: FloatFormat,
+    rice_k: int,
+    ctx_ids: np.ndarray,
+    kc_present: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(indices, old bit patterns, old exponents)`` of a chunk coded by gaps. Reads only the
+    changed elements of ``old``; their exponents must have the header's change counts (another
+    base almost never does)."""
+    shift, emask = context_layout(fmt)
+    k = int(kc_present.sum())
+    gaps = np.empty(k, np.int64)
+    if kernels.rice_decode(stream, np.full(k, rice_k, np.uint8), gaps) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
+    index = np.empty(k, np.int64)
+    old_at = np.empty(k, old.dtype)
+    ctx = np.empty(k, np.int64)
+    counts = np.zeros(emask + 1, np.int64)
+    if kernels.positions_from_gaps(gaps, old, shift, emask, index, old_at, ctx, counts) < 0:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions name elements beyond the tensor (damaged chunk)"
+        )
+    expected = np.zeros(emask + 1, np.int64)
+    expected[ctx_ids] = kc_present
+    if not np.array_equal(counts, expected):
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
+        )
+    return index, old_at, ctx
+
+
+def _positions_by_rank(
+    ref: ChunkRef,
+    stream: np.ndarray,
+    old: np.ndarray,
+    keys: np.ndarray,
+    shift: int,
+    kmask: int,
+    head: _ContextList,
+    version: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, position contexts)`` of a chunk coded by context rank: one walk over every
+    element of ``old`` (``keys``: its position contexts, :func:`position_contexts`)."""
+    ctx_ids, kc_present, _, rice_present, comp_present, n_comp = head
+    nctx = kmask + 1
+    kc = np.zeros(nctx, np.int64)
+    kc[ctx_ids] = kc_present
+    hist = np.full(nctx, old.size, np.int64)  # version 2: a bound, but where complement
+    if version >= 2:
+        comp = np.zeros(nctx, bool)
+        comp[ctx_ids] = comp_present
+        hist[ctx_ids[comp_present]] = n_comp[comp_present]
+        coded = np.where(comp, hist - kc, kc)
+        rice_of_ctx = np.zeros(nctx, np.int64)
+        rice_of_ctx[ctx_ids] = rice_present
+    else:  # counted from the base, and the rest derived from the counts as the encoder did
+        hist[:] = 0
+        kernels.context_histogram(keys, shift, kmask, hist)
+        if np.any(kc > hist):
+            raise CorruptDeltaError(
+                f"{ref.tensor}: chunk claims more changes than the base has elements (wrong base?)"
+            )
+        comp = 2 * kc > hist
+        coded = np.where(comp, hist - kc, kc)
+        coded[kc == 0] = 0
+        rice_of_ctx = rice_parameter(hist, coded)
+    gap_ctx = np.repeat(np.arange(nctx), coded)
+    kparams = rice_of_ctx[gap_ctx]
+    gaps = np.empty(gap_ctx.size, np.int64)
+    if kernels.rice_decode(stream, kparams, gaps) < 0:
+        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
+    ends = np.cumsum(coded)
+    starts = ends - coded
+    with_gaps = coded > 0
+    if gaps.size:  # each context's last coded rank (the sum of its gaps + 1, minus 1)
+        last = np.add.reduceat(gaps + 1, starts[with_gaps]) - 1
+        if np.any(last >= hist[with_gaps]):
+            raise CorruptDeltaError(
+                f"{ref.tensor}: positions name elements beyond the tensor (wrong base?)"
+            )
+    k = int(kc.sum())
+    index = np.empty(k, np.int64)
+    ctx = np.empty(k, np.int64)
+    m = kernels.select_changed(keys, shift, kmask, gaps, starts, ends, comp, index, ctx)
+    if m != k:
+        raise CorruptDeltaError(
+            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
+        )
+    return index, ctx

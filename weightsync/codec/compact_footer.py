@@ -25,10 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from deltarl.weightsync.errors import CorruptDeltaError
 
 FORMAT_NAME = "deltarl-compact"
-FORMAT_VERSION = 2
-"""Written by the encoder. 2: each chunk header also counts the elements of the contexts it
-lists (the decoder's pass that counted them from the base is gone). 1 is still decoded."""
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""Written by the encoder. 3: a chunk codes its positions by context rank or as plain gaps
+(:data:`~.compact_chunks.POSITIONS`), said by its header's first varint. 2: each chunk header
+also counts the elements of the contexts it lists (the decoder's pass that counted them from the
+base is gone). 1 and 2 are still decoded."""
+READ_VERSIONS = (1, 2, 3)
 MAX_FOOTER = 256 << 20  # bytes of a decompressed footer or index, whatever the object claims
 FOOTER_RATIO = 64  # a footer's JSON never expands more than this from its zstd frame
 MAX_TENSOR_ELEMENTS = 1 << 36  # 64 G elements: far beyond any tensor a delta patches
@@ -70,7 +72,7 @@ class Footer(_Checked):
     """The fields of a compact delta's footer that the decoder relies on."""
 
     format: Literal["deltarl-compact"]
-    format_version: Literal[1, 2]
+    format_version: Literal[1, 2, 3]
     base_version: Version | None
     version: Version | None
     prob_bits: Count

@@ -33,7 +33,7 @@ FORMAT_TAGS = {
     "trl-raw": "trl-sparse-raw",
     "trl-gap": "trl-sparse-gap_delta",
 }
-READ_ONLY_TAGS = (f"{compact.FORMAT_NAME}-v1",)
+READ_ONLY_TAGS = (f"{compact.FORMAT_NAME}-v1", f"{compact.FORMAT_NAME}-v2")
 """Delta format tags no longer written but still decoded (objects of an older trainer)."""
 
 
@@ -45,9 +45,12 @@ def encode_delta(
     threads: int | None = None,
     context: DeltaContext | None = None,
     scans: Mapping[tuple[str, int], ChunkScan] | None = None,
+    positions: str = "contexts",
 ) -> bytes:
     """Serialize ``delta`` in format ``fmt`` (``compact`` needs ``base``, or ``scans``: the
     chunks' context scans computed where the weights live, see :mod:`.device_scan`).
+    ``positions``: how the compact format codes changed positions
+    (:data:`~.compact_chunks.POSITIONS`; the TRL formats have one way).
 
     ``context``: make a *chained* compact delta, coded against the moves of the delta that
     produced ``base`` (:class:`~.context.DeltaContext`); only the compact format has one.
@@ -57,7 +60,9 @@ def encode_delta(
     if fmt == "compact":
         if base is None and scans is None:
             raise ValueError("the compact format needs the base state to encode against")
-        return compact.encode_compact(delta, base, threads=threads, context=context, scans=scans)
+        return compact.encode_compact(
+            delta, base, threads=threads, context=context, scans=scans, positions=positions
+        )
     if fmt == "trl-raw":
         return trl_format.encode_trl(delta, "raw")
     if fmt == "trl-gap":

@@ -231,6 +231,40 @@ def select_changed(
 
 
 @njit(nogil=True, cache=True)
+def index_gaps(index, out):  # pragma: no cover - jit
+    """``out[j] = index[j] - index[j - 1] - 1`` (the first from -1): a chunk's changed positions
+    as gaps, for a chunk coded without position contexts."""
+    prev = np.int64(-1)
+    for j in range(index.size):
+        i = np.int64(index[j])
+        out[j] = i - prev - 1
+        prev = i
+
+
+@njit(nogil=True, cache=True)
+def positions_from_gaps(
+    gaps, old, shift, emask, index_out, old_out, ctx_out, counts
+):  # pragma: no cover - jit
+    """Inverse of :func:`index_gaps` against the chunk's base ``old``: each changed element's
+    index, its old bit pattern and its context (old exponent), and ``counts`` (zeroed by the
+    caller) of the contexts. Reads only the changed elements. Returns -1 if a position lies
+    beyond the chunk (corrupt input), else 0."""
+    i = np.int64(-1)
+    n = old.size
+    for j in range(gaps.size):
+        i += np.int64(gaps[j]) + 1
+        if i >= n:
+            return -1
+        o = old[i]
+        c = (np.int64(o) >> shift) & emask
+        index_out[j] = i
+        old_out[j] = o
+        ctx_out[j] = c
+        counts[c] += 1
+    return 0
+
+
+@njit(nogil=True, cache=True)
 def rice_bits(values, kparams):  # pragma: no cover - jit
     total = np.int64(0)
     for j in range(values.size):
