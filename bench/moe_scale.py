@@ -32,6 +32,11 @@ an extrapolation, not a measurement). It goes to
 ``bench/results/moe_scale_<hardware>_qwen3-30b-a3b-<L>layers[-fp8].json`` (``L`` layers; ``--json``
 for another path; ``--tiny`` writes only with ``--json``), which a rerun overwrites.
 
+``--positions``: how the compact deltas code their changed positions (``publish.positions``;
+``auto`` codes them as gaps from 16 G elements on, i.e. at all 48 layers); ``alternate`` codes
+odd versions as gaps and even ones by context rank, and the summary's ``by_positions`` gives each
+way's medians, measured interleaved on one machine.
+
 ``--fp8``: the ranks publish every version in block fp8 (``publish.fp8``, 128 x 128 blocks,
 every rank quantizing its rows) and the engine serves it (vLLM with the engine's ``fp8_block``:
 its fused experts in fp8; or tensors in the fp8 layout). The steps still move bf16 values by
@@ -176,6 +181,14 @@ def _move(bits: torch.Tensor, rate: torch.Tensor, gen: torch.Generator) -> int:
     return moved
 
 
+def positions_of(args: argparse.Namespace, step: int) -> str:
+    """``publish.positions`` of ``step``: ``--positions``, or with ``alternate`` gaps for odd
+    steps and contexts for even ones (both ways measured interleaved in one run)."""
+    if args.positions == "alternate":
+        return "gaps" if step % 2 else "contexts"
+    return str(args.positions)
+
+
 def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
     """One publishing rank: its rows, an anchor, then ``steps`` sparse steps each published."""
     import torch.distributed as tdist
@@ -184,6 +197,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
     from deltarl.trainer.learn.distributed import DistContext, broadcast
     from deltarl.trainer.publish.sharded import ShardedPublisher
     from deltarl.trainer.settings import PublishSettings
+    from deltarl.weightsync.codec.formats import resolve_positions
     from deltarl.weightsync.manifest import slice_key
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
@@ -215,7 +229,9 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
                 t.normal_(0.0, 0.02, generator=gen)
             rows[slice_key(name, lo, hi)] = t
     reports: list[dict[str, Any]] = []
-    settings = PublishSettings(anchor_every=0, chained_deltas=False, fp8=args.fp8)
+    settings = PublishSettings(
+        anchor_every=0, chained_deltas=False, fp8=args.fp8, positions=positions_of(args, 1)
+    )
     pub = ShardedPublisher(LocalBucket(args.bucket), settings, ctx, on_rank_report=reports.append)
 
     def publish(step: int) -> float:
@@ -238,6 +254,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         update_s = time.perf_counter() - t0
+        pub.settings = settings.model_copy(update={"positions": positions_of(args, step)})
         publish_s = publish(step)
         mine = {**reports[-1], "moved": moved, "update_s": update_s}
         mine["peak_gpu_bytes"] = (
@@ -252,6 +269,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
             lines.append(
                 {
                     "step": step,
+                    "positions": resolve_positions(positions_of(args, step), numel),
                     "publish_s": publish_s,
                     "detect_s": [r["cast_s"] + r["diff_s"] for r in every],
                     "encode_s": [r["encode_s"] for r in every],
@@ -380,6 +398,7 @@ def follow(
             applies.append(
                 {
                     "version": v,
+                    "positions": publish_lines[v - 1]["positions"] if publish_s else None,
                     "kind": s.kind,
                     "apply": s.apply,
                     "paused_apply_s": s.pause_s,
@@ -438,6 +457,15 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
                 ),
             }
         )
+    modes = sorted({s["positions"] for s in steps})
+    if len(modes) > 1:  # --positions alternate: each way's versions on their own
+        out["by_positions"] = {
+            m: _medians(
+                [s for s in steps if s["positions"] == m],
+                [a for a in applies if a.get("positions") == m],
+            )
+            for m in modes
+        }
     if not args.tiny and args.layers < FULL_LAYERS:
         # per-layer work and bytes are the same in every layer; embeddings and head once
         cfg = model_config(args)
@@ -465,6 +493,24 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             ),
         }
     return out
+
+
+def _medians(steps: list[dict[str, Any]], applies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of one position coding's published steps and applied versions."""
+
+    def med(rows: list[dict[str, Any]], key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "versions": [s["step"] for s in steps],
+        "publish_s_median": med(steps, "publish_s"),
+        "bytes_median": med(steps, "bytes"),
+        "bits_per_changed_median": med(steps, "bits_per_changed"),
+        "decode_s_median": med(applies, "decode_s"),
+        "fetch_to_applied_s_median": med(applies, "fetch_to_applied_s"),
+        "publish_to_applied_s_median": med(applies, "publish_to_applied_s"),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -508,6 +554,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--fp8",
         action="store_true",
         help="publish block fp8 (128 x 128) and apply it into an fp8 engine (vllm or tensors)",
+    )
+    ap.add_argument(
+        "--positions",
+        choices=["auto", "contexts", "gaps", "alternate"],
+        default="auto",
+        help="publish.positions of every step; alternate: gaps for odd steps, contexts for "
+        "even ones, and the summary's by_positions compares them",
     )
     ap.add_argument("--json", type=Path, default=None, help="default: see the docstring")
     args = ap.parse_args(argv)

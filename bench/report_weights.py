@@ -23,11 +23,13 @@ from report_format import (
     table,
 )
 
+GAPS = "standalone, positions as gaps"
+
 
 def codec(results: list[Result]) -> Lines:
     rows = []
     for r in results:
-        every: dict[str, list[dict[str, Any]]] = {"standalone": [], "chained": []}
+        every: dict[str, list[dict[str, Any]]] = {"standalone": [], "chained": [], GAPS: []}
         for rate, steps in r.data["results"].items():
             later = steps[1:]  # step 1 is Adam's warm-up step
             stand = [
@@ -51,8 +53,19 @@ def codec(results: list[Result]) -> Lines:
                 for s in later
                 if (c := s.get("chained"))
             ]
+            by_gaps = [
+                (
+                    g["bits_per_changed"],
+                    g["vs_conditional_floor"],
+                    g["smaller_than_trl_gap"],
+                    g["time_s"]["encode"],
+                    g["time_s"]["decode_apply_verify"],
+                )
+                for s in later
+                if (g := s.get("gaps"))
+            ]
             density = pct_range([s["density"] for s in later])
-            for kind, values in (("standalone", stand), ("chained", chain)):
+            for kind, values in (("standalone", stand), ("chained", chain), (GAPS, by_gaps)):
                 if not values:
                     continue
                 every[kind] += values  # type: ignore[arg-type]
@@ -83,9 +96,11 @@ def codec(results: list[Result]) -> Lines:
         after=(
             "Steps after the first (Adam's warm-up step). *Chained*: the delta coded against the "
             "step before, what a worker that applied the previous version downloads; *standalone*: "
-            "the delta alone, for a worker after an anchor or a restart. The conditional floor is "
-            "the empirical entropy of the change mask and value differences given the tensor and "
-            "the old exponent."
+            "the delta alone, for a worker after an anchor or a restart; *positions as gaps*: the "
+            'standalone delta with `publish.positions = "gaps"` (the default from 16 G elements '
+            "on), whose decoder reads only the changed elements instead of walking every one. The "
+            "conditional floor is the empirical entropy of the change mask and value differences "
+            "given the tensor and the old exponent."
         ),
     )
 

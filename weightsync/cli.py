@@ -150,10 +150,15 @@ def encode(
     ),
     version: int | None = typer.Option(None, help="Version number of NEW, recorded in the delta."),
     previous: Path | None = PREVIOUS,
+    positions: str = typer.Option(
+        "auto",
+        help="compact: how changed positions are coded: contexts (fewest bytes), gaps (a decode "
+        "that reads only the changed elements), auto (gaps from 16 G elements on)",
+    ),
 ) -> None:
     """Write the delta that turns OLD into NEW."""
     from deltarl.weightsync import DeltaError, compute_delta
-    from deltarl.weightsync.codec.formats import DELTA_FORMATS, encode_delta
+    from deltarl.weightsync.codec.formats import DELTA_FORMATS, encode_delta, resolve_positions
 
     if fmt not in DELTA_FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(DELTA_FORMATS)}")
@@ -161,8 +166,14 @@ def encode(
         raise typer.BadParameter("--previous (a chained delta) needs --format compact")
     o, n = _load(old), _load(new)
     try:
+        coding = resolve_positions(positions, sum(t.numel() for t in o.values()))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    try:
         delta = compute_delta(o, n, base_version, version)
-        blob = encode_delta(delta, o, fmt, context=_context(previous, o, base_version))
+        blob = encode_delta(
+            delta, o, fmt, context=_context(previous, o, base_version), positions=coding
+        )
     except DeltaError as e:
         _fail(str(e))
     output.write_bytes(blob)
@@ -292,9 +303,15 @@ def verify(
             if isinstance(chained, dict)
             else ""
         )
+        pos = info.get("positions")
+        chunks = (
+            ", chunks' positions by " + " / ".join(f"{k}: {n}" for k, n in pos.items())
+            if isinstance(pos, dict)
+            else ""
+        )
         typer.echo(
             f"{delta_path}: {info['format']}, version {info['base_version']} -> {info['version']}"
-            f"{on}, integrity ok"
+            f"{on}{chunks}, integrity ok"
         )
         want = info["result_digest"]
         if base is not None:

@@ -37,6 +37,7 @@ from deltarl.trainer.learn.step import train_step
 from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.publish.weights import WeightPublisher
 from deltarl.trainer.settings import ExperimentSettings
+from deltarl.weightsync.codec.formats import describe
 from deltarl.weightsync.model_state import publishable_state
 from deltarl.weightsync.reader import BucketReader
 
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from moe_helpers import deepseek_v3_config, hf_moe_model, qwen3_moe_config
 
 KINDS = ("qwen3_moe", "deepseek_v3")
+POSITIONS = {"qwen3_moe": "contexts", "deepseek_v3": "gaps"}  # both ways of coding positions
 STEPS = 3
 
 
@@ -57,6 +59,7 @@ def settings_of(root: Path) -> ExperimentSettings:
         update={
             "optimizer": base.optimizer.model_copy(update={"lr": 1e-3, "warmup_steps": 0}),
             "sampling": base.sampling.model_copy(update={"max_onpolicy_mismatch_kl": None}),
+            "publish": base.publish.model_copy(update={"positions": POSITIONS[root.name]}),
         }
     )
 
@@ -172,6 +175,10 @@ def test_fsdp_shards_experts_publishes_them_and_resumes_like_one_process(
             assert f"{name}[0:{e // 2}]" in layout and f"{name}[{e // 2}:{e}]" in layout
         for o in last.objects:
             assert o.parts is not None and len(o.parts) == 2
+        delta = next(o for o in last.objects if o.kind == "delta")
+        for _, blob in reader.fetch_parts(delta):
+            counts = describe(blob)["positions"]
+            assert counts[POSITIONS[kind]] == sum(counts.values()) > 0, (kind, counts)
 
         # a transformers engine (bf16, router fp32 where transformers keeps it) follows
         engine = TransformersEngine(hf_moe_model(moe_config(kind), seed=5))

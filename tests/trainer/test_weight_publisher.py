@@ -21,8 +21,9 @@ from deltarl.trainer.publish.weights import (
 )
 from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.anchor import decode_anchor
+from deltarl.weightsync.codec import formats
 from deltarl.weightsync.codec.context import ContextMismatchError, DeltaContext
-from deltarl.weightsync.codec.formats import decode_delta
+from deltarl.weightsync.codec.formats import AUTO_GAPS_ELEMENTS, decode_delta, describe
 from deltarl.weightsync.delta import apply_delta
 from deltarl.weightsync.digest import state_digest
 from deltarl.weightsync.manifest import ObjectRef, VersionManifest
@@ -412,6 +413,46 @@ def test_chained_deltas_published_and_decode_bit_identically(
     # the planner takes the chained deltas where the replica holds their context
     got, kinds = rebuild(bucket, states[0], at=0)
     assert kinds == ["delta", "chained", "chained"]
+    assert_bit_identical(got, states[-1])
+
+
+@pytest.mark.parametrize(
+    ("positions", "lowered", "want"),
+    [
+        ("gaps", False, "gaps"),
+        ("contexts", False, "contexts"),
+        ("auto", False, "contexts"),
+        ("auto", True, "gaps"),
+    ],
+)
+def test_the_position_coding_setting_reaches_every_chunk_of_both_deltas(
+    bucket: FlakyBucket,
+    monkeypatch: pytest.MonkeyPatch,
+    positions: str,
+    lowered: bool,
+    want: str,
+) -> None:
+    """``publish.positions``: 'auto' codes positions as gaps from AUTO_GAPS_ELEMENTS elements
+    of published state on (lowered here to this tiny model's size); the standalone and the
+    chained delta both follow it and decode bit-identically."""
+    assert sum(t.numel() for t in TinyModel().params.values()) < AUTO_GAPS_ELEMENTS
+    if lowered:
+        monkeypatch.setattr(
+            formats, "AUTO_GAPS_ELEMENTS", sum(t.numel() for t in TinyModel().params.values())
+        )
+    model = TinyModel()
+    states = []
+    with WeightPublisher(bucket, PublishSettings(anchor_every=0, positions=positions)) as pub:
+        for step in range(3):
+            pub.publish(model.params, step=step)
+            states.append(model.bf16())
+            model.drift()
+    standalone, chained = deltas_of(BucketReader(bucket).manifest(2))
+    for ref in (*standalone, *chained):
+        counts = describe(BucketReader(bucket).fetch(ref))["positions"]
+        assert counts[want] > 0 and sum(counts.values()) == counts[want], counts
+    got, kinds = rebuild(bucket, states[0], at=0)
+    assert kinds == ["delta", "chained"]
     assert_bit_identical(got, states[-1])
 
 

@@ -50,6 +50,23 @@ def test_encode_apply_verify_round_trip(files, fmt):
     assert r.returncode == 0 and "equals the delta's result" in r.stdout
 
 
+@pytest.mark.parametrize("positions", ["contexts", "gaps"])
+def test_encode_codes_positions_as_asked_and_verify_says_so(files, positions):
+    tmp, a, b, new = files
+    d, out = tmp / "d.dlt", tmp / "out.safetensors"
+    r = run("encode", str(a), str(b), "-o", str(d), "--positions", positions)
+    assert r.returncode == 0, r.stderr
+    r = run("verify", str(d))
+    other = "gaps" if positions == "contexts" else "contexts"
+    assert r.returncode == 0 and "chunks' positions by contexts: " in r.stdout, r.stdout
+    assert f"{other}: 0" in r.stdout and f"{positions}: 0" not in r.stdout, r.stdout
+    assert run("apply", str(a), str(d), "-o", str(out)).returncode == 0
+    got = load_file(str(out))
+    assert all(torch.equal(got[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    r = run("encode", str(a), str(b), "-o", str(d), "--positions", "ranks")
+    assert r.returncode == 2 and "positions must be" in r.stderr
+
+
 def test_apply_to_the_wrong_base_fails_cleanly(files):
     tmp, a, b, _ = files
     d = tmp / "d"

@@ -85,7 +85,7 @@ from deltarl.weightsync.codec.device_scan import (
     start_changes_and_scans,
     warm_up,
 )
-from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta, resolve_positions
 from deltarl.weightsync.delta import Delta, TensorPatch, changed_elements
 from deltarl.weightsync.digest import combine_digests, tensor_digest
 from deltarl.weightsync.errors import StateMismatchError
@@ -588,10 +588,14 @@ class ShardedPublisher(VersionBook):
         t2 = time.perf_counter()
         blob = anchor_blob = None
         if delta is not None:
+            # every rank holds about its share of the state: the whole is ~ world size times it
+            positions = resolve_positions(self.settings.positions, rec.numel * self.ctx.world_size)
             if on_device:  # the base is overwritten: the compact encoder reads the scans
-                blob = encode_delta(delta, None, fmt, threads=self._threads, scans=scans)
+                blob = encode_delta(
+                    delta, None, fmt, threads=self._threads, scans=scans, positions=positions
+                )
             else:
-                blob = encode_delta(delta, base, fmt, threads=self._threads)
+                blob = encode_delta(delta, base, fmt, threads=self._threads, positions=positions)
         if anchor:
             anchor_blob = encode_anchor(
                 dict(host_new), version, self.settings.anchor_compress, digests=rec.digests

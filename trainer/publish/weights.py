@@ -71,7 +71,7 @@ from deltarl.buckets import Bucket
 from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.anchor import encode_anchor, write_anchor
 from deltarl.weightsync.codec.context import DeltaContext
-from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta
+from deltarl.weightsync.codec.formats import FORMAT_TAGS, encode_delta, resolve_positions
 from deltarl.weightsync.delta import compute_delta
 from deltarl.weightsync.digest import combine_digests, state_digests
 from deltarl.weightsync.fp8 import (
@@ -562,16 +562,23 @@ class WeightPublisher(VersionBook):
         context = None  # of this version's delta, kept for the next one if the publish succeeds
         if delta is not None and base is not None:
             threads = self.settings.codec_threads
+            positions = resolve_positions(self.settings.positions, numel)
             prev = self._context
             chained_job = None
             if chain and prev is not None and prev.version == base_version:
                 # the chained encode runs next to the standalone one: their serial parts
                 # (table choice, GIL hand-overs) overlap
                 chained_job = self._chain_pool.submit(
-                    encode_delta, delta, base, fmt, threads=threads, context=prev
+                    encode_delta,
+                    delta,
+                    base,
+                    fmt,
+                    threads=threads,
+                    context=prev,
+                    positions=positions,
                 )
             try:
-                blob = encode_delta(delta, base, fmt, threads=threads)
+                blob = encode_delta(delta, base, fmt, threads=threads, positions=positions)
             except BaseException:
                 if chained_job is not None:  # it reads ``base``: let it finish first
                     futures_wait([chained_job])

@@ -583,6 +583,22 @@ def check_integrity(data: bytes | memoryview) -> dict[str, Any]:
     return footer
 
 
+def position_counts(data: bytes | memoryview) -> dict[str, int]:
+    """How many chunks of a compact delta code their positions each way
+    (:data:`~.compact_chunks.POSITIONS`), read from their headers after every checksum."""
+    footer = read_footer(data)
+    buf = memoryview(data)
+    body_end = _body_end(buf)
+    try:
+        _, _, index = _read_index(buf, footer, body_end)
+        refs = _chunk_refs(buf, footer, body_end, index)
+    except (KeyError, TypeError) as e:
+        raise CorruptDeltaError(f"deltarl-compact footer is malformed: {e}") from e
+    v3 = int(footer["format_version"]) >= 3
+    gaps = sum(v3 and VarintReader(r.header, r.tensor).varint() & 1 for r in refs)
+    return {"contexts": len(refs) - gaps, "gaps": gaps}
+
+
 def footer_summary(data: bytes | memoryview) -> dict[str, Any]:
     """Versions, digests and per-tensor change counts of a compact delta, without decoding it."""
     f = read_footer(data)
@@ -609,5 +625,6 @@ __all__ = [
     "encode_compact",
     "footer_summary",
     "is_compact",
+    "position_counts",
     "read_footer",
 ]

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from deltarl.weightsync.codec import compact, trl_format
-from deltarl.weightsync.codec.compact_chunks import ChunkScan
+from deltarl.weightsync.codec.compact_chunks import POSITIONS, ChunkScan
 from deltarl.weightsync.codec.context import DeltaContext
 from deltarl.weightsync.delta import Delta
 from deltarl.weightsync.errors import CorruptDeltaError
@@ -35,6 +35,24 @@ FORMAT_TAGS = {
 }
 READ_ONLY_TAGS = (f"{compact.FORMAT_NAME}-v1", f"{compact.FORMAT_NAME}-v2")
 """Delta format tags no longer written but still decoded (objects of an older trainer)."""
+
+
+AUTO_GAPS_ELEMENTS = 16_000_000_000
+"""``positions="auto"`` codes positions as gaps from this many elements of published state on.
+Below it the decoder's walk over every element is cheap next to the rest of a sync and
+contexts save about a quarter of the bytes; above it the walk grows to seconds (~0.3 ns per
+element of the model on a 16-core host next to a generating vLLM, measured at Qwen3-30B-A3B's
+shapes), so the sync is faster with gaps, at ~2.5 more bits per change."""
+
+
+def resolve_positions(positions: str, elements: int) -> str:
+    """The compact format's position coding for ``positions`` (``"auto"``, or one of
+    :data:`~.compact_chunks.POSITIONS`) and a published state of ``elements`` elements."""
+    if positions == "auto":
+        return "gaps" if elements >= AUTO_GAPS_ELEMENTS else "contexts"
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be 'auto' or one of {POSITIONS}, not {positions!r}")
+    return positions
 
 
 def encode_delta(
@@ -113,7 +131,8 @@ def describe(data: bytes) -> dict[str, object]:
 
     Returns ``format``, ``base_version``, ``version``, ``result_digest`` (the state digest the
     delta produces, ``None`` for a plain TRL file without digests), and for a compact delta
-    ``context`` (what a chained delta is chained on, None for a standalone one).
+    ``context`` (what a chained delta is chained on, None for a standalone one) and
+    ``positions`` (its chunks by position coding).
     """
     kind = detect_format(data)
     if kind == "compact":
@@ -121,7 +140,8 @@ def describe(data: bytes) -> dict[str, object]:
 
         footer = compact.check_integrity(data)
         return {
-            "format": FORMAT_TAGS["compact"],
+            "format": f"{compact.FORMAT_NAME}-v{footer['format_version']}",
+            "positions": compact.position_counts(data),
             "base_version": footer.get("base_version"),
             "version": footer.get("version"),
             "context": compact.context_of(footer),
