@@ -31,7 +31,7 @@ import torch
 
 from deltarl.weightsync.codec.bits import bits_view, float_format
 from deltarl.weightsync.codec.compact import DEFAULT_CHUNK_ELEMS
-from deltarl.weightsync.codec.compact_chunks import ChunkScan, context_layout
+from deltarl.weightsync.codec.compact_chunks import POSITIONS, ChunkScan, context_layout
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def _nonzero(mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def warm_up() -> None:
-    """Compile the numba kernels that encoding from scans runs (their first call in a process
+    """Compile the numba kernels that encoding from scans runs, both ways of coding positions (their first call in a process
     compiles them: seconds, more than a whole 7B delta's encode) on two tiny deltas, one sparse
     and one dense: the sharded publisher calls this in its pool when it starts, so the first
     delta after the anchor does not pay for it."""
@@ -279,4 +279,5 @@ def warm_up() -> None:
         _, _, found = changes_and_scans(old[k], new[k])
         scans.update(((k, s), sc) for s, sc in found.items())
     for threads in (1, 2):
-        encode_compact(delta, None, threads=threads, scans=scans)
+        for positions in POSITIONS:
+            encode_compact(delta, None, threads=threads, scans=scans, positions=positions)
