@@ -253,7 +253,7 @@ def _decode_one_chunk(header: list[int], body: bytes = b"", version: int = 3) ->
         old,
         FLOAT_FORMATS["bfloat16"],
         np.full(256, -1, np.int64),
-        np.zeros((0, 1), np.int64),
+        np.zeros((0, ALPHABET), np.int64),
         version=version,
     )
 

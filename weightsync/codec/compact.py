@@ -513,9 +513,7 @@ def decode_compact(
             else None
         )
         idx, val = decode_chunk(ref, old, fmt, table_of_key, shared, prev, version)
-        if idx.size and (
-            idx[0] < 0 or idx[-1] >= ref.count or not bool(np.all(idx[1:] > idx[:-1]))
-        ):
+        if not kernels.increasing_below(idx, ref.count):
             raise CorruptDeltaError(
                 f"{ref.tensor}: the chunk at element {ref.start} decodes positions out of "
                 "order or outside the chunk"

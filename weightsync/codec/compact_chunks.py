@@ -600,52 +600,64 @@ def decode_chunk(
         raise CorruptDeltaError(f"{ref.tensor}: chunk claims more changes than it has elements")
 
     if by_gaps:
-        index, old_at, ctx = _positions_by_gaps(
+        index, ctx, old_at = _positions_by_gaps(
             ref, raw[:rice_len], old, fmt, rice_k, ctx_ids, kc_present
         )
-        if prediction is None:
-            ref_bits, forbidden, vctx = old_at, None, ctx
-        else:  # value_residuals takes chained contexts as 2 exponent + moved
-            ref_bits, forbidden, vctx = value_residuals(old, index, 2 * ctx, fmt, prediction)
     else:
-        index, ctx = _positions_by_rank(ref, raw[:rice_len], old, keys, shift, kmask, head, version)
-        ref_bits, forbidden, vctx = value_residuals(old, index, ctx, fmt, prediction)
+        index, ctx, old_at = _positions_by_rank(
+            ref, raw[:rice_len], old, keys, shift, kmask, head, version
+        )
 
     k = index.size
     nv = n_exp * N_MOVE_BUCKETS if prediction is not None else n_exp
     ctx_table = np.full(nv, -1, np.int64)
     ctx_table[:] = table_of_key[:nv]
     ctx_table[own_keys] = shared.shape[0] + np.arange(n_own)
+    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    rans = raw[rice_len : rice_len + rans_len]
+    extra = raw[rice_len + rans_len :]
+    values = np.empty(k, fmt.bits_dtype)
+    if prediction is None:  # tables, symbols and values in one compiled call
+        status = kernels.decode_standalone_values(
+            ctx,
+            old_at,
+            ctx_table,
+            freq,
+            cumulative(freq),
+            rans,
+            extra,
+            fmt.width,
+            TOP_BITS,
+            SMALL,
+            values,
+        )
+        if status < 0:
+            raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[status]}")
+        return index, values
+    # chained: value_residuals takes position contexts as 2 exponent + moved
+    ref_bits, forbidden, vctx = value_residuals(
+        old, index, 2 * ctx if by_gaps else ctx, fmt, prediction
+    )
     tid = ctx_table[vctx]
     if tid.size and tid.min() < 0:
-        raise CorruptDeltaError(
-            f"{ref.tensor}: chunk refers to a frequency table the delta does not hold"
-        )
-    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+        raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[-4]}")
     symbols = np.empty(k, np.int64)
-    rans = raw[rice_len : rice_len + rans_len]
     if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
-        raise CorruptDeltaError(f"{ref.tensor}: value stream is damaged")
-    values = np.empty(k, fmt.bits_dtype)
-    chained = forbidden is not None
+        raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[-5]}")
     used = kernels.decode_values(
-        symbols,
-        raw[rice_len + rans_len :],
-        ref_bits,
-        forbidden if chained else symbols[:0],
-        chained,
-        fmt.width,
-        TOP_BITS,
-        SMALL,
-        values,
+        symbols, extra, ref_bits, forbidden, True, fmt.width, TOP_BITS, SMALL, values
     )
-    if used == -2:
-        raise CorruptDeltaError(
-            f"{ref.tensor}: value stream holds a difference wider than the dtype"
-        )
     if used < 0:
-        raise CorruptDeltaError(f"{ref.tensor}: extra-bits stream ends early")
+        raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[-7 if used == -2 else -6]}")
     return index, values
+
+
+_VALUE_ERRORS = {
+    -4: "chunk refers to a frequency table the delta does not hold",
+    -5: "value stream is damaged",
+    -6: "extra-bits stream ends early",
+    -7: "value stream holds a difference wider than the dtype",
+}
 
 
 _ContextList = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -691,29 +703,30 @@ def _positions_by_gaps(
     ctx_ids: np.ndarray,
     kc_present: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(indices, old bit patterns, old exponents)`` of a chunk coded by gaps. Reads only the
-    changed elements of ``old``; their exponents must have the header's change counts (another
-    base almost never does)."""
+    """``(indices, old exponents, old bit patterns)`` of a chunk coded by gaps, in one compiled
+    call. Reads only the changed elements of ``old``; their exponents must have the header's
+    change counts (another base almost never does)."""
     shift, emask = context_layout(fmt)
     k = int(kc_present.sum())
-    gaps = np.empty(k, np.int64)
-    if kernels.rice_decode(stream, np.full(k, rice_k, np.uint8), gaps) < 0:
-        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
     index = np.empty(k, np.int64)
-    old_at = np.empty(k, old.dtype)
     ctx = np.empty(k, np.int64)
-    counts = np.zeros(emask + 1, np.int64)
-    if kernels.positions_from_gaps(gaps, old, shift, emask, index, old_at, ctx, counts) < 0:
+    old_at = np.empty(k, old.dtype)
+    expected = np.zeros(emask + 1, np.int64)
+    expected[ctx_ids] = kc_present
+    status = kernels.decode_gap_positions(
+        stream, rice_k, old, shift, emask, expected, index, ctx, old_at
+    )
+    if status == -1:
+        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
+    if status == -2:
         raise CorruptDeltaError(
             f"{ref.tensor}: positions name elements beyond the tensor (damaged chunk)"
         )
-    expected = np.zeros(emask + 1, np.int64)
-    expected[ctx_ids] = kc_present
-    if not np.array_equal(counts, expected):
+    if status < 0:
         raise CorruptDeltaError(
             f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
         )
-    return index, old_at, ctx
+    return index, ctx, old_at
 
 
 def _positions_by_rank(
@@ -726,8 +739,9 @@ def _positions_by_rank(
     head: _ContextList,
     version: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(indices, position contexts)`` of a chunk coded by context rank: one walk over every
-    element of ``old`` (``keys``: its position contexts, :func:`position_contexts`)."""
+    """``(indices, position contexts, old bit patterns)`` of a chunk coded by context rank: one
+    walk over every element of ``old`` (``keys``: its position contexts,
+    :func:`position_contexts`)."""
     ctx_ids, kc_present, _, rice_present, comp_present, n_comp = head
     nctx = kmask + 1
     kc = np.zeros(nctx, np.int64)
@@ -768,9 +782,12 @@ def _positions_by_rank(
     k = int(kc.sum())
     index = np.empty(k, np.int64)
     ctx = np.empty(k, np.int64)
-    m = kernels.select_changed(keys, shift, kmask, gaps, starts, ends, comp, index, ctx)
+    old_at = np.empty(k, old.dtype)
+    m = kernels.select_changed(keys, shift, kmask, gaps, starts, ends, comp, index, ctx, old_at)
     if m != k:
         raise CorruptDeltaError(
             f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
         )
-    return index, ctx
+    if keys is not old:  # chained: the keys are the contexts, not the old bit patterns
+        old_at = old[index]
+    return index, ctx, old_at

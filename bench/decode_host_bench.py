@@ -1,0 +1,140 @@
+"""The compact decoder on a large synthetic delta, on the host's cores: positions coded by context
+rank (the decoder walks every element of a changed chunk) against positions coded as gaps (it
+reads only the changed elements), with and without a busy Python thread beside it (a rollout
+worker's engine thread, which the decoder's threads share the GIL with).
+
+The state is ``--tensors`` bf16 tensors of ``--elements`` elements in all, normal with std 0.02;
+``--density`` of the elements move by one ULP (uniformly at random: no exponent signal, so both
+codings come out about the same size here; on real steps gaps cost ~2.5 bits per change more,
+see ``codec_bench.py``). Each delta is encoded once; then the decodes run interleaved, ``--rounds``
+times each, the first round dropped (it compiles the kernels). Reported: median, min and max
+seconds per decode, nanoseconds per element and per change.
+
+Usage::
+
+    python bench/decode_host_bench.py --elements 2e9 --threads 32   # a 32-core GPU host
+    python bench/decode_host_bench.py --elements 1e8 --threads 2    # a laptop
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import meta, write_json
+
+from deltarl.weightsync import compute_delta, state_digests
+from deltarl.weightsync.codec.compact import decode_compact, encode_compact
+
+MODES = ("contexts", "gaps")
+
+
+def make_state(elements: int, tensors: int, density: float) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(0)
+    per = elements // tensors
+    old, new = {}, {}
+    for i in range(tensors):
+        t = (torch.randn(per, generator=g) * 0.02).bfloat16()
+        moved = torch.rand(per, generator=g) < density
+        old[f"t{i:03d}"] = t
+        new[f"t{i:03d}"] = torch.where(moved, (t.view(torch.int16) + 1).view(torch.bfloat16), t)
+    return old, new
+
+
+class Busy:
+    """A thread that runs Python byte code until stopped (holds the GIL whenever it may)."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        x = 0
+        while not self.stop:
+            x += 1
+
+    def __enter__(self) -> Busy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop = True
+        self.thread.join()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--elements", type=float, default=1e8)
+    ap.add_argument("--tensors", type=int, default=64)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--switch-interval-ms", type=float, default=0.2)
+    ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    args = ap.parse_args(argv)
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    t0 = time.perf_counter()
+    old, new = make_state(int(args.elements), args.tensors, args.density)
+    delta = compute_delta(old, new, 0, 1)
+    digests = state_digests(old)
+    setup_s = time.perf_counter() - t0
+    blobs, encode_s = {}, {}
+    for mode in MODES:
+        t0 = time.perf_counter()
+        blobs[mode] = encode_compact(delta, old, threads=args.threads, positions=mode)
+        encode_s[mode] = time.perf_counter() - t0
+    numel = sum(t.numel() for t in old.values())
+    times: dict[str, list[float]] = {f"{m}{b}": [] for b in ("", "+busy") for m in MODES}
+    for _ in range(args.rounds):
+        for busy in (False, True):
+            for mode in MODES:
+                with Busy() if busy else _nothing():
+                    t0 = time.perf_counter()
+                    decode_compact(blobs[mode], old, base_digests=digests, threads=args.threads)
+                    times[mode + ("+busy" if busy else "")].append(time.perf_counter() - t0)
+    rows = {}
+    for key, ts in times.items():
+        kept = ts[1:] or ts
+        med = statistics.median(kept)
+        mode = key.split("+")[0]
+        rows[key] = {
+            "decode_s": {"median": med, "min": min(kept), "max": max(kept), "all": ts},
+            "ns_per_element": med / numel * 1e9,
+            "ns_per_change": med / max(delta.changed, 1) * 1e9,
+            "bytes": len(blobs[mode]),
+            "bits_per_changed": 8 * len(blobs[mode]) / max(delta.changed, 1),
+            "encode_s": encode_s[mode],
+        }
+        print(
+            f"{key:16s} decode {med:.3f} s [{min(kept):.3f}-{max(kept):.3f}], "
+            f"{rows[key]['ns_per_change']:.1f} ns/change, {rows[key]['bits_per_changed']:.2f} bits",
+            flush=True,
+        )
+    result = {
+        "meta": meta(settings={k: str(v) for k, v in vars(args).items()}),
+        "numel": numel,
+        "changed": delta.changed,
+        "setup_s": setup_s,
+        "results": rows,
+    }
+    if args.json is not None:
+        write_json(args.json, result)
+    return result
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    main()
