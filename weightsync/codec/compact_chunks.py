@@ -738,7 +738,7 @@ def _positions_by_rank(
     kmask: int,
     head: _ContextList,
     version: int,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(indices, position contexts, old bit patterns)`` of a chunk coded by context rank: one
     walk over every element of ``old`` (``keys``: its position contexts,
     :func:`position_contexts`)."""
