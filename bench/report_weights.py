@@ -410,10 +410,38 @@ def _fsdp_bf16(results: list[Result]) -> Lines:
     )
 
 
-def _apply_median(r: Result, key: str) -> float | None:
-    applies = (r.data.get("apply") or {}).get("applies") or []
-    vals = [a[key] for a in applies if isinstance(a.get(key), int | float)]
+def _median(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [a[key] for a in rows if isinstance(a.get(key), int | float)]
     return statistics.median(vals) if vals else None
+
+
+POSITION_WORDS = {"contexts": "positions by context rank", "gaps": "positions as gaps"}
+
+
+def _moe_row(
+    r: Result,
+    name: str,
+    steps: list[dict[str, Any]],
+    applies: list[dict[str, Any]],
+    timed: list[dict[str, Any]] | None = None,
+) -> list[str]:
+    """One row of the MoE table from ``steps`` (published; ``timed``: those whose publish time
+    counts, default all) and ``applies`` (followed)."""
+    pauses = [a["paused_apply_s"] for a in applies]
+    return [
+        name,
+        f"{r.data['summary']['numel'] / 1e9:.2f} B",
+        spread(x["publish_s"] for x in (steps if timed is None else timed)),
+        mb(statistics.median(x["bytes"] for x in steps)),
+        pct(statistics.median(x["changed_fraction"] for x in steps), 2),
+        num(statistics.median(x["bits_per_changed"] for x in steps)),
+        r.data["settings"].get("engine", "-"),
+        f"{num(1e3 * statistics.median(pauses))} / {num(1e3 * max(pauses))}" if pauses else "-",
+        num(_median(applies, "fetch_to_applied_s")),
+        num(_median(applies, "decode_s")),
+        num(_median(applies, "verify_s")),
+        num(_median(applies, "publish_to_applied_s")),
+    ]
 
 
 def moe_scale(results: list[Result]) -> Lines:
@@ -423,25 +451,26 @@ def moe_scale(results: list[Result]) -> Lines:
     fp8_names = any(r.data["settings"].get("fp8") for r in results)
     for r in results:
         s, st = r.data["summary"], r.data["settings"]
-        row = [
+        name = (
             f"{st['layers']} layers, {st['ranks']} ranks, {hardware_words(r.hardware)}"
             + (", **block fp8**" if st.get("fp8") else "")
-            + (", decoded in a child process" if st.get("decode_process") else ""),
-            f"{s['numel'] / 1e9:.2f} B",
-            spread(x["publish_s"] for x in r.data["publish"]["steps"][1:]),
-            mb(s["bytes_median"]),
-            pct(s["changed_fraction_median"], 2),
-            num(s["bits_per_changed_median"]),
-            st.get("engine", "-"),
-            f"{num(1e3 * s['paused_apply_s_median'])} / {num(1e3 * s['paused_apply_s_max'])}"
-            if "paused_apply_s_median" in s
-            else "-",
-            num(s.get("fetch_to_applied_s_median")),
-            num(_apply_median(r, "decode_s")),
-            num(_apply_median(r, "verify_s")),
-            num(s.get("publish_to_applied_s_median")),
-        ]
-        rows.append(row)
+            + (", decoded in a child process" if st.get("decode_process") else "")
+        )
+        steps = r.data["publish"]["steps"]
+        applies = (r.data.get("apply") or {}).get("applies") or []
+        if "by_positions" in s:  # both codings, interleaved: a row each, the first version out
+            for mode, m in s["by_positions"].items():
+                versions = [v for v in m["versions"] if v > 1]
+                rows.append(
+                    _moe_row(
+                        r,
+                        f"{name}, {POSITION_WORDS[mode]} (versions {', '.join(map(str, versions))})",
+                        [x for x in steps if x["step"] in versions],
+                        [a for a in applies if a["version"] in versions],
+                    )
+                )
+            continue
+        rows.append(_moe_row(r, name, steps, applies, steps[1:] or steps))
         x = s.get("extrapolated_to_48_layers")
         if x and not whole:
             rows.append(
