@@ -240,7 +240,9 @@ def test_composed_delta_with_elements_that_changed_back(state):
     assert d.changed < squashed.changed  # the no-op entries were dropped
 
 
-def _decode_one_chunk(header: list[int], body: bytes = b"", version: int = 3) -> None:
+def _decode_one_chunk(
+    header: list[int], body: bytes = b"", version: int = 3
+) -> tuple[np.ndarray, np.ndarray]:
     """Decode a hand-made chunk of 100 bf16 zeros (one context: exponent 0) with no tables."""
     from deltarl.weightsync.codec.bits import FLOAT_FORMATS
     from deltarl.weightsync.codec.compact_chunks import ChunkRef, decode_chunk
@@ -248,7 +250,7 @@ def _decode_one_chunk(header: list[int], body: bytes = b"", version: int = 3) ->
 
     old = np.zeros(100, np.int16)
     ref = ChunkRef("t", 0, old.size, varints(header), memoryview(body), (len(body), 0, 0))
-    decode_chunk(
+    return decode_chunk(
         ref,
         old,
         FLOAT_FORMATS["bfloat16"],
@@ -295,6 +297,23 @@ def test_malformed_chunks_by_gaps_are_refused() -> None:
     ):
         with pytest.raises(CorruptDeltaError, match=message):
             _decode_one_chunk(header, body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 1 << 45), min_size=1, max_size=12),
+    st.binary(max_size=64),
+    st.sampled_from([2, 3]),
+)
+def test_any_chunk_a_hostile_encoder_writes_decodes_or_is_refused(header, body, version) -> None:
+    """Chunk headers and bodies behind valid checksums (a hostile encoder): decoding either
+    gives positions inside the chunk in order, or a CorruptDeltaError; never another error,
+    never a read outside the base."""
+    try:
+        index, _ = _decode_one_chunk(header, body, version=version)
+    except CorruptDeltaError:
+        return
+    assert kernels.increasing_below(index, 100)
 
 
 @pytest.mark.parametrize("kmax", [0, 3, 12, 40])

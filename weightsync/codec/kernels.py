@@ -258,10 +258,13 @@ def positions_from_gaps(
     i = np.int64(-1)
     n = old.size
     for j in range(gaps.size):
-        i += np.int64(gaps[j]) + 1
+        g = np.int64(gaps[j])
+        if g < 0 or g >= n:  # a Rice code past any gap (it may even wrap negative)
+            return -1
+        i += g + 1
+        if i >= n:
+            return -1
         index_out[j] = i
-    if i >= n:
-        return -1
     for j in range(gaps.size):
         o = old[index_out[j]]
         c = (np.int64(o) >> shift) & emask
