@@ -149,6 +149,13 @@ def bench_step(
     return result, next_context
 
 
+def _cached_steps(lr: float) -> int:
+    try:
+        return len(real_deltas.step_paths(lr))
+    except FileNotFoundError:  # none yet
+        return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     lrs = args.lr or [1e-6, 3e-6]
 
     for lr in lrs:  # generate what is not cached yet
-        if len(real_deltas.step_paths(lr)) < args.steps + 1:
+        if _cached_steps(lr) < args.steps + 1:
             real_deltas.main(["--steps", str(args.steps), "--lr", str(lr)])
     warm_up()
     about = meta(codec_threads=args.threads, model=MODEL)

@@ -42,37 +42,36 @@ def _empty() -> np.ndarray:
 
 @dataclass(slots=True)
 class ChunkAnalysis:
-    """Everything phase A learns about one chunk; phase B turns it into bytes."""
+    """Everything phase A learns about one chunk; phase B turns it into bytes.
+
+    The position half: ``ctx_ids`` (int64 [C], the position contexts, old exponents, with
+    changes, ascending), ``kc`` (changes per context), ``hist`` (the chunk's elements of each;
+    empty by gaps), ``rice_k`` (each context's Rice parameter; by gaps the chunk's one),
+    ``gaps`` (uint32, the Rice-coded values, < chunk size) and ``kparams`` (uint8, each one's
+    parameter). The value half (:func:`_with_values`): ``key`` (int64 [V], value contexts with
+    changes, ascending: the shared tables' keys), ``counts`` (int64 [V, ALPHABET], symbols per
+    value context), ``symbols`` (uint16, one per change in index order), ``sym_ctx`` (int32,
+    each symbol's row in ``key``), ``extra`` / ``widths`` (uint32 / uint8 extra bits), ``own``
+    (bool [V], contexts coded with their own table)."""
 
     tensor: str
     start: int
     count: int
-    ctx_ids: np.ndarray  # int64 [C], position contexts (old exponents) with changes, ascending
-    kc: np.ndarray  # int64 [C], changes per position context
-    hist: np.ndarray  # int64 [C], the chunk's elements of each of those contexts (by_gaps: [])
-    rice_k: (
-        np.ndarray
-    )  # int64 [C], the Rice parameter of each of those contexts' gaps (by_gaps: [1])
-    gaps: np.ndarray  # uint32, Rice-coded values in context order (< chunk size)
-    kparams: np.ndarray  # uint8, Rice parameter of each gap
+    ctx_ids: np.ndarray
+    kc: np.ndarray
+    hist: np.ndarray
+    rice_k: np.ndarray
+    gaps: np.ndarray
+    kparams: np.ndarray
     chained: bool = False  # values coded against a prediction from a context delta
     by_gaps: bool = False  # positions coded as plain gaps (``POSITIONS``), not by context rank
-    # the value half (:func:`_with_values`)
-    key: np.ndarray = field(
-        default_factory=_empty
-    )  # int64 [V], value contexts with changes, ascending (= shared-table keys)
-    counts: np.ndarray = field(
-        default_factory=_empty
-    )  # int64 [V, ALPHABET], symbol counts per value context
-    symbols: np.ndarray = field(
-        default_factory=_empty
-    )  # uint16, one per changed element in index order
-    sym_ctx: np.ndarray = field(
-        default_factory=_empty
-    )  # int32, position in ``key`` of each symbol's value context
-    extra: np.ndarray = field(default_factory=_empty)  # uint32 extra-bit values
-    widths: np.ndarray = field(default_factory=_empty)  # uint8 extra-bit widths
-    own: np.ndarray | None = None  # bool [V]: value context codes with its own table
+    key: np.ndarray = field(default_factory=_empty)
+    counts: np.ndarray = field(default_factory=_empty)
+    symbols: np.ndarray = field(default_factory=_empty)
+    sym_ctx: np.ndarray = field(default_factory=_empty)
+    extra: np.ndarray = field(default_factory=_empty)
+    widths: np.ndarray = field(default_factory=_empty)
+    own: np.ndarray | None = None
 
 
 POSITIONS = ("contexts", "gaps")
