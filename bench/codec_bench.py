@@ -30,6 +30,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import real_deltas  # bench/real_deltas.py (the script's own folder is on sys.path)
 import torch
@@ -75,50 +76,19 @@ def bench_step(
     s = delta_stats(delta, old)
     raw, gap = len(encode_trl(delta, "raw")), len(encode_trl(delta, "gap_delta"))
     k = max(s.changed, 1)
-    # the same delta with its positions coded as gaps (publish.positions = "gaps")
-    t8 = time.perf_counter()
-    gblob = encode_compact(delta, old, threads=threads, positions="gaps")
-    t9 = time.perf_counter()
-    state = {k: v.clone() for k, v in old.items()}
-    t10 = time.perf_counter()
-    back = decode_compact(gblob, state, base_digests=old_digests, threads=threads)
-    t11 = time.perf_counter()
-    apply_delta(state, back, check_base=False)
-    t12 = time.perf_counter()
-    assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
-    gaps = {
-        "bytes": len(gblob),
-        "bits_per_changed": len(gblob) * 8 / k,
-        "vs_conditional_floor": len(gblob) * 8 / k / s.conditional_floor_bits
-        if s.changed
-        else None,
-        "smaller_than_trl_gap": gap / len(gblob),
-        "vs_contexts": len(gblob) / len(blob),
-        "time_s": {"encode": t9 - t8, "decode": t11 - t10, "decode_apply_verify": t12 - t10},
-    }
+    gaps = variant(delta, old, new, old_digests, threads, positions="gaps")
     chained = None
     if context is not None:
-        t8 = time.perf_counter()
-        cblob = encode_compact(delta, old, threads=threads, context=context)
-        t9 = time.perf_counter()
-        state = {k: v.clone() for k, v in old.items()}
-        t10 = time.perf_counter()
-        back = decode_compact(
-            cblob, state, base_digests=old_digests, threads=threads, context=context
+        chained = variant(delta, old, new, old_digests, threads, context=context)
+    for v in (x for x in (gaps, chained) if x is not None):
+        v["bits_per_changed"] = v["bytes"] * 8 / k
+        v["vs_conditional_floor"] = (
+            v["bytes"] * 8 / k / s.conditional_floor_bits if s.changed else None
         )
-        apply_delta(state, back, check_base=False)
-        t11 = time.perf_counter()
-        assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
-        chained = {
-            "bytes": len(cblob),
-            "bits_per_changed": len(cblob) * 8 / k,
-            "vs_conditional_floor": len(cblob) * 8 / k / s.conditional_floor_bits
-            if s.changed
-            else None,
-            "smaller_than_trl_gap": gap / len(cblob),
-            "vs_standalone": len(cblob) / len(blob),
-            "time_s": {"encode": t9 - t8, "decode_apply_verify": t11 - t10},
-        }
+        v["smaller_than_trl_gap"] = gap / v["bytes"]
+    gaps["vs_contexts"] = gaps["bytes"] / len(blob)
+    if chained is not None:
+        chained["vs_standalone"] = chained["bytes"] / len(blob)
     result = {
         "step": step,
         "density": s.density,
@@ -147,6 +117,33 @@ def bench_step(
         "gaps": gaps,
     }
     return result, next_context
+
+
+def variant(
+    delta: Any,
+    old: dict,
+    new: dict,
+    old_digests: dict,
+    threads: int,
+    context: DeltaContext | None = None,
+    positions: str = "contexts",
+) -> dict[str, Any]:
+    """Bytes and times of ``delta`` coded another way: positions as gaps, or chained on
+    ``context`` (the delta before it); decoded, applied and checked bit for bit."""
+    t0 = time.perf_counter()
+    blob = encode_compact(delta, old, threads=threads, context=context, positions=positions)
+    t1 = time.perf_counter()
+    state = {k: v.clone() for k, v in old.items()}
+    t2 = time.perf_counter()
+    back = decode_compact(blob, state, base_digests=old_digests, threads=threads, context=context)
+    t3 = time.perf_counter()
+    apply_delta(state, back, check_base=False)
+    t4 = time.perf_counter()
+    assert all(torch.equal(state[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
+    return {
+        "bytes": len(blob),
+        "time_s": {"encode": t1 - t0, "decode": t3 - t2, "decode_apply_verify": t4 - t2},
+    }
 
 
 def _cached_steps(lr: float) -> int:
