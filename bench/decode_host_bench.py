@@ -5,7 +5,7 @@ worker's engine thread, which the decoder's threads share the GIL with).
 
 The state is ``--tensors`` bf16 tensors of ``--elements`` elements in all, normal with std 0.02;
 ``--density`` of the elements move by one ULP (uniformly at random: no exponent signal, so both
-codings come out about the same size here; on real steps gaps cost ~2.5 bits per change more,
+codings come out about the same size here; on real steps gaps cost ~1.5x the bytes,
 see ``codec_bench.py``). Each delta is encoded once; then the decodes run interleaved, ``--rounds``
 times each, the first round dropped (it compiles the kernels). Reported: median, min and max
 seconds per decode, nanoseconds per element and per change.

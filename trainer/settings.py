@@ -255,7 +255,7 @@ class PublishSettings(_Settings):
         description="How the compact format codes which elements changed: 'contexts' (by rank "
         "among the elements of the same old exponent: the fewest bytes, but a worker's decode "
         "walks every element of the model), 'gaps' (between consecutive changes: a decode that "
-        "reads only the changed elements, ~2.5 more bits per change on real steps), 'auto' "
+        "reads only the changed elements, ~1.5x the bytes on real steps), 'auto' "
         "(gaps from 16 G elements of published state on, contexts below).",
     )
     anchor_every: int = Field(

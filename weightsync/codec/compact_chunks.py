@@ -79,7 +79,7 @@ POSITIONS = ("contexts", "gaps")
 elements, the fewest bytes (an update is visible only above half an ULP, so small exponents
 change more often), but the decoder must walk every element of the chunk to turn ranks back into
 positions. ``gaps``: the gaps between consecutive changed positions, one Rice parameter per
-chunk; ~2.5 more bits per change on a real dense model's deltas, and a decoder that reads only
+chunk; ~1.5x the bytes on a real dense model's deltas, and a decoder that reads only
 the changed elements of the base."""
 
 
