@@ -141,6 +141,18 @@ def test_wrong_base_is_refused_before_decoding(state):
         decode_compact(blob, perturb(state, 0.01, seed=5))
 
 
+@pytest.mark.parametrize("positions", ["contexts", "gaps"])
+def test_decoding_against_another_base_unchecked_is_refused_by_the_positions(state, positions):
+    """With the base digest check off, the positions still catch another base: by context
+    rank the walk does not end where the header says, as gaps the changes per old exponent
+    differ from the header's (a whole tensor decoded in one call names its chunk)."""
+    new = perturb(state, 0.05)
+    blob = encode_compact(compute_delta(state, new, 0, 1), state, positions=positions)
+    other = {k: (v.float() * 1.7 + 0.01).to(v.dtype) for k, v in state.items()}
+    with pytest.raises(CorruptDeltaError, match=r"decode consistently|beyond the tensor"):
+        decode_compact(blob, other, check_base=False)
+
+
 def test_every_truncation_is_detected(state):
     blob = encode_compact(compute_delta(state, perturb(state, 0.1), 0, 1), state)
     for cut in [0, 1, 7, 8, 20, len(blob) // 2, len(blob) - 25, len(blob) - 1]:

@@ -44,6 +44,7 @@ from deltarl.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.weightsync.codec.compact_chunks import (
     POSITIONS,
     ChunkAnalysis,
+    ChunkHeader,
     ChunkRef,
     ChunkScan,
     Prediction,
@@ -51,7 +52,9 @@ from deltarl.weightsync.codec.compact_chunks import (
     choose_own_tables,
     code_chunk,
     decode_chunk,
+    decode_gap_tensor,
     n_keys,
+    read_header,
     shared_tables,
 )
 from deltarl.weightsync.codec.compact_footer import (
@@ -415,6 +418,7 @@ def _chunk_refs(
                     index[hoff : hoff + hlen],
                     buf[off : off + length],
                     (rl, al, el),
+                    off,
                 )
             )
             off += length
@@ -520,13 +524,29 @@ def decode_compact(
             )
         return idx, val
 
+    whole, single = _whole_tensors(refs, patches, version, chained=rho16 is not None)
+    object_bytes = np.frombuffer(buf, np.uint8)
     with ThreadPoolExecutor(threads or default_threads()) as pool:
-        results = list(pool.map(run, refs))
+        jobs = {
+            name: pool.submit(
+                decode_gap_tensor,
+                chunks,
+                object_bytes,
+                olds[name],
+                float_format(patches[name].dtype),
+                table_of_key,
+                shared,
+            )
+            for name, chunks in whole.items()
+        }
+        results = list(pool.map(run, single))
         parts: dict[str, list[tuple[ChunkRef, np.ndarray, np.ndarray]]] = {}
-        for ref, (idx, val) in zip(refs, results, strict=True):
+        for ref, (idx, val) in zip(single, results, strict=True):
             parts.setdefault(ref.tensor, []).append((ref, idx, val))
         for name, chunks in parts.items():
             _assemble(patches[name], chunks, pool)
+        for name, job in jobs.items():
+            patches[name].index, patches[name].value = job.result()
     for t in footer["tensors"]:
         name = t["name"]
         p = patches[name]
@@ -535,6 +555,29 @@ def decode_compact(
                 f"{name}: decoded {p.changed} changes, the footer says {t['changed']}"
             )
     return delta
+
+
+def _whole_tensors(
+    refs: list[ChunkRef], patches: Mapping[str, TensorPatch], version: int, *, chained: bool
+) -> tuple[dict[str, list[tuple[ChunkRef, ChunkHeader]]], list[ChunkRef]]:
+    """The tensors whose chunks are all standalone and coded by gaps (decoded a tensor per
+    compiled call: :func:`~.compact_chunks.decode_gap_tensor`), with their read headers; and
+    every other chunk (decoded one by one)."""
+    if version < 3 or chained:
+        return {}, refs
+    by_tensor: dict[str, list[ChunkRef]] = {}
+    for r in refs:
+        by_tensor.setdefault(r.tensor, []).append(r)
+    whole: dict[str, list[tuple[ChunkRef, ChunkHeader]]] = {}
+    single: list[ChunkRef] = []
+    for name, rs in by_tensor.items():
+        fmt = float_format(patches[name].dtype)
+        headers = [read_header(r, fmt, False, version) for r in rs]
+        if all(h.by_gaps for h in headers):
+            whole[name] = list(zip(rs, headers, strict=True))
+        else:
+            single += rs
+    return whole, single
 
 
 def _assemble(

@@ -6,6 +6,7 @@ the entropy models both sides share are ``entropy.py``; the compiled loops are `
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -532,6 +533,9 @@ def code_chunk(
     return head, b"".join(parts), [len(p) for p in parts]
 
 
+_ContextList = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass(slots=True)
 class ChunkRef:
     tensor: str
@@ -540,42 +544,47 @@ class ChunkRef:
     header: bytes
     body: memoryview
     streams: tuple[int, int, int]  # rice, rans, extra bytes
+    offset: int = 0  # of the body in the object
 
 
-def decode_chunk(
-    ref: ChunkRef,
-    old: np.ndarray,
-    fmt: FloatFormat,
-    table_of_key: np.ndarray,
-    shared: np.ndarray,
-    prediction: Prediction | None = None,
-    version: int = 3,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Decode one chunk against ``old`` (its base elements): ``(chunk-local indices, new bit
-    patterns)`` of its changed elements. ``version``: the object's format version (1: the
-    header holds no element counts, they are counted from the base; 1 and 2: every chunk is
-    coded by context rank)."""
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    """A chunk header, read (:func:`read_header`)."""
+
+    by_gaps: bool
+    rice_k: int  # by gaps: the chunk's Rice parameter
+    contexts: _ContextList  # (ids, changes, own, rice, complement, elements): _read_contexts
+    own_keys: np.ndarray  # value contexts with a table of their own
+    own_freq: np.ndarray  # [own, ALPHABET] those tables
+
+    @property
+    def changes(self) -> int:
+        return int(self.contexts[1].sum())
+
+
+def read_header(ref: ChunkRef, fmt: FloatFormat, chained: bool, version: int) -> ChunkHeader:
+    """``ref``'s header, checked: :class:`CorruptDeltaError` if it is malformed or claims more
+    changes than the chunk has elements."""
     _, emask = context_layout(fmt)
     n_exp = emask + 1
-    rice_len, rans_len, _ = ref.streams
-    raw = np.frombuffer(ref.body, np.uint8)
     r = VarintReader(ref.header, f"{ref.tensor}: chunk header")
     first = r.varint()
     by_gaps = version >= 3 and bool(first & 1)
     n_present = first >> 1 if version >= 3 else first
+    rice_k = 0
     if by_gaps:
         rice_k = r.varint()
         if rice_k > MAX_RICE or n_present > n_exp:
             raise CorruptDeltaError(f"{ref.tensor}: chunk header is malformed")
         head = _read_contexts(r, ref.tensor, n_present, n_exp, with_rice=False)
     else:
-        keys, shift, kmask = position_contexts(old, fmt, prediction)
-        if n_present > kmask + 1:
+        nctx = 2 * n_exp if chained else n_exp  # chained: 2 exponent + moved
+        if n_present > nctx:
             raise CorruptDeltaError(f"{ref.tensor}: chunk header lists {n_present} contexts")
-        head = _read_contexts(r, ref.tensor, n_present, kmask + 1, with_rice=version >= 2)
+        head = _read_contexts(r, ref.tensor, n_present, nctx, with_rice=version >= 2)
     ctx_ids, kc_present, own = head[0], head[1], head[2]
     own_keys = ctx_ids[own]
-    if prediction is not None:
+    if chained:
         if own.any():
             raise CorruptDeltaError(f"{ref.tensor}: chained chunk header is malformed")
         n_own = r.varint()
@@ -595,24 +604,48 @@ def decode_chunk(
         else np.zeros((0, ALPHABET), np.int64)
     )
     r.done()
-    if int(kc_present.sum()) > old.size:
+    if int(kc_present.sum()) > ref.count:
         raise CorruptDeltaError(f"{ref.tensor}: chunk claims more changes than it has elements")
+    return ChunkHeader(by_gaps, rice_k, head, own_keys, own_freq)
 
-    if by_gaps:
+
+def decode_chunk(
+    ref: ChunkRef,
+    old: np.ndarray,
+    fmt: FloatFormat,
+    table_of_key: np.ndarray,
+    shared: np.ndarray,
+    prediction: Prediction | None = None,
+    version: int = 3,
+    header: ChunkHeader | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decode one chunk against ``old`` (its base elements): ``(chunk-local indices, new bit
+    patterns)`` of its changed elements. ``version``: the object's format version (1: the
+    header holds no element counts, they are counted from the base; 1 and 2: every chunk is
+    coded by context rank). ``header``: the chunk's, if already read."""
+    _, emask = context_layout(fmt)
+    n_exp = emask + 1
+    rice_len, rans_len, _ = ref.streams
+    raw = np.frombuffer(ref.body, np.uint8)
+    if old.size != ref.count:
+        raise ValueError(f"{ref.tensor}: a chunk of {ref.count} elements, a base of {old.size}")
+    h = header if header is not None else read_header(ref, fmt, prediction is not None, version)
+    if h.by_gaps:
         index, ctx, old_at = _positions_by_gaps(
-            ref, raw[:rice_len], old, fmt, rice_k, ctx_ids, kc_present
+            ref, raw[:rice_len], old, fmt, h.rice_k, h.contexts[0], h.contexts[1]
         )
     else:
+        keys, shift, kmask = position_contexts(old, fmt, prediction)
         index, ctx, old_at = _positions_by_rank(
-            ref, raw[:rice_len], old, keys, shift, kmask, head, version
+            ref, raw[:rice_len], old, keys, shift, kmask, h.contexts, version
         )
 
     k = index.size
     nv = n_exp * N_MOVE_BUCKETS if prediction is not None else n_exp
     ctx_table = np.full(nv, -1, np.int64)
     ctx_table[:] = table_of_key[:nv]
-    ctx_table[own_keys] = shared.shape[0] + np.arange(n_own)
-    freq = np.concatenate([shared, own_freq]).astype(np.int32)
+    ctx_table[h.own_keys] = shared.shape[0] + np.arange(h.own_keys.size)
+    freq = np.concatenate([shared, h.own_freq]).astype(np.int32)
     rans = raw[rice_len : rice_len + rans_len]
     extra = raw[rice_len + rans_len :]
     values = np.empty(k, fmt.bits_dtype)
@@ -635,7 +668,7 @@ def decode_chunk(
         return index, values
     # chained: value_residuals takes position contexts as 2 exponent + moved
     ref_bits, forbidden, vctx = value_residuals(
-        old, index, 2 * ctx if by_gaps else ctx, fmt, prediction
+        old, index, 2 * ctx if h.by_gaps else ctx, fmt, prediction
     )
     tid = ctx_table[vctx]
     if tid.size and tid.min() < 0:
@@ -652,6 +685,9 @@ def decode_chunk(
 
 
 _VALUE_ERRORS = {
+    -1: "position stream ends early",
+    -2: "positions name elements beyond the tensor (damaged chunk)",
+    -3: "positions do not decode consistently (wrong base or damaged chunk)",
     -4: "chunk refers to a frequency table the delta does not hold",
     -5: "value stream is damaged",
     -6: "extra-bits stream ends early",
@@ -659,7 +695,63 @@ _VALUE_ERRORS = {
 }
 
 
-_ContextList = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+def decode_gap_tensor(
+    chunks: list[tuple[ChunkRef, ChunkHeader]],
+    data: np.ndarray,
+    old: np.ndarray,
+    fmt: FloatFormat,
+    table_of_key: np.ndarray,
+    shared: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, new bit patterns)`` of one tensor whose chunks are all standalone and coded
+    by gaps, decoded in one compiled call (:func:`~.kernels.decode_gap_chunks`). ``data``: the
+    whole object (the chunks' ``offset`` point into it); ``old``: the tensor's base bits."""
+    chunks = sorted(chunks, key=lambda c: c[0].start)
+    for (a, _), (b, _) in itertools.pairwise(chunks):
+        if a.start + a.count > b.start:
+            raise CorruptDeltaError(f"{a.tensor}: chunks overlap")
+    shift, emask = context_layout(fmt)
+    n, n_exp = len(chunks), emask + 1
+    out_offs = np.zeros(n + 1, np.int64)
+    out_offs[1:] = np.cumsum([h.changes for _, h in chunks])
+    expected = np.zeros((n, n_exp), np.int64)
+    ctx_tables = np.empty((n, n_exp), np.int64)
+    ctx_tables[:] = table_of_key[:n_exp]
+    tables, first_own = [shared], shared.shape[0]
+    for j, (_, h) in enumerate(chunks):  # each chunk's own tables after the shared ones
+        expected[j, h.contexts[0]] = h.contexts[1]
+        ctx_tables[j, h.own_keys] = first_own + np.arange(h.own_keys.size)
+        first_own += h.own_keys.size
+        tables.append(h.own_freq)
+    freq = np.concatenate(tables).astype(np.int32)
+    meta = np.array(
+        [[r.offset, *r.streams, h.rice_k, r.start, r.count] for r, h in chunks], np.int64
+    )
+    index = np.empty(int(out_offs[-1]), np.int64)
+    values = np.empty(index.size, fmt.bits_dtype)
+    status, j = kernels.decode_gap_chunks(
+        data,
+        meta,
+        out_offs,
+        expected,
+        ctx_tables,
+        freq,
+        cumulative(freq),
+        old,
+        shift,
+        emask,
+        fmt.width,
+        TOP_BITS,
+        SMALL,
+        index,
+        values,
+    )
+    if status < 0:
+        ref = chunks[j][0]
+        raise CorruptDeltaError(
+            f"{ref.tensor}: the chunk at element {ref.start}: {_VALUE_ERRORS[status]}"
+        )
+    return index, values
 
 
 def _read_contexts(

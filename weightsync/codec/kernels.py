@@ -633,3 +633,68 @@ def increasing_below(index, n):  # pragma: no cover - jit
             return False
         prev = i
     return prev < n
+
+
+@njit(nogil=True, cache=True)
+def decode_gap_chunks(
+    data,
+    meta,
+    out_offs,
+    expected,
+    ctx_tables,
+    freq,
+    cum,
+    old,
+    shift,
+    emask,
+    width,
+    top_bits,
+    small,
+    index_out,
+    values_out,
+):  # pragma: no cover - jit
+    """Every chunk of one tensor, standalone and coded by gaps, in one call (one GIL hand-off
+    for the tensor, not several per chunk): chunk ``j``'s body lies at ``meta[j]`` = (offset in
+    ``data``, rice, rans and extra bytes, Rice parameter, first element, elements); its changes
+    go to ``index_out`` (tensor-level) and ``values_out`` at ``out_offs[j]:out_offs[j + 1]``.
+    Returns ``(0, -1)``, or the first failing chunk's status (:func:`decode_gap_positions`,
+    :func:`decode_standalone_values`) and number."""
+    for j in range(meta.shape[0]):
+        off, rl, al, el = meta[j, 0], meta[j, 1], meta[j, 2], meta[j, 3]
+        start, count = meta[j, 5], meta[j, 6]
+        lo, hi = out_offs[j], out_offs[j + 1]
+        k = hi - lo
+        idx = index_out[lo:hi]
+        ctx = np.empty(k, np.int64)
+        old_at = np.empty(k, old.dtype)
+        status = decode_gap_positions(
+            data[off : off + rl],
+            meta[j, 4],
+            old[start : start + count],
+            shift,
+            emask,
+            expected[j],
+            idx,
+            ctx,
+            old_at,
+        )
+        if status < 0:
+            return status, j
+        status = decode_standalone_values(
+            ctx,
+            old_at,
+            ctx_tables[j],
+            freq,
+            cum,
+            data[off + rl : off + rl + al],
+            data[off + rl + al : off + rl + al + el],
+            width,
+            top_bits,
+            small,
+            values_out[lo:hi],
+        )
+        if status < 0:
+            return status, j
+        for i in range(k):
+            idx[i] += start
+    return 0, -1
