@@ -508,6 +508,8 @@ def decode_compact(
             tt = tt.cpu()
         olds[name] = bits_numpy(tt.contiguous())
 
+    whole, single, headers = _whole_tensors(refs, patches, version, chained=rho16 is not None)
+
     def run(ref: ChunkRef) -> tuple[np.ndarray, np.ndarray]:
         fmt = float_format(patches[ref.tensor].dtype)
         old = olds[ref.tensor][ref.start : ref.start + ref.count]
@@ -516,7 +518,8 @@ def decode_compact(
             if rho16 is not None
             else None
         )
-        idx, val = decode_chunk(ref, old, fmt, table_of_key, shared, prev, version)
+        header = headers.get(id(ref))
+        idx, val = decode_chunk(ref, old, fmt, table_of_key, shared, prev, version, header)
         if not kernels.increasing_below(idx, ref.count):
             raise CorruptDeltaError(
                 f"{ref.tensor}: the chunk at element {ref.start} decodes positions out of "
@@ -524,7 +527,6 @@ def decode_compact(
             )
         return idx, val
 
-    whole, single = _whole_tensors(refs, patches, version, chained=rho16 is not None)
     object_bytes = np.frombuffer(buf, np.uint8)
     with ThreadPoolExecutor(threads or default_threads()) as pool:
         jobs = {
@@ -559,17 +561,19 @@ def decode_compact(
 
 def _whole_tensors(
     refs: list[ChunkRef], patches: Mapping[str, TensorPatch], version: int, *, chained: bool
-) -> tuple[dict[str, list[tuple[ChunkRef, ChunkHeader]]], list[ChunkRef]]:
+) -> tuple[dict[str, list[tuple[ChunkRef, ChunkHeader]]], list[ChunkRef], dict[int, ChunkHeader]]:
     """The tensors whose chunks are all standalone and coded by gaps (decoded a tensor per
-    compiled call: :func:`~.compact_chunks.decode_gap_tensor`), with their read headers; and
-    every other chunk (decoded one by one)."""
+    compiled call: :func:`~.compact_chunks.decode_gap_tensor`), with their read headers; every
+    other chunk (decoded one by one); and those chunks' headers read here, by ``id`` of
+    their ref (chained deltas' are read when decoded)."""
     if version < 3 or chained:
-        return {}, refs
+        return {}, refs, {}
     by_tensor: dict[str, list[ChunkRef]] = {}
     for r in refs:
         by_tensor.setdefault(r.tensor, []).append(r)
     whole: dict[str, list[tuple[ChunkRef, ChunkHeader]]] = {}
     single: list[ChunkRef] = []
+    read: dict[int, ChunkHeader] = {}
     for name, rs in by_tensor.items():
         fmt = float_format(patches[name].dtype)
         headers = [read_header(r, fmt, False, version) for r in rs]
@@ -577,7 +581,8 @@ def _whole_tensors(
             whole[name] = list(zip(rs, headers, strict=True))
         else:
             single += rs
-    return whole, single
+            read.update((id(r), h) for r, h in zip(rs, headers, strict=True))
+    return whole, single, read
 
 
 def _assemble(
