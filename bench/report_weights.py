@@ -26,6 +26,21 @@ from report_format import (
 GAPS = "standalone, positions as gaps"
 
 
+def _variant_values(steps: list[dict[str, Any]], key: str) -> list[tuple[Any, ...]]:
+    """The codec table's columns for the steps' other coding ``key`` (chained, gaps)."""
+    return [
+        (
+            v["bits_per_changed"],
+            v["vs_conditional_floor"],
+            v["smaller_than_trl_gap"],
+            v["time_s"]["encode"],
+            v["time_s"]["decode_apply_verify"],
+        )
+        for s in steps
+        if (v := s.get(key))
+    ]
+
+
 def codec(results: list[Result]) -> Lines:
     rows = []
     for r in results:
@@ -42,28 +57,8 @@ def codec(results: list[Result]) -> Lines:
                 )
                 for s in later
             ]
-            chain = [
-                (
-                    c["bits_per_changed"],
-                    c["vs_conditional_floor"],
-                    c["smaller_than_trl_gap"],
-                    c["time_s"]["encode"],
-                    c["time_s"]["decode_apply_verify"],
-                )
-                for s in later
-                if (c := s.get("chained"))
-            ]
-            by_gaps = [
-                (
-                    g["bits_per_changed"],
-                    g["vs_conditional_floor"],
-                    g["smaller_than_trl_gap"],
-                    g["time_s"]["encode"],
-                    g["time_s"]["decode_apply_verify"],
-                )
-                for s in later
-                if (g := s.get("gaps"))
-            ]
+            chain = _variant_values(later, "chained")
+            by_gaps = _variant_values(later, "gaps")
             density = pct_range([s["density"] for s in later])
             for kind, values in (("standalone", stand), ("chained", chain), (GAPS, by_gaps)):
                 if not values:

@@ -618,31 +618,28 @@ def _assemble(
 
 def check_integrity(data: bytes | memoryview) -> dict[str, Any]:
     """Verify the trailer, the footer and every checksum (no base needed); return the footer."""
-    footer = read_footer(data)
-    buf = memoryview(data)
-    body_end = _body_end(buf)
-    try:
-        _, _, index = _read_index(buf, footer, body_end)
-        _chunk_refs(buf, footer, body_end, index)
-    except (KeyError, TypeError) as e:
-        raise CorruptDeltaError(f"deltarl-compact footer is malformed: {e}") from e
-    return footer
+    return _verified_refs(data)[0]
 
 
 def position_counts(data: bytes | memoryview) -> dict[str, int]:
     """How many chunks of a compact delta code their positions each way
     (:data:`~.compact_chunks.POSITIONS`), read from their headers after every checksum."""
+    footer, refs = _verified_refs(data)
+    v3 = int(footer["format_version"]) >= 3
+    gaps = sum(v3 and VarintReader(r.header, r.tensor).varint() & 1 for r in refs)
+    return {"contexts": len(refs) - gaps, "gaps": gaps}
+
+
+def _verified_refs(data: bytes | memoryview) -> tuple[dict[str, Any], list[ChunkRef]]:
+    """The footer and the chunks, after the trailer, the footer and every checksum."""
     footer = read_footer(data)
     buf = memoryview(data)
     body_end = _body_end(buf)
     try:
         _, _, index = _read_index(buf, footer, body_end)
-        refs = _chunk_refs(buf, footer, body_end, index)
+        return footer, _chunk_refs(buf, footer, body_end, index)
     except (KeyError, TypeError) as e:
         raise CorruptDeltaError(f"deltarl-compact footer is malformed: {e}") from e
-    v3 = int(footer["format_version"]) >= 3
-    gaps = sum(v3 and VarintReader(r.header, r.tensor).varint() & 1 for r in refs)
-    return {"contexts": len(refs) - gaps, "gaps": gaps}
 
 
 def footer_summary(data: bytes | memoryview) -> dict[str, Any]:

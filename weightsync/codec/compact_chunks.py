@@ -664,7 +664,7 @@ def decode_chunk(
             values,
         )
         if status < 0:
-            raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[status]}")
+            raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[status]}")
         return index, values
     # chained: value_residuals takes position contexts as 2 exponent + moved
     ref_bits, forbidden, vctx = value_residuals(
@@ -672,19 +672,19 @@ def decode_chunk(
     )
     tid = ctx_table[vctx]
     if tid.size and tid.min() < 0:
-        raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[-4]}")
+        raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[-4]}")
     symbols = np.empty(k, np.int64)
     if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
-        raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[-5]}")
+        raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[-5]}")
     used = kernels.decode_values(
         symbols, extra, ref_bits, forbidden, True, fmt.width, TOP_BITS, SMALL, values
     )
     if used < 0:
-        raise CorruptDeltaError(f"{ref.tensor}: {_VALUE_ERRORS[-7 if used == -2 else -6]}")
+        raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[-7 if used == -2 else -6]}")
     return index, values
 
 
-_VALUE_ERRORS = {
+_CHUNK_ERRORS = {
     -1: "position stream ends early",
     -2: "positions name elements beyond the tensor (damaged chunk)",
     -3: "positions do not decode consistently (wrong base or damaged chunk)",
@@ -749,7 +749,7 @@ def decode_gap_tensor(
     if status < 0:
         ref = chunks[j][0]
         raise CorruptDeltaError(
-            f"{ref.tensor}: the chunk at element {ref.start}: {_VALUE_ERRORS[status]}"
+            f"{ref.tensor}: the chunk at element {ref.start}: {_CHUNK_ERRORS[status]}"
         )
     return index, values
 
@@ -807,16 +807,8 @@ def _positions_by_gaps(
     status = kernels.decode_gap_positions(
         stream, rice_k, old, shift, emask, expected, index, ctx, old_at
     )
-    if status == -1:
-        raise CorruptDeltaError(f"{ref.tensor}: position stream ends early")
-    if status == -2:
-        raise CorruptDeltaError(
-            f"{ref.tensor}: positions name elements beyond the tensor (damaged chunk)"
-        )
     if status < 0:
-        raise CorruptDeltaError(
-            f"{ref.tensor}: positions do not decode consistently (wrong base or damaged chunk)"
-        )
+        raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[status]}")
     return index, ctx, old_at
 
 

@@ -139,10 +139,11 @@ def describe(data: bytes) -> dict[str, object]:
     if kind == "compact":
         from deltarl.weightsync.digest import combine_digests
 
-        footer = compact.check_integrity(data)
+        positions = compact.position_counts(data)  # checks every checksum
+        footer = compact.read_footer(data)
         return {
             "format": f"{compact.FORMAT_NAME}-v{footer['format_version']}",
-            "positions": compact.position_counts(data),
+            "positions": positions,
             "base_version": footer.get("base_version"),
             "version": footer.get("version"),
             "context": compact.context_of(footer),
