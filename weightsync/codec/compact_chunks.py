@@ -630,6 +630,44 @@ def decode_chunk(
     if old.size != ref.count:
         raise ValueError(f"{ref.tensor}: a chunk of {ref.count} elements, a base of {old.size}")
     h = header if header is not None else read_header(ref, fmt, prediction is not None, version)
+    nv = n_exp * N_MOVE_BUCKETS if prediction is not None else n_exp
+    ctx_table = np.full(nv, -1, np.int64)
+    ctx_table[:] = table_of_key[:nv]
+    ctx_table[h.own_keys] = shared.shape[0] + np.arange(h.own_keys.size)
+    freq = np.concatenate([shared, h.own_freq]).astype(np.int32)
+    cum = cumulative(freq)
+    owner = kernels.rans_owners(freq, cum)
+    rans = raw[rice_len : rice_len + rans_len]
+    extra = raw[rice_len + rans_len :]
+    if h.by_gaps and prediction is None:  # positions and values in one compiled pass
+        shift, _ = context_layout(fmt)
+        index = np.empty(h.changes, np.int64)
+        values = np.empty(index.size, fmt.bits_dtype)
+        expected = np.zeros(n_exp, np.int64)
+        expected[h.contexts[0]] = h.contexts[1]
+        status = kernels.decode_gap_chunk(
+            raw[:rice_len],
+            h.rice_k,
+            old,
+            shift,
+            emask,
+            expected,
+            ctx_table,
+            freq,
+            cum,
+            owner,
+            rans,
+            extra,
+            fmt.width,
+            TOP_BITS,
+            SMALL,
+            index,
+            values,
+            0,
+        )
+        if status < 0:
+            raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[status]}")
+        return index, values
     if h.by_gaps:
         index, ctx, old_at = _positions_by_gaps(
             ref, raw[:rice_len], old, fmt, h.rice_k, h.contexts[0], h.contexts[1]
@@ -639,15 +677,7 @@ def decode_chunk(
         index, ctx, old_at = _positions_by_rank(
             ref, raw[:rice_len], old, keys, shift, kmask, h.contexts, version
         )
-
     k = index.size
-    nv = n_exp * N_MOVE_BUCKETS if prediction is not None else n_exp
-    ctx_table = np.full(nv, -1, np.int64)
-    ctx_table[:] = table_of_key[:nv]
-    ctx_table[h.own_keys] = shared.shape[0] + np.arange(h.own_keys.size)
-    freq = np.concatenate([shared, h.own_freq]).astype(np.int32)
-    rans = raw[rice_len : rice_len + rans_len]
-    extra = raw[rice_len + rans_len :]
     values = np.empty(k, fmt.bits_dtype)
     if prediction is None:  # tables, symbols and values in one compiled call
         status = kernels.decode_standalone_values(
@@ -655,7 +685,8 @@ def decode_chunk(
             old_at,
             ctx_table,
             freq,
-            cumulative(freq),
+            cum,
+            owner,
             rans,
             extra,
             fmt.width,
@@ -674,7 +705,7 @@ def decode_chunk(
     if tid.size and tid.min() < 0:
         raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[-4]}")
     symbols = np.empty(k, np.int64)
-    if kernels.rans_decode(rans, tid, freq, cumulative(freq), symbols) != rans_len:
+    if kernels.rans_decode(rans, tid, freq, cum, owner, symbols) != rans_len:
         raise CorruptDeltaError(f"{ref.tensor}: {_CHUNK_ERRORS[-5]}")
     used = kernels.decode_values(
         symbols, extra, ref_bits, forbidden, True, fmt.width, TOP_BITS, SMALL, values
@@ -724,6 +755,7 @@ def decode_gap_tensor(
         first_own += h.own_keys.size
         tables.append(h.own_freq)
     freq = np.concatenate(tables).astype(np.int32)
+    cum = cumulative(freq)
     meta = np.array(
         [[r.offset, *r.streams, h.rice_k, r.start, r.count] for r, h in chunks], np.int64
     )
@@ -736,7 +768,8 @@ def decode_gap_tensor(
         expected,
         ctx_tables,
         freq,
-        cumulative(freq),
+        cum,
+        kernels.rans_owners(freq, cum),
         old,
         shift,
         emask,

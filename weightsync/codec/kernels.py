@@ -23,6 +23,12 @@ from numba import njit
 RANS_L = 1 << 23
 PROB_BITS = 14
 PROB_SCALE = 1 << PROB_BITS
+# the rANS decoder finds a slot's symbol from the owners of 2**(PROB_BITS - BUCKET_SHIFT) buckets
+# of slots (:func:`rans_owners`): one load when a bucket has a single owner, as most have
+BUCKET_SHIFT = 4
+# changes per block of the gap decoder (:func:`decode_gap_chunk`): positions, then base loads,
+# then values, each a loop over one block held in the caches
+GAP_BLOCK = 2048
 # zero bits before the first one bit of a non-zero byte (MSB first)
 _LEADING_ZEROS = np.array([8 - int(b).bit_length() for b in range(256)], np.int64)
 
@@ -370,14 +376,42 @@ def raw_bits_encode(values, widths, out):  # pragma: no cover - jit
     return pos
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _difference(s, buf, pos, nbits, width, top_bits, small):  # pragma: no cover - jit
+    """The signed difference symbol ``s`` names, its extra bits read from ``buf`` at bit
+    ``pos`` (MSB first, a byte at a time), and the bit position after them: the inverse of
+    :func:`_symbol`. The position is -1 if ``buf`` ends early, -2 if the difference is wider
+    than ``width`` (corrupt input either way)."""
+    if s < 2 * small:
+        a = (s >> 1) + 1
+    else:
+        w = ((s - 2 * small) >> (top_bits + 1)) + 3 - top_bits
+        if w + 1 + top_bits > width:
+            return np.int64(0), np.int64(-2)
+        if pos + w > nbits:
+            return np.int64(0), np.int64(-1)
+        extra = np.int64(0)
+        need = w
+        while need > 0:
+            avail = 8 - (pos & 7)
+            take = avail if avail < need else need
+            bits = (np.int64(buf[pos >> 3]) >> (avail - take)) & ((np.int64(1) << take) - 1)
+            extra = (extra << take) | bits
+            pos += take
+            need -= take
+        top = ((s - 2 * small) >> 1) & ((np.int64(1) << top_bits) - 1)
+        a = (np.int64(1) << (w + top_bits)) | (top << w) | extra
+    return (-a if s & 1 else a), pos
+
+
 @njit(nogil=True, cache=True)
 def decode_values(
     symbols, buf, ref, forbidden, chained, width, top_bits, small, out
 ):  # pragma: no cover - jit
     """The values of a chunk from its rANS symbols, in one pass: each symbol's extra bits read
-    from ``buf`` (MSB first), the signed difference it names (the inverse of
-    :func:`_symbol`), in a chained chunk moved past the forbidden residual
-    (the inverse of ``context.skip_forbidden``), added to ``ref`` wrapped to ``width`` bits, into ``out``.
+    from ``buf`` (MSB first), the signed difference it names (:func:`_difference`), in a
+    chained chunk moved past the forbidden residual (the inverse of
+    ``context.skip_forbidden``), added to ``ref`` wrapped to ``width`` bits, into ``out``.
 
     Returns the extra bits consumed; -1 if ``buf`` ends early, -2 if a symbol names a
     difference wider than ``width`` (corrupt input either way)."""
@@ -385,22 +419,9 @@ def decode_values(
     pos = np.int64(0)
     span = np.int64(1) << width
     for j in range(symbols.size):
-        s = np.int64(symbols[j])
-        if s < 2 * small:
-            a = (s >> 1) + 1
-        else:
-            w = ((s - 2 * small) >> (top_bits + 1)) + 3 - top_bits
-            if w + 1 + top_bits > width:
-                return -2
-            if pos + w > nbits:
-                return -1
-            extra = np.int64(0)
-            for _ in range(w):
-                extra = (extra << 1) | ((buf[pos >> 3] >> (7 - (pos & 7))) & 1)
-                pos += 1
-            top = ((s - 2 * small) >> 1) & ((np.int64(1) << top_bits) - 1)
-            a = (np.int64(1) << (w + top_bits)) | (top << w) | extra
-        d = -a if s & 1 else a
+        d, pos = _difference(np.int64(symbols[j]), buf, pos, nbits, width, top_bits, small)
+        if pos < 0:
+            return pos
         if chained:
             f = np.int64(forbidden[j])
             if f < 0 and f <= d <= -1:
@@ -436,12 +457,44 @@ def rans_encode(symbols, rows, table_of_row, freq, cum, out):  # pragma: no cove
 
 
 @njit(nogil=True, cache=True)
-def rans_decode(buf, tables, freq, cum, out):  # pragma: no cover - jit
-    """Decode ``out.size`` symbols. Returns bytes consumed, or -1 if the stream is corrupt.
+def rans_owners(freq, cum):  # pragma: no cover - jit
+    """``owner[t, b]``: the symbol of table ``t`` that holds slot ``b << BUCKET_SHIFT`` (the
+    first slot of bucket ``b``); ``owner[t, -1]`` is the last symbol. A slot's symbol lies
+    between its bucket's owner and the next bucket's. Tables must sum to ``PROB_SCALE``."""
+    n_tables, nsym = freq.shape
+    nb = PROB_SCALE >> BUCKET_SHIFT
+    owner = np.empty((n_tables, nb + 1), np.int32)
+    for t in range(n_tables):
+        s = 0
+        for b in range(nb):
+            slot = b << BUCKET_SHIFT
+            while s < nsym - 1 and cum[t, s] + freq[t, s] <= slot:
+                s += 1
+            owner[t, b] = s
+        owner[t, nb] = nsym - 1
+    return owner
 
-    The symbol of a slot is found by binary search in the table's cumulative frequencies, so no
-    per-table lookup array is needed however many tables a chunk has.
-    """
+
+@njit(nogil=True, cache=True, inline="always")
+def _rans_symbol(slot, t, cum, owner):  # pragma: no cover - jit
+    """The last symbol of table ``t`` whose cumulative frequency is <= ``slot``: searched only
+    between the owners of the slot's bucket and of the next one (usually the same symbol)."""
+    b = slot >> BUCKET_SHIFT
+    lo = np.int64(owner[t, b])
+    hi = np.int64(owner[t, b + 1])
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if cum[t, mid] <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@njit(nogil=True, cache=True)
+def rans_decode(buf, tables, freq, cum, owner, out):  # pragma: no cover - jit
+    """Decode ``out.size`` symbols (``owner``: :func:`rans_owners` of the tables). Returns
+    bytes consumed, or -1 if the stream is corrupt."""
     n = buf.size
     if n < 4:
         return -1
@@ -453,19 +506,10 @@ def rans_decode(buf, tables, freq, cum, out):  # pragma: no cover - jit
     )
     p = 4
     mask = PROB_SCALE - 1
-    nsym = cum.shape[1]
     for j in range(out.size):
         t = tables[j]
         slot = x & mask
-        lo = 0
-        hi = nsym - 1
-        while lo < hi:  # last symbol whose cumulative frequency is <= slot
-            mid = (lo + hi + 1) >> 1
-            if cum[t, mid] <= slot:
-                lo = mid
-            else:
-                hi = mid - 1
-        s = lo
+        s = _rans_symbol(slot, t, cum, owner)
         f = np.int64(freq[t, s])
         if f == 0:
             return -1
@@ -599,7 +643,7 @@ def decode_gap_positions(
 
 @njit(nogil=True, cache=True)
 def decode_standalone_values(
-    ctx, old_at, ctx_table, freq, cum, rans, extra, width, top_bits, small, out
+    ctx, old_at, ctx_table, freq, cum, owner, rans, extra, width, top_bits, small, out
 ):  # pragma: no cover - jit
     """A standalone chunk's values in one call: each change's table from its context
     (``ctx_table``), the rANS symbols, then :func:`decode_values` against the old bit patterns
@@ -613,7 +657,7 @@ def decode_standalone_values(
             return -4
         tid[j] = t
     symbols = np.empty(k, np.int64)
-    if rans_decode(rans, tid, freq, cum, symbols) != rans.size:
+    if rans_decode(rans, tid, freq, cum, owner, symbols) != rans.size:
         return -5
     used = decode_values(symbols, extra, old_at, symbols[:0], False, width, top_bits, small, out)
     if used == -2:
@@ -636,6 +680,156 @@ def increasing_below(index, n):  # pragma: no cover - jit
 
 
 @njit(nogil=True, cache=True)
+def decode_gap_chunk(
+    rice,
+    rice_k,
+    old,
+    shift,
+    emask,
+    expected,
+    ctx_table,
+    freq,
+    cum,
+    owner,
+    rans,
+    extra,
+    width,
+    top_bits,
+    small,
+    index_out,
+    values_out,
+    offset,
+):  # pragma: no cover - jit
+    """A standalone chunk coded by gaps, in one pass over its changes with no allocation of
+    their size: ``index_out.size`` gaps Rice-decoded with parameter ``rice_k`` into positions
+    (written to ``index_out`` plus ``offset``), the base ``old`` loaded there, each change's
+    context (old exponent), table (``ctx_table``), rANS symbol and value against its old bit
+    pattern (into ``values_out``). Blocks of :data:`GAP_BLOCK` changes go through the three
+    steps in turn, so the base's loads of a block are independent of each other and its
+    positions stay in the caches. ``owner``: :func:`rans_owners` of the tables.
+
+    The changes per context must equal ``expected`` (the header's): a wrong base almost never
+    gives them, and such a base is reported as one (-3) even when its values fail first.
+    Returns 0; -1 if the position stream ends early, -2 if a position lies beyond the chunk,
+    -3 if the counts differ, -4 if a context has no table, -5 if the rANS stream is damaged,
+    -6 if the extra bits end early, -7 if a difference is wider than the dtype."""
+    k = index_out.size
+    n = old.size
+    counts = np.zeros(emask + 1, np.int64)
+    old_block = np.empty(GAP_BLOCK, old.dtype)
+    # the Rice reader (see rice_decode): a bit register refilled a byte at a time
+    rn = rice.size
+    rbits = np.int64(rn) * 8
+    rp = 0
+    acc = np.int64(0)
+    have = np.int64(0)
+    used = np.int64(0)
+    kk = np.int64(rice_k)
+    # the rANS reader
+    an = rans.size
+    # a value step's failure, reported after the positions (and unless their counts say
+    # another base)
+    failed = 0
+    for c in range(emask + 1):  # every context the header lists needs a table
+        if expected[c] > 0 and ctx_table[c] < 0:
+            failed = -4
+    if an < 4 and not failed:
+        failed = -5
+    x = np.int64(0)
+    if an >= 4:
+        x = (
+            np.int64(rans[0])
+            | (np.int64(rans[1]) << 8)
+            | (np.int64(rans[2]) << 16)
+            | (np.int64(rans[3]) << 24)
+        )
+    ap = 4
+    mask = PROB_SCALE - 1
+    ebits = np.int64(extra.size) * 8
+    epos = np.int64(0)
+    span = np.int64(1) << width
+    i = np.int64(-1)
+    for lo in range(0, k, GAP_BLOCK):
+        hi = min(k, lo + GAP_BLOCK)
+        for j in range(lo, hi):
+            q = np.int64(0)
+            while True:
+                if have < 8:
+                    acc = (acc << 8) | (np.int64(rice[rp]) if rp < rn else np.int64(0))
+                    rp += 1
+                    have += 8
+                top = (acc >> (have - 8)) & 0xFF
+                if top == 0:
+                    q += 8
+                    have -= 8
+                    used += 8
+                    if used > rbits:
+                        return -1
+                    continue
+                z = np.int64(_LEADING_ZEROS[top])
+                q += z
+                have -= z + 1
+                used += z + 1
+                acc &= (np.int64(1) << have) - 1
+                break
+            while have < kk:
+                acc = (acc << 8) | (np.int64(rice[rp]) if rp < rn else np.int64(0))
+                rp += 1
+                have += 8
+            have -= kk
+            used += kk
+            if used > rbits:
+                return -1
+            if q >= n:  # before the shift, which could wrap
+                return -2
+            g = (q << kk) | ((acc >> have) & ((np.int64(1) << kk) - 1))
+            acc &= (np.int64(1) << have) - 1
+            i += g + 1
+            if g >= n or i >= n:
+                return -2
+            index_out[j] = i
+        for j in range(lo, hi):
+            old_block[j - lo] = old[index_out[j]]
+        for j in range(lo, hi):
+            o = np.int64(old_block[j - lo])
+            c = (o >> shift) & emask
+            counts[c] += 1
+            index_out[j] += offset
+            if failed:
+                continue
+            t = ctx_table[c]
+            if t < 0:
+                failed = -4
+                continue
+            slot = x & mask
+            s = _rans_symbol(slot, t, cum, owner)
+            f = np.int64(freq[t, s])
+            if f == 0:
+                failed = -5
+                continue
+            x = f * (x >> PROB_BITS) + slot - np.int64(cum[t, s])
+            while x < RANS_L and ap < an:
+                x = (x << 8) | np.int64(rans[ap])
+                ap += 1
+            if x < RANS_L:
+                failed = -5
+                continue
+            d, epos = _difference(s, extra, epos, ebits, width, top_bits, small)
+            if epos < 0:
+                failed = -7 if epos == -2 else -6
+                continue
+            values_out[j] = (o + d) & (span - 1)
+    for c in range(emask + 1):
+        if counts[c] != expected[c]:
+            return -3
+    if failed:
+        return failed
+    if x != RANS_L or ap != an:
+        return -5
+    return 0
+
+
+@njit(nogil=True, cache=True)
 def decode_gap_chunks(
     data,
     meta,
@@ -644,6 +838,7 @@ def decode_gap_chunks(
     ctx_tables,
     freq,
     cum,
+    owner,
     old,
     shift,
     emask,
@@ -657,44 +852,32 @@ def decode_gap_chunks(
     for the tensor, not several per chunk): chunk ``j``'s body lies at ``meta[j]`` = (offset in
     ``data``, rice, rans and extra bytes, Rice parameter, first element, elements); its changes
     go to ``index_out`` (tensor-level) and ``values_out`` at ``out_offs[j]:out_offs[j + 1]``.
-    Returns ``(0, -1)``, or the first failing chunk's status (:func:`decode_gap_positions`,
-    :func:`decode_standalone_values`) and number."""
+    Returns ``(0, -1)``, or the first failing chunk's status (:func:`decode_gap_chunk`) and
+    number."""
     for j in range(meta.shape[0]):
         off, rl, al, el = meta[j, 0], meta[j, 1], meta[j, 2], meta[j, 3]
         start, count = meta[j, 5], meta[j, 6]
         lo, hi = out_offs[j], out_offs[j + 1]
-        k = hi - lo
-        idx = index_out[lo:hi]
-        ctx = np.empty(k, np.int64)
-        old_at = np.empty(k, old.dtype)
-        status = decode_gap_positions(
+        status = decode_gap_chunk(
             data[off : off + rl],
             meta[j, 4],
             old[start : start + count],
             shift,
             emask,
             expected[j],
-            idx,
-            ctx,
-            old_at,
-        )
-        if status < 0:
-            return status, j
-        status = decode_standalone_values(
-            ctx,
-            old_at,
             ctx_tables[j],
             freq,
             cum,
+            owner,
             data[off + rl : off + rl + al],
             data[off + rl + al : off + rl + al + el],
             width,
             top_bits,
             small,
+            index_out[lo:hi],
             values_out[lo:hi],
+            start,
         )
         if status < 0:
             return status, j
-        for i in range(k):
-            idx[i] += start
     return 0, -1
