@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltarl.weightsync.change_buffers import TORCH_OF_NUMPY, host_runs
 from deltarl.weightsync.codec.bits import bits_view, dtype_name, float_format
 from deltarl.weightsync.digest import combine_digests, state_digests, tensor_digest
 from deltarl.weightsync.errors import (
@@ -364,7 +365,9 @@ def stage_delta(
     (a handful of host-to-device copies, not two per tensor); each part is a view into them.
     Why: every copy call releases the GIL, and a generating thread in the same process then
     holds it for up to the switch interval (5 ms), so 2 copies x ~300 tensors took 1.3-1.5 s on
-    an H200 while generation ran, instead of milliseconds.
+    an H200 while generation ran, instead of milliseconds. Patches decoded into
+    :func:`~.change_buffers.change_arrays` buffers are copied from them as they lie (one copy
+    per buffer); others are gathered into pinned memory first.
 
     With ``state`` (the tensors the delta will be applied to), names, dtypes, shapes and devices
     are checked now and the targets bound, so that :func:`apply_staged` on that state does nothing
@@ -415,7 +418,7 @@ def _host_concat(arrays: list[np.ndarray], dtype: np.dtype, pin: bool) -> torch.
     :data:`STAGE_THREADS` threads when large (numpy's copies release the GIL; a serial copy of
     a Qwen3-30B-A3B delta's 300 M indices is ~2.4 GB at one core's memory bandwidth)."""
     total = sum(int(a.size) for a in arrays)
-    out = torch.empty(total, dtype=_TORCH_OF_NUMPY[dtype], pin_memory=pin)
+    out = torch.empty(total, dtype=TORCH_OF_NUMPY[dtype], pin_memory=pin)
     if not total:
         return out
     dst = out.numpy()
@@ -444,12 +447,24 @@ def _for_each(fn: Callable[[int], None], n: int, elems: int) -> None:
         list(pool.map(fn, range(n)))
 
 
-_TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int8): torch.int8,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.int16): torch.int16,
-}
+def _to_device(arrays: list[np.ndarray], dev: torch.device, pin: bool) -> torch.Tensor:
+    """``arrays`` (non-empty, of one dtype) back to back in one buffer on ``dev`` (an
+    asynchronous copy): runs decoded into :func:`~.change_buffers.change_arrays` buffers are
+    copied from there as they lie, other arrays gathered into pinned memory first."""
+    dtype = arrays[0].dtype
+    runs = host_runs(arrays)
+    if len(runs) == 1 and runs[0][1] is not None:
+        return runs[0][1].to(dev, non_blocking=True)
+    total = sum(int(a.size) for a in arrays)
+    out = torch.empty(total, dtype=TORCH_OF_NUMPY[dtype], device=dev)
+    i = at = 0
+    for count, view in runs:
+        members = arrays[i : i + count]
+        n = sum(int(a.size) for a in members)
+        src = view if view is not None else _host_concat(members, dtype, pin)
+        out[at : at + n].copy_(src, non_blocking=True)
+        i, at = i + count, at + n
+    return out
 
 
 def _stage_batched(
@@ -465,14 +480,12 @@ def _stage_batched(
     for p in patches:
         by_width.setdefault(np.dtype(p.value.dtype), []).append(p)
     ordered = [p for group in by_width.values() for p in group]
-    index_dev = _host_concat(
-        [np.asarray(p.index, np.int64) for p in ordered], np.dtype(np.int64), pin
-    ).to(dev, non_blocking=True)
+    index_dev = _to_device([np.asarray(p.index, np.int64) for p in ordered], dev, pin)
     parts: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     groups: list[_WidthGroup] = []
     at = 0
-    for dtype, group in by_width.items():
-        buf = _host_concat([p.value for p in group], dtype, pin).to(dev, non_blocking=True)
+    for group in by_width.values():
+        buf = _to_device([p.value for p in group], dev, pin)
         first, start, v = len(parts), at, 0
         for p in group:
             k = p.changed

@@ -563,6 +563,12 @@ class WeightSync:
         # the manifest's versions (a TRL delta may not record its own)
         return replace(ctx, base_version=ref.base_version, version=ref.version)
 
+    @property
+    def _pinned_changes(self) -> bool:
+        """Whether a delta decoded here lands in pinned buffers that staging copies to the
+        engine's GPU as they lie (one engine on CUDA; a sharded engine slices per rank)."""
+        return self._shards is None and self.engine.device.type == "cuda"
+
     def _host_state(self) -> Mapping[str, torch.Tensor]:
         return self._mirror if self._mirror is not None else self.engine.named_parameters()
 
@@ -720,6 +726,7 @@ class WeightSync:
             base_digests=self._digests,
             threads=self.decode_threads,
             context=context,
+            pinned=self._pinned_changes,
         )
 
     def _params(self, layout: tuple[str, ...] | None) -> Mapping[str, torch.Tensor]:
@@ -778,6 +785,7 @@ class WeightSync:
             check_base=True,
             base_digests=digests,
             threads=self.decode_threads,
+            pinned=self._pinned_changes,
         )
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:

@@ -39,6 +39,7 @@ import torch
 import xxhash
 import zstandard
 
+from deltarl.weightsync.change_buffers import change_arrays
 from deltarl.weightsync.codec import kernels
 from deltarl.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.weightsync.codec.compact_chunks import (
@@ -443,6 +444,7 @@ def decode_compact(
     base_digests: Mapping[str, str] | None = None,
     threads: int | None = None,
     context: DeltaContext | None = None,
+    pinned: bool = False,
 ) -> Delta:
     """Decode a compact delta against ``base`` (tensors at the delta's base version).
 
@@ -451,7 +453,10 @@ def decode_compact(
     against; a standalone delta ignores ``context``); then (with ``check_base``, the default)
     the base digests, so a wrong base is refused with :class:`BaseMismatchError` instead of
     decoding garbage (``base_digests`` are trusted digests of ``base`` that save hashing it);
-    then the chunks are decoded in parallel. Nothing is written anywhere.
+    then the chunks are decoded in parallel. Nothing is written anywhere. With ``pinned`` the
+    changes are decoded into pinned host buffers laid out for a GPU
+    (:func:`~deltarl.weightsync.change_buffers.change_arrays`), which ``stage_delta`` copies
+    as they lie.
     """
     footer = read_footer(data)
     rho16 = check_context(footer, context)
@@ -509,6 +514,7 @@ def decode_compact(
         olds[name] = bits_numpy(tt.contiguous())
 
     whole, single, headers = _whole_tensors(refs, patches, version, chained=rho16 is not None)
+    outs = _change_arrays(footer, patches) if pinned else {}
 
     def run(ref: ChunkRef) -> tuple[np.ndarray, np.ndarray]:
         fmt = float_format(patches[ref.tensor].dtype)
@@ -538,6 +544,7 @@ def decode_compact(
                 float_format(patches[name].dtype),
                 table_of_key,
                 shared,
+                outs.get(name),
             )
             for name, chunks in whole.items()
         }
@@ -546,7 +553,7 @@ def decode_compact(
         for ref, (idx, val) in zip(single, results, strict=True):
             parts.setdefault(ref.tensor, []).append((ref, idx, val))
         for name, chunks in parts.items():
-            _assemble(patches[name], chunks, pool)
+            _assemble(patches[name], chunks, pool, outs.get(name))
         for name, job in jobs.items():
             patches[name].index, patches[name].value = job.result()
     for t in footer["tensors"]:
@@ -557,6 +564,22 @@ def decode_compact(
                 f"{name}: decoded {p.changed} changes, the footer says {t['changed']}"
             )
     return delta
+
+
+def _change_arrays(
+    footer: Mapping[str, Any], patches: Mapping[str, TensorPatch]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Output arrays of every tensor's changes (as many as the footer says; checked after the
+    decode) in pinned buffers laid out for staging
+    (:func:`~deltarl.weightsync.change_buffers.change_arrays`)."""
+    names = [str(t["name"]) for t in footer["tensors"]]
+    sizes = []
+    for t, name in zip(footer["tensors"], names, strict=True):
+        n, p = int(t["changed"]), patches[name]
+        if not 0 <= n <= p.numel:
+            raise CorruptDeltaError(f"{name}: the footer lists {n} changes of {p.numel} elements")
+        sizes.append((n, np.dtype(p.value.dtype)))
+    return dict(zip(names, change_arrays(sizes), strict=True))
 
 
 def _whole_tensors(
@@ -589,11 +612,18 @@ def _assemble(
     patch: TensorPatch,
     chunks: list[tuple[ChunkRef, np.ndarray, np.ndarray]],
     pool: ThreadPoolExecutor,
+    out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """``patch``'s indices and values from its decoded chunks (chunk-local indices, each chunk's
     checked in order and inside it): the chunks in element order, refused if their ranges
-    overlap, copied into place on the pool (a serial concatenation cost ~7 ns a change)."""
-    if len(chunks) == 1:  # the common case: nothing to join
+    overlap, copied into place on the pool (a serial concatenation cost ~7 ns a change);
+    into ``out`` (arrays sized by the footer) when given."""
+    sizes = [idx.size for _, idx, _ in chunks]
+    if out is not None and out[0].size != sum(sizes):
+        raise CorruptDeltaError(
+            f"{patch.name}: decoded {sum(sizes)} changes, the footer says {out[0].size}"
+        )
+    if len(chunks) == 1 and out is None:  # the common case: nothing to join
         ref, idx, val = chunks[0]
         patch.index, patch.value = (idx + ref.start if ref.start else idx), val
         return
@@ -602,8 +632,11 @@ def _assemble(
         if a.start + a.count > b.start:
             raise CorruptDeltaError(f"{patch.name}: chunks overlap")
     sizes = [idx.size for _, idx, _ in chunks]
-    index = np.empty(sum(sizes), np.int64)
-    value = np.empty(sum(sizes), chunks[0][2].dtype)
+    if out is not None:
+        index, value = out
+    else:
+        index = np.empty(sum(sizes), np.int64)
+        value = np.empty(sum(sizes), chunks[0][2].dtype)
     ends = np.cumsum(sizes).tolist()
 
     def place(i: int) -> None:

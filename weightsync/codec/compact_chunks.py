@@ -733,10 +733,12 @@ def decode_gap_tensor(
     fmt: FloatFormat,
     table_of_key: np.ndarray,
     shared: np.ndarray,
+    out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(indices, new bit patterns)`` of one tensor whose chunks are all standalone and coded
     by gaps, decoded in one compiled call (:func:`~.kernels.decode_gap_chunks`). ``data``: the
-    whole object (the chunks' ``offset`` point into it); ``old``: the tensor's base bits."""
+    whole object (the chunks' ``offset`` point into it); ``old``: the tensor's base bits;
+    ``out``: arrays to decode into (as many changes as the footer says)."""
     chunks = sorted(chunks, key=lambda c: c[0].start)
     for (a, _), (b, _) in itertools.pairwise(chunks):
         if a.start + a.count > b.start:
@@ -759,8 +761,16 @@ def decode_gap_tensor(
     meta = np.array(
         [[r.offset, *r.streams, h.rice_k, r.start, r.count] for r, h in chunks], np.int64
     )
-    index = np.empty(int(out_offs[-1]), np.int64)
-    values = np.empty(index.size, fmt.bits_dtype)
+    if out is None:
+        index = np.empty(int(out_offs[-1]), np.int64)
+        values = np.empty(index.size, fmt.bits_dtype)
+    else:
+        index, values = out
+        if index.size != out_offs[-1]:
+            raise CorruptDeltaError(
+                f"{chunks[0][0].tensor}: chunk headers list {out_offs[-1]} changes, the footer "
+                f"says {index.size}"
+            )
     status, j = kernels.decode_gap_chunks(
         data,
         meta,

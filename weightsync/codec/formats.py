@@ -107,12 +107,15 @@ def decode_delta(
     base_digests: Mapping[str, str] | None = None,
     threads: int | None = None,
     context: DeltaContext | None = None,
+    pinned: bool = False,
 ) -> Delta:
     """Decode a delta of any format against ``base`` (the state it will be applied to).
 
     With ``check_base`` a compact delta refuses a wrong base before decoding; for TRL files the
     base is checked by :func:`~.delta.apply_delta`. ``context``: the context of the delta that
     produced ``base``, needed by a chained compact delta (ignored by every other delta).
+    ``pinned``: decode a compact delta's changes into pinned buffers laid out for a GPU
+    (see :func:`~.compact.decode_compact`).
     """
     kind = detect_format(data)
     if kind == "compact":
@@ -123,6 +126,7 @@ def decode_delta(
             base_digests=base_digests,
             threads=threads,
             context=context,
+            pinned=pinned,
         )
     return trl_format.decode_trl(data, like=base)
 
