@@ -53,8 +53,9 @@ from deltarl.weightsync.codec.compact_chunks import (
     choose_own_tables,
     code_chunk,
     decode_chunk,
-    decode_gap_tensor,
+    decode_gap_batch,
     n_keys,
+    plan_gap_chunks,
     read_header,
     shared_tables,
 )
@@ -85,6 +86,9 @@ MAGIC = b"DRLDLT01"
 TRAILER_MAGIC = b"DRLDEND1"
 TRAILER = struct.Struct("<QQ8s")  # footer length, xxh3-64 of footer, end magic
 DEFAULT_CHUNK_ELEMS = 1 << 24
+# the decoder cuts the chunks coded by gaps into this many runs per thread (runs of about as
+# many changes; a few per thread, so that one slow run does not leave the others idle)
+GAP_RUNS_PER_THREAD = 4
 # index and footer: level 19 took ~0.2 s per object (serial, every publication) to save < 1 KB
 ZSTD_LEVEL = 3
 
@@ -534,28 +538,34 @@ def decode_compact(
         return idx, val
 
     object_bytes = np.frombuffer(buf, np.uint8)
-    with ThreadPoolExecutor(threads or default_threads()) as pool:
-        jobs = {
-            name: pool.submit(
-                decode_gap_tensor,
-                chunks,
-                object_bytes,
-                olds[name],
-                float_format(patches[name].dtype),
-                table_of_key,
-                shared,
-                outs.get(name),
-            )
-            for name, chunks in whole.items()
-        }
+    n_threads = threads or default_threads()
+    by_format: dict[str, dict[str, list[tuple[ChunkRef, ChunkHeader]]]] = {}
+    for name, chunks in whole.items():
+        by_format.setdefault(patches[name].dtype, {})[name] = chunks
+    plans = [
+        plan_gap_chunks(group, float_format(dtype), olds, outs, table_of_key, shared)
+        for dtype, group in by_format.items()
+    ]
+    with ThreadPoolExecutor(n_threads) as pool:
+        # a few runs of chunks per thread, each one compiled call: one GIL hand-off per run,
+        # not per tensor (next to a generating engine's Python thread a hand-off can wait for
+        # its switch interval)
+        jobs = [
+            pool.submit(decode_gap_batch, plan, object_bytes, lo, hi)
+            for plan in plans
+            for lo, hi in plan.batches(GAP_RUNS_PER_THREAD * n_threads)
+        ]
         results = list(pool.map(run, single))
         parts: dict[str, list[tuple[ChunkRef, np.ndarray, np.ndarray]]] = {}
         for ref, (idx, val) in zip(single, results, strict=True):
             parts.setdefault(ref.tensor, []).append((ref, idx, val))
         for name, chunks in parts.items():
             _assemble(patches[name], chunks, pool, outs.get(name))
-        for name, job in jobs.items():
-            patches[name].index, patches[name].value = job.result()
+        for job in jobs:
+            job.result()
+    for plan in plans:
+        for name, (index, value) in plan.results.items():
+            patches[name].index, patches[name].value = index, value
     for t in footer["tensors"]:
         name = t["name"]
         p = patches[name]
@@ -585,9 +595,10 @@ def _change_arrays(
 def _whole_tensors(
     refs: list[ChunkRef], patches: Mapping[str, TensorPatch], version: int, *, chained: bool
 ) -> tuple[dict[str, list[tuple[ChunkRef, ChunkHeader]]], list[ChunkRef], dict[int, ChunkHeader]]:
-    """The tensors whose chunks are all standalone and coded by gaps (decoded a tensor per
-    compiled call: :func:`~.compact_chunks.decode_gap_tensor`), with their read headers; every
-    other chunk (decoded one by one); and those chunks' headers read here, by ``id`` of
+    """The tensors whose chunks are all standalone and coded by gaps (decoded in runs of
+    chunks, one compiled call a run: :func:`~.compact_chunks.plan_gap_chunks`), with their read
+    headers; every other chunk (decoded one by one); and those chunks' headers read here, by
+    ``id`` of
     their ref (chained deltas' are read when decoded)."""
     if version < 3 or chained:
         return {}, refs, {}

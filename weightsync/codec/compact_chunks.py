@@ -7,6 +7,7 @@ the entropy models both sides share are ``entropy.py``; the compiled loops are `
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -726,32 +727,94 @@ _CHUNK_ERRORS = {
 }
 
 
-def decode_gap_tensor(
-    chunks: list[tuple[ChunkRef, ChunkHeader]],
-    data: np.ndarray,
-    old: np.ndarray,
+@dataclass
+class GapPlan:
+    """Every standalone chunk coded by gaps of the tensors of one float format in an object,
+    laid out for :func:`~.kernels.decode_gap_batch` (see there for ``meta``), with the tensors'
+    output arrays (``results``) that the batches fill. ``keep``: the arrays whose addresses
+    ``meta`` holds."""
+
+    fmt: FloatFormat
+    meta: np.ndarray
+    expected: np.ndarray
+    ctx_tables: np.ndarray
+    freq: np.ndarray
+    cum: np.ndarray
+    owner: np.ndarray
+    refs: list[ChunkRef]
+    results: dict[str, tuple[np.ndarray, np.ndarray]]
+    keep: list[np.ndarray]
+
+    def batches(self, n: int) -> list[tuple[int, int]]:
+        """The chunks cut into at most ``n`` runs ``(lo, hi)`` of about as many changes."""
+        total = np.cumsum(self.meta[:, 7]) if len(self.refs) else np.zeros(0, np.int64)
+        if not total.size:
+            return []
+        cuts = np.searchsorted(total, total[-1] * np.arange(1, n) / n, side="right")
+        bounds = sorted({0, *cuts.tolist(), len(self.refs)})
+        return list(itertools.pairwise(bounds))
+
+
+def plan_gap_chunks(
+    tensors: Mapping[str, list[tuple[ChunkRef, ChunkHeader]]],
     fmt: FloatFormat,
+    olds: Mapping[str, np.ndarray],
+    outs: Mapping[str, tuple[np.ndarray, np.ndarray]],
     table_of_key: np.ndarray,
     shared: np.ndarray,
-    out: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(indices, new bit patterns)`` of one tensor whose chunks are all standalone and coded
-    by gaps, decoded in one compiled call (:func:`~.kernels.decode_gap_chunks`). ``data``: the
-    whole object (the chunks' ``offset`` point into it); ``old``: the tensor's base bits;
-    ``out``: arrays to decode into (as many changes as the footer says)."""
-    chunks = sorted(chunks, key=lambda c: c[0].start)
-    for (a, _), (b, _) in itertools.pairwise(chunks):
-        if a.start + a.count > b.start:
-            raise CorruptDeltaError(f"{a.tensor}: chunks overlap")
-    shift, emask = context_layout(fmt)
-    n, n_exp = len(chunks), emask + 1
-    out_offs = np.zeros(n + 1, np.int64)
-    out_offs[1:] = np.cumsum([h.changes for _, h in chunks])
+) -> GapPlan:
+    """A :class:`GapPlan` of ``tensors`` (each with every chunk standalone and coded by gaps,
+    their headers read): chunks in element order, refused if they overlap; outputs from
+    ``outs`` where given (as many changes as the footer says, checked against the headers),
+    else allocated; each chunk's own tables after the shared ones."""
+    _, emask = context_layout(fmt)
+    n_exp = emask + 1
+    rows: list[tuple[ChunkRef, ChunkHeader, int, int, int]] = []  # + base, index, value address
+    results: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    keep: list[np.ndarray] = []
+    for name, chunks in tensors.items():
+        chunks = sorted(chunks, key=lambda c: c[0].start)
+        for (a, _), (b, _) in itertools.pairwise(chunks):
+            if a.start + a.count > b.start:
+                raise CorruptDeltaError(f"{name}: chunks overlap")
+        old = np.ascontiguousarray(olds[name]).reshape(-1)
+        last = chunks[-1][0]
+        if last.start + last.count > old.size:
+            raise CorruptDeltaError(f"{name}: a chunk lies past the tensor's {old.size} elements")
+        total = sum(h.changes for _, h in chunks)
+        if name in outs:
+            index, values = outs[name]
+            if index.size != total:
+                raise CorruptDeltaError(
+                    f"{name}: chunk headers list {total} changes, the footer says {index.size}"
+                )
+        else:
+            index = np.empty(total, np.int64)
+            values = np.empty(total, fmt.bits_dtype)
+        if not (index.flags.c_contiguous and values.flags.c_contiguous):
+            raise ValueError(f"{name}: output arrays must be contiguous")
+        if values.dtype != old.dtype:
+            raise ValueError(f"{name}: values of {values.dtype} for a base of {old.dtype}")
+        results[name] = (index, values)
+        keep += [old, index, values]
+        at, size = 0, old.itemsize
+        for r, h in chunks:
+            rows.append(
+                (
+                    r,
+                    h,
+                    old.ctypes.data + r.start * size,
+                    index.ctypes.data + at * 8,
+                    values.ctypes.data + at * size,
+                )
+            )
+            at += h.changes
+    n = len(rows)
     expected = np.zeros((n, n_exp), np.int64)
     ctx_tables = np.empty((n, n_exp), np.int64)
     ctx_tables[:] = table_of_key[:n_exp]
     tables, first_own = [shared], shared.shape[0]
-    for j, (_, h) in enumerate(chunks):  # each chunk's own tables after the shared ones
+    for j, (_, h, _, _, _) in enumerate(rows):
         expected[j, h.contexts[0]] = h.contexts[1]
         ctx_tables[j, h.own_keys] = first_own + np.arange(h.own_keys.size)
         first_own += h.own_keys.size
@@ -759,42 +822,53 @@ def decode_gap_tensor(
     freq = np.concatenate(tables).astype(np.int32)
     cum = cumulative(freq)
     meta = np.array(
-        [[r.offset, *r.streams, h.rice_k, r.start, r.count] for r, h in chunks], np.int64
-    )
-    if out is None:
-        index = np.empty(int(out_offs[-1]), np.int64)
-        values = np.empty(index.size, fmt.bits_dtype)
-    else:
-        index, values = out
-        if index.size != out_offs[-1]:
-            raise CorruptDeltaError(
-                f"{chunks[0][0].tensor}: chunk headers list {out_offs[-1]} changes, the footer "
-                f"says {index.size}"
-            )
-    status, j = kernels.decode_gap_chunks(
-        data,
+        [
+            [r.offset, *r.streams, h.rice_k, r.start, r.count, h.changes, base, ix, vx]
+            for r, h, base, ix, vx in rows
+        ],
+        np.int64,
+    ).reshape(n, 11)
+    return GapPlan(
+        fmt,
         meta,
-        out_offs,
         expected,
         ctx_tables,
         freq,
         cum,
         kernels.rans_owners(freq, cum),
-        old,
+        [r for r, *_ in rows],
+        results,
+        keep,
+    )
+
+
+def decode_gap_batch(plan: GapPlan, data: np.ndarray, lo: int, hi: int) -> None:
+    """Decode chunks ``lo`` to ``hi`` of ``plan`` into its outputs, in one compiled call;
+    :class:`CorruptDeltaError` names the first chunk that fails. ``data``: the whole object (the
+    chunks' ``offset`` point into it)."""
+    shift, emask = context_layout(plan.fmt)
+    status, j = kernels.decode_gap_batch(
+        data,
+        plan.meta,
+        plan.expected,
+        plan.ctx_tables,
+        plan.freq,
+        plan.cum,
+        plan.owner,
+        np.empty(0, plan.fmt.bits_dtype),
         shift,
         emask,
-        fmt.width,
+        plan.fmt.width,
         TOP_BITS,
         SMALL,
-        index,
-        values,
+        lo,
+        hi,
     )
     if status < 0:
-        ref = chunks[j][0]
+        ref = plan.refs[j]
         raise CorruptDeltaError(
             f"{ref.tensor}: the chunk at element {ref.start}: {_CHUNK_ERRORS[status]}"
         )
-    return index, values
 
 
 def _read_contexts(

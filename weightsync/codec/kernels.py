@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 RANS_L = 1 << 23
 PROB_BITS = 14
@@ -829,39 +830,53 @@ def decode_gap_chunk(
     return 0
 
 
+@intrinsic
+def _pointer(typingctx, address, like):  # pragma: no cover - jit
+    """A pointer to ``like``'s dtype at ``address`` (an integer), for :func:`numba.carray`."""
+    sig = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
-def decode_gap_chunks(
+def decode_gap_batch(
     data,
     meta,
-    out_offs,
     expected,
     ctx_tables,
     freq,
     cum,
     owner,
-    old,
+    like,
     shift,
     emask,
     width,
     top_bits,
     small,
-    index_out,
-    values_out,
+    lo,
+    hi,
 ):  # pragma: no cover - jit
-    """Every chunk of one tensor, standalone and coded by gaps, in one call (one GIL hand-off
-    for the tensor, not several per chunk): chunk ``j``'s body lies at ``meta[j]`` = (offset in
-    ``data``, rice, rans and extra bytes, Rice parameter, first element, elements); its changes
-    go to ``index_out`` (tensor-level) and ``values_out`` at ``out_offs[j]:out_offs[j + 1]``.
-    Returns ``(0, -1)``, or the first failing chunk's status (:func:`decode_gap_chunk`) and
-    number."""
-    for j in range(meta.shape[0]):
+    """Chunks ``lo`` to ``hi`` of a plan of standalone chunks coded by gaps, of any tensors of
+    one float format, in one call (one GIL hand-off for the lot). Chunk ``j``'s body lies at
+    ``meta[j, 0:4]`` = (offset in ``data``, rice, rans and extra bytes), then ``meta[j, 4:11]``
+    = (Rice parameter, first element, elements, changes, address of its base elements, of its
+    index output, of its value output). The addresses are of arrays that the caller holds for
+    the call and sized by it: its base ``elements`` long (of ``like``'s dtype), its outputs
+    ``changes`` long (int64, ``like``'s dtype). Returns ``(0, -1)``, or the first failing
+    chunk's status (:func:`decode_gap_chunk`) and number."""
+    for j in range(lo, hi):
         off, rl, al, el = meta[j, 0], meta[j, 1], meta[j, 2], meta[j, 3]
-        start, count = meta[j, 5], meta[j, 6]
-        lo, hi = out_offs[j], out_offs[j + 1]
+        start, count, k = meta[j, 5], meta[j, 6], meta[j, 7]
+        old = carray(_pointer(meta[j, 8], like), count)
+        index_out = carray(_pointer(meta[j, 9], meta), k)
+        values_out = carray(_pointer(meta[j, 10], like), k)
         status = decode_gap_chunk(
             data[off : off + rl],
             meta[j, 4],
-            old[start : start + count],
+            old,
             shift,
             emask,
             expected[j],
@@ -874,8 +889,8 @@ def decode_gap_chunks(
             width,
             top_bits,
             small,
-            index_out[lo:hi],
-            values_out[lo:hi],
+            index_out,
+            values_out,
             start,
         )
         if status < 0:
