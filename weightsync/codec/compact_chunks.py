@@ -281,12 +281,10 @@ def _best_rice(gaps: np.ndarray, count: int) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits, searched around the one a
     geometric distribution of their mean would have."""
     k0 = int(rice_parameter(np.array([count]), np.array([max(gaps.size, 1)]))[0])
-    g = gaps.astype(np.int64)
-    costs = {
-        k: int((g >> k).sum()) + g.size * (1 + k)
-        for k in range(max(0, k0 - 2), min(MAX_RICE, k0 + 3))
-    }
-    return min(costs, key=costs.__getitem__)
+    k_lo = max(0, k0 - 2)
+    costs = np.empty(min(MAX_RICE, k0 + 3) - k_lo, np.int64)
+    kernels.rice_costs(gaps, k_lo, costs)
+    return k_lo + int(np.argmin(costs))
 
 
 def _with_values(

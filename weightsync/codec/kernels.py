@@ -282,6 +282,20 @@ def positions_from_gaps(
 
 
 @njit(nogil=True, cache=True)
+def rice_costs(gaps, k_lo, costs):  # pragma: no cover - jit
+    """``costs[i]``: the bits of Rice-coding every gap with parameter ``k_lo + i``, in one
+    pass over the gaps."""
+    n_k = costs.size
+    sums = np.zeros(n_k, np.int64)
+    for j in range(gaps.size):
+        g = np.int64(gaps[j]) >> k_lo
+        for i in range(n_k):
+            sums[i] += g >> i
+    for i in range(n_k):
+        costs[i] = sums[i] + gaps.size * (1 + k_lo + i)
+
+
+@njit(nogil=True, cache=True)
 def rice_bits(values, kparams):  # pragma: no cover - jit
     total = np.int64(0)
     for j in range(values.size):
