@@ -68,6 +68,7 @@ Timings of every step are kept in :attr:`WeightSync.timings` (:class:`StepTiming
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import statistics
@@ -75,7 +76,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 
@@ -94,6 +95,7 @@ from deltarl.rollout.sync.records import (
 )
 from deltarl.weightsync.anchor import decode_anchor
 from deltarl.weightsync.codec.bits import bits_view
+from deltarl.weightsync.codec.compact import default_threads, warm_up_decoder
 from deltarl.weightsync.codec.context import DeltaContext
 from deltarl.weightsync.codec.formats import FORMAT_TAGS, READ_ONLY_TAGS, decode_delta
 from deltarl.weightsync.delta import (
@@ -121,6 +123,9 @@ from deltarl.weightsync.reader import BucketReader
 from deltarl.weightsync.sharding import layout_view, merge_parts
 
 logger = logging.getLogger(__name__)
+
+# parts of a sharded delta decoded at once in process (sharing one pool of decoding threads)
+PART_DECODERS = 4
 
 ANCHOR_FORMATS = ("safetensors", "safetensors+zstd")
 DEFAULT_FORMATS: tuple[str, ...] = (*FORMAT_TAGS.values(), *READ_ONLY_TAGS, *ANCHOR_FORMATS)
@@ -734,17 +739,29 @@ class WeightSync:
         return layout_view(self.engine.named_parameters(), layout)
 
     def _decode_parts(self, ref: ObjectRef) -> tuple[Delta, float]:
-        """A sharded delta: its parts fetched in parallel and decoded as they arrive (in the
-        decoding child when there is one), against the host state's row views; merged into
-        one delta over the layout.
+        """A sharded delta: its parts fetched in parallel and decoded as they arrive, against
+        the host state's row views; merged into one delta over the layout. In process, up to
+        :data:`PART_DECODERS` parts decode at once on one pool of decoding threads (one
+        part's reading of headers overlaps another's compiled decode); in the decoding child
+        one at a time.
         Also returns the seconds spent waiting for parts (not decoding)."""
         layout = ref.layout
         assert layout is not None
         host = layout_view(self._host_state(), layout)
         waited = 0.0
-
-        def decoded() -> Iterator[Delta]:
-            nonlocal waited
+        in_child = self._decoder is not None and self._shared is not None
+        futures: list[Future[Delta]] = []
+        with contextlib.ExitStack() as stack:
+            pool = None
+            if not in_child:
+                pool = stack.enter_context(
+                    ThreadPoolExecutor(
+                        self.decode_threads or default_threads(), thread_name_prefix="decode"
+                    )
+                )
+            parts_pool = stack.enter_context(
+                ThreadPoolExecutor(1 if in_child else PART_DECODERS, thread_name_prefix="part")
+            )
             parts = self.reader.fetch_parts(ref)
             try:
                 while True:
@@ -752,17 +769,22 @@ class WeightSync:
                     item = next(parts, None)
                     waited += time.perf_counter() - tw
                     if item is None:
-                        return
+                        break
                     part, data = item
                     missing = [k for k in part.slices if k not in self._digests]
                     if missing:
                         raise BaseMismatchError(f"the engine holds no digest of {missing[:3]}")
                     digests = {k: self._digests[k] for k in part.slices}
-                    yield self._decode_part(data, digests, host, layout)
+                    futures.append(
+                        parts_pool.submit(self._decode_part, data, digests, host, layout, pool)
+                    )
+                delta = merge_parts((f.result() for f in futures), layout)
+            except BaseException:
+                for f in futures:  # a failed part: the others not started are not decoded
+                    f.cancel()
+                raise
             finally:
                 parts.close()  # a failed part: cancel the downloads not started yet
-
-        delta = merge_parts(decoded(), layout)
         return delta, waited
 
     def _decode_part(
@@ -771,9 +793,10 @@ class WeightSync:
         digests: Mapping[str, str],
         host: Mapping[str, torch.Tensor],
         layout: tuple[str, ...],
+        pool: Executor | None = None,
     ) -> Delta:
         """One part of a sharded version, against its slices (named by ``digests``): in the
-        child when there is one (its own GIL, as for whole deltas), else here."""
+        child when there is one (its own GIL, as for whole deltas), else here (on ``pool``)."""
         if self._decoder is not None and self._shared is not None:
             try:
                 return self._decoder.decode(data, digests, layout=layout)
@@ -786,6 +809,7 @@ class WeightSync:
             base_digests=digests,
             threads=self.decode_threads,
             pinned=self._pinned_changes,
+            pool=pool,
         )
 
     def _verify(self, delta: Delta, ref: ObjectRef, seq: int) -> dict[str, str]:
@@ -881,6 +905,8 @@ class WeightSync:
             shards.stage_anchor(state, ref.version)  # every rank's boxes on its GPU, unpaused
         else:
             self._warm_apply_kernel(params)  # outside the pause: the first launch compiles
+        if self._decoder is None:
+            _warm_decoder()  # the first delta's decode would compile the decoder's kernels
         with self._exclusive() as wait_s:
             tp = time.perf_counter()
             try:
@@ -1039,3 +1065,11 @@ def _refuse_layout_on_shards(ref: ObjectRef) -> None:
             f"v{ref.version} is published in row parts (an FSDP trainer) and this engine is "
             "tensor-parallel: following sharded versions needs tensor_parallel_size = 1"
         )
+
+
+def _warm_decoder() -> None:
+    """Compile the delta decoder's kernels (once per process): an optimization only."""
+    try:
+        warm_up_decoder()
+    except Exception:  # the first delta compiles them instead
+        logger.warning("warming up the delta decoder failed", exc_info=True)

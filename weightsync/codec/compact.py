@@ -26,12 +26,14 @@ bytes spliced in before the footer) is refused too.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import struct
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -449,6 +451,7 @@ def decode_compact(
     threads: int | None = None,
     context: DeltaContext | None = None,
     pinned: bool = False,
+    pool: Executor | None = None,
 ) -> Delta:
     """Decode a compact delta against ``base`` (tensors at the delta's base version).
 
@@ -460,7 +463,8 @@ def decode_compact(
     then the chunks are decoded in parallel. Nothing is written anywhere. With ``pinned`` the
     changes are decoded into pinned host buffers laid out for a GPU
     (:func:`~deltarl.weightsync.change_buffers.change_arrays`), which ``stage_delta`` copies
-    as they lie.
+    as they lie. ``pool``: threads to decode on (shared by several decodes at once; ``threads``
+    is then ignored), else a pool of ``threads`` made for this one.
     """
     footer = read_footer(data)
     rho16 = check_context(footer, context)
@@ -540,32 +544,32 @@ def decode_compact(
     object_bytes = np.frombuffer(buf, np.uint8)
     n_threads = threads or default_threads()
     by_format: dict[str, dict[str, list[tuple[ChunkRef, ChunkHeader]]]] = {}
-    for name, chunks in whole.items():
-        by_format.setdefault(patches[name].dtype, {})[name] = chunks
+    for name, coded in whole.items():
+        by_format.setdefault(patches[name].dtype, {})[name] = coded
     plans = [
         plan_gap_chunks(group, float_format(dtype), olds, outs, table_of_key, shared)
         for dtype, group in by_format.items()
     ]
-    with ThreadPoolExecutor(n_threads) as pool:
+    with _pool_or_own(pool, n_threads) as workers:
         # a few runs of chunks per thread, each one compiled call: one GIL hand-off per run,
         # not per tensor (next to a generating engine's Python thread a hand-off can wait for
         # its switch interval)
         jobs = [
-            pool.submit(decode_gap_batch, plan, object_bytes, lo, hi)
+            workers.submit(decode_gap_batch, plan, object_bytes, lo, hi)
             for plan in plans
             for lo, hi in plan.batches(GAP_RUNS_PER_THREAD * n_threads)
         ]
-        results = list(pool.map(run, single))
+        results = list(workers.map(run, single))
         parts: dict[str, list[tuple[ChunkRef, np.ndarray, np.ndarray]]] = {}
         for ref, (idx, val) in zip(single, results, strict=True):
             parts.setdefault(ref.tensor, []).append((ref, idx, val))
-        for name, chunks in parts.items():
-            _assemble(patches[name], chunks, pool, outs.get(name))
+        for name, decoded in parts.items():
+            _assemble(patches[name], decoded, workers, outs.get(name))
         for job in jobs:
             job.result()
     for plan in plans:
-        for name, (index, value) in plan.results.items():
-            patches[name].index, patches[name].value = index, value
+        for name, (index_out, value_out) in plan.results.items():
+            patches[name].index, patches[name].value = index_out, value_out
     for t in footer["tensors"]:
         name = t["name"]
         p = patches[name]
@@ -574,6 +578,16 @@ def decode_compact(
                 f"{name}: decoded {p.changed} changes, the footer says {t['changed']}"
             )
     return delta
+
+
+@contextlib.contextmanager
+def _pool_or_own(pool: Executor | None, threads: int) -> Iterator[Executor]:
+    """``pool``, or a pool of ``threads`` for the block (shut down after it)."""
+    if pool is not None:
+        yield pool
+        return
+    with ThreadPoolExecutor(threads) as own:
+        yield own
 
 
 def _change_arrays(
@@ -622,7 +636,7 @@ def _whole_tensors(
 def _assemble(
     patch: TensorPatch,
     chunks: list[tuple[ChunkRef, np.ndarray, np.ndarray]],
-    pool: ThreadPoolExecutor,
+    pool: Executor,
     out: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """``patch``'s indices and values from its decoded chunks (chunk-local indices, each chunk's
@@ -715,3 +729,28 @@ __all__ = [
     "position_counts",
     "read_footer",
 ]
+
+
+_decoder_warm = threading.Event()
+
+
+def warm_up_decoder() -> None:
+    """Compile the numba kernels that decoding runs, both ways of coding positions, on a tiny
+    delta (the first decode in a process compiles them: ~5 s on a GPU host, more than the decode
+    of a 30 B-parameter version). Once per process; a rollout worker calls it when it loads an
+    anchor, before it follows deltas."""
+    if _decoder_warm.is_set():
+        return
+    from deltarl.weightsync.delta import compute_delta
+
+    g = torch.Generator().manual_seed(0)
+    old = {k: (torch.randn(8192, generator=g) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
+    new = {k: t.clone() for k, t in old.items()}
+    new["a"][::97] = (old["a"][::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
+    new["b"][::2] = (old["b"][::2].float() * 1.05 + 1e-3).to(torch.bfloat16)
+    delta = compute_delta(old, new, 0, 1)
+    for positions in POSITIONS:
+        data = encode_compact(delta, old, threads=1, positions=positions)
+        for threads in (1, 2):
+            decode_compact(data, old, threads=threads)
+    _decoder_warm.set()

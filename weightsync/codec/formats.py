@@ -16,6 +16,7 @@ values.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import Executor
 from typing import Literal
 
 import torch
@@ -108,14 +109,15 @@ def decode_delta(
     threads: int | None = None,
     context: DeltaContext | None = None,
     pinned: bool = False,
+    pool: Executor | None = None,
 ) -> Delta:
     """Decode a delta of any format against ``base`` (the state it will be applied to).
 
     With ``check_base`` a compact delta refuses a wrong base before decoding; for TRL files the
     base is checked by :func:`~.delta.apply_delta`. ``context``: the context of the delta that
     produced ``base``, needed by a chained compact delta (ignored by every other delta).
-    ``pinned``: decode a compact delta's changes into pinned buffers laid out for a GPU
-    (see :func:`~.compact.decode_compact`).
+    ``pinned``: decode a compact delta's changes into pinned buffers laid out for a GPU;
+    ``pool``: threads shared with other decodes (both: see :func:`~.compact.decode_compact`).
     """
     kind = detect_format(data)
     if kind == "compact":
@@ -127,6 +129,7 @@ def decode_delta(
             threads=threads,
             context=context,
             pinned=pinned,
+            pool=pool,
         )
     return trl_format.decode_trl(data, like=base)
 

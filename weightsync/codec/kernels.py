@@ -884,7 +884,7 @@ def decode_gap_batch(
     for j in range(lo, hi):
         off, rl, al, el = meta[j, 0], meta[j, 1], meta[j, 2], meta[j, 3]
         start, count, k = meta[j, 5], meta[j, 6], meta[j, 7]
-        old = carray(_pointer(meta[j, 8], like), count)
+        old = carray(_pointer(meta[j, 8], like), count)  # type: ignore[call-arg]
         index_out = carray(_pointer(meta[j, 9], meta), k)
         values_out = carray(_pointer(meta[j, 10], like), k)
         status = decode_gap_chunk(
