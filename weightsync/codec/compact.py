@@ -80,7 +80,13 @@ from deltarl.weightsync.codec.entropy import (
     table_bytes,
     varints,
 )
-from deltarl.weightsync.delta import UNKNOWN_DIGEST, Delta, TensorPatch, check_compatible
+from deltarl.weightsync.delta import (
+    UNKNOWN_DIGEST,
+    Delta,
+    TensorPatch,
+    check_compatible,
+    compute_delta,
+)
 from deltarl.weightsync.digest import combine_digests, state_digests
 from deltarl.weightsync.errors import BaseMismatchError, CorruptDeltaError
 
@@ -734,6 +740,17 @@ __all__ = [
 _decoder_warm = threading.Event()
 
 
+def warm_up_states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two tiny bf16 states a step apart, one tensor sparsely changed and one densely: what the
+    warm-ups (here and in :mod:`.device_scan`) code to compile the kernels."""
+    g = torch.Generator().manual_seed(0)
+    old = {k: (torch.randn(8192, generator=g) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
+    new = {k: t.clone() for k, t in old.items()}
+    new["a"][::97] = (old["a"][::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
+    new["b"][::2] = (old["b"][::2].float() * 1.05 + 1e-3).to(torch.bfloat16)
+    return old, new
+
+
 def warm_up_decoder() -> None:
     """Compile the numba kernels that decoding runs, both ways of coding positions, on a tiny
     delta (the first decode in a process compiles them: ~5 s on a GPU host, more than the decode
@@ -741,13 +758,7 @@ def warm_up_decoder() -> None:
     anchor, before it follows deltas."""
     if _decoder_warm.is_set():
         return
-    from deltarl.weightsync.delta import compute_delta
-
-    g = torch.Generator().manual_seed(0)
-    old = {k: (torch.randn(8192, generator=g) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
-    new = {k: t.clone() for k, t in old.items()}
-    new["a"][::97] = (old["a"][::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
-    new["b"][::2] = (old["b"][::2].float() * 1.05 + 1e-3).to(torch.bfloat16)
+    old, new = warm_up_states()
     delta = compute_delta(old, new, 0, 1)
     for positions in POSITIONS:
         data = encode_compact(delta, old, threads=1, positions=positions)

@@ -265,14 +265,10 @@ def warm_up() -> None:
     compiles them: seconds, more than a whole 7B delta's encode) on two tiny deltas, one sparse
     and one dense: the sharded publisher calls this in its pool when it starts, so the first
     delta after the anchor does not pay for it."""
-    from deltarl.weightsync.codec.compact import encode_compact
+    from deltarl.weightsync.codec.compact import encode_compact, warm_up_states
     from deltarl.weightsync.delta import compute_delta
 
-    g = torch.Generator().manual_seed(0)
-    old = {k: (torch.randn(8192, generator=g) * 0.02).to(torch.bfloat16) for k in ("a", "b")}
-    new = {k: t.clone() for k, t in old.items()}
-    new["a"][::97] = (old["a"][::97].float() * 1.01 + 1e-3).to(torch.bfloat16)
-    new["b"][::2] = (old["b"][::2].float() * 1.05 + 1e-3).to(torch.bfloat16)
+    old, new = warm_up_states()
     delta = compute_delta(old, new, 0, 1)
     scans: dict[tuple[str, int], ChunkScan] = {}
     for k in old:

@@ -331,52 +331,62 @@ def rice_encode(values, kparams, out):  # pragma: no cover - jit
     return pos
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _rice_code(buf, k, p, acc, have, pos):  # pragma: no cover - jit
+    """The next Rice code of ``buf`` with parameter ``k``: ``(quotient, remainder, p, acc,
+    have, pos)``, the reader's state after it (``acc`` holds ``have`` bits; ``p``: the next
+    byte to load; ``pos``: bits consumed). A run of zeros is counted a byte at a time. Bits
+    past the buffer read as zero and are counted, and a run of zeros that leaves the buffer
+    ends the code there: the caller finds an overrun from ``pos``."""
+    n = buf.size
+    nbits = np.int64(n) * 8
+    q = np.int64(0)
+    while True:
+        if have < 8:
+            acc = (acc << 8) | (np.int64(buf[p]) if p < n else np.int64(0))
+            p += 1
+            have += 8
+        top = (acc >> (have - 8)) & 0xFF
+        if top == 0:
+            q += 8
+            have -= 8
+            pos += 8
+            if pos > nbits:
+                return q, np.int64(0), p, acc, have, pos
+            continue
+        z = np.int64(_LEADING_ZEROS[top])
+        q += z
+        have -= z + 1
+        pos += z + 1
+        acc &= (np.int64(1) << have) - 1  # at most 15 bits stay, so k <= 48 fits
+        break
+    while have < k:
+        acc = (acc << 8) | (np.int64(buf[p]) if p < n else np.int64(0))
+        p += 1
+        have += 8
+    have -= k
+    pos += k
+    r = (acc >> have) & ((np.int64(1) << k) - 1)
+    acc &= (np.int64(1) << have) - 1
+    return q, r, p, acc, have, pos
+
+
 @njit(nogil=True, cache=True)
 def rice_decode(buf, kparams, out):  # pragma: no cover - jit
     """Decode ``out.size`` Rice codes. Returns bits consumed, or -1 on overrun (corrupt input).
 
-    The bits pass through a register (``acc`` holds ``have`` of them, refilled a byte at a
-    time), and a run of zeros is counted a byte at a time, so a code costs a few operations
-    instead of a load per bit. Bits past the buffer read as zero and are counted, so an
-    overrun is found from the total consumed."""
+    The bits pass through a register (:func:`_rice_code`), so a code costs a few operations
+    instead of a load per bit."""
     nbits = np.int64(buf.size) * 8
-    n = buf.size
     p = 0  # next byte to load
     acc = np.int64(0)
     have = np.int64(0)
     pos = np.int64(0)  # bits consumed
     for j in range(out.size):
-        q = np.int64(0)
-        while True:
-            if have < 8:
-                acc = (acc << 8) | (np.int64(buf[p]) if p < n else np.int64(0))
-                p += 1
-                have += 8
-            top = (acc >> (have - 8)) & 0xFF
-            if top == 0:
-                q += 8
-                have -= 8
-                pos += 8
-                if pos > nbits:
-                    return -1
-                continue
-            z = np.int64(_LEADING_ZEROS[top])
-            q += z
-            have -= z + 1
-            pos += z + 1
-            acc &= (np.int64(1) << have) - 1  # at most 15 bits stay, so k <= 48 fits
-            break
-        k = np.int64(kparams[j])
-        while have < k:
-            acc = (acc << 8) | (np.int64(buf[p]) if p < n else np.int64(0))
-            p += 1
-            have += 8
-        have -= k
-        pos += k
+        q, r, p, acc, have, pos = _rice_code(buf, np.int64(kparams[j]), p, acc, have, pos)
         if pos > nbits:
             return -1
-        out[j] = (q << k) | ((acc >> have) & ((np.int64(1) << k) - 1))
-        acc &= (np.int64(1) << have) - 1
+        out[j] = (q << np.int64(kparams[j])) | r
     return pos
 
 
@@ -767,38 +777,12 @@ def decode_gap_chunk(
     for lo in range(0, k, GAP_BLOCK):
         hi = min(k, lo + GAP_BLOCK)
         for j in range(lo, hi):
-            q = np.int64(0)
-            while True:
-                if have < 8:
-                    acc = (acc << 8) | (np.int64(rice[rp]) if rp < rn else np.int64(0))
-                    rp += 1
-                    have += 8
-                top = (acc >> (have - 8)) & 0xFF
-                if top == 0:
-                    q += 8
-                    have -= 8
-                    used += 8
-                    if used > rbits:
-                        return -1
-                    continue
-                z = np.int64(_LEADING_ZEROS[top])
-                q += z
-                have -= z + 1
-                used += z + 1
-                acc &= (np.int64(1) << have) - 1
-                break
-            while have < kk:
-                acc = (acc << 8) | (np.int64(rice[rp]) if rp < rn else np.int64(0))
-                rp += 1
-                have += 8
-            have -= kk
-            used += kk
+            q, r, rp, acc, have, used = _rice_code(rice, kk, rp, acc, have, used)
             if used > rbits:
                 return -1
             if q >= n:  # before the shift, which could wrap
                 return -2
-            g = (q << kk) | ((acc >> have) & ((np.int64(1) << kk) - 1))
-            acc &= (np.int64(1) << have) - 1
+            g = (q << kk) | r
             i += g + 1
             if g >= n or i >= n:
                 return -2
