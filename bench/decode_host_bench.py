@@ -10,19 +10,27 @@ see ``codec_bench.py``). Each delta is encoded once; then the decodes run interl
 times each, the first round dropped (it compiles the kernels). Reported: median, min and max
 seconds per decode, nanoseconds per element and per change.
 
+With ``--parts N`` the tensors are split among N parts, each its own object (as the ranks of
+an FSDP2 trainer publish a sharded version), and positions are coded as gaps only: the parts
+decoded one after another (each on its own pool of ``--threads``) against all at once on one
+pool, as a rollout worker decodes them, interleaved in the same way.
+
 Usage::
 
     python bench/decode_host_bench.py --elements 2e9 --threads 32   # a 32-core GPU host
     python bench/decode_host_bench.py --elements 1e8 --threads 2    # a laptop
+    python bench/decode_host_bench.py --elements 2e8 --tensors 600 --parts 4 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,27 @@ from deltarl.weightsync import compute_delta, state_digests
 from deltarl.weightsync.codec.compact import decode_compact, encode_compact
 
 MODES = ("contexts", "gaps")
+PART_MODES = ("one after another", "at once")
+
+
+def decode_parts(
+    parts: list[bytes], bases: list[tuple[dict, dict]], threads: int, at_once: bool
+) -> None:
+    """Decode every part: one after another, each on a pool of ``threads``, or all at once
+    (a thread each) on one shared pool of ``threads``, as ``WeightSync`` does."""
+    if not at_once:
+        for data, (base, digests) in zip(parts, bases, strict=True):
+            decode_compact(data, base, base_digests=digests, threads=threads)
+        return
+    with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(len(parts)) as starters:
+        jobs = [
+            starters.submit(
+                decode_compact, data, base, base_digests=digests, threads=threads, pool=pool
+            )
+            for data, (base, digests) in zip(parts, bases, strict=True)
+        ]
+        for job in jobs:
+            job.result()
 
 
 def make_state(elements: int, tensors: int, density: float) -> tuple[dict, dict]:
@@ -76,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--switch-interval-ms", type=float, default=0.2)
+    ap.add_argument("--parts", type=int, default=1, help="objects the tensors are split into")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
     args = ap.parse_args(argv)
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
@@ -85,18 +115,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     digests = state_digests(old)
     setup_s = time.perf_counter() - t0
     blobs, encode_s = {}, {}
-    for mode in MODES:
+    if args.parts > 1:
+        modes = PART_MODES
+        names = sorted(old)
+        groups = [names[i :: args.parts] for i in range(args.parts)]
         t0 = time.perf_counter()
-        blobs[mode] = encode_compact(delta, old, threads=args.threads, positions=mode)
-        encode_s[mode] = time.perf_counter() - t0
+        parts = [
+            encode_compact(
+                compute_delta({n: old[n] for n in g}, {n: new[n] for n in g}, 0, 1),
+                {n: old[n] for n in g},
+                threads=args.threads,
+                positions="gaps",
+            )
+            for g in groups
+        ]
+        encode_s = dict.fromkeys(modes, time.perf_counter() - t0)
+        bases = [({n: old[n] for n in g}, {n: digests[n] for n in g}) for g in groups]
+        run = {
+            mode: functools.partial(decode_parts, parts, bases, args.threads, mode == "at once")
+            for mode in modes
+        }
+        blobs = dict.fromkeys(modes, b"".join(parts))
+    else:
+        modes = MODES
+        for mode in modes:
+            t0 = time.perf_counter()
+            blobs[mode] = encode_compact(delta, old, threads=args.threads, positions=mode)
+            encode_s[mode] = time.perf_counter() - t0
+        run = {
+            mode: functools.partial(
+                decode_compact, blobs[mode], old, base_digests=digests, threads=args.threads
+            )
+            for mode in modes
+        }
     numel = sum(t.numel() for t in old.values())
-    times: dict[str, list[float]] = {f"{m}{b}": [] for b in ("", "+busy") for m in MODES}
+    times: dict[str, list[float]] = {f"{m}{b}": [] for b in ("", "+busy") for m in modes}
     for _ in range(args.rounds):
         for busy in (False, True):
-            for mode in MODES:
+            for mode in modes:
                 with Busy() if busy else _nothing():
                     t0 = time.perf_counter()
-                    decode_compact(blobs[mode], old, base_digests=digests, threads=args.threads)
+                    run[mode]()
                     times[mode + ("+busy" if busy else "")].append(time.perf_counter() - t0)
     rows = {}
     for key, ts in times.items():
