@@ -344,3 +344,29 @@ def test_rice_codes_round_trip_and_a_short_stream_is_refused(kmax: int) -> None:
     assert np.array_equal(out, v)
     assert kernels.rice_decode(buf[: buf.size // 2], k, out) == -1
     assert kernels.rice_decode(buf[:0], k, out) == -1
+
+
+def test_a_run_of_chunks_names_the_chunk_that_fails():
+    """Chunks coded as gaps decode in runs across tensors, one compiled call a run: when one
+    chunk of one tensor meets another base, the error names that tensor and chunk, on a pool
+    of its own or one shared with other decodes; the right base decodes the same either way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(7)
+    old = {f"w{i}": (torch.randn(3000, generator=g) * 0.02).bfloat16() for i in range(12)}
+    new = perturb(old, 0.05)
+    delta = compute_delta(old, new, 0, 1)
+    blob = encode_compact(delta, old, positions="gaps", chunk_elems=1000)
+    other = dict(old)
+    other["w7"] = old["w7"].clone()
+    other["w7"][2000:] = old["w7"][2000:] * 64  # six exponents up: other change counts there
+    with ThreadPoolExecutor(2) as pool:
+        for kw in ({"threads": 2}, {"threads": 3}, {"pool": pool}):
+            with pytest.raises(
+                CorruptDeltaError, match=r"w7: the chunk at element 2000: .*wrong base"
+            ):
+                decode_compact(blob, other, check_base=False, **kw)
+            got = decode_compact(blob, old, **kw)
+            for name, p in delta.patches.items():
+                np.testing.assert_array_equal(got.patches[name].index, p.index)
+                np.testing.assert_array_equal(got.patches[name].value, p.value)
