@@ -555,10 +555,10 @@ class ChunkHeader:
     contexts: _ContextList  # (ids, changes, own, rice, complement, elements): _read_contexts
     own_keys: np.ndarray  # value contexts with a table of their own
     own_freq: np.ndarray  # [own, ALPHABET] those tables
+    changes: int = field(init=False)  # of the chunk: the contexts' changes summed
 
-    @property
-    def changes(self) -> int:
-        return int(self.contexts[1].sum())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "changes", int(self.contexts[1].sum()))
 
 
 def read_header(ref: ChunkRef, fmt: FloatFormat, chained: bool, version: int) -> ChunkHeader:
@@ -566,6 +566,10 @@ def read_header(ref: ChunkRef, fmt: FloatFormat, chained: bool, version: int) ->
     changes than the chunk has elements."""
     _, emask = context_layout(fmt)
     n_exp = emask + 1
+    if version >= 3 and not chained:
+        fast = _read_gap_header(ref, n_exp)
+        if fast is not None:
+            return fast
     r = VarintReader(ref.header, f"{ref.tensor}: chunk header")
     first = r.varint()
     by_gaps = version >= 3 and bool(first & 1)
@@ -606,6 +610,35 @@ def read_header(ref: ChunkRef, fmt: FloatFormat, chained: bool, version: int) ->
     if int(kc_present.sum()) > ref.count:
         raise CorruptDeltaError(f"{ref.tensor}: chunk claims more changes than it has elements")
     return ChunkHeader(by_gaps, rice_k, head, own_keys, own_freq)
+
+
+def _read_gap_header(ref: ChunkRef, n_exp: int) -> ChunkHeader | None:
+    """A standalone chunk header coded by gaps, read in one compiled call
+    (:func:`~.kernels.read_gap_header`, the same checks and errors as the reader in Python);
+    None if the chunk codes its positions by context rank."""
+    buf = np.frombuffer(ref.header, np.uint8)
+    status, detail, rice, ids, changes, own, tables = kernels.read_gap_header(
+        buf, n_exp, ALPHABET, MAX_RICE
+    )
+    what = f"{ref.tensor}: chunk header"
+    if status == 1:
+        return None
+    if status < 0:
+        raise CorruptDeltaError(
+            {
+                -1: f"{what} ends early or holds a malformed number",
+                -2: f"{what} is malformed",
+                -3: f"{what}: frequency table with {detail} symbols",
+                -4: f"{what}: frequency table entry out of range",
+                -5: f"{what}: frequency table does not sum to 2**{kernels.PROB_BITS}",
+                -6: f"{what} has {detail} unexpected bytes",
+            }[int(status)]
+        )
+    if int(changes.sum()) > ref.count:
+        raise CorruptDeltaError(f"{ref.tensor}: chunk claims more changes than it has elements")
+    zeros = np.zeros(ids.size, np.int64)
+    head = (ids, changes, own, zeros, zeros.astype(bool), zeros)
+    return ChunkHeader(True, int(rice), head, ids[own], tables)
 
 
 def decode_chunk(

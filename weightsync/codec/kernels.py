@@ -30,6 +30,9 @@ BUCKET_SHIFT = 4
 # changes per block of the gap decoder (:func:`decode_gap_chunk`): positions, then base loads,
 # then values, each a loop over one block held in the caches
 GAP_BLOCK = 2048
+# a chunk header's change count of one context above this is malformed (no chunk holds that
+# many elements), so that sums of counts never wrap
+MAX_CHANGES = 1 << 48
 # zero bits before the first one bit of a non-zero byte (MSB first)
 _LEADING_ZEROS = np.array([8 - int(b).bit_length() for b in range(256)], np.int64)
 
@@ -894,3 +897,93 @@ def decode_gap_batch(
         if status < 0:
             return status, j
     return 0, -1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _varint(buf, p):  # pragma: no cover - jit
+    """The varint at byte ``p`` of ``buf`` and the byte after it; ``p`` is -1 if ``buf`` ends
+    inside it or it runs past 63 bits."""
+    v = np.int64(0)
+    shift = 0
+    while True:
+        if p >= buf.size or shift > 63:
+            return np.int64(0), -1
+        b = np.int64(buf[p])
+        p += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return v, p
+
+
+@njit(nogil=True, cache=True)
+def read_gap_header(buf, n_exp, alphabet, max_rice):  # pragma: no cover - jit
+    """A chunk header coded by gaps (``2 C + 1``, the Rice parameter, C x (context gap,
+    2 changes + own), then each own table: its symbols, then (symbol gap, frequency) pairs),
+    read and checked in one call: ``(status, detail, rice, context ids, changes, own, own
+    tables)``. Status 0; 1 if the header is not coded by gaps (nothing read); -1 if it ends
+    early or holds a malformed number; -2 if it is malformed; -3 if a table lists ``detail``
+    symbols; -4 if a table entry is out of range; -5 if a table does not sum to
+    ``PROB_SCALE``; -6 if ``detail`` bytes follow it."""
+    empty = np.zeros(0, np.int64)
+    no_tables = np.zeros((0, alphabet), np.int64)
+    first, p = _varint(buf, 0)
+    if p < 0:
+        return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+    if not first & 1:
+        return 1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+    n_present = first >> 1
+    rice, p = _varint(buf, p)
+    if p < 0:
+        return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+    if rice > max_rice or n_present > n_exp:
+        return -2, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+    ids = np.empty(n_present, np.int64)
+    changes = np.empty(n_present, np.int64)
+    own = np.zeros(n_present, np.bool_)
+    c = np.int64(-1)
+    n_own = 0
+    for i in range(n_present):
+        gap, p = _varint(buf, p)
+        if p < 0:
+            return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        v, p = _varint(buf, p)
+        if p < 0:
+            return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        if gap >= n_exp or v < 2 or v >> 1 > MAX_CHANGES:  # checked before any sum can wrap
+            return -2, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        c += gap + 1
+        if c >= n_exp:
+            return -2, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        ids[i] = c
+        changes[i] = v >> 1
+        own[i] = (v & 1) == 1
+        n_own += v & 1
+    tables = np.zeros((n_own, alphabet), np.int64)
+    for t in range(n_own):
+        nnz, p = _varint(buf, p)
+        if p < 0:
+            return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        if not 0 < nnz <= alphabet:
+            return -3, nnz, 0, empty, empty, empty.astype(np.bool_), no_tables
+        s = np.int64(-1)
+        total = np.int64(0)
+        for _ in range(nnz):
+            gap, p = _varint(buf, p)
+            if p < 0:
+                return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            f, p = _varint(buf, p)
+            if p < 0:
+                return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            if gap >= alphabet:
+                return -4, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            s += gap + 1
+            if s >= alphabet or not 0 < f <= PROB_SCALE:
+                return -4, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            tables[t, s] = f
+            total += f
+        if total != PROB_SCALE:
+            return -5, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+    if p != buf.size:
+        return -6, buf.size - p, 0, empty, empty, empty.astype(np.bool_), no_tables
+    return 0, 0, rice, ids, changes, own, tables
