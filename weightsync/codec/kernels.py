@@ -519,6 +519,17 @@ def _rans_symbol(slot, t, cum, owner):  # pragma: no cover - jit
     return lo
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _rans_state(buf):  # pragma: no cover - jit
+    """A rANS stream's initial state: its first 4 bytes, little-endian (4 bytes or more)."""
+    return (
+        np.int64(buf[0])
+        | (np.int64(buf[1]) << 8)
+        | (np.int64(buf[2]) << 16)
+        | (np.int64(buf[3]) << 24)
+    )
+
+
 @njit(nogil=True, cache=True)
 def rans_decode(buf, tables, freq, cum, owner, out):  # pragma: no cover - jit
     """Decode ``out.size`` symbols (``owner``: :func:`rans_owners` of the tables). Returns
@@ -526,12 +537,7 @@ def rans_decode(buf, tables, freq, cum, owner, out):  # pragma: no cover - jit
     n = buf.size
     if n < 4:
         return -1
-    x = (
-        np.int64(buf[0])
-        | (np.int64(buf[1]) << 8)
-        | (np.int64(buf[2]) << 16)
-        | (np.int64(buf[3]) << 24)
-    )
+    x = _rans_state(buf)
     p = 4
     mask = PROB_SCALE - 1
     for j in range(out.size):
@@ -763,14 +769,7 @@ def decode_gap_chunk(
             failed = -4
     if an < 4 and not failed:
         failed = -5
-    x = np.int64(0)
-    if an >= 4:
-        x = (
-            np.int64(rans[0])
-            | (np.int64(rans[1]) << 8)
-            | (np.int64(rans[2]) << 16)
-            | (np.int64(rans[3]) << 24)
-        )
+    x = _rans_state(rans) if an >= 4 else np.int64(0)
     ap = 4
     mask = PROB_SCALE - 1
     ebits = np.int64(extra.size) * 8
