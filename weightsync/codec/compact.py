@@ -618,8 +618,7 @@ def _whole_tensors(
     """The tensors whose chunks are all standalone and coded by gaps (decoded in runs of
     chunks, one compiled call a run: :func:`~.compact_chunks.plan_gap_chunks`), with their read
     headers; every other chunk (decoded one by one); and those chunks' headers read here, by
-    ``id`` of
-    their ref (chained deltas' are read when decoded)."""
+    ``id`` of their ref (chained deltas' are read when decoded)."""
     if version < 3 or chained:
         return {}, refs, {}
     by_tensor: dict[str, list[ChunkRef]] = {}
@@ -649,10 +648,10 @@ def _assemble(
     checked in order and inside it): the chunks in element order, refused if their ranges
     overlap, copied into place on the pool (a serial concatenation cost ~7 ns a change);
     into ``out`` (arrays sized by the footer) when given."""
-    sizes = [idx.size for _, idx, _ in chunks]
-    if out is not None and out[0].size != sum(sizes):
+    total = sum(idx.size for _, idx, _ in chunks)
+    if out is not None and out[0].size != total:
         raise CorruptDeltaError(
-            f"{patch.name}: decoded {sum(sizes)} changes, the footer says {out[0].size}"
+            f"{patch.name}: decoded {total} changes, the footer says {out[0].size}"
         )
     if len(chunks) == 1 and out is None:  # the common case: nothing to join
         ref, idx, val = chunks[0]
@@ -666,8 +665,8 @@ def _assemble(
     if out is not None:
         index, value = out
     else:
-        index = np.empty(sum(sizes), np.int64)
-        value = np.empty(sum(sizes), chunks[0][2].dtype)
+        index = np.empty(total, np.int64)
+        value = np.empty(total, chunks[0][2].dtype)
     ends = np.cumsum(sizes).tolist()
 
     def place(i: int) -> None:

@@ -915,6 +915,22 @@ def _varint(buf, p):  # pragma: no cover - jit
             return v, p
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _header_error(status, detail, alphabet):  # pragma: no cover - jit
+    """:func:`read_gap_header`'s answer when it reads no header: ``status`` and ``detail``,
+    empty arrays for the rest."""
+    empty = np.zeros(0, np.int64)
+    return (
+        status,
+        detail,
+        0,
+        empty,
+        empty,
+        np.zeros(0, np.bool_),
+        np.zeros((0, alphabet), np.int64),
+    )
+
+
 @njit(nogil=True, cache=True)
 def read_gap_header(buf, n_exp, alphabet, max_rice):  # pragma: no cover - jit
     """A chunk header coded by gaps (``2 C + 1``, the Rice parameter, C x (context gap,
@@ -924,19 +940,17 @@ def read_gap_header(buf, n_exp, alphabet, max_rice):  # pragma: no cover - jit
     early or holds a malformed number; -2 if it is malformed; -3 if a table lists ``detail``
     symbols; -4 if a table entry is out of range; -5 if a table does not sum to
     ``PROB_SCALE``; -6 if ``detail`` bytes follow it."""
-    empty = np.zeros(0, np.int64)
-    no_tables = np.zeros((0, alphabet), np.int64)
     first, p = _varint(buf, 0)
     if p < 0:
-        return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        return _header_error(-1, 0, alphabet)
     if not first & 1:
-        return 1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        return _header_error(1, 0, alphabet)
     n_present = first >> 1
     rice, p = _varint(buf, p)
     if p < 0:
-        return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        return _header_error(-1, 0, alphabet)
     if rice > max_rice or n_present > n_exp:
-        return -2, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+        return _header_error(-2, 0, alphabet)
     ids = np.empty(n_present, np.int64)
     changes = np.empty(n_present, np.int64)
     own = np.zeros(n_present, np.bool_)
@@ -945,15 +959,15 @@ def read_gap_header(buf, n_exp, alphabet, max_rice):  # pragma: no cover - jit
     for i in range(n_present):
         gap, p = _varint(buf, p)
         if p < 0:
-            return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-1, 0, alphabet)
         v, p = _varint(buf, p)
         if p < 0:
-            return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-1, 0, alphabet)
         if gap >= n_exp or v < 2 or v >> 1 > MAX_CHANGES:  # checked before any sum can wrap
-            return -2, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-2, 0, alphabet)
         c += gap + 1
         if c >= n_exp:
-            return -2, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-2, 0, alphabet)
         ids[i] = c
         changes[i] = v >> 1
         own[i] = (v & 1) == 1
@@ -962,27 +976,27 @@ def read_gap_header(buf, n_exp, alphabet, max_rice):  # pragma: no cover - jit
     for t in range(n_own):
         nnz, p = _varint(buf, p)
         if p < 0:
-            return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-1, 0, alphabet)
         if not 0 < nnz <= alphabet:
-            return -3, nnz, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-3, nnz, alphabet)
         s = np.int64(-1)
         total = np.int64(0)
         for _ in range(nnz):
             gap, p = _varint(buf, p)
             if p < 0:
-                return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+                return _header_error(-1, 0, alphabet)
             f, p = _varint(buf, p)
             if p < 0:
-                return -1, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+                return _header_error(-1, 0, alphabet)
             if gap >= alphabet:
-                return -4, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+                return _header_error(-4, 0, alphabet)
             s += gap + 1
             if s >= alphabet or not 0 < f <= PROB_SCALE:
-                return -4, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+                return _header_error(-4, 0, alphabet)
             tables[t, s] = f
             total += f
         if total != PROB_SCALE:
-            return -5, 0, 0, empty, empty, empty.astype(np.bool_), no_tables
+            return _header_error(-5, 0, alphabet)
     if p != buf.size:
-        return -6, buf.size - p, 0, empty, empty, empty.astype(np.bool_), no_tables
+        return _header_error(-6, buf.size - p, alphabet)
     return 0, 0, rice, ids, changes, own, tables
