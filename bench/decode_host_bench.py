@@ -45,18 +45,28 @@ PART_MODES = ("one after another", "at once")
 
 
 def decode_parts(
-    parts: list[bytes], bases: list[tuple[dict, dict]], threads: int, at_once: bool
+    parts: list[bytes],
+    bases: list[tuple[dict, dict]],
+    threads: int,
+    at_once: bool,
+    pinned: bool = False,
 ) -> None:
     """Decode every part: one after another, each on a pool of ``threads``, or all at once
     (a thread each) on one shared pool of ``threads``, as ``WeightSync`` does."""
     if not at_once:
         for data, (base, digests) in zip(parts, bases, strict=True):
-            decode_compact(data, base, base_digests=digests, threads=threads)
+            decode_compact(data, base, base_digests=digests, threads=threads, pinned=pinned)
         return
     with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(len(parts)) as starters:
         jobs = [
             starters.submit(
-                decode_compact, data, base, base_digests=digests, threads=threads, pool=pool
+                decode_compact,
+                data,
+                base,
+                base_digests=digests,
+                threads=threads,
+                pool=pool,
+                pinned=pinned,
             )
             for data, (base, digests) in zip(parts, bases, strict=True)
         ]
@@ -102,7 +112,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--elements", type=float, default=1e8)
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="interleaved")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--no-busy", dest="busy", action="store_false", help="skip the busy thread")
+    ap.add_argument(
+        "--pinned",
+        action="store_true",
+        help="decode into pinned change buffers, as a rollout worker on a GPU does",
+    )
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--switch-interval-ms", type=float, default=0.2)
     ap.add_argument("--parts", type=int, default=1, help="objects the tensors are split into")
@@ -114,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     delta = compute_delta(old, new, 0, 1)
     digests = state_digests(old)
     setup_s = time.perf_counter() - t0
+    most = max(args.threads)
     blobs, encode_s = {}, {}
+    run: dict[str, Any] = {}
     if args.parts > 1:
         modes = PART_MODES
         names = sorted(old)
@@ -124,55 +143,66 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             encode_compact(
                 compute_delta({n: old[n] for n in g}, {n: new[n] for n in g}, 0, 1),
                 {n: old[n] for n in g},
-                threads=args.threads,
+                threads=most,
                 positions="gaps",
             )
             for g in groups
         ]
         encode_s = dict.fromkeys(modes, time.perf_counter() - t0)
         bases = [({n: old[n] for n in g}, {n: digests[n] for n in g}) for g in groups]
-        run = {
-            mode: functools.partial(decode_parts, parts, bases, args.threads, mode == "at once")
-            for mode in modes
-        }
+        for mode in modes:
+            for n in args.threads:
+                run[f"{mode}/{n}"] = functools.partial(
+                    decode_parts, parts, bases, n, mode == "at once", args.pinned
+                )
         blobs = dict.fromkeys(modes, b"".join(parts))
     else:
-        modes = MODES
+        modes = tuple(m for m in MODES if m in args.modes)
         for mode in modes:
             t0 = time.perf_counter()
-            blobs[mode] = encode_compact(delta, old, threads=args.threads, positions=mode)
+            blobs[mode] = encode_compact(delta, old, threads=most, positions=mode)
             encode_s[mode] = time.perf_counter() - t0
-        run = {
-            mode: functools.partial(
-                decode_compact, blobs[mode], old, base_digests=digests, threads=args.threads
-            )
-            for mode in modes
-        }
+            for n in args.threads:
+                run[f"{mode}/{n}"] = functools.partial(
+                    decode_compact,
+                    blobs[mode],
+                    old,
+                    base_digests=digests,
+                    threads=n,
+                    pinned=args.pinned,
+                )
     numel = sum(t.numel() for t in old.values())
-    times: dict[str, list[float]] = {f"{m}{b}": [] for b in ("", "+busy") for m in modes}
+    busy_ways = (False, True) if args.busy else (False,)
+    times: dict[str, list[float]] = {f"{k}{b}": [] for b in ("", "+busy") for k in run}
     for _ in range(args.rounds):
-        for busy in (False, True):
-            for mode in modes:
+        for busy in busy_ways:
+            for key, decode in run.items():
                 with Busy() if busy else _nothing():
                     t0 = time.perf_counter()
-                    run[mode]()
-                    times[mode + ("+busy" if busy else "")].append(time.perf_counter() - t0)
+                    decode()
+                    times[key + ("+busy" if busy else "")].append(time.perf_counter() - t0)
     rows = {}
     for key, ts in times.items():
+        if not ts:
+            continue
         kept = ts[1:] or ts
         med = statistics.median(kept)
-        mode = key.split("+")[0]
+        mode, threads = key.split("+")[0].split("/")
         rows[key] = {
+            "threads": int(threads),
             "decode_s": {"median": med, "min": min(kept), "max": max(kept), "all": ts},
             "ns_per_element": med / numel * 1e9,
             "ns_per_change": med / max(delta.changed, 1) * 1e9,
+            "thread_ns_per_change": int(threads) * med / max(delta.changed, 1) * 1e9,
             "bytes": len(blobs[mode]),
             "bits_per_changed": 8 * len(blobs[mode]) / max(delta.changed, 1),
             "encode_s": encode_s[mode],
         }
         print(
-            f"{key:16s} decode {med:.3f} s [{min(kept):.3f}-{max(kept):.3f}], "
-            f"{rows[key]['ns_per_change']:.1f} ns/change, {rows[key]['bits_per_changed']:.2f} bits",
+            f"{key:24s} decode {med:.3f} s [{min(kept):.3f}-{max(kept):.3f}], "
+            f"{rows[key]['ns_per_change']:.1f} ns/change "
+            f"({rows[key]['thread_ns_per_change']:.0f} thread-ns), "
+            f"{rows[key]['bits_per_changed']:.2f} bits",
             flush=True,
         )
     result = {

@@ -62,6 +62,7 @@ import datetime as dt
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -181,6 +182,22 @@ def _move(bits: torch.Tensor, rate: torch.Tensor, gen: torch.Generator) -> int:
     return moved
 
 
+def host_memory_gb() -> dict[str, float]:
+    """The host's memory as /proc/meminfo has it after a step's publish (GB): what is free,
+    the page cache, and what the bucket's files have not yet written back (a local-directory
+    bucket on the publishing machine)."""
+    keys = {"MemAvailable", "Cached", "Dirty", "Writeback"}
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in keys:
+                out[name] = round(int(rest.split()[0]) / 1e6, 2)
+    except OSError:
+        pass
+    return out
+
+
 def positions_of(args: argparse.Namespace, step: int) -> str:
     """``publish.positions`` of ``step``: ``--positions``, or with ``alternate`` gaps for odd
     steps and contexts for even ones (both ways measured interleaved in one run)."""
@@ -237,6 +254,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
     def publish(step: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        faults[0] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         if ctx.is_main:
             pub.publish(rows, step, step=step, anchor=step == 0)
@@ -247,6 +265,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
         return time.perf_counter() - t0
 
     lines = []
+    faults = [0]
     anchor_s = publish(0)
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
@@ -257,6 +276,7 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
         pub.settings = settings.model_copy(update={"positions": positions_of(args, step)})
         publish_s = publish(step)
         mine = {**reports[-1], "moved": moved, "update_s": update_s}
+        mine["minor_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults[0]
         mine["peak_gpu_bytes"] = (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         )
@@ -272,6 +292,12 @@ def rank_main(rank: int, root: str, args: argparse.Namespace) -> None:
                     "positions": resolve_positions(positions_of(args, step), numel),
                     "publish_s": publish_s,
                     "detect_s": [r["cast_s"] + r["diff_s"] for r in every],
+                    # detect = cast + loop (queueing the scans, the snapshot's overwrite) +
+                    # wait (the scans landing, the digests of the new rows, the delta)
+                    "loop_s": [r.get("loop_s") for r in every],
+                    "wait_s": [r.get("wait_s") for r in every],
+                    "minor_faults": [r["minor_faults"] for r in every],
+                    "host_memory_gb": host_memory_gb(),
                     "encode_s": [r["encode_s"] for r in every],
                     "upload_s": [r["upload_s"] for r in every],
                     "bytes": size,

@@ -94,7 +94,8 @@ def test_unchanged_and_mismatched_inputs() -> None:
         changes_and_scans(old["a"], new["a"], 0)
 
 
-def test_the_encoder_refuses_scans_that_do_not_fit() -> None:
+@pytest.mark.parametrize("positions", ["contexts", "gaps"])
+def test_the_encoder_refuses_scans_that_do_not_fit(positions: str) -> None:
     old, new = _state()
     delta = compute_delta({"a": old["a"]}, {"a": new["a"]}, 3, 4)
     _, _, found = changes_and_scans(old["a"], new["a"], CHUNK)
@@ -120,11 +121,16 @@ def test_the_encoder_refuses_scans_that_do_not_fit() -> None:
             delta.patches["a"].value[: first.ctx.size],
         ),
     }
+    says = {
+        "hist": "scan histogram does not fit",
+        "lists": "scan lists",
+        "contexts": "scan contexts outside",
+        "unchanged": "scan does not fit the delta",
+    }
     for what, scan in bad.items():
         broken = {**scans, ("a", 0): scan}
-        with pytest.raises(ValueError, match="scan"):
-            encode_compact(delta, None, chunk_elems=CHUNK, scans=broken)
-        print(what, "refused")
+        with pytest.raises(ValueError, match=says[what]):
+            encode_compact(delta, None, chunk_elems=CHUNK, scans=broken, positions=positions)
 
 
 def test_the_staging_hands_out_aligned_slices_until_full_and_counts_what_was_wanted() -> None:

@@ -52,6 +52,7 @@ from deltarl.weightsync.codec.compact_chunks import (
     ChunkScan,
     Prediction,
     analyse_chunk,
+    analyse_scan_by_gaps,
     choose_own_tables,
     code_chunk,
     decode_chunk,
@@ -76,6 +77,7 @@ from deltarl.weightsync.codec.context import (
 from deltarl.weightsync.codec.entropy import (
     ALPHABET,
     VarintReader,
+    cumulative,
     read_table,
     table_bytes,
     varints,
@@ -189,16 +191,26 @@ def encode_compact(
         p = delta.patches[name]
         lo, hi = np.searchsorted(p.index, [start, start + count])
         fmt = float_format(p.dtype)
-        index, value = p.index[lo:hi] - start, p.value[lo:hi]
+        value = p.value[lo:hi]
         if scans is not None:
             scan = scans[(name, start)]
             if scan.count != count:
                 raise ValueError(
                     f"scan of {name}[{start}:] covers {scan.count} elements, not {count}"
                 )
+            if positions == "gaps":  # one compiled call, chunk-local indices made there
+                return analyse_scan_by_gaps(name, start, p.index[lo:hi], value, fmt, scan)
             return analyse_chunk(
-                name, start, None, index, value, fmt, scan=scan, positions=positions
+                name,
+                start,
+                None,
+                p.index[lo:hi] - start,
+                value,
+                fmt,
+                scan=scan,
+                positions=positions,
             )
+        index = p.index[lo:hi] - start
         old = olds[name][start : start + count]
         prev = _prediction(context, name, start, count, rho16)
         return analyse_chunk(name, start, old, index, value, fmt, prev, positions=positions)
@@ -210,7 +222,9 @@ def encode_compact(
             choose_own_tables(a, table_of_key, shared)
         if any(a.own is not None and a.own.any() for a in analyses):
             table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
-        coded = list(pool.map(lambda a: code_chunk(a, table_of_key, shared), analyses))
+        freq32 = shared.astype(np.int32)
+        shared32 = (freq32, cumulative(freq32))
+        coded = list(pool.map(lambda a: code_chunk(a, table_of_key, shared, shared32), analyses))
 
     # the shared tables, then which value context uses which: (key gap, table) pairs
     used = np.flatnonzero(table_of_key >= 0)
@@ -233,7 +247,7 @@ def encode_compact(
         # [start, count, header bytes, rice, rans, extra bytes]
         chunk_meta.setdefault(a.tensor, []).append([a.start, a.count, len(head), *lengths])
         index += head
-        out += body
+        out += memoryview(body)
     body_digest = xxhash.xxh3_64_intdigest(memoryview(out)[len(MAGIC) :])
     packed_index = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(bytes(index))
     index_meta = [len(out), len(packed_index), len(index), xxhash.xxh3_64_intdigest(packed_index)]

@@ -263,7 +263,7 @@ def _analyse_by_gaps(
             hist=np.zeros(0, np.int64),
             rice_k=np.array([rice], np.int64),
             gaps=gaps,
-            kparams=np.full(gaps.size, rice, np.uint8),
+            kparams=_empty(),  # every gap takes rice_k[0]
             chained=prediction is not None,
             by_gaps=True,
         ),
@@ -277,10 +277,78 @@ def _analyse_by_gaps(
     )
 
 
+def analyse_scan_by_gaps(
+    tensor: str,
+    start: int,
+    index: np.ndarray,
+    value: np.ndarray,
+    fmt: FloatFormat,
+    scan: ChunkScan,
+) -> ChunkAnalysis:
+    """:func:`analyse_chunk` of a standalone chunk coded by gaps from its ``scan``, in one
+    compiled call (:func:`~.kernels.analyse_gap_scan`): the same analysis and the same checks.
+    ``index``: the changes' indices in the tensor (not the chunk), increasing."""
+    _, emask = context_layout(fmt)
+    k = index.size
+    if scan.hist.shape != (emask + 1,) or int(scan.hist.sum()) != scan.count:
+        raise ValueError(f"scan histogram does not fit a chunk of {scan.count} {fmt.name} elements")
+    if scan.ctx.shape != (k,) or scan.rank.shape != (k,) or scan.old.shape != (k,):
+        raise ValueError(f"scan lists {scan.ctx.size} changed elements, the delta {k}")
+    k0 = _rice_guess(scan.count, k)
+    k_lo = max(0, k0 - 2)
+    status, gaps, rice, kc_all, symbols, extra, widths, rows, counts = kernels.analyse_gap_scan(
+        index,
+        start,
+        scan.count,
+        value,
+        scan.ctx,
+        scan.old,
+        emask,
+        fmt.width,
+        TOP_BITS,
+        SMALL,
+        ALPHABET,
+        k_lo,
+        min(MAX_RICE, k0 + 3) - k_lo,
+    )
+    if status == -1:
+        raise ValueError(
+            "scan does not fit the delta: an index past the chunk or an unchanged value"
+        )
+    if status == -2:
+        raise ValueError(f"scan contexts outside [0, {emask}]")
+    present = np.flatnonzero(kc_all)
+    return ChunkAnalysis(
+        tensor=tensor,
+        start=start,
+        count=scan.count,
+        ctx_ids=present,
+        kc=kc_all[present],
+        hist=np.zeros(0, np.int64),
+        rice_k=np.array([rice], np.int64),
+        gaps=gaps,
+        kparams=_empty(),  # every gap takes rice_k[0]
+        by_gaps=True,
+        key=present,
+        counts=counts,
+        symbols=symbols,
+        sym_ctx=rows,
+        extra=extra,
+        widths=widths,
+    )
+
+
+def _rice_guess(count: int, changes: int) -> int:
+    """:func:`~.entropy.rice_parameter` of one context, in Python integers."""
+    coded = max(changes, 1)
+    v = ((count - coded) * 64241) // (coded * 65536)
+    return max(v.bit_length() - 1, 0) if v > 0 else 0
+
+
 def _best_rice(gaps: np.ndarray, count: int) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits, searched around the one a
     geometric distribution of their mean would have."""
-    k0 = int(rice_parameter(np.array([count]), np.array([max(gaps.size, 1)]))[0])
+    k0 = _rice_guess(count, gaps.size)
     k_lo = max(0, k0 - 2)
     costs = np.empty(min(MAX_RICE, k0 + 3) - k_lo, np.int64)
     kernels.rice_costs(gaps, k_lo, costs)
@@ -464,9 +532,14 @@ def choose_own_tables(a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.nda
 
 
 def code_chunk(
-    a: ChunkAnalysis, table_of_key: np.ndarray, shared: np.ndarray
-) -> tuple[bytes, bytes, list[int]]:
+    a: ChunkAnalysis,
+    table_of_key: np.ndarray,
+    shared: np.ndarray,
+    shared32: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[bytes, bytes | np.ndarray, list[int]]:
     """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
+    ``shared32``: ``shared`` as int32 and its cumulative frequencies, made once per delta (else
+    per chunk).
 
     The header starts with ``2 C + by_gaps`` (``C`` contexts listed). By context rank, it lists
     the position contexts with changes as varints ``(context gap, 2 k + own, 2 rice +
@@ -518,14 +591,24 @@ def code_chunk(
             prev = key
     head = varints(header) + b"".join(table_bytes(f) for f in own_freq)
 
+    if own_pos.size or shared32 is None:
+        freq = np.concatenate([shared, own_freq]).astype(np.int32)
+        cum = cumulative(freq)
+    else:
+        freq, cum = shared32
+    ctx_table = table_of_key[a.key]
+    ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
+    if a.by_gaps:  # one compiled call: one GIL hand-off
+        body, *lengths = kernels.code_gap_body(
+            a.gaps, int(a.rice_k[0]), a.symbols, a.sym_ctx, ctx_table, freq, cum, a.extra, a.widths
+        )
+        return head, body, [int(n) for n in lengths]
+
     rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
     kernels.rice_encode(a.gaps, a.kparams, rice)
 
-    freq = np.concatenate([shared, own_freq]).astype(np.int32)
-    ctx_table = table_of_key[a.key]
-    ctx_table[own_pos] = shared.shape[0] + np.arange(own_pos.size)
     rans = np.empty(16 + 4 * a.symbols.size, np.uint8)
-    pos = kernels.rans_encode(a.symbols, a.sym_ctx, ctx_table, freq, cumulative(freq), rans)
+    pos = kernels.rans_encode(a.symbols, a.sym_ctx, ctx_table, freq, cum, rans)
     extra = np.zeros((int(a.widths.sum()) + 7) // 8, np.uint8)
     kernels.raw_bits_encode(a.extra, a.widths, extra)
     parts = [rice.tobytes(), rans[pos:].tobytes(), extra.tobytes()]

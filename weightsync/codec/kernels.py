@@ -162,6 +162,129 @@ def value_symbols(
 
 
 @njit(nogil=True, cache=True)
+def analyse_gap_scan(
+    index, start, count, value, ctx, old, emask, width, top_bits, small, alphabet, k_lo, n_k
+):  # pragma: no cover - jit
+    """Phase A of one standalone chunk coded by gaps, from its precomputed scan, in one call
+    (one GIL hand-off per chunk: on a host of many cores the hand-offs between a dozen numpy
+    and kernel calls per chunk, not the work, set the encoder's pace). ``index``: the changed
+    elements' indices in the tensor (increasing), ``start`` / ``count`` the chunk's first element
+    and size, ``value`` their new bit patterns, ``ctx`` / ``old`` the scan's context (old
+    exponent) and old bit pattern of each.
+
+    Returns ``(status, gaps, rice, kc, symbols, extra, widths, rows, counts)``: status 0, -1 if
+    an index lies outside the chunk or a value equals its old one (the scan does not fit the
+    delta), -2 if a context lies outside ``[0, emask]`` (the first of the two when both hold);
+    ``gaps`` (uint32) as :func:`index_gaps` of the chunk-local indices; ``rice`` the Rice
+    parameter in ``[k_lo, k_lo + n_k)`` that codes them in the fewest bits (the first such);
+    ``kc`` the changes per context; then the values as :func:`value_symbols` makes them, rows
+    numbered by the contexts present in ascending order."""
+    k = index.size
+    status = 0
+    for j in range(k):
+        i = np.int64(index[j]) - start
+        if i < 0 or i >= count or value[j] == old[j]:
+            status = -1
+            break
+    if status == 0:
+        for j in range(k):
+            c = np.int64(ctx[j])
+            if c < 0 or c > emask:
+                status = -2
+                break
+    empty = np.zeros(0, np.uint32)
+    if status < 0:
+        return (
+            status,
+            empty,
+            np.int64(0),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.uint16),
+            empty,
+            np.zeros(0, np.uint8),
+            np.zeros(0, np.int32),
+            np.zeros((0, 1), np.int64),
+        )
+    kc = np.zeros(emask + 1, np.int64)
+    gaps = np.empty(k, np.uint32)
+    prev = np.int64(-1)
+    sums = np.zeros(n_k, np.int64)
+    for j in range(k):
+        i = np.int64(index[j]) - start
+        g = i - prev - 1
+        gaps[j] = g
+        prev = i
+        kc[np.int64(ctx[j])] += 1
+        g >>= k_lo
+        for t in range(n_k):
+            sums[t] += g >> t
+    rice = k_lo
+    best = np.int64(-1)
+    for t in range(n_k):
+        cost = sums[t] + k * (1 + k_lo + t)
+        if best < 0 or cost < best:
+            best, rice = cost, k_lo + t
+    row_of_ctx = np.full(emask + 1, -1, np.int32)
+    rows_present = 0
+    for c in range(emask + 1):
+        if kc[c]:
+            row_of_ctx[c] = rows_present
+            rows_present += 1
+    symbols = np.empty(k, np.uint16)
+    extra = np.empty(k, np.uint32)
+    widths = np.empty(k, np.uint8)
+    rows = np.empty(k, np.int32)
+    counts = np.zeros((rows_present, alphabet), np.int64)
+    span = np.int64(1) << width
+    for j in range(k):
+        v = (np.int64(value[j]) - np.int64(old[j])) & (span - 1)
+        if v >= span >> 1:
+            v -= span
+        sym, extra[j], widths[j] = _symbol(v, top_bits, small)
+        symbols[j] = sym
+        row = row_of_ctx[np.int64(ctx[j])]
+        rows[j] = row
+        counts[row, sym] += 1
+    return status, gaps, rice, kc, symbols, extra, widths, rows, counts
+
+
+@njit(nogil=True, cache=True)
+def code_gap_body(
+    gaps, rice, symbols, rows, table_of_row, freq, cum, extra, widths
+):  # pragma: no cover - jit
+    """The body of a chunk coded by gaps in one call: the gaps Rice-coded with parameter
+    ``rice`` (as :func:`rice_encode`), the symbols rANS-coded (:func:`rans_encode`), the extra
+    bits (:func:`raw_bits_encode`), back to back in one array. Returns ``(body, rice bytes,
+    rans bytes, extra bytes)``."""
+    k = gaps.size
+    rice_bits_n = np.int64(0)
+    extra_bits_n = np.int64(0)
+    for j in range(k):
+        rice_bits_n += (np.int64(gaps[j]) >> rice) + 1 + rice
+        extra_bits_n += np.int64(widths[j])
+    rl = (rice_bits_n + 7) // 8
+    el = (extra_bits_n + 7) // 8
+    rans = np.empty(16 + 4 * k, np.uint8)
+    at = rans_encode(symbols, rows, table_of_row, freq, cum, rans)
+    al = rans.size - at
+    body = np.zeros(rl + al + el, np.uint8)
+    pos = np.int64(0)
+    for j in range(k):
+        v = np.int64(gaps[j])
+        pos += v >> rice
+        _put_bits(body, pos, (np.int64(1) << rice) | v, rice + 1)
+        pos += rice + 1
+    body[rl : rl + al] = rans[at:]
+    tail = body[rl + al :]
+    pos = np.int64(0)
+    for j in range(k):
+        w = np.int64(widths[j])
+        _put_bits(tail, pos, extra[j], w)
+        pos += w
+    return body, rl, al, el
+
+
+@njit(nogil=True, cache=True)
 def count_values(values, n):  # pragma: no cover - jit
     """``np.bincount(values, minlength=n)`` for values in ``[0, n)``, without holding the GIL."""
     out = np.zeros(n, np.int64)
@@ -931,7 +1054,7 @@ def _header_error(status, detail, alphabet):  # pragma: no cover - jit
     )
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # holds the GIL: a few dozen bytes, less than a hand-off costs
 def read_gap_header(buf, n_exp, alphabet, max_rice):  # pragma: no cover - jit
     """A chunk header coded by gaps (``2 C + 1``, the Rice parameter, C x (context gap,
     2 changes + own), then each own table: its symbols, then (symbol gap, frequency) pairs),
