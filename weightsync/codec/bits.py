@@ -91,10 +91,17 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def bits_numpy(t: torch.Tensor) -> np.ndarray:
-    """Flat numpy integer view of a contiguous CPU float tensor (no copy)."""
+    """Flat numpy integer view of a contiguous CPU float tensor (no copy).
+
+    One torch call (a dispatched op hands the GIL over, and next to a busy Python thread,
+    such as a rollout engine's, taking it back waits up to a switch interval): the flat view is
+    numpy's."""
     if t.device.type != "cpu":
         raise ValueError(f"expected a CPU tensor, got one on {t.device}")
-    return bits_view(t).numpy()
+    fmt = float_format(t.dtype)
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous to be viewed as bits")
+    return t.view(_BITS_TORCH[fmt.width]).numpy().reshape(-1)
 
 
 def from_bits(bits: np.ndarray, dtype: torch.dtype | str, shape: tuple[int, ...]) -> torch.Tensor:

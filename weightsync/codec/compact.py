@@ -539,7 +539,7 @@ def decode_compact(
         tt = base[name]
         if tt.device.type != "cpu":
             tt = tt.cpu()
-        olds[name] = bits_numpy(tt.contiguous())
+        olds[name] = bits_numpy(tt if tt.is_contiguous() else tt.contiguous())
 
     whole, single, headers = _whole_tensors(refs, patches, version, chained=rho16 is not None)
     outs = _change_arrays(footer, patches) if pinned else {}
