@@ -35,6 +35,7 @@ from report_services import (
 from report_weights import (
     codec,
     codec_gpu,
+    decode_host,
     device_scan,
     digest,
     encode_rank,
@@ -89,6 +90,13 @@ SECTIONS = [
         "Compact encoder on one rank's delta",
         "Seconds to encode one FSDP rank's delta on the host, by thread count.",
         encode_rank,
+    ),
+    Section(
+        "decode_host",
+        "Compact decoder on a GPU host's cores",
+        "Seconds to decode a large delta coded as gaps on the host, by thread count, alone and "
+        "next to a thread running Python (a rollout engine's).",
+        decode_host,
     ),
     Section(
         "rollout_sync",

@@ -250,6 +250,46 @@ def encode_rank(results: list[Result]) -> Lines:
     )
 
 
+def decode_host(results: list[Result]) -> Lines:
+    rows = []
+    for r in results:
+        st = r.data["meta"].get("settings", {})
+        out = "pinned" if st.get("pinned") == "True" else "fresh"
+        for key, x in r.data["results"].items():
+            mode, _, busy = key.partition("+")
+            rows.append(
+                [
+                    label(r),
+                    f"{r.data['changed']:,} of {r.data['numel'] / 1e9:.1f} B",
+                    mode.replace("/", ", ") + " threads",
+                    "next to a busy Python thread" if busy else "alone",
+                    out,
+                    num(x["decode_s"]["median"]),
+                    num(x["ns_per_change"], 1),
+                    num(x.get("thread_ns_per_change"), 0),
+                ]
+            )
+    return table(
+        [
+            "host",
+            "changes",
+            "positions, threads",
+            "beside",
+            "outputs",
+            "decode s (median)",
+            "ns per change",
+            "thread-ns per change",
+        ],
+        rows,
+        after=(
+            "The compact decoder on the host, positions as gaps: one delta of `--elements` bf16 "
+            "elements, 1% moved by one ULP, decoded against its base; outputs pinned as a GPU "
+            "worker's (`decode_compact(pinned=True)`) or freshly allocated. Thread-ns: the "
+            "median times the threads, per change (flat when the threads scale)."
+        ),
+    )
+
+
 def rollout_sync(results: list[Result]) -> Lines:
     rows = []
     for r in results:

@@ -13,7 +13,12 @@ from deltarl.weightsync import compute_delta
 from deltarl.weightsync.codec import kernels
 from deltarl.weightsync.codec.bits import bits_numpy, float_format
 from deltarl.weightsync.codec.compact import encode_compact
-from deltarl.weightsync.codec.compact_chunks import ChunkScan, context_layout
+from deltarl.weightsync.codec.compact_chunks import (
+    ChunkScan,
+    analyse_chunk,
+    analyse_scan_by_gaps,
+    context_layout,
+)
 from deltarl.weightsync.codec.device_scan import (
     PinnedStaging,
     changes_and_scans,
@@ -66,6 +71,32 @@ def test_an_encoder_fed_the_scans_writes_the_same_bytes(positions: str) -> None:
 
 def _chunks(pending) -> list[tuple[int, int]]:
     return [(start, scan.count) for start, scan in sorted(pending.result()[2].items())]
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c"])  # bf16, fp16 (a dense region), fp32
+def test_the_one_call_gap_analysis_equals_the_general_one(name: str) -> None:
+    """The encoder's single compiled call for a standalone chunk coded by gaps finds what the
+    general analysis finds from the same scan: positions, Rice parameter, contexts, symbols."""
+    old, new = _state()
+    index, value, scans = changes_and_scans(old[name], new[name], CHUNK)
+    fmt = float_format(old[name].dtype)
+    for start, scan in scans.items():
+        lo, hi = np.searchsorted(index, [start, start + scan.count])
+        want = analyse_chunk(
+            name,
+            start,
+            None,
+            index[lo:hi] - start,
+            value[lo:hi],
+            fmt,
+            scan=scan,
+            positions="gaps",
+        )
+        got = analyse_scan_by_gaps(name, start, index[lo:hi], value[lo:hi], fmt, scan)
+        for field in ("ctx_ids", "kc", "rice_k", "gaps", "key", "counts", "symbols", "sym_ctx"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field
+        assert np.array_equal(got.extra, want.extra) and np.array_equal(got.widths, want.widths)
+        assert (got.start, got.count, got.by_gaps) == (want.start, want.count, True)
 
 
 def test_a_pending_scan_resolves_once_to_its_chunks() -> None:
