@@ -19,6 +19,7 @@ from deltarl.trainer.learn.distributed import (
 )
 from deltarl.trainer.publish.sharded import ShardedPublisher, local_rows
 from deltarl.trainer.publish.weights import PublishFailedError
+from deltarl.trainer.settings import PublishSettings
 from deltarl.weightsync.reader import BucketReader
 
 
@@ -34,13 +35,14 @@ class FailOnce(LocalBucket):
         super().put_bytes(key, data, overwrite=overwrite)
 
 
-def rank_main(rank: int, root: str, on_device: bool) -> None:
+def rank_main(rank: int, root: str, on_device: bool, positions: str = "auto") -> None:
     ctx, device = join(rank, root)
     model = sharded_bigram(ctx, device)
     bucket_dir = Path(root) / "bucket"
     pub = ShardedPublisher(
         FailOnce(bucket_dir) if rank == 1 else LocalBucket(bucket_dir),
-        None,
+        # gaps: the device scan makes no ranks (no sorts), the encoder codes positions as gaps
+        PublishSettings(positions=positions),
         ctx,
         scan_on_device=on_device,  # True: the snapshot is overwritten before the upload fails
     )
@@ -80,11 +82,15 @@ def rank_main(rank: int, root: str, on_device: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("on_device", [False, True], ids=["host-scan", "device-scan"])
+@pytest.mark.parametrize(
+    ("on_device", "positions"),
+    [(False, "auto"), (True, "auto"), (True, "gaps")],
+    ids=["host-scan", "device-scan", "device-scan-gaps"],
+)
 def test_a_failed_rank_upload_leaves_the_bucket_intact_and_forces_an_anchor(
-    tmp_path: Path, on_device: bool
+    tmp_path: Path, on_device: bool, positions: str
 ) -> None:
-    spawn_ranks(rank_main, tmp_path, 2, on_device)
+    spawn_ranks(rank_main, tmp_path, 2, on_device, positions)
     events = json.loads((tmp_path / "events.json").read_text())
     assert events == ["latest 1", "v2 anchor", "v3 delta"]
     reader = BucketReader(LocalBucket(tmp_path / "bucket"))

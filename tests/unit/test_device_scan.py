@@ -54,19 +54,40 @@ def test_the_scan_equals_the_numba_scan(name: str) -> None:
         assert np.array_equal(scan.old, bits[start : start + count][local])
 
 
-@pytest.mark.parametrize("positions", ["contexts", "gaps"])
-def test_an_encoder_fed_the_scans_writes_the_same_bytes(positions: str) -> None:
+@pytest.mark.parametrize(
+    ("positions", "ranks"), [("contexts", True), ("gaps", True), ("gaps", False)]
+)
+def test_an_encoder_fed_the_scans_writes_the_same_bytes(positions: str, ranks: bool) -> None:
     old, new = _state()
     delta = compute_delta(old, new, 3, 4)
     scans = {}
     for k in old:
-        _, _, found = changes_and_scans(old[k], new[k], CHUNK)
+        _, _, found = changes_and_scans(old[k], new[k], CHUNK, ranks=ranks)
         scans.update(((k, s), sc) for s, sc in found.items())
     want = encode_compact(delta, old, chunk_elems=CHUNK, threads=2, positions=positions)
     got = encode_compact(
         delta, None, chunk_elems=CHUNK, threads=2, scans=scans, positions=positions
     )
     assert got == want
+
+
+def test_a_scan_without_ranks_carries_the_same_changes_and_refuses_context_ranks() -> None:
+    """Scans made for positions coded as gaps skip the sorts: no histograms or ranks, the same
+    changes, contexts and old values; an encoder coding positions by context rank refuses
+    them."""
+    old, new = _state()
+    index, value, ranked = changes_and_scans(old["a"], new["a"], CHUNK)
+    index2, value2, rankless = changes_and_scans(old["a"], new["a"], CHUNK, ranks=False)
+    assert np.array_equal(index, index2) and np.array_equal(value, value2)
+    assert sorted(ranked) == sorted(rankless)
+    for start, scan in rankless.items():
+        assert scan.hist is None and scan.rank is None and scan.count == ranked[start].count
+        assert np.array_equal(scan.ctx, ranked[start].ctx)
+        assert np.array_equal(scan.old, ranked[start].old)
+    delta = compute_delta({"a": old["a"]}, {"a": new["a"]}, 3, 4)
+    scans = {("a", s): sc for s, sc in rankless.items()}
+    with pytest.raises(ValueError, match="no context ranks"):
+        encode_compact(delta, None, chunk_elems=CHUNK, scans=scans, positions="contexts")
 
 
 def _chunks(pending) -> list[tuple[int, int]]:

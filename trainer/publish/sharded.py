@@ -513,6 +513,9 @@ class ShardedPublisher(VersionBook):
                     raise StateMismatchError(f"{k}: {list(o.shape)} became {list(n.shape)}")
         on_device = self._scan_on(state)
         fmt = self.settings.format
+        # every rank holds about its share of the state: the whole is ~ world size times it
+        numel = sum(t.numel() for t in state.values())
+        positions = resolve_positions(self.settings.positions, numel * self.ctx.world_size)
         # the new rows reach the host (pinned buffer, side stream; CPU rows: themselves) and
         # are hashed in the pool as each copy lands, while this thread works on the next tensor
         self._mirror.start(state, self.dtype_of)
@@ -551,7 +554,9 @@ class ShardedPublisher(VersionBook):
                 peak = max(peak, n.numel() * n.element_size() * fresh)
                 if with_delta:
                     assert base is not None
-                    pending[k] = start_changes_and_scans(base[k], n, staging=self._staging)
+                    pending[k] = start_changes_and_scans(
+                        base[k], n, staging=self._staging, ranks=positions != "gaps"
+                    )
                 if reuse:
                     new[k].copy_(n)
                 else:
@@ -588,8 +593,6 @@ class ShardedPublisher(VersionBook):
         t2 = time.perf_counter()
         blob = anchor_blob = None
         if delta is not None:
-            # every rank holds about its share of the state: the whole is ~ world size times it
-            positions = resolve_positions(self.settings.positions, rec.numel * self.ctx.world_size)
             if on_device:  # the base is overwritten: the compact encoder reads the scans
                 blob = encode_delta(
                     delta, None, fmt, threads=self._threads, scans=scans, positions=positions

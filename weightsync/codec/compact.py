@@ -218,8 +218,9 @@ def encode_compact(
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))
         table_of_key, shared = shared_tables(analyses, use_own=False, chained=chained)
-        for a in analyses:
-            choose_own_tables(a, table_of_key, shared)
+        # each chunk's choice on the pool (a few numpy passes over its counts; serial here
+        # they bounded the encoder's scaling on many cores)
+        list(pool.map(lambda a: choose_own_tables(a, table_of_key, shared), analyses))
         if any(a.own is not None and a.own.any() for a in analyses):
             table_of_key, shared = shared_tables(analyses, use_own=True, chained=chained)
         freq32 = shared.astype(np.int32)
@@ -247,7 +248,7 @@ def encode_compact(
         # [start, count, header bytes, rice, rans, extra bytes]
         chunk_meta.setdefault(a.tensor, []).append([a.start, a.count, len(head), *lengths])
         index += head
-        out += memoryview(body)
+        out += body
     body_digest = xxhash.xxh3_64_intdigest(memoryview(out)[len(MAGIC) :])
     packed_index = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(bytes(index))
     index_meta = [len(out), len(packed_index), len(index), xxhash.xxh3_64_intdigest(packed_index)]

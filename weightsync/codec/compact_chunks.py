@@ -137,9 +137,13 @@ class ChunkScan:
     host). With it :func:`analyse_chunk` reads no base element but the changed ones."""
 
     count: int  # elements in the chunk
-    hist: np.ndarray  # int64 [contexts]: the chunk's elements per position context
+    # int64 [contexts]: the chunk's elements per position context (None: a scan for positions
+    # coded as gaps, which need neither this nor the ranks)
+    hist: np.ndarray | None
     ctx: np.ndarray  # integer [k] (int16 from the device): each change's context, index order
-    rank: np.ndarray  # integer [k] (int32): its rank among the chunk's earlier elements of it
+    rank: (
+        np.ndarray | None
+    )  # integer [k] (int32): its rank among the chunk's earlier elements of it
     old: np.ndarray  # [k]: the changed elements' bit patterns at the base
 
 
@@ -164,6 +168,7 @@ def analyse_chunk(
         raise ValueError(f"positions must be one of {POSITIONS}, not {positions!r}")
     if scan is not None:
         hist, ctx, rank, ref, count = _checked_scan(scan, index, value, fmt, prediction)
+        assert hist is not None and rank is not None  # need_ranks: checked there
         nctx = hist.size
     else:
         if old is None:
@@ -233,7 +238,7 @@ def _analyse_by_gaps(
     with their change counts, which the decoder checks against its base."""
     shift, emask = context_layout(fmt)
     if scan is not None:
-        _, ctx, _, ref, count = _checked_scan(scan, index, value, fmt, prediction)
+        _, ctx, _, ref, count = _checked_scan(scan, index, value, fmt, prediction, need_ranks=False)
         ctx = ctx.astype(np.int64)
         forbidden, vctx = None, ctx
     else:
@@ -290,10 +295,7 @@ def analyse_scan_by_gaps(
     ``index``: the changes' indices in the tensor (not the chunk), increasing."""
     _, emask = context_layout(fmt)
     k = index.size
-    if scan.hist.shape != (emask + 1,) or int(scan.hist.sum()) != scan.count:
-        raise ValueError(f"scan histogram does not fit a chunk of {scan.count} {fmt.name} elements")
-    if scan.ctx.shape != (k,) or scan.rank.shape != (k,) or scan.old.shape != (k,):
-        raise ValueError(f"scan lists {scan.ctx.size} changed elements, the delta {k}")
+    _check_scan_lists(scan, fmt, k, need_ranks=False)
     k0 = _rice_guess(scan.count, k)
     k_lo = max(0, k0 - 2)
     status, gaps, rice, kc_all, symbols, extra, widths, rows, counts = kernels.analyse_gap_scan(
@@ -410,25 +412,41 @@ def _with_values(
     return a
 
 
+def _check_scan_lists(scan: ChunkScan, fmt: FloatFormat, k: int, *, need_ranks: bool) -> None:
+    """The scan's histogram (where it has one: positions by context rank need it) fits a chunk
+    of its size, and it lists ``k`` changes."""
+    _, emask = context_layout(fmt)
+    if scan.hist is None or scan.rank is None:
+        if need_ranks or (scan.hist is None) != (scan.rank is None):
+            raise ValueError(
+                "scan has no context ranks (made for positions coded as gaps): positions by "
+                "context rank need them"
+            )
+    elif scan.hist.shape != (emask + 1,) or int(scan.hist.sum()) != scan.count:
+        raise ValueError(f"scan histogram does not fit a chunk of {scan.count} {fmt.name} elements")
+    ranks_fit = scan.rank is None or scan.rank.shape == (k,)
+    if scan.ctx.shape != (k,) or not ranks_fit or scan.old.shape != (k,):
+        raise ValueError(f"scan lists {scan.ctx.size} changed elements, the delta {k}")
+
+
 def _checked_scan(
     scan: ChunkScan,
     index: np.ndarray,
     value: np.ndarray,
     fmt: FloatFormat,
     prediction: Prediction | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    need_ranks: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None, np.ndarray, int]:
     """``(hist, ctx, rank, old values, count)`` of a precomputed scan, after checking that it
-    fits the chunk (a wrong scan would code wrong positions without any error)."""
+    fits the chunk (a wrong scan would code wrong positions without any error); ``hist`` and
+    ``rank`` may be None unless ``need_ranks``."""
     if prediction is not None:
         raise ValueError(
             "a precomputed scan is for standalone deltas (a chained one needs the base)"
         )
     _, emask = context_layout(fmt)
     k = index.size
-    if scan.hist.shape != (emask + 1,) or int(scan.hist.sum()) != scan.count:
-        raise ValueError(f"scan histogram does not fit a chunk of {scan.count} {fmt.name} elements")
-    if scan.ctx.shape != (k,) or scan.rank.shape != (k,) or scan.old.shape != (k,):
-        raise ValueError(f"scan lists {scan.ctx.size} changed elements, the delta {k}")
+    _check_scan_lists(scan, fmt, k, need_ranks=need_ranks)
     if k and (int(index[-1]) >= scan.count or bool((value == scan.old).any())):
         raise ValueError(
             "scan does not fit the delta: an index past the chunk or an unchanged value"
@@ -436,10 +454,11 @@ def _checked_scan(
     # the kernels take the scan's narrow dtypes as they are (int16 contexts, int32 ranks) and
     # index with the contexts unchecked: they must lie in [0, emask]
     ctx = np.ascontiguousarray(scan.ctx)
-    rank = np.ascontiguousarray(scan.rank)
+    rank = None if scan.rank is None else np.ascontiguousarray(scan.rank)
     if k and (int(ctx.min()) < 0 or int(ctx.max()) > emask):
         raise ValueError(f"scan contexts outside [0, {emask}]")
-    return np.ascontiguousarray(scan.hist, np.int64), ctx, rank, scan.old, scan.count
+    hist = None if scan.hist is None else np.ascontiguousarray(scan.hist, np.int64)
+    return hist, ctx, rank, scan.old, scan.count
 
 
 MAX_RICE = 40  # a Rice parameter above this names gaps no chunk holds (a malformed header)
@@ -536,7 +555,7 @@ def code_chunk(
     table_of_key: np.ndarray,
     shared: np.ndarray,
     shared32: tuple[np.ndarray, np.ndarray] | None = None,
-) -> tuple[bytes, bytes | np.ndarray, list[int]]:
+) -> tuple[bytes, bytes | memoryview, list[int]]:
     """Code one chunk: returns (header bytes, body bytes, [rice, rans, extra] body lengths).
     ``shared32``: ``shared`` as int32 and its cumulative frequencies, made once per delta (else
     per chunk).
@@ -602,7 +621,7 @@ def code_chunk(
         body, *lengths = kernels.code_gap_body(
             a.gaps, int(a.rice_k[0]), a.symbols, a.sym_ctx, ctx_table, freq, cum, a.extra, a.widths
         )
-        return head, body, [int(n) for n in lengths]
+        return head, body.data, [int(n) for n in lengths]
 
     rice = np.zeros((int(kernels.rice_bits(a.gaps, a.kparams)) + 7) // 8, np.uint8)
     kernels.rice_encode(a.gaps, a.kparams, rice)

@@ -12,7 +12,10 @@ ranks and old values, and a 256-entry histogram per chunk, cross to the host
 
 :func:`start_changes_and_scans` queues the work of one tensor and returns at once after one
 synchronization (the number of changes per chunk); the results land in pinned host memory while
-the caller queues the next tensor, and :meth:`PendingScan.result` waits for them.
+the caller queues the next tensor, and :meth:`PendingScan.result` waits for them. A delta whose
+positions are coded as gaps needs no ranks (``ranks=False``): then only the changed elements'
+contexts and old values are made, no chunk is sorted, and the scans carry no histogram or
+ranks (at Qwen3-30B-A3B's size the sorts were most of a rank's publish).
 :func:`changes_and_scans` is both in one call. Pinned memory is slow to allocate (the pages are
 locked, about a second per few GB), so a caller that scans every version reserves it once in a
 :class:`PinnedStaging` and the results land there; without one (or past its end) they land in
@@ -103,7 +106,11 @@ class PinnedStaging:
 
 
 def changes_and_scans(
-    old: torch.Tensor, new: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    old: torch.Tensor,
+    new: torch.Tensor,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    *,
+    ranks: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, dict[int, ChunkScan]]:
     """``(index, value, scans)``: the flat indices (int64) and new bit patterns of the elements
     whose bits differ (as :func:`~deltarl.weightsync.delta.changed_elements`), and the
@@ -111,8 +118,9 @@ def changes_and_scans(
 
     ``old`` and ``new``: same dtype, shape and device. Transient device memory: about 16 bytes
     per element of one chunk (the contexts, the sort's keys and permutation, a mark per element).
+    ``ranks=False``: scans without histograms or ranks, for positions coded as gaps.
     """
-    return start_changes_and_scans(old, new, chunk_elems).result()
+    return start_changes_and_scans(old, new, chunk_elems, ranks=ranks).result()
 
 
 class PendingScan:
@@ -135,13 +143,14 @@ class PendingScan:
             if self._ready is not None:
                 self._ready.synchronize()
             p = {k: t.numpy() for k, t in self._parts.items()}
-            hist = p["hist"].reshape(-1, self._nctx) if self._used else p["hist"]
+            ranked = "rank" in p
+            hist = p["hist"].reshape(-1, self._nctx) if ranked and self._used else None
             scans = {
                 start: ChunkScan(
                     count=count,
-                    hist=hist[j],
+                    hist=None if hist is None else hist[j],
                     ctx=p["ctx"][lo:hi],
-                    rank=p["rank"][lo:hi],
+                    rank=p["rank"][lo:hi] if ranked else None,
                     old=p["old"][lo:hi],
                 )
                 for j, (start, count, lo, hi) in enumerate(self._used)
@@ -156,12 +165,15 @@ def start_changes_and_scans(
     new: torch.Tensor,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     staging: PinnedStaging | None = None,
+    *,
+    ranks: bool = True,
 ) -> PendingScan:
     """Queue :func:`changes_and_scans` for one tensor on the current stream and return.
 
     One synchronization (the changes per chunk, a few bytes); on a GPU, the results are copied
     into pinned host memory behind the work (``staging``'s where it has room), so the caller
-    may queue the next tensor (or overwrite ``old`` in place on the same stream) at once."""
+    may queue the next tensor (or overwrite ``old`` in place on the same stream) at once.
+    ``ranks=False``: no chunk histograms or ranks (positions coded as gaps need neither)."""
     if old.dtype != new.dtype or old.shape != new.shape or old.device != new.device:
         raise ValueError(
             f"old and new differ: {old.dtype}{list(old.shape)} on {old.device} vs "
@@ -188,17 +200,19 @@ def start_changes_and_scans(
     tidx = _nonzero(mask, k)
     del mask
     used: list[tuple[int, int, int, int]] = []  # (start, count, lo, hi)
-    hists, ranks = [], []
+    hists: list[torch.Tensor] = []
+    rank_parts: list[torch.Tensor] = []
     lo = 0
     for i, changes in enumerate(counts):
         if not changes:
             continue
         start = i * chunk_elems
         count = min(chunk_elems, n - start)
-        keys = ((ob[start : start + count] >> shift) & emask).to(torch.uint8)  # one radix pass
-        hist, rank = _scan(keys, tidx[lo : lo + changes] - start, nctx)
-        hists.append(hist)
-        ranks.append(rank)
+        if ranks:
+            keys = ((ob[start : start + count] >> shift) & emask).to(torch.uint8)  # a radix pass
+            hist, rank = _scan(keys, tidx[lo : lo + changes] - start, nctx)
+            hists.append(hist)
+            rank_parts.append(rank)
         used.append((start, count, lo, lo + changes))
         lo += changes
     old_at = ob[tidx]
@@ -207,9 +221,16 @@ def start_changes_and_scans(
         "value": nb[tidx],
         "old": old_at,
         "ctx": ((old_at >> shift) & emask).to(torch.int16),  # each change's old exponent
-        "hist": torch.cat(hists) if hists else torch.zeros(0, dtype=torch.int64, device=ob.device),
-        "rank": torch.cat(ranks) if ranks else torch.zeros(0, dtype=torch.int32, device=ob.device),
     }
+    if ranks:
+        device_parts["hist"] = (
+            torch.cat(hists) if hists else torch.zeros(0, dtype=torch.int64, device=ob.device)
+        )
+        device_parts["rank"] = (
+            torch.cat(rank_parts)
+            if rank_parts
+            else torch.zeros(0, dtype=torch.int32, device=ob.device)
+        )
     if ob.device.type != "cuda":
         return PendingScan(device_parts, used, nctx, None)
     # non-blocking copies to the host land in pinned memory: the staging buffer's, else torch's

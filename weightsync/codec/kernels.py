@@ -218,17 +218,17 @@ def analyse_gap_scan(
         g >>= k_lo
         for t in range(n_k):
             sums[t] += g >> t
-    rice = k_lo
-    best = np.int64(-1)
-    for t in range(n_k):
+    rice = k_lo  # n_k >= 1 (the caller's range)
+    best = sums[0] + k * (1 + k_lo)
+    for t in range(1, n_k):
         cost = sums[t] + k * (1 + k_lo + t)
-        if best < 0 or cost < best:
+        if cost < best:
             best, rice = cost, k_lo + t
     row_of_ctx = np.full(emask + 1, -1, np.int32)
     rows_present = 0
-    for c in range(emask + 1):
-        if kc[c]:
-            row_of_ctx[c] = rows_present
+    for e in range(emask + 1):
+        if kc[e]:
+            row_of_ctx[e] = rows_present
             rows_present += 1
     symbols = np.empty(k, np.uint16)
     extra = np.empty(k, np.uint32)
