@@ -259,19 +259,7 @@ def _analyse_by_gaps(
     kernels.index_gaps(index, gaps)
     rice = _best_rice(gaps, count)
     return _with_values(
-        ChunkAnalysis(
-            tensor=tensor,
-            start=start,
-            count=count,
-            ctx_ids=present,
-            kc=kc_all[present],
-            hist=np.zeros(0, np.int64),
-            rice_k=np.array([rice], np.int64),
-            gaps=gaps,
-            kparams=_empty(),  # every gap takes rice_k[0]
-            chained=prediction is not None,
-            by_gaps=True,
-        ),
+        _by_gaps(tensor, start, count, kc_all, rice, gaps, chained=prediction is not None),
         value,
         ref,
         forbidden,
@@ -319,24 +307,37 @@ def analyse_scan_by_gaps(
         )
     if status == -2:
         raise ValueError(f"scan contexts outside [0, {emask}]")
+    a = _by_gaps(tensor, start, scan.count, kc_all, int(rice), gaps, chained=False)
+    a.key, a.counts, a.symbols, a.sym_ctx = a.ctx_ids, counts, symbols, rows
+    a.extra, a.widths = extra, widths
+    return a
+
+
+def _by_gaps(
+    tensor: str,
+    start: int,
+    count: int,
+    kc_all: np.ndarray,
+    rice: int,
+    gaps: np.ndarray,
+    *,
+    chained: bool,
+) -> ChunkAnalysis:
+    """The position half of a chunk coded by gaps: the contexts with changes (``kc_all``,
+    changes per context), its one Rice parameter and its gaps."""
     present = np.flatnonzero(kc_all)
     return ChunkAnalysis(
         tensor=tensor,
         start=start,
-        count=scan.count,
+        count=count,
         ctx_ids=present,
         kc=kc_all[present],
         hist=np.zeros(0, np.int64),
         rice_k=np.array([rice], np.int64),
         gaps=gaps,
         kparams=_empty(),  # every gap takes rice_k[0]
+        chained=chained,
         by_gaps=True,
-        key=present,
-        counts=counts,
-        symbols=symbols,
-        sym_ctx=rows,
-        extra=extra,
-        widths=widths,
     )
 
 
