@@ -141,9 +141,9 @@ class ChunkScan:
     # coded as gaps, which need neither this nor the ranks)
     hist: np.ndarray | None
     ctx: np.ndarray  # integer [k] (int16 from the device): each change's context, index order
-    rank: (
-        np.ndarray | None
-    )  # integer [k] (int32): its rank among the chunk's earlier elements of it
+    # integer [k] (int32): its rank among the chunk's earlier elements of its context (None
+    # with ``hist``)
+    rank: np.ndarray | None
     old: np.ndarray  # [k]: the changed elements' bit patterns at the base
 
 

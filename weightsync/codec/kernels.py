@@ -166,8 +166,8 @@ def analyse_gap_scan(
     index, start, count, value, ctx, old, emask, width, top_bits, small, alphabet, k_lo, n_k
 ):  # pragma: no cover - jit
     """Phase A of one standalone chunk coded by gaps, from its precomputed scan, in one call
-    (one GIL hand-off per chunk: on a host of many cores the hand-offs between a dozen numpy
-    and kernel calls per chunk, not the work, set the encoder's pace). ``index``: the changed
+    (one GIL hand-off per chunk where a dozen numpy and kernel calls made a dozen: on a 32-core
+    host those hand-offs kept the encoder from scaling past 8 threads). ``index``: the changed
     elements' indices in the tensor (increasing), ``start`` / ``count`` the chunk's first element
     and size, ``value`` their new bit patterns, ``ctx`` / ``old`` the scan's context (old
     exponent) and old bit pattern of each.
