@@ -8,7 +8,13 @@ The state is ``--tensors`` bf16 tensors of ``--elements`` elements in all, norma
 codings come out about the same size here; on real steps gaps cost ~1.5x the bytes,
 see ``codec_bench.py``). Each delta is encoded once; then the decodes run interleaved, ``--rounds``
 times each, the first round dropped (it compiles the kernels). Reported: median, min and max
-seconds per decode, nanoseconds per element and per change.
+seconds per decode, nanoseconds per element and per change, and thread-nanoseconds per change
+(the median times the threads: flat while the threads scale).
+
+``--threads`` takes several counts, decoded interleaved; ``--modes`` picks the codings (both
+by default), ``--no-busy`` leaves the busy thread out, and ``--pinned`` decodes into pinned
+change buffers as a rollout worker on a GPU does (``decode_compact(pinned=True)``; without
+CUDA they fall back to pageable memory).
 
 With ``--parts N`` the tensors are split among N parts, each its own object (as the ranks of
 an FSDP2 trainer publish a sharded version), and positions are coded as gaps only: the parts
@@ -17,7 +23,8 @@ pool, as a rollout worker decodes them, interleaved in the same way.
 
 Usage::
 
-    python bench/decode_host_bench.py --elements 2e9 --threads 32   # a 32-core GPU host
+    python bench/decode_host_bench.py --elements 4e9 --tensors 128 --modes gaps \
+        --threads 1 4 8 16 32 --rounds 3 --no-busy --pinned       # scaling on a GPU host
     python bench/decode_host_bench.py --elements 1e8 --threads 2    # a laptop
     python bench/decode_host_bench.py --elements 2e8 --tensors 600 --parts 4 --threads 2
 """
