@@ -205,25 +205,14 @@ def analyse_gap_scan(
             np.zeros(0, np.int32),
             np.zeros((0, 1), np.int64),
         )
-    kc = np.zeros(emask + 1, np.int64)
+    kc = count_values(ctx, emask + 1)
     gaps = np.empty(k, np.uint32)
-    prev = np.int64(-1)
-    sums = np.zeros(n_k, np.int64)
-    for j in range(k):
-        i = np.int64(index[j]) - start
-        g = i - prev - 1
-        gaps[j] = g
-        prev = i
-        kc[np.int64(ctx[j])] += 1
-        g >>= k_lo
-        for t in range(n_k):
-            sums[t] += g >> t
-    rice = k_lo  # n_k >= 1 (the caller's range)
-    best = sums[0] + k * (1 + k_lo)
-    for t in range(1, n_k):
-        cost = sums[t] + k * (1 + k_lo + t)
-        if cost < best:
-            best, rice = cost, k_lo + t
+    index_gaps(index, gaps)  # gaps between tensor indices; the first from the chunk's start
+    if k:
+        gaps[0] = np.int64(index[0]) - start
+    costs = np.empty(n_k, np.int64)
+    rice_costs(gaps, k_lo, costs)
+    rice = k_lo + np.argmin(costs)
     row_of_ctx = np.full(emask + 1, -1, np.int32)
     rows_present = 0
     for e in range(emask + 1):
@@ -235,16 +224,9 @@ def analyse_gap_scan(
     widths = np.empty(k, np.uint8)
     rows = np.empty(k, np.int32)
     counts = np.zeros((rows_present, alphabet), np.int64)
-    span = np.int64(1) << width
-    for j in range(k):
-        v = (np.int64(value[j]) - np.int64(old[j])) & (span - 1)
-        if v >= span >> 1:
-            v -= span
-        sym, extra[j], widths[j] = _symbol(v, top_bits, small)
-        symbols[j] = sym
-        row = row_of_ctx[np.int64(ctx[j])]
-        rows[j] = row
-        counts[row, sym] += 1
+    value_symbols(
+        value, old, width, ctx, row_of_ctx, top_bits, small, symbols, extra, widths, rows, counts
+    )
     return status, gaps, rice, kc, symbols, extra, widths, rows, counts
 
 
@@ -256,31 +238,19 @@ def code_gap_body(
     ``rice`` (as :func:`rice_encode`), the symbols rANS-coded (:func:`rans_encode`), the extra
     bits (:func:`raw_bits_encode`), back to back in one array. Returns ``(body, rice bytes,
     rans bytes, extra bytes)``."""
-    k = gaps.size
-    rice_bits_n = np.int64(0)
-    extra_bits_n = np.int64(0)
-    for j in range(k):
-        rice_bits_n += (np.int64(gaps[j]) >> rice) + 1 + rice
-        extra_bits_n += np.int64(widths[j])
-    rl = (rice_bits_n + 7) // 8
-    el = (extra_bits_n + 7) // 8
-    rans = np.empty(16 + 4 * k, np.uint8)
+    kparams = np.full(gaps.size, rice, np.uint8)
+    extra_bits = np.int64(0)
+    for j in range(widths.size):
+        extra_bits += np.int64(widths[j])
+    rl = (rice_bits(gaps, kparams) + 7) // 8
+    el = (extra_bits + 7) // 8
+    rans = np.empty(16 + 4 * symbols.size, np.uint8)
     at = rans_encode(symbols, rows, table_of_row, freq, cum, rans)
     al = rans.size - at
     body = np.zeros(rl + al + el, np.uint8)
-    pos = np.int64(0)
-    for j in range(k):
-        v = np.int64(gaps[j])
-        pos += v >> rice
-        _put_bits(body, pos, (np.int64(1) << rice) | v, rice + 1)
-        pos += rice + 1
+    rice_encode(gaps, kparams, body[:rl])
     body[rl : rl + al] = rans[at:]
-    tail = body[rl + al :]
-    pos = np.int64(0)
-    for j in range(k):
-        w = np.int64(widths[j])
-        _put_bits(tail, pos, extra[j], w)
-        pos += w
+    raw_bits_encode(extra, widths, body[rl + al :])
     return body, rl, al, el
 
 
