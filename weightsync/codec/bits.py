@@ -82,12 +82,17 @@ def float_format(dtype: torch.dtype | str) -> FloatFormat:
         ) from None
 
 
-def bits_view(t: torch.Tensor) -> torch.Tensor:
-    """Flat integer view of a contiguous float tensor, sharing its storage (no copy)."""
+def _bits_dtype(t: torch.Tensor) -> torch.dtype:
+    """The integer dtype of ``t``'s bit patterns (``t`` a contiguous float tensor)."""
     fmt = float_format(t.dtype)
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous to be viewed as bits")
-    return t.view(-1).view(_BITS_TORCH[fmt.width])
+    return _BITS_TORCH[fmt.width]
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat integer view of a contiguous float tensor, sharing its storage (no copy)."""
+    return t.view(-1).view(_bits_dtype(t))
 
 
 def bits_numpy(t: torch.Tensor) -> np.ndarray:
@@ -98,10 +103,7 @@ def bits_numpy(t: torch.Tensor) -> np.ndarray:
     numpy's."""
     if t.device.type != "cpu":
         raise ValueError(f"expected a CPU tensor, got one on {t.device}")
-    fmt = float_format(t.dtype)
-    if not t.is_contiguous():
-        raise ValueError("tensor must be contiguous to be viewed as bits")
-    return t.view(_BITS_TORCH[fmt.width]).numpy().reshape(-1)
+    return t.view(_bits_dtype(t)).numpy().reshape(-1)
 
 
 def from_bits(bits: np.ndarray, dtype: torch.dtype | str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -192,6 +192,7 @@ def encode_compact(
         lo, hi = np.searchsorted(p.index, [start, start + count])
         fmt = float_format(p.dtype)
         value = p.value[lo:hi]
+        scan, old, prev = None, None, None
         if scans is not None:
             scan = scans[(name, start)]
             if scan.count != count:
@@ -200,20 +201,13 @@ def encode_compact(
                 )
             if positions == "gaps":  # one compiled call, chunk-local indices made there
                 return analyse_scan_by_gaps(name, start, p.index[lo:hi], value, fmt, scan)
-            return analyse_chunk(
-                name,
-                start,
-                None,
-                p.index[lo:hi] - start,
-                value,
-                fmt,
-                scan=scan,
-                positions=positions,
-            )
+        else:
+            old = olds[name][start : start + count]
+            prev = _prediction(context, name, start, count, rho16)
         index = p.index[lo:hi] - start
-        old = olds[name][start : start + count]
-        prev = _prediction(context, name, start, count, rho16)
-        return analyse_chunk(name, start, old, index, value, fmt, prev, positions=positions)
+        return analyse_chunk(
+            name, start, old, index, value, fmt, prev, scan=scan, positions=positions
+        )
 
     with ThreadPoolExecutor(threads) as pool:
         analyses = list(pool.map(analyse, jobs))
