@@ -579,7 +579,7 @@ class ShardedPublisher(VersionBook):
                 assert base is not None
                 changes = {k: changed_elements(base[k], new[k]) for k in keys}
             t_loop = time.perf_counter()
-        rec.numel = sum(t.numel() for t in new.values())
+        rec.numel = numel  # new holds the same tensors as state
         rec.shapes = {k: list(t.shape) for k, t in new.items()}
         rec.digests = {k: digest_of[k].result() for k in keys}
         delta = None
